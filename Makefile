@@ -1,0 +1,37 @@
+# make serve   - install into .venv (first time) and serve the built-in tiny-llama on 127.0.0.1:50051
+# make test    - install into .venv (first time) and run the test suite
+# make bench   - the benchmarks under bench/ (tables on stdout, JSON under bench/results/)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: install serve test lint bench proto clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to the CPU build that this project's machines carry; an unpinned torch pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+serve: install
+	$(VENV)/bin/pagedkv serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/e2e_vs_hf.py $(ARGS)
+
+proto: install
+	$(PY) -m pagedkv.proto_gen
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

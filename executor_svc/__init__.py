@@ -1,0 +1,1 @@
+"""The executor: model weights, the KV page pools, and one forward per step plan."""

@@ -1,0 +1,129 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a flat batch and the paged KV pool.
+
+The arithmetic follows transformers' eager implementation op for op (RMSNorm in fp32, rotary
+embedding from the same inverse frequencies, fp32 softmax) so greedy output is token-exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model_config import ModelConfig
+from executor_svc.pages import DevicePagePool
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary:
+    """cos/sin tables computed the way transformers computes them (incl. rope scaling types)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = cfg.hf_config
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dim = cfg.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            self.scaling = 1.0
+        elif rope_type in ("linear", "llama3", "yarn", "longrope"):
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device)
+        else:
+            raise ValueError(f"rope type {rope_type!r} is not supported (dynamic scaling depends on length)")
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.rotary = Rotary(cfg, device)
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w.get("lm_head.weight", self.embed)
+        self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
+        self.scale = cfg.head_dim ** -0.5
+
+    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        return {
+            "in_norm": w[p + "input_layernorm.weight"],
+            "post_norm": w[p + "post_attention_layernorm.weight"],
+            "q": w[p + "self_attn.q_proj.weight"], "q_b": w.get(p + "self_attn.q_proj.bias"),
+            "k": w[p + "self_attn.k_proj.weight"], "k_b": w.get(p + "self_attn.k_proj.bias"),
+            "v": w[p + "self_attn.v_proj.weight"], "v_b": w.get(p + "self_attn.v_proj.bias"),
+            "o": w[p + "self_attn.o_proj.weight"], "o_b": w.get(p + "self_attn.o_proj.bias"),
+            "gate": w[p + "mlp.gate_proj.weight"],
+            "up": w[p + "mlp.up_proj.weight"],
+            "down": w[p + "mlp.down_proj.weight"],
+        }
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
+        """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx."""
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, lw in enumerate(self.layers):
+            h = _rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
+            q = F.linear(h, lw["q"], lw["q_b"]).view(n, cfg.num_heads, cfg.head_dim)
+            k = F.linear(h, lw["k"], lw["k_b"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = F.linear(h, lw["v"], lw["v_b"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = pool.layer(i)
+            attention.write_cache(k_cache, v_cache, k, v, meta)
+            a = attention.forward(q, k_cache, v_cache, meta).reshape(n, cfg.num_heads * cfg.head_dim)
+            x = x + F.linear(a, lw["o"], lw["o_b"])
+            h = _rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
+            x = x + F.linear(F.silu(F.linear(h, lw["gate"])) * F.linear(h, lw["up"]), lw["down"])
+        x = _rms_norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model {path}: no *.safetensors files (only safetensors checkpoints load)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                weights[key] = fh.get_tensor(key)
+    return weights
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    weights = _read_safetensors(cfg.path)
+    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in weights]
+    if missing:
+        raise ValueError(f"model {cfg.path}: missing tensors {missing}")
+    return LlamaModel(cfg, weights, device, dtype)

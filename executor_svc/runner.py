@@ -1,0 +1,179 @@
+"""Executes step plans: mirror per-request state, run one flat forward, sample.
+
+The runner never allocates pages; it checks that a plan agrees with what it holds and refuses
+the whole step otherwise (the scheduler then resends those requests in full).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.attention.metadata import AttentionMetadata, PrefillSegment
+from executor_svc.pages import DevicePagePool
+from executor_svc.sampler import SamplingParams, sample
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]
+    num_computed: int
+    page_ids: list[int]
+    sampling: SamplingParams
+    num_output: int  # draws made so far: the index of the next draw in the seed stream
+
+
+class PlanError(Exception):
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    request_id: str
+    state: RequestState
+    start: int  # first position computed this step
+    count: int
+
+
+class ModelRunner:
+    def __init__(self, model, pool: DevicePagePool, attention, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.attention = attention
+        self.device = device
+        self.block_size = pool.block_size
+        self.requests: dict[str, RequestState] = {}
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    # ---- plan -> state -------------------------------------------------------------------------
+    def _check_pages(self, request_id: str, page_ids) -> None:
+        for p in page_ids:
+            if not 0 <= p < self.pool.num_pages:
+                raise PlanError(f"request {request_id}: page id {p} outside [0, {self.pool.num_pages})",
+                                [request_id])
+
+    def _apply(self, plan: pb.StepPlan) -> list[_Scheduled]:
+        for rid in plan.forget:
+            self.requests.pop(rid, None)
+        staged: list[tuple[str, RequestState, int]] = []
+        for new in plan.new_requests:
+            self._check_pages(new.request_id, new.page_ids)
+            s = new.sampling
+            state = RequestState(
+                token_ids=list(new.token_ids), num_computed=new.num_computed_tokens,
+                page_ids=list(new.page_ids),
+                sampling=SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed, s.logprobs),
+                num_output=new.num_output_tokens,
+            )
+            staged.append((new.request_id, state, new.num_scheduled_tokens))
+        missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests]
+        if missing:
+            raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
+        for c in plan.continuing:
+            self._check_pages(c.request_id, c.new_page_ids)
+        # The plan is consistent: commit.
+        for rid, state, _ in staged:
+            self.requests[rid] = state
+        for c in plan.continuing:
+            self.requests[c.request_id].page_ids.extend(c.new_page_ids)
+        scheduled = [(rid, n) for rid, _, n in staged] + [(c.request_id, c.num_scheduled_tokens)
+                                                           for c in plan.continuing]
+        out = []
+        for rid, n in scheduled:
+            st = self.requests[rid]
+            end = st.num_computed + n
+            if n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > len(st.page_ids):
+                self.requests.pop(rid, None)
+                raise PlanError(
+                    f"request {rid}: {n} tokens from position {st.num_computed} do not fit "
+                    f"{len(st.token_ids)} known tokens / {len(st.page_ids)} pages", [rid])
+            out.append(_Scheduled(rid, st, st.num_computed, n))
+        return out
+
+    # ---- state -> tensors ----------------------------------------------------------------------
+    def _build_batch(self, scheduled: list[_Scheduled]):
+        bs = self.block_size
+        ids, positions, slot_pages, slot_offsets = [], [], [], []
+        decode_idx, decode_tables, decode_lens, prefills, logits_rows = [], [], [], [], []
+        for item in scheduled:
+            st, start, n = item.state, item.start, item.count
+            q_start = len(ids)
+            ids.extend(st.token_ids[start:start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slot_pages.extend(st.page_ids[p // bs] for p in pos)
+            slot_offsets.extend(p % bs for p in pos)
+            ctx = start + n
+            if n == 1:
+                decode_idx.append(q_start)
+                decode_tables.append(st.page_ids[: -(-ctx // bs)])
+                decode_lens.append(ctx)
+            else:
+                pages = torch.tensor(st.page_ids[: -(-ctx // bs)], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSegment(q_start, n, ctx, pages))
+            if ctx == len(st.token_ids):
+                logits_rows.append(len(ids) - 1)
+        width = max((len(t) for t in decode_tables), default=0)
+        tables = [t + [0] * (width - len(t)) for t in decode_tables]
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_pages=tensor(slot_pages), slot_offsets=tensor(slot_offsets),
+            decode_token_idx=tensor(decode_idx),
+            decode_page_tables=tensor(tables).view(len(tables), width),
+            decode_ctx_lens=tensor(decode_lens), prefills=prefills,
+            sliding_window=self.model.cfg.sliding_window,
+        )
+        return tensor(ids), tensor(positions), meta, tensor(logits_rows)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        t0 = time.perf_counter()
+        result = pb.StepResult(step_id=plan.step_id)
+        try:
+            scheduled = self._apply(plan)
+        except PlanError as err:
+            result.error = str(err)
+            result.desynced_request_ids.extend(err.request_ids)
+            return result
+        t1 = time.perf_counter()
+        if plan.page_ops.copy:
+            self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
+        t2 = time.perf_counter()
+        if scheduled:
+            ids, positions, meta, rows = self._build_batch(scheduled)
+            logits = self.model.forward(ids, positions, meta, self.pool, self.attention, rows)
+            t3 = time.perf_counter()
+            self._sample(scheduled, logits, result)
+        else:
+            t3 = time.perf_counter()
+        t4 = time.perf_counter()
+        result.timings.page_ops_ms = (t2 - t1) * 1e3
+        result.timings.forward_ms = (t3 - t2) * 1e3
+        result.timings.sample_ms = (t4 - t3) * 1e3
+        result.timings.total_ms = (t4 - t0) * 1e3
+        return result
+
+    def _sample(self, scheduled: list[_Scheduled], logits: torch.Tensor, result: pb.StepResult) -> None:
+        finishing = []
+        for item in scheduled:
+            item.state.num_computed = item.start + item.count
+            if item.state.num_computed == len(item.state.token_ids):
+                finishing.append(item)
+        if not finishing:
+            return
+        tokens, logprobs = sample(logits, [f.state.sampling for f in finishing],
+                                  [f.state.num_output for f in finishing])
+        for item, token, lp in zip(finishing, tokens, logprobs):
+            item.state.token_ids.append(token)
+            item.state.num_output += 1
+            result.sampled.add(request_id=item.request_id, token_id=token, logprob=lp)

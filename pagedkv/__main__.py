@@ -1,0 +1,3 @@
+from pagedkv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""The ``pagedkv`` command: serve | scheduler | executor | generate."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+BLOCK_SIZES = (8, 16, 32)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _run_async(coro) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+# ---- serve -------------------------------------------------------------------------------------
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama) or a local HF directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="public API port of the scheduler")
+    p.add_argument("--executor-port", type=int, default=0, help="executor port (0: a free one)")
+    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-pages", type=int, help="number of device KV pages")
+    size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="executor torch CPU threads (0: torch's default)")
+    p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
+    p.add_argument("--log-format", choices=["json", "console"], default="json")
+
+
+def _wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its log above)")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"{name} at {address} not serving after {timeout:.0f}s")
+
+
+def serve(args) -> int:
+    exec_port = args.executor_port or free_port(args.host)
+    common = [sys.executable, "-m", "pagedkv"]
+    exec_cmd = [*common, "executor", "--model", args.model, "--host", args.host, "--port", str(exec_port),
+                "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
+                "--threads", str(args.threads), "--log-format", args.log_format]
+    if args.num_pages is not None:
+        exec_cmd += ["--num-pages", str(args.num_pages)]
+    if args.kv_cache_gb is not None:
+        exec_cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    sched_cmd = [*common, "scheduler", "--executor", f"{args.host}:{exec_port}", "--host", args.host,
+                 "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--max-model-len", str(args.max_model_len), "--log-format", args.log_format]
+    if args.check_integrity:
+        sched_cmd.append("--check-integrity")
+    children: list[subprocess.Popen] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        children.append(subprocess.Popen(exec_cmd))
+        _wait_serving(f"{args.host}:{exec_port}", children[0], "executor", 600)
+        children.append(subprocess.Popen(sched_cmd))
+        _wait_serving(f"{args.host}:{args.port}", children[1], "scheduler", 300)
+        print(f"pagedkv ready: model {args.model} at {args.host}:{args.port} "
+              f"(executor {args.host}:{exec_port}); Ctrl-C stops", flush=True)
+        while not stopping:
+            for c in children:
+                if c.poll() is not None:
+                    print(f"error: child {' '.join(c.args[2:4])} exited with code {c.returncode}",
+                          file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for c in reversed(children):
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in reversed(children):
+            try:
+                c.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+
+
+# ---- generate ----------------------------------------------------------------------------------
+async def _generate(args) -> int:
+    import grpc
+
+    from pagedkv.client import Client
+
+    async with Client(args.address) as client:
+        try:
+            async for msg in client.generate(
+                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+            ):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    u = msg.usage
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                    print(f"[finish={_finish_name(msg.finish_reason)} "
+                          f"prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens}]",
+                          file=sys.stderr)
+        except grpc.aio.AioRpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def health(args) -> int:
+    """Exit 0 when the server at --address answers SERVING (for container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"{args.address}: {err.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(f"{args.address}: {status}")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _finish_name(value: int) -> str:
+    from pagedkv.client import FINISH_NAMES
+
+    return FINISH_NAMES.get(value) or str(value)
+
+
+# ---- main --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from executor_svc import server as executor_server
+    from scheduler_svc import server as scheduler_server
+
+    parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine")
+    _add_serve_args(p)
+    p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
+    scheduler_server.add_args(p)
+    p = sub.add_parser("executor", help="run the executor service alone (model + page pools)")
+    executor_server.add_args(p)
+    p = sub.add_parser("generate", help="stream one completion from a running server to stdout")
+    p.add_argument("prompt")
+    p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
+    p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--timeout", type=float, default=3.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    if args.command == "health":
+        return health(args)
+    if args.command == "executor":
+        from executor_svc.server import serve as run
+    else:
+        from scheduler_svc.server import serve as run
+    try:
+        _run_async(run(args))
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as err:  # noqa: BLE001 - start-up failures of other kinds
+        from scheduler_svc.executor_client import ExecutorUnavailable
+
+        if isinstance(err, ExecutorUnavailable):
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
+        raise
+    return 0

@@ -1,0 +1,115 @@
+"""Async Python client of the public API."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.grpc_common import CHANNEL_OPTIONS
+
+FINISH_NAMES = {
+    api.FINISH_REASON_UNSPECIFIED: None,
+    api.FINISH_REASON_STOP: "stop",
+    api.FINISH_REASON_LENGTH: "length",
+    api.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Client:
+    """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``"""
+
+    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.address = address
+        self.metadata = tuple(metadata)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = api_grpc.GenerationStub(self.channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Waits until the server's health check says SERVING."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{self.address} not serving after {timeout:.0f}s")
+            await asyncio.sleep(0.1)
+
+    @staticmethod
+    def build_request(prompt: str | Sequence[int], *, max_tokens: int = 0, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
+                      include_stop_str_in_output: bool = False, request_id: str = "") -> api.GenerateRequest:
+        sampling = api.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                      logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output)
+        if seed is not None:
+            sampling.seed = seed
+        req = api.GenerateRequest(sampling=sampling, request_id=request_id)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        return req
+
+    async def generate(self, prompt: str | Sequence[int], **params) -> AsyncIterator[api.GenerateResponse]:
+        """Streams GenerateResponse messages; raises grpc.aio.AioRpcError on errors."""
+        call = self.stub.Generate(self.build_request(prompt, **params), metadata=self.metadata)
+        async for msg in call:
+            yield msg
+
+    async def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+        """Runs one request to the end and gathers its stream."""
+        out = Completion()
+        async for msg in self.generate(prompt, **params):
+            out.request_id = msg.request_id
+            out.text += msg.text
+            out.token_ids.extend(msg.token_ids)
+            out.logprobs.extend(msg.logprobs)
+            if msg.finish_reason:
+                out.finish_reason = FINISH_NAMES[msg.finish_reason]
+                out.stop_reason = msg.stop_reason
+                out.prompt_tokens = msg.usage.prompt_tokens
+                out.completion_tokens = msg.usage.completion_tokens
+                out.cached_tokens = msg.usage.cached_tokens
+        return out
+
+    async def model_info(self) -> api.ModelInfoResponse:
+        return await self.stub.ModelInfo(api.ModelInfoRequest(), metadata=self.metadata)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        r = await self.stub.Tokenize(api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                     metadata=self.metadata)
+        return list(r.token_ids)

@@ -1,0 +1,163 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_path: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    kv_dtype: str
+    block_size: int
+    num_device_pages: int
+    num_host_pages: int
+    page_bytes: int
+    attention_backend: str
+    device: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    executor_id: str
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "page_ids", "sampling", "num_output_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    num_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+
+class ContinuingRequest(_message.Message):
+    __slots__ = ("request_id", "num_scheduled_tokens", "new_page_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_scheduled_tokens: int
+    new_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PageCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class PageOps(_message.Message):
+    __slots__ = ("swap_out", "swap_in", "copy")
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    swap_out: _containers.RepeatedCompositeFieldContainer[PageCopy]
+    swap_in: _containers.RepeatedCompositeFieldContainer[PageCopy]
+    copy: _containers.RepeatedCompositeFieldContainer[PageCopy]
+    def __init__(self, swap_out: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "continuing", "forget", "page_ops")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUING_FIELD_NUMBER: _ClassVar[int]
+    FORGET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OPS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    continuing: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
+    forget: _containers.RepeatedScalarFieldContainer[str]
+    page_ops: PageOps
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., forget: _Optional[_Iterable[str]] = ..., page_ops: _Optional[_Union[PageOps, _Mapping]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("request_id", "token_id", "logprob")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    logprob: float
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms")
+    PAGE_OPS_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    page_ops_ms: float
+    forward_ms: float
+    sample_ms: float
+    total_ms: float
+    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled", "timings", "error", "desynced_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DESYNCED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    timings: StepTimings
+    error: str
+    desynced_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,39 @@
+"""What every pagedkv gRPC server has: health checking, reflection, generous message sizes."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=CHANNEL_OPTIONS)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"--port {port}: cannot bind {host}:{port} (in use?)")
+    return bound

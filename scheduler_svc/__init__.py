@@ -1,0 +1,1 @@
+"""The scheduler: public API, tokenization, batching and every KV-memory decision."""

@@ -1,0 +1,101 @@
+"""The public gRPC API (pagedkv.api.v1.Generation)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.engine import Engine
+from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.validation import InvalidRequest, Limits, check_prompt_ids, check_request_id, check_sampling
+
+FINISH_REASONS = {
+    Finish.STOP: api.FINISH_REASON_STOP,
+    Finish.LENGTH: api.FINISH_REASON_LENGTH,
+    Finish.ABORT: api.FINISH_REASON_ABORT,
+}
+
+
+class GenerationService(api_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, tokenizer, limits: Limits, model_info: dict, log) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_info = model_info
+        self.log = log
+
+    def _build_request(self, request: api.GenerateRequest) -> Request:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise InvalidRequest("prompt.text: must not be empty")
+            ids = self.tokenizer(request.text, add_special_tokens=True)["input_ids"]
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
+        check_prompt_ids(ids, self.limits)
+        check_request_id(request.request_id)
+        sampling = check_sampling(request.sampling, len(ids), self.limits)
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.engine.scheduler.requests:
+            raise KeyError(rid)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
+        return Request(request_id=rid, prompt_ids=ids, sampling=sampling,
+                       arrival=self.engine.next_arrival(), detokenizer=detok)
+
+    async def Generate(self, request, context):  # noqa: N802
+        try:
+            req = self._build_request(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except KeyError as err:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {err.args[0]!r} is already in use by a live request")
+        if self.engine.executor.call is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected; retry later")
+        log = self.log.bind(request_id=req.request_id)
+        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
+        self.engine.add_request(req)
+        completion = 0
+        try:
+            while True:
+                out: Output = await req.queue.get()
+                completion += len(out.token_ids)
+                if out.error:
+                    log.warning("request_failed", error=out.error)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                msg = api.GenerateResponse(request_id=req.request_id, text=out.text, token_ids=out.token_ids,
+                                           logprobs=out.logprobs)
+                if out.finish is not None:
+                    msg.finish_reason = FINISH_REASONS[out.finish]
+                    msg.stop_reason = out.stop_reason
+                    msg.usage.CopyFrom(api.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion,
+                                                 cached_tokens=req.num_cached_tokens))
+                    log.info("request_finished", reason=out.finish.value, completion_tokens=completion,
+                             preemptions=req.num_preemptions)
+                    yield msg
+                    return
+                yield msg
+        finally:
+            if req.finish is None:  # the client went away (or we are shutting down): free its pages
+                self.engine.abort(req.request_id)
+                log.info("request_cancelled", completion_tokens=completion)
+
+    async def ModelInfo(self, request, context):  # noqa: N802
+        s = self.engine.scheduler
+        return api.ModelInfoResponse(
+            **self.model_info, num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
+            num_used_pages=s.pool.num_used, num_running=len(s.running), num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+        )
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        ids = await asyncio.to_thread(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens)
+        ids = ids["input_ids"]
+        return api.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))

@@ -1,0 +1,113 @@
+"""The scheduler's loop: plan a step, send it, apply the result, stream outputs to clients."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from scheduler_svc import metrics
+from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.request import Output, Request
+from scheduler_svc.scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: ExecutorClient, log,
+                 check_every_step: bool = False, reconnect_timeout: float = 30.0) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.log = log
+        self.check_every_step = check_every_step
+        self.reconnect_timeout = reconnect_timeout
+        self.wake = asyncio.Event()
+        self.arrivals = 0
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="engine")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.executor.close()
+
+    def next_arrival(self) -> int:
+        self.arrivals += 1
+        return self.arrivals
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+        self.wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.wake.set()
+
+    @staticmethod
+    def _deliver(outputs: list[tuple[Request, Output]]) -> None:
+        for req, out in outputs:
+            req.queue.put_nowait(out)
+            if out.token_ids:
+                metrics.GENERATED_TOKENS.inc(len(out.token_ids))
+            if out.finish is not None:
+                metrics.FINISHED.labels(out.finish.value).inc()
+
+    def _update_gauges(self) -> None:
+        s = self.scheduler
+        metrics.PAGES_USED.set(s.pool.num_used)
+        metrics.PAGES_FREE.set(s.pool.num_free)
+        metrics.RUNNING.set(len(s.running))
+        metrics.WAITING.set(len(s.waiting))
+        slots = s.pool.num_used * s.pool.block_size
+        metrics.KV_SLOT_UTILIZATION.set(sum(r.num_computed for r in s.running) / slots if slots else 0.0)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            t0 = time.perf_counter()
+            preempted_before = self.scheduler.num_preemptions
+            plan, outputs = self.scheduler.schedule()
+            self._deliver(outputs)
+            metrics.PREEMPTIONS.labels("recompute").inc(self.scheduler.num_preemptions - preempted_before)
+            if plan is None:
+                if not self.scheduler.has_work:
+                    self.wake.clear()
+                    self.scheduler.check_integrity()  # idle: every page must be accounted for
+                    self._update_gauges()
+                else:
+                    await asyncio.sleep(0.001)
+                continue
+            t1 = time.perf_counter()
+            try:
+                result = await self.executor.step(plan)
+            except ExecutorUnavailable as err:
+                await self._executor_failed(str(err))
+                continue
+            t2 = time.perf_counter()
+            self._deliver(self.scheduler.process(result))
+            if self.check_every_step:
+                self.scheduler.check_integrity()
+            self.steps += 1
+            self._update_gauges()
+            metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
+            metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
+            metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
+
+    async def _executor_failed(self, error: str) -> None:
+        self.log.error("executor_failed", error=error)
+        self._deliver(self.scheduler.fail_all(error))
+        self.scheduler.to_forget = []  # the executor's state is gone with it
+        self.scheduler.check_integrity()
+        while True:
+            try:
+                await self.executor.connect(self.reconnect_timeout)
+                self.log.info("executor_reconnected", executor_id=self.executor.describe.executor_id)
+                return
+            except ExecutorUnavailable as err:
+                self.log.warning("executor_reconnect_failed", error=str(err))

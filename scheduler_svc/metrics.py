@@ -1,0 +1,15 @@
+"""Prometheus metrics of the scheduler."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PAGES_USED = Gauge("pagedkv_pages_used", "Device KV pages referenced by at least one request")
+PAGES_FREE = Gauge("pagedkv_pages_free", "Device KV pages free")
+KV_SLOT_UTILIZATION = Gauge("pagedkv_kv_slot_utilization", "Token slots holding KV / slots in used pages")
+RUNNING = Gauge("pagedkv_requests_running", "Requests holding pages")
+WAITING = Gauge("pagedkv_requests_waiting", "Requests queued for admission")
+PREEMPTIONS = Counter("pagedkv_preemptions_total", "Requests preempted", ["kind"])
+FINISHED = Counter("pagedkv_requests_finished_total", "Requests finished", ["reason"])
+GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and streamed")
+PROMPT_TOKENS = Counter("pagedkv_prompt_tokens_total", "Prompt tokens admitted")
+STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step", ["part"],
+                         buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))

@@ -1,0 +1,78 @@
+"""A request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(slots=True)
+class Output:
+    """One message for the client stream."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: Finish | None = None
+    stop_reason: str = ""
+    error: str = ""  # set when the server ends the request abnormally (e.g. the executor failed)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    arrival: int  # admission order; lower is older
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in this request's pages
+    page_table: list[int] = field(default_factory=list)
+    num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    finish: Finish | None = None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    aborted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,235 @@
+"""Continuous batching: which requests run this step, how many tokens each, which pages they get.
+
+Each call of ``schedule`` builds one StepPlan; ``process`` applies the executor's StepResult.
+Requests join and leave at every step; prefills are cut into chunks so a step never computes more
+than ``max_num_batched_tokens`` tokens; pages are allocated as tokens arrive and freed the moment a
+request ends. When pages run out a running request is preempted by recompute (``_pick_victim``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.pages import PagePool
+from scheduler_svc.request import Finish, Output, Request, Status
+
+MAX_PLAN_RETRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    watermark: float = 0.01  # share of pages kept free when admitting new requests
+
+
+@dataclass(slots=True)
+class StepStats:
+    preempted: int = 0
+    admitted: int = 0
+    tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
+        self.pool = pool
+        self.config = config
+        self.eos = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.to_forget: list[str] = []
+        self.inflight: list[tuple[Request, int]] = []
+        self.step_id = 0
+        self.plan_failures = 0
+        self.watermark_pages = int(config.watermark * pool.num_pages)
+        self.num_preemptions = 0
+
+    # ---- intake --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Marks a request; its pages are freed when the next plan is built (within one step)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.to_forget)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def schedule(self) -> tuple[pb.StepPlan | None, list[tuple[Request, Output]]]:
+        """Returns the next plan (None if there is nothing to send) and outputs of reaped aborts."""
+        outputs = self._reap_aborted()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        stats = StepStats()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed, budget)
+            if not self._reserve(req, n, self.running[i:], stats):
+                continue  # req itself was preempted; the list shrank
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+        if not stats.preempted:
+            budget = self._admit(budget, scheduled, stats)
+        if not scheduled and not self.to_forget:
+            return None, outputs
+        self.step_id += 1
+        plan = pb.StepPlan(step_id=self.step_id, forget=self.to_forget)
+        self.to_forget = []
+        for req, n in scheduled:
+            self._add_to_plan(plan, req, n)
+        self.inflight = scheduled
+        return plan, outputs
+
+    def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
+        """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req)."""
+        need = self.pool.pages_for(req.num_computed + n) - len(req.page_table)
+        while not self.pool.can_allocate(need):
+            victim = self._pick_victim(unscheduled)
+            unscheduled.remove(victim)
+            self._preempt(victim)
+            stats.preempted += 1
+            if victim is req:
+                return False
+        if need > 0:
+            req.page_table.extend(self.pool.allocate(need))
+        return True
+
+    @staticmethod
+    def _pick_victim(candidates: list[Request]) -> Request:
+        """The one victim rule: of the running requests not yet scheduled this step, the newest."""
+        return max(candidates, key=lambda r: r.arrival)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(reversed(req.page_table))
+        req.page_table = []
+        req.num_computed = 0
+        req.num_pages_sent = -1
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.to_forget.append(req.request_id)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed, budget)
+            need = self.pool.pages_for(req.num_computed + n)
+            if not self.pool.can_allocate(need + self.watermark_pages) and self.running:
+                break
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.page_table = self.pool.allocate(need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+            stats.admitted += 1
+        return budget
+
+    def _add_to_plan(self, plan: pb.StepPlan, req: Request, n: int) -> None:
+        if req.num_pages_sent < 0:
+            s = req.sampling
+            plan.new_requests.add(
+                request_id=req.request_id, token_ids=req.all_token_ids,
+                num_computed_tokens=req.num_computed, num_scheduled_tokens=n, page_ids=req.page_table,
+                sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                           seed=s.seed, logprobs=s.logprobs),
+                num_output_tokens=len(req.output_ids),
+            )
+        else:
+            plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,
+                                new_page_ids=req.page_table[req.num_pages_sent:])
+        req.num_pages_sent = len(req.page_table)
+
+    # ---- results -------------------------------------------------------------------------------
+    def process(self, result: pb.StepResult) -> list[tuple[Request, Output]]:
+        inflight, self.inflight = self.inflight, []
+        if result.error:
+            return self._plan_rejected(inflight, result.error)
+        self.plan_failures = 0
+        for req, n in inflight:
+            if req.status is Status.RUNNING:
+                req.num_computed += n
+        outputs = []
+        for s in result.sampled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not Status.RUNNING or req.aborted:
+                continue
+            outputs.append((req, self._append_token(req, s.token_id, s.logprob)))
+        return outputs
+
+    def _plan_rejected(self, inflight, error: str) -> list[tuple[Request, Output]]:
+        """The executor disagreed with us: resend every request of the plan in full next step."""
+        self.plan_failures += 1
+        outputs = []
+        for req, _ in inflight:
+            req.num_pages_sent = -1
+            if self.plan_failures >= MAX_PLAN_RETRIES and req.status is Status.RUNNING:
+                outputs.append((req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {error}")))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: float) -> Output:
+        req.output_ids.append(token)
+        s = req.sampling
+        finish, reason = None, ""
+        stop_token = token in s.stop_token_ids or (not s.ignore_eos and token in self.eos)
+        req.detokenizer.add(token, emit_text=not stop_token)
+        if stop_token:
+            finish, reason = Finish.STOP, str(token)
+        elif req.detokenizer.stopped_by is not None:
+            finish, reason = Finish.STOP, req.detokenizer.stopped_by
+        elif len(req.output_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
+            finish = Finish.LENGTH
+        logprobs = [logprob] if s.logprobs else []
+        if finish is None:
+            return Output(req.detokenizer.take(final=False), [token], logprobs)
+        out = self.finish(req, finish, reason)
+        out.token_ids, out.logprobs = [token], logprobs
+        return out
+
+    def finish(self, req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
+        """Ends a request: pages back to the pool at once, the executor told to forget it."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.pool.free(reversed(req.page_table))
+            req.page_table = []
+            self.to_forget.append(req.request_id)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+            if req.num_pages_sent >= 0:
+                self.to_forget.append(req.request_id)
+        req.status = Status.FINISHED
+        req.finish = finish
+        self.requests.pop(req.request_id, None)
+        if finish is not Finish.ABORT:
+            req.detokenizer.flush()
+        return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error)
+
+    def _reap_aborted(self) -> list[tuple[Request, Output]]:
+        return [(r, self.finish(r, Finish.ABORT)) for r in list(self.requests.values()) if r.aborted]
+
+    def fail_all(self, error: str) -> list[tuple[Request, Output]]:
+        """The executor is gone: every live request ends with an error; all pages return."""
+        self.inflight = []
+        return [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(r.page_table for r in self.running)
+        for r in self.waiting:
+            assert not r.page_table, f"waiting request {r.request_id} holds pages"
+        assert len(self.running) + len(self.waiting) == len(self.requests), "request lists disagree"

@@ -1,0 +1,95 @@
+"""Scheduler process: connect to the executor, then serve the public API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+from pagedkv import grpc_common, logs
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from scheduler_svc.api import GenerationService
+from scheduler_svc.engine import Engine
+from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.pages import PagePool
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.validation import Limits
+
+SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", required=True, metavar="HOST:PORT", help="address of the executor to drive")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens computed in one step (prefills are chunked to fit)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
+    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds an executor may take for one step before it is considered failed")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check page accounting after every step (always checked when idle)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    p.add_argument("--log-format", choices=["json", "console"], default="json")
+
+
+def _check_args(args, describe) -> int:
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    max_len = args.max_model_len or describe.max_position_embeddings
+    if not 1 < max_len <= describe.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}] "
+                         "(the model's max_position_embeddings)")
+    pages_needed = -(-max_len // describe.block_size)
+    if pages_needed > describe.num_device_pages:
+        raise ValueError(
+            f"--max-model-len {max_len} needs {pages_needed} pages of {describe.block_size} tokens but the "
+            f"executor has {describe.num_device_pages}; lower --max-model-len or give the executor more pages")
+    return max_len
+
+
+async def serve(args) -> None:
+    log = logs.configure("scheduler", json=args.log_format == "json")
+    client = ExecutorClient(args.executor, args.step_timeout)
+    describe = await client.connect(args.connect_timeout)
+    max_len = _check_args(args, describe)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)
+    pool = PagePool(describe.num_device_pages, describe.block_size)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=max_len)
+    scheduler = Scheduler(pool, config, list(describe.eos_token_ids))
+    engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
+    limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
+    info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
+                vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend)
+    server = grpc_common.new_server()
+    api_grpc.add_GenerationServicer_to_server(GenerationService(engine, tokenizer, limits, info, log), server)
+    health = grpc_common.add_health_and_reflection(server, [SERVICE])
+    port = grpc_common.bind(server, args.host, args.port)
+    if args.metrics_port:
+        import prometheus_client
+
+        prometheus_client.start_http_server(args.metrics_port, addr=args.host)
+    engine.start()
+    await server.start()
+    await grpc_common.set_serving(health, [SERVICE], True)
+    log.info("scheduler_ready", address=f"{args.host}:{port}", executor=args.executor, pid=os.getpid(),
+             num_pages=pool.num_pages, block_size=pool.block_size, max_model_len=max_len)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await grpc_common.set_serving(health, [SERVICE], False)
+    await server.stop(grace=2.0)
+    await engine.stop()
+    log.info("scheduler_stopped")

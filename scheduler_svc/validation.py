@@ -1,0 +1,76 @@
+"""Checks on what a client sent. Each failure names the field and the limit."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from pagedkv.api.v1 import api_pb2 as api
+from scheduler_svc.request import Sampling
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+
+
+def check_prompt_ids(ids: list[int], limits: Limits) -> None:
+    if not ids:
+        raise InvalidRequest("prompt: must not be empty")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequest(f"prompt: {len(ids)} tokens; must be shorter than max_model_len="
+                             f"{limits.max_model_len} (at least one token must be generated)")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt.token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+
+
+def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sampling:
+    room = limits.max_model_len - prompt_len
+    if p.max_tokens < 0:
+        raise InvalidRequest(f"sampling.max_tokens: {p.max_tokens}; must be > 0 (or 0 for 'up to max_model_len')")
+    max_tokens = p.max_tokens or room
+    if max_tokens > room:
+        raise InvalidRequest(
+            f"sampling.max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+            f"exceeds max_model_len={limits.max_model_len}")
+    if math.isnan(p.temperature) or p.temperature < 0 or math.isinf(p.temperature):
+        raise InvalidRequest(f"sampling.temperature: {p.temperature}; must be a finite number >= 0")
+    top_p = p.top_p if p.top_p != 0 else 1.0
+    if math.isnan(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest(f"sampling.top_p: {p.top_p}; must be in (0, 1]")
+    if p.top_k < 0:
+        raise InvalidRequest(f"sampling.top_k: {p.top_k}; must be >= 0 (0 disables top-k)")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling.stop: {len(p.stop)} strings; at most {MAX_STOP_STRINGS}")
+    for s in p.stop:
+        if not s or len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"sampling.stop: a stop string of {len(s)} characters; "
+                                 f"each must have 1 to {MAX_STOP_STRING_CHARS}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"sampling.stop_token_ids: {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    bad = next((t for t in p.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"sampling.stop_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    return Sampling(
+        max_tokens=max_tokens, temperature=float(p.temperature), top_p=float(top_p), top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else secrets.randbits(63),
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output,
+    )
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")

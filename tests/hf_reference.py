@@ -1,0 +1,28 @@
+"""Reference outputs from Hugging Face transformers (eager attention, one prompt at a time, no padding)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: list[int],
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=dtype)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_new_tokens):
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def random_prompts(seed: int, lengths: list[int], vocab_size: int, first_id: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(first_id, vocab_size, (n - 1,), generator=g).tolist() for n in lengths]

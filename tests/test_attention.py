@@ -1,0 +1,76 @@
+"""The torch paged attention against dense attention on the same K/V, random inputs, several shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.attention.metadata import AttentionMetadata, PrefillSegment
+from executor_svc.attention.torch_backend import TorchPagedAttention
+
+
+def dense(q, k, v, ctx_len, q_len, scale, window=None):
+    """q [q_len, Hq, D]; k, v [ctx_len, Hkv, D]; causal over the last q_len positions."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1).transpose(0, 1)
+    v = v.repeat_interleave(group, 1).transpose(0, 1)
+    s = q.transpose(0, 1) @ k.transpose(1, 2) * scale
+    qp = torch.arange(ctx_len - q_len, ctx_len).view(-1, 1)
+    kp = torch.arange(ctx_len).view(1, -1)
+    mask = kp > qp
+    if window:
+        mask |= kp <= qp - window
+    s = s.masked_fill(mask, float("-inf"))
+    return (torch.softmax(s.float(), -1).to(q.dtype) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("window", [None, 13])
+def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
+    g = torch.Generator().manual_seed(block_size * 100 + heads)
+    num_pages = 64
+    # (context length, new tokens) per request: decodes (1 new token) and prefill chunks with context.
+    reqs = [(1, 1), (37, 1), (70, 1), (25, 25), (50, 9), (16, 3)]
+    k_cache = torch.randn(num_pages, kv_heads, block_size, head_dim, generator=g)
+    v_cache = torch.randn(num_pages, kv_heads, block_size, head_dim, generator=g)
+    perm = torch.randperm(num_pages, generator=g).tolist()  # scattered, non-contiguous pages
+    tables = []
+    for ctx, _ in reqs:
+        n = -(-ctx // block_size)
+        tables.append([perm.pop() for _ in range(n)])
+    total = sum(n for _, n in reqs)
+    q = torch.randn(total, heads, head_dim, generator=g)
+    new_k = torch.randn(total, kv_heads, head_dim, generator=g)
+    new_v = torch.randn(total, kv_heads, head_dim, generator=g)
+    slot_pages, slot_offsets, dec_idx, dec_tables, dec_lens, prefills = [], [], [], [], [], []
+    start = 0
+    for (ctx, n), table in zip(reqs, tables):
+        for pos in range(ctx - n, ctx):
+            slot_pages.append(table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+        if n == 1:
+            dec_idx.append(start)
+            dec_tables.append(table)
+            dec_lens.append(ctx)
+        else:
+            prefills.append(PrefillSegment(start, n, ctx, torch.tensor(table)))
+        start += n
+    width = max(len(t) for t in dec_tables)
+    meta = AttentionMetadata(
+        slot_pages=torch.tensor(slot_pages), slot_offsets=torch.tensor(slot_offsets),
+        decode_token_idx=torch.tensor(dec_idx),
+        decode_page_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
+        decode_ctx_lens=torch.tensor(dec_lens), prefills=prefills, sliding_window=window,
+    )
+    attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    attn.write_cache(k_cache, v_cache, new_k, new_v, meta)
+    out = attn.forward(q, k_cache, v_cache, meta)
+    start = 0
+    for (ctx, n), table in zip(reqs, tables):
+        k = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx]
+        v = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx]
+        assert torch.equal(k[ctx - n:], new_k[start:start + n])  # the new K landed in its slots
+        ref = dense(q[start:start + n], k, v, ctx, n, head_dim ** -0.5, window)
+        torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
+        start += n

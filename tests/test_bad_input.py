@@ -1,0 +1,133 @@
+"""Bad input gets INVALID_ARGUMENT naming the field and the limit; the server keeps serving; pages never leak."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from pagedkv.client import Client
+from tests.conftest import ROOT, wait_until
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server(model_cache):
+    from tests.conftest import Server
+
+    s = Server("--num-pages", "64", "--max-model-len", str(MAX_LEN), "--check-integrity")
+    yield s
+    s.stop()
+
+
+CASES = [
+    ("empty text", dict(prompt=""), "prompt.text"),
+    ("empty ids", dict(prompt=[]), "prompt"),
+    ("prompt too long", dict(prompt=[1] * MAX_LEN), f"max_model_len={MAX_LEN}"),
+    ("max_tokens negative", dict(max_tokens=-1), "sampling.max_tokens"),
+    ("prompt + max_tokens", dict(max_tokens=MAX_LEN), f"exceeds max_model_len={MAX_LEN}"),
+    ("temperature < 0", dict(temperature=-0.5), "sampling.temperature"),
+    ("temperature NaN", dict(temperature=math.nan), "sampling.temperature"),
+    ("temperature inf", dict(temperature=math.inf), "sampling.temperature"),
+    ("top_p > 1", dict(top_p=1.5), "sampling.top_p: 1.5; must be in (0, 1]"),
+    ("top_p < 0", dict(top_p=-0.1), "sampling.top_p"),
+    ("top_k < 0", dict(top_k=-1), "sampling.top_k"),
+    ("id outside vocab", dict(prompt=[1, 5, 259]), "[0, 259)"),
+    ("negative id", dict(prompt=[1, -4]), "prompt.token_ids"),
+    ("stop token outside vocab", dict(stop_token_ids=[100000]), "sampling.stop_token_ids"),
+    ("17 stop strings", dict(stop=[f"s{i}" for i in range(17)]), "at most 16"),
+    ("long stop string", dict(stop=["x" * 257]), "1 to 256"),
+    ("empty stop string", dict(stop=[""]), "sampling.stop"),
+]
+
+
+@pytest.mark.parametrize("name,params,message", CASES, ids=[c[0] for c in CASES])
+def test_invalid_argument(server, name, params, message):
+    params = dict(params)
+    prompt = params.pop("prompt", "hello")
+    params.setdefault("max_tokens", 4)
+
+    async def call():
+        async with Client(server.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.complete(prompt, **params)
+            ok = await client.complete("still serving", max_tokens=3, ignore_eos=True)
+            return err.value, ok
+
+    err, ok = asyncio.run(call())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert message in err.details(), err.details()
+    assert ok.completion_tokens == 3
+
+
+def test_duplicate_live_request_id(server):
+    async def call():
+        async with Client(server.address) as client:
+            stream = client.generate("abc", max_tokens=200, ignore_eos=True, request_id="dup")
+            await stream.__anext__()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.complete("abc", max_tokens=2, request_id="dup")
+            await stream.aclose()
+            return err.value
+
+    err = asyncio.run(call())
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in err.details()
+
+
+def test_cancel_mid_stream_frees_pages(server):
+    async def scenario():
+        async with Client(server.address) as client:
+            call = client.stub.Generate(client.build_request([1, 50, 60, 70], max_tokens=240, ignore_eos=True))
+            got = 0
+            async for msg in call:
+                got += len(msg.token_ids)
+                if got >= 5:
+                    break
+            during = await client.model_info()
+            call.cancel()
+            return during
+
+    during = asyncio.run(scenario())
+    assert during.num_used_pages > 0, "the request should hold pages while it streams"
+
+    async def used():
+        async with Client(server.address) as client:
+            return (await client.model_info()).num_used_pages
+
+    assert wait_until(lambda: asyncio.run(used()) == 0, timeout=5.0), "cancelled request kept its pages"
+
+
+def test_many_bad_and_good_concurrently(server):
+    """A burst mixing bad and good requests: the good ones finish, the pool ends empty."""
+
+    async def scenario():
+        async with Client(server.address) as client:
+            good = [client.complete([1, 10 + i], max_tokens=8, ignore_eos=True) for i in range(8)]
+            bad = [client.complete([1, 999], max_tokens=8) for _ in range(8)]
+            results = await asyncio.gather(*good, *bad, return_exceptions=True)
+            info = await client.model_info()
+            return results, info
+
+    results, info = asyncio.run(scenario())
+    assert all(r.completion_tokens == 8 for r in results[:8])
+    assert all(isinstance(r, grpc.aio.AioRpcError) for r in results[8:])
+    assert info.num_running == 0 and info.num_used_pages == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "executor"])
+def test_bad_block_size_refused_at_start(command):
+    r = subprocess.run([sys.executable, "-m", "pagedkv", command, "--block-size", "12"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--block-size" in r.stderr and "8, 16, 32" in r.stderr
+
+
+def test_max_model_len_beyond_pool_refused(start_server):
+    with pytest.raises(RuntimeError) as err:
+        start_server("--num-pages", "4", "--max-model-len", "512")
+    assert "--max-model-len 512 needs 32 pages" in str(err.value)

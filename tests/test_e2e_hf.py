@@ -1,0 +1,85 @@
+"""Through real processes on loopback: greedy output is token-exact against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedkv.client import Client
+from tests.hf_reference import hf_greedy, random_prompts
+
+PROMPT_LENS = [3, 9, 17, 31, 16, 15, 33, 64, 100, 130, 200, 47, 5, 80, 250, 12, 1, 2]
+OUTPUT_LENS = [40, 8, 24, 16, 33, 48, 10, 20, 31, 9, 17, 45, 60, 12, 25, 38, 20, 30]
+VOCAB = 259
+
+
+@pytest.fixture(scope="module")
+def workloads(tiny_llama_dir, qwen2_dir):
+    prompts = random_prompts(0, PROMPT_LENS, VOCAB)
+    return {
+        "tiny-llama": (tiny_llama_dir, prompts, hf_greedy(tiny_llama_dir, prompts, OUTPUT_LENS)),
+        "qwen2": (qwen2_dir, prompts, hf_greedy(qwen2_dir, prompts, OUTPUT_LENS)),
+    }
+
+
+async def run_all(address: str, prompts, max_tokens) -> list:
+    async with Client(address) as client:
+        return await asyncio.gather(*[client.complete(p, max_tokens=n) for p, n in zip(prompts, max_tokens)])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("model", ["tiny-llama", "qwen2"])
+def test_greedy_matches_transformers(start_server, workloads, model, block_size):
+    model_dir, prompts, expected = workloads[model]
+    model_arg = "tiny-llama" if model == "tiny-llama" else str(model_dir)
+    server = start_server("--model", model_arg, "--block-size", str(block_size), "--num-pages", "512",
+                          "--max-num-batched-tokens", "160", "--check-integrity")
+    outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS))
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.token_ids == ref, f"request {i} (prompt {len(prompts[i])} tokens) differs from transformers"
+        assert out.finish_reason == ("stop" if len(ref) < OUTPUT_LENS[i] else "length")
+        assert out.prompt_tokens == len(prompts[i]) and out.completion_tokens == len(ref)
+    info = asyncio.run(_info(server.address))
+    assert info.block_size == block_size
+    assert info.num_used_pages == 0 and info.num_free_pages == info.num_pages == 512
+
+
+async def _info(address: str):
+    async with Client(address) as client:
+        return await client.model_info()
+
+
+def test_preemption_keeps_outputs_identical(start_server, workloads):
+    """A pool too small for the batch: requests are preempted and recomputed; outputs don't change."""
+    _, prompts, expected = workloads["tiny-llama"]
+    server = start_server("--block-size", "16", "--num-pages", "24", "--max-model-len", "384",
+                          "--max-num-batched-tokens", "256", "--check-integrity")
+    outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS))
+    assert [o.token_ids for o in outs] == expected
+    info = asyncio.run(_info(server.address))
+    assert info.num_preemptions > 0, "the pool was meant to be too small: preemption must have happened"
+    assert info.num_used_pages == 0 and info.num_free_pages == 24
+    assert "preemptions=" in server.log()
+
+
+def test_seeded_sampling_independent_of_batch(start_server, tiny_llama_dir):
+    server = start_server("--num-pages", "512")
+    prompt = random_prompts(3, [20], VOCAB)[0]
+    params = dict(max_tokens=40, temperature=0.9, top_p=0.95, top_k=100, seed=1234, ignore_eos=True)
+
+    async def scenario():
+        async with Client(server.address) as client:
+            alone = await client.complete(prompt, **params)
+            others = [client.complete(p, max_tokens=40, temperature=1.0, seed=i, ignore_eos=True)
+                      for i, p in enumerate(random_prompts(4, [7, 30, 55, 90, 11, 64, 5, 120], VOCAB))]
+            batched, *_ = await asyncio.gather(client.complete(prompt, **params), *others)
+            other_seed = await client.complete(prompt, **{**params, "seed": 99})
+            greedy = await client.complete(prompt, max_tokens=40, ignore_eos=True)
+            return alone, batched, other_seed, greedy
+
+    alone, batched, other_seed, greedy = asyncio.run(scenario())
+    assert len(alone.token_ids) == 40
+    assert alone.token_ids == batched.token_ids
+    assert alone.token_ids != other_seed.token_ids
+    assert alone.token_ids != greedy.token_ids
