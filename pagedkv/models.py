@@ -105,6 +105,7 @@ def build_random_model(
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.1,
     tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Builds a random Llama- or Qwen2-style model with the byte tokenizer and saves it as HF files.
 
@@ -112,7 +113,14 @@ def build_random_model(
     comparisons against transformers must not hinge on the last bit of a float.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -137,8 +145,12 @@ def build_random_model(
         tie = True if tie_word_embeddings is None else tie_word_embeddings
         config = Qwen2Config(**common, tie_word_embeddings=tie, rope_theta=1000000.0)
         cls = Qwen2ForCausalLM
+    elif arch == "mistral":
+        config = MistralConfig(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0,
+                               sliding_window=sliding_window)
+        cls = MistralForCausalLM
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'qwen2' or 'mistral', got {arch!r}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
     if arch == "qwen2":  # HF initialises biases to zero; make them matter

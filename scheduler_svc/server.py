@@ -28,7 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens computed in one step (prefills are chunked to fit)")
     p.add_argument("--max-model-len", type=int, default=0,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
+                   "capped to what the executor's page pool holds)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -39,11 +40,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=["json", "console"], default="json")
 
 
-def _check_args(args, describe) -> int:
+def _check_args(args, describe, log) -> int:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     max_len = args.max_model_len or describe.max_position_embeddings
+    pool_tokens = describe.num_device_pages * describe.block_size
+    if not args.max_model_len and max_len > pool_tokens:
+        log.warning("max_model_len_capped", model_max=max_len, pool_tokens=pool_tokens,
+                    hint="give the executor more pages to serve the model's full context")
+        max_len = pool_tokens
     if not 1 < max_len <= describe.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}] "
                          "(the model's max_position_embeddings)")
@@ -59,7 +65,7 @@ async def serve(args) -> None:
     log = logs.configure("scheduler", json=args.log_format == "json")
     client = ExecutorClient(args.executor, args.step_timeout)
     describe = await client.connect(args.connect_timeout)
-    max_len = _check_args(args, describe)
+    max_len = _check_args(args, describe, log)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)

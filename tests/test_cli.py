@@ -17,6 +17,14 @@ def _spawn(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def reflected_services(address: str) -> list[str]:
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(address) as channel:
+        return list(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
 def test_services_alone_then_generate_streams_text(tiny_llama_dir):
     exec_port, sched_port = free_port(), free_port()
     executor = _spawn("executor", "--port", str(exec_port), "--num-pages", "128")
@@ -33,6 +41,9 @@ def test_services_alone_then_generate_streams_text(tiny_llama_dir):
                 return ids, out, info
 
         ids, out, info = asyncio.run(ready_and_generate())
+        assert "pagedkv.api.v1.Generation" in reflected_services(address)
+        assert "pagedkv.executor.v1.Executor" in reflected_services(f"127.0.0.1:{exec_port}")
+        assert "grpc.health.v1.Health" in reflected_services(address)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
@@ -64,3 +75,12 @@ def test_scheduler_without_executor_fails_clearly():
     r = subprocess.run([sys.executable, "-m", "pagedkv", "scheduler", "--executor", f"127.0.0.1:{free_port()}",
                         "--connect-timeout", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "not reachable" in r.stderr
+
+
+def test_serve_ctrl_c_stops_both_children(start_server):
+    server = start_server("--num-pages", "64")
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2, children  # executor and scheduler
+    assert server.stop() == 0
+    for pid in children:
+        assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, f"child {pid} still runs"
