@@ -2,10 +2,12 @@
 
 A page is contiguous across layers (DESIGN.md, decision 3)::
 
-    pool[num_pages, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]
+    pool[num_pages, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 
 so swapping or copying a page is a single copy of ``page_bytes``. Attention reads per-layer views
-``pool[:, layer, 0]`` (K) and ``pool[:, layer, 1]`` (V) of shape [num_pages, kv_heads, block_size, head_dim].
+``pool[:, layer, 0]`` (K) and ``pool[:, layer, 1]`` (V) of shape [num_pages, block_size, kv_heads, head_dim]
+(the "NHD" order of vLLM's and FlashInfer's paged kernels: gathering a request's pages gives its
+tokens in order, and a token's heads are adjacent).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class DevicePagePool:
         self.block_size = block_size
         self.dtype = dtype
         self.page_bytes = page_bytes(cfg, block_size, dtype)
-        shape = (num_pages, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (num_pages, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.pages = torch.zeros(shape, dtype=dtype, device=device)
         self.k_views = [self.pages[:, layer, 0] for layer in range(cfg.num_layers)]
         self.v_views = [self.pages[:, layer, 1] for layer in range(cfg.num_layers)]

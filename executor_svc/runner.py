@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.attention.metadata import AttentionMetadata, PrefillSegment
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.pages import DevicePagePool
 from executor_svc.sampler import SamplingParams, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -38,6 +38,20 @@ class _Scheduled:
     state: RequestState
     start: int  # first position computed this step
     count: int
+
+
+def _group_by_length(num_pages: list[int], slack: float = 1.25) -> list[tuple[list[int], int]]:
+    """Indices grouped so that within a group the longest table is at most ``slack`` x the shortest
+    (padding waste stays small); returns (members, padded width) pairs."""
+    order = sorted(range(len(num_pages)), key=num_pages.__getitem__)
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        if groups and num_pages[i] <= slack * num_pages[groups[-1][0][0]]:
+            groups[-1][0].append(i)
+            groups[-1] = (groups[-1][0], num_pages[i])
+        else:
+            groups.append(([i], num_pages[i]))
+    return groups
 
 
 class ModelRunner:
@@ -120,18 +134,19 @@ class ModelRunner:
                 prefills.append(PrefillSegment(q_start, n, ctx, pages))
             if ctx == len(st.token_ids):
                 logits_rows.append(len(ids) - 1)
-        width = max((len(t) for t in decode_tables), default=0)
-        tables = [t + [0] * (width - len(t)) for t in decode_tables]
 
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        groups = [
+            DecodeGroup(tensor([decode_idx[i] for i in members]),
+                        tensor([decode_tables[i] + [0] * (width - len(decode_tables[i])) for i in members]),
+                        tensor([decode_lens[i] for i in members]))
+            for members, width in _group_by_length([len(t) for t in decode_tables])
+        ]
         meta = AttentionMetadata(
-            slot_pages=tensor(slot_pages), slot_offsets=tensor(slot_offsets),
-            decode_token_idx=tensor(decode_idx),
-            decode_page_tables=tensor(tables).view(len(tables), width),
-            decode_ctx_lens=tensor(decode_lens), prefills=prefills,
-            sliding_window=self.model.cfg.sliding_window,
+            slot_pages=tensor(slot_pages), slot_offsets=tensor(slot_offsets), decodes=groups,
+            prefills=prefills, sliding_window=self.model.cfg.sliding_window,
         )
         return tensor(ids), tensor(positions), meta, tensor(logits_rows)
 
@@ -151,6 +166,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         if scheduled:
             ids, positions, meta, rows = self._build_batch(scheduled)
+            result.num_computed_tokens = int(ids.numel())
             logits = self.model.forward(ids, positions, meta, self.pool, self.attention, rows)
             t3 = time.perf_counter()
             self._sample(scheduled, logits, result)

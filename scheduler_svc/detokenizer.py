@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prompt_context = list(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = [s for s in stop if s]
@@ -22,6 +23,10 @@ class IncrementalDetokenizer:
         self.text = ""  # all final output text so far
         self.emitted = 0  # characters of self.text already streamed
         self.stopped_by: str | None = None
+
+    def fresh(self) -> IncrementalDetokenizer:
+        """A new detokenizer for the same prompt and stop strings (for a fork)."""
+        return IncrementalDetokenizer(self.tokenizer, self._prompt_context, self.stop, self.include_stop)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,13 +1,17 @@
 """Page accounting: the one place that hands out and takes back device page ids.
 
-Every page is either free (refcount 0, in the free queue) or used (refcount >= 1, referenced by
-that many page tables). Policy code asks ``can_allocate``/``allocate`` and ``free``; it never
-touches the free queue or the refcounts.
+Every page is either used (refcount >= 1: that many page tables hold it) or free (refcount 0, in
+the free queue). A free page may still carry the hash of the tokens it holds: it stays findable
+by the prefix cache until the pool hands it out again ("free is not evicted"). The free queue is
+an LRU with O(1) removal from the middle (a cache hit on a free page takes it out of the queue).
+
+Policy code asks ``can_allocate``/``allocate``, ``lookup``/``share``, ``publish`` and ``free``; it never
+touches the queue, the refcounts or the hash maps.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
@@ -22,7 +26,10 @@ class PagePool:
         self.num_pages = num_pages
         self.block_size = block_size
         self.refcounts = [0] * num_pages
-        self.free_queue: deque[int] = deque(range(num_pages))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # front = next out
+        self.hash_of_page: dict[int, bytes] = {}
+        self.page_of_hash: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -32,6 +39,11 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self.free_queue)
 
+    @property
+    def num_cached(self) -> int:
+        """Pages findable by hash (used or free)."""
+        return len(self.page_of_hash)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -39,18 +51,32 @@ class PagePool:
         return num_pages <= len(self.free_queue)
 
     def allocate(self, num_pages: int) -> list[int]:
+        """Takes pages from the front of the free queue; a page that still had a hash loses it now."""
         if num_pages > len(self.free_queue):
             raise OutOfPages(f"need {num_pages} pages, {len(self.free_queue)} free")
-        pages = [self.free_queue.popleft() for _ in range(num_pages)]
-        for p in pages:
-            self.refcounts[p] = 1
+        pages = []
+        for _ in range(num_pages):
+            page, _ = self.free_queue.popitem(last=False)
+            old = self.hash_of_page.pop(page, None)
+            if old is not None:
+                del self.page_of_hash[old]
+                self.num_evictions += 1
+            self.refcounts[page] = 1
+            pages.append(page)
         return pages
 
-    def free(self, pages: Iterable[int]) -> None:
-        """Drops one reference from each page; pages that reach zero go back to the free queue.
+    def share(self, pages: Iterable[int]) -> None:
+        """Adds one reference to each page (a cache hit, or a fork); a free page leaves the free queue."""
+        for p in pages:
+            if self.refcounts[p] == 0:
+                del self.free_queue[p]
+            self.refcounts[p] += 1
 
-        Callers pass a request's table tail-first, so a request's last pages are reused before
-        its first ones (the order the prefix cache will want).
+    def free(self, pages: Iterable[int]) -> None:
+        """Drops one reference from each page; pages that reach zero go to the back of the free queue.
+
+        Callers pass a request's table tail-first, so its last pages are evicted before its first
+        ones (which are the ones other requests share).
         """
         for p in pages:
             rc = self.refcounts[p]
@@ -58,17 +84,35 @@ class PagePool:
                 raise AssertionError(f"page {p} freed while free")
             self.refcounts[p] = rc - 1
             if rc == 1:
-                self.free_queue.append(p)
+                self.free_queue[p] = None
+
+    # ---- prefix cache index --------------------------------------------------------------------
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self.page_of_hash.get(page_hash)
+
+    def publish(self, page: int, page_hash: bytes) -> bool:
+        """Makes a used page findable by the hash of its (confirmed) contents. First publisher wins."""
+        if page_hash in self.page_of_hash or page in self.hash_of_page:
+            return False
+        self.page_of_hash[page_hash] = page
+        self.hash_of_page[page] = page_hash
+        return True
+
+    def refcount(self, page: int) -> int:
+        return self.refcounts[page]
 
     def check_integrity(self, tables: Iterable[list[int]]) -> None:
-        """free + used == all pages, and every refcount equals the number of tables holding the page."""
+        """free + used == all pages; refcounts equal the number of tables holding each page; the
+        hash maps are each other's inverse."""
         expected = [0] * self.num_pages
         for table in tables:
             for p in table:
                 expected[p] += 1
-        free = set(self.free_queue)
-        assert len(free) == len(self.free_queue), "a page is twice in the free queue"
         for p in range(self.num_pages):
             assert self.refcounts[p] == expected[p], (
                 f"page {p}: refcount {self.refcounts[p]} but {expected[p]} tables hold it")
-            assert (p in free) == (expected[p] == 0), f"page {p}: free={p in free} but refcount {expected[p]}"
+            assert (p in self.free_queue) == (expected[p] == 0), (
+                f"page {p}: in free queue={p in self.free_queue} but refcount {expected[p]}")
+        assert len(self.page_of_hash) == len(self.hash_of_page), "hash maps differ in size"
+        for h, p in self.page_of_hash.items():
+            assert self.hash_of_page.get(p) == h, f"page {p}: hash maps disagree"

@@ -45,6 +45,10 @@ class Output:
     finish: Finish | None = None
     stop_reason: str = ""
     error: str = ""  # set when the server ends the request abnormally (e.g. the executor failed)
+    index: int = 0  # fork index
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +68,21 @@ class Request:
     finish: Finish | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: bool = False
+    # Prefix cache: the tenant's chain root, the hashes of this request's full pages so far, how many
+    # of its pages it has published, and the in-flight hashes it registered (others wait for those).
+    tenant: str = "default"
+    hash_root: bytes = b""
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_published: int = 0
+    registered: list[bytes] = field(default_factory=list)
+    # Parallel sampling: a parent with n > 1 computes prompt[:-1], then forks into n children.
+    n: int = 1
+    group: str = ""  # the client's request id (shared by forks)
+    index: int = 0  # fork index
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -74,5 +93,10 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def compute_target(self) -> int:
+        """Tokens to compute before the next sample (a fork parent stops before the last prompt token)."""
+        return self.num_tokens - 1 if self.n > 1 else self.num_tokens
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.compute_target - self.num_computed

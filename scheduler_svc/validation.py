@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
+MAX_FORKS = 16
 
 
 class InvalidRequest(ValueError):
@@ -63,6 +64,10 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
     bad = next((t for t in p.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"sampling.stop_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    if p.n < 0 or p.n > MAX_FORKS:
+        raise InvalidRequest(f"sampling.n: {p.n}; must be in [1, {MAX_FORKS}] (0 means 1)")
+    if p.n > 1:
+        raise InvalidRequest("sampling.n: parallel sampling (n > 1) is not available in this build")
     return Sampling(
         max_tokens=max_tokens, temperature=float(p.temperature), top_p=float(top_p), top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),

@@ -8,10 +8,10 @@ import torch
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: list[int],
-              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+              dtype: torch.dtype = torch.float32, attn: str = "eager") -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=attn, dtype=dtype)
     model.eval()
     outs = []
     with torch.inference_mode():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.attention.metadata import AttentionMetadata, PrefillSegment
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.attention.torch_backend import TorchPagedAttention
 
 
@@ -32,8 +32,8 @@ def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
     num_pages = 64
     # (context length, new tokens) per request: decodes (1 new token) and prefill chunks with context.
     reqs = [(1, 1), (37, 1), (70, 1), (25, 25), (50, 9), (16, 3)]
-    k_cache = torch.randn(num_pages, kv_heads, block_size, head_dim, generator=g)
-    v_cache = torch.randn(num_pages, kv_heads, block_size, head_dim, generator=g)
+    k_cache = torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g)
     perm = torch.randperm(num_pages, generator=g).tolist()  # scattered, non-contiguous pages
     tables = []
     for ctx, _ in reqs:
@@ -59,17 +59,17 @@ def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
     width = max(len(t) for t in dec_tables)
     meta = AttentionMetadata(
         slot_pages=torch.tensor(slot_pages), slot_offsets=torch.tensor(slot_offsets),
-        decode_token_idx=torch.tensor(dec_idx),
-        decode_page_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-        decode_ctx_lens=torch.tensor(dec_lens), prefills=prefills, sliding_window=window,
+        decodes=[DecodeGroup(torch.tensor(dec_idx), torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
+                             torch.tensor(dec_lens))],
+        prefills=prefills, sliding_window=window,
     )
     attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
     attn.write_cache(k_cache, v_cache, new_k, new_v, meta)
     out = attn.forward(q, k_cache, v_cache, meta)
     start = 0
     for (ctx, n), table in zip(reqs, tables):
-        k = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx]
-        v = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx]
+        k = k_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]
+        v = v_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]
         assert torch.equal(k[ctx - n:], new_k[start:start + n])  # the new K landed in its slots
         ref = dense(q[start:start + n], k, v, ctx, n, head_dim ** -0.5, window)
         torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)

@@ -18,22 +18,31 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended together; tables padded with page 0 to the longest."""
+
+    token_idx: torch.Tensor  # [B] flat index of each decode token
+    page_tables: torch.Tensor  # [B, max_pages]
+    ctx_lens: torch.Tensor  # [B] context length including the new token
+    mask: torch.Tensor | None = None  # built by the backend on first use, shared by every layer
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step by the runner; shared by every layer.
 
     Token layout of the flat batch (T tokens): each scheduled request contributes a contiguous run.
-    Requests with exactly one new token (decodes) are attended in one batched call; the others
-    (prefill chunks, possibly with cached context before them) one segment at a time.
+    Requests with exactly one new token (decodes) are attended in batched calls, one per group of
+    similar context length (little padding); the others (prefill chunks, possibly with cached context
+    before them) one segment at a time.
     """
 
     slot_pages: torch.Tensor  # [T] page id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset of that slot inside its page
-    decode_token_idx: torch.Tensor  # [B] flat index of each decode token
-    decode_page_tables: torch.Tensor  # [B, max_pages] padded with page 0
-    decode_ctx_lens: torch.Tensor  # [B] context length including the new token
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_token_idx.numel())
+        return sum(int(g.token_idx.numel()) for g in self.decodes)

@@ -1,15 +1,18 @@
 """Reference paged attention in plain PyTorch (CPU and GPU).
 
 It reads K/V through page tables from the per-layer views of the page pool
-``[num_pages, num_kv_heads, block_size, head_dim]`` and follows the arithmetic of
-transformers' eager attention (matmul, fp32 softmax, matmul) so that greedy output matches it.
+``[num_pages, block_size, num_kv_heads, head_dim]``: one ``index_select`` of whole pages gives a
+request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
+``scaled_dot_product_attention`` with grouped-query heads. Positions past a request's context (table
+padding), and outside the sliding window when there is one, are masked.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from executor_svc.attention.metadata import AttentionMetadata, PrefillSegment
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 
 
 class TorchPagedAttention:
@@ -20,68 +23,72 @@ class TorchPagedAttention:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.gqa = num_heads != num_kv_heads
 
     def write_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
         """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots."""
-        k_cache[meta.slot_pages, :, meta.slot_offsets] = k
-        v_cache[meta.slot_pages, :, meta.slot_offsets] = v
+        k_cache[meta.slot_pages, meta.slot_offsets] = k
+        v_cache[meta.slot_pages, meta.slot_offsets] = v
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim]; the step's K/V must already be written."""
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            out[group.token_idx] = self._decode(q[group.token_idx], k_cache, v_cache, group, meta.sliding_window)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
     def _gather(self, cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-        """[..., pages] -> [..., kv_heads, pages * block_size, head_dim]."""
-        pages = cache[page_ids]  # [..., P, H, bs, D]
-        pages = pages.transpose(-3, -4)  # [..., H, P, bs, D]
-        return pages.reshape(*pages.shape[:-3], -1, self.head_dim)
+        """Pages [B, n] -> [B, kv_heads, n * block_size, head_dim]: one copy, then a strided view."""
+        batch, n = page_ids.shape
+        pages = cache.index_select(0, page_ids.reshape(-1))  # [B * n, bs, H, D]
+        return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool = False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              enable_gqa=self.gqa)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+        window: int | None,
     ) -> torch.Tensor:
         batch = q.shape[0]
-        k = self._gather(k_cache, meta.decode_page_tables)  # [B, H, L, D]
-        v = self._gather(v_cache, meta.decode_page_tables)
-        qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # [B, H, G, L]
-        pos = torch.arange(k.shape[-2], device=q.device)
-        ctx = meta.decode_ctx_lens.view(batch, 1)
-        invisible = pos.view(1, -1) >= ctx
-        if meta.sliding_window:
-            invisible |= pos.view(1, -1) <= ctx - 1 - meta.sliding_window
-        scores.masked_fill_(invisible.view(batch, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v).reshape(batch, self.num_heads, self.head_dim)
+        k = self._gather(k_cache, group.page_tables)  # [B, H, L, D]
+        v = self._gather(v_cache, group.page_tables)
+        if group.mask is None:  # the same for every layer of the step
+            pos = torch.arange(k.shape[-2], device=q.device).view(1, -1)
+            ctx = group.ctx_lens.view(batch, 1)
+            visible = pos < ctx
+            if window:
+                visible &= pos > ctx - 1 - window
+            group.mask = visible.view(batch, 1, 1, -1)
+        out = self._attend(q.view(batch, self.num_heads, 1, self.head_dim), k, v, group.mask)
+        return out.view(batch, self.num_heads, self.head_dim)
 
     def _prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
         window: int | None,
     ) -> torch.Tensor:
-        k = self._gather(k_cache, seg.page_ids)[:, : seg.ctx_len]  # [H, ctx, D]
-        v = self._gather(v_cache, seg.page_ids)[:, : seg.ctx_len]
-        k = k.repeat_interleave(self.group, dim=0)  # [heads, ctx, D]
-        v = v.repeat_interleave(self.group, dim=0)
-        qh = q.transpose(0, 1)  # [heads, q_len, D]
-        scores = torch.matmul(qh, k.transpose(-1, -2)) * self.scale  # [heads, q_len, ctx]
-        q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=q.device).view(-1, 1)
-        k_pos = torch.arange(seg.ctx_len, device=q.device).view(1, -1)
-        invisible = k_pos > q_pos
-        if window:
-            invisible |= k_pos <= q_pos - window
-        scores.masked_fill_(invisible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v).transpose(0, 1)
+        k = self._gather(k_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]  # [1, H, ctx, D]
+        v = self._gather(v_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+        if seg.ctx_len == seg.q_len and not window:
+            out = self._attend(qh, k, v, None, causal=True)
+        else:
+            q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=q.device).view(-1, 1)
+            k_pos = torch.arange(seg.ctx_len, device=q.device).view(1, -1)
+            visible = k_pos <= q_pos
+            if window:
+                visible &= k_pos > q_pos - window
+            out = self._attend(qh, k, v, visible)
+        return out[0].transpose(0, 1)
