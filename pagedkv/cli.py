@@ -43,6 +43,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="executor torch CPU threads (0: torch's default)")
     p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share and reuse the KV pages of common prompt prefixes (per tenant)")
     p.add_argument("--log-format", choices=["json", "console"], default="json")
 
 
@@ -81,6 +83,8 @@ def serve(args) -> int:
                  "--max-model-len", str(args.max_model_len), "--log-format", args.log_format]
     if args.check_integrity:
         sched_cmd.append("--check-integrity")
+    if not args.enable_prefix_caching:
+        sched_cmd.append("--no-enable-prefix-caching")
     children: list[subprocess.Popen] = []
     stopping = False
 
@@ -126,7 +130,8 @@ async def _generate(args) -> int:
 
     from pagedkv.client import Client
 
-    async with Client(args.address) as client:
+    metadata = [("x-tenant", args.tenant)] if args.tenant else []
+    async with Client(args.address, metadata=metadata) as client:
         try:
             async for msg in client.generate(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -192,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--tenant", default="", help="tenant (x-tenant metadata) whose prefix cache to use")
     p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--timeout", type=float, default=3.0)

@@ -34,6 +34,19 @@ class Completion:
     cached_tokens: int = 0
 
 
+def _accumulate(out: Completion, msg: api.GenerateResponse) -> None:
+    out.request_id = msg.request_id
+    out.text += msg.text
+    out.token_ids.extend(msg.token_ids)
+    out.logprobs.extend(msg.logprobs)
+    if msg.finish_reason:
+        out.finish_reason = FINISH_NAMES[msg.finish_reason]
+        out.stop_reason = msg.stop_reason
+        out.prompt_tokens = msg.usage.prompt_tokens
+        out.completion_tokens = msg.usage.completion_tokens
+        out.cached_tokens = msg.usage.cached_tokens
+
+
 class Client:
     """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``"""
 
@@ -71,8 +84,9 @@ class Client:
     def build_request(prompt: str | Sequence[int], *, max_tokens: int = 0, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
-                      include_stop_str_in_output: bool = False, request_id: str = "") -> api.GenerateRequest:
-        sampling = api.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                      include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1
+                      ) -> api.GenerateRequest:
+        sampling = api.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output)
         if seed is not None:
@@ -94,20 +108,18 @@ class Client:
         """Runs one request to the end and gathers its stream."""
         out = Completion()
         async for msg in self.generate(prompt, **params):
-            out.request_id = msg.request_id
-            out.text += msg.text
-            out.token_ids.extend(msg.token_ids)
-            out.logprobs.extend(msg.logprobs)
-            if msg.finish_reason:
-                out.finish_reason = FINISH_NAMES[msg.finish_reason]
-                out.stop_reason = msg.stop_reason
-                out.prompt_tokens = msg.usage.prompt_tokens
-                out.completion_tokens = msg.usage.completion_tokens
-                out.cached_tokens = msg.usage.cached_tokens
+            _accumulate(out, msg)
         return out
 
-    async def model_info(self) -> api.ModelInfoResponse:
-        return await self.stub.ModelInfo(api.ModelInfoRequest(), metadata=self.metadata)
+    async def complete_n(self, prompt: str | Sequence[int], n: int, **params) -> list[Completion]:
+        """Parallel sampling: n forks of one prompt, gathered by fork index."""
+        outs = [Completion() for _ in range(n)]
+        async for msg in self.generate(prompt, n=n, **params):
+            _accumulate(outs[msg.index], msg)
+        return outs
+
+    async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
+        return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         r = await self.stub.Tokenize(api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),

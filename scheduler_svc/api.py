@@ -11,7 +11,9 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine import Engine
+from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.tenancy import InvalidTenant, tenant_of
 from scheduler_svc.validation import InvalidRequest, Limits, check_prompt_ids, check_request_id, check_sampling
 
 FINISH_REASONS = {
@@ -28,8 +30,9 @@ class GenerationService(api_grpc.GenerationServicer):
         self.limits = limits
         self.model_info = model_info
         self.log = log
+        self.live: set[str] = set()  # client request ids with an open stream
 
-    def _build_request(self, request: api.GenerateRequest) -> Request:
+    def _build_request(self, request: api.GenerateRequest, tenant: str) -> Request:
         which = request.WhichOneof("prompt")
         if which == "text":
             if not request.text:
@@ -42,58 +45,69 @@ class GenerationService(api_grpc.GenerationServicer):
         check_prompt_ids(ids, self.limits)
         check_request_id(request.request_id)
         sampling = check_sampling(request.sampling, len(ids), self.limits)
+        n = max(1, request.sampling.n)
+        if n > self.engine.scheduler.config.max_num_seqs:
+            limit = self.engine.scheduler.config.max_num_seqs
+            raise InvalidRequest(f"sampling.n: {n}; must be <= max_num_seqs={limit}")
         rid = request.request_id or uuid.uuid4().hex
-        if rid in self.engine.scheduler.requests:
+        if rid in self.live:
             raise KeyError(rid)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
-        return Request(request_id=rid, prompt_ids=ids, sampling=sampling,
-                       arrival=self.engine.next_arrival(), detokenizer=detok)
+        return Request(request_id=rid, prompt_ids=ids, sampling=sampling, arrival=self.engine.next_arrival(),
+                       detokenizer=detok, n=n, tenant=tenant, hash_root=tenant_root(tenant))
 
     async def Generate(self, request, context):  # noqa: N802
         try:
-            req = self._build_request(request)
-        except InvalidRequest as err:
+            req = self._build_request(request, tenant_of(context.invocation_metadata()))
+        except (InvalidRequest, InvalidTenant) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except KeyError as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {err.args[0]!r} is already in use by a live request")
         if self.engine.executor.call is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected; retry later")
-        log = self.log.bind(request_id=req.request_id)
-        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
+        log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
+        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n)
+        self.live.add(req.request_id)
         self.engine.add_request(req)
-        completion = 0
+        finished = 0
         try:
-            while True:
+            while finished < req.n:
                 out: Output = await req.queue.get()
-                completion += len(out.token_ids)
                 if out.error:
                     log.warning("request_failed", error=out.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 msg = api.GenerateResponse(request_id=req.request_id, text=out.text, token_ids=out.token_ids,
-                                           logprobs=out.logprobs)
+                                           logprobs=out.logprobs, index=out.index)
                 if out.finish is not None:
+                    finished += 1
                     msg.finish_reason = FINISH_REASONS[out.finish]
                     msg.stop_reason = out.stop_reason
-                    msg.usage.CopyFrom(api.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion,
-                                                 cached_tokens=req.num_cached_tokens))
-                    log.info("request_finished", reason=out.finish.value, completion_tokens=completion,
+                    msg.usage.CopyFrom(api.Usage(prompt_tokens=out.prompt_tokens,
+                                                 completion_tokens=out.completion_tokens,
+                                                 cached_tokens=out.cached_tokens))
+                    log.info("request_finished", index=out.index, reason=out.finish.value,
+                             completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                              preemptions=req.num_preemptions)
-                    yield msg
-                    return
                 yield msg
         finally:
-            if req.finish is None:  # the client went away (or we are shutting down): free its pages
+            self.live.discard(req.request_id)
+            if finished < req.n:  # the client went away (or we are shutting down): free its pages
                 self.engine.abort(req.request_id)
-                log.info("request_cancelled", completion_tokens=completion)
+                log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
         s = self.engine.scheduler
-        return api.ModelInfoResponse(
+        info = api.ModelInfoResponse(
             **self.model_info, num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
             num_used_pages=s.pool.num_used, num_running=len(s.running), num_waiting=len(s.waiting),
-            num_preemptions=s.num_preemptions,
+            num_preemptions=s.num_preemptions, peak_used_pages=s.peak_used_pages,
+            num_computed_tokens=s.num_computed_tokens, num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
+            num_cached_pages=s.pool.num_cached, prefix_caching=s.kv.caching,
         )
+        if request.reset_peak:
+            s.peak_used_pages = s.pool.num_used
+        return info
 
     async def Tokenize(self, request, context):  # noqa: N802
         ids = await asyncio.to_thread(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens)

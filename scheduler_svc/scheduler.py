@@ -9,9 +9,10 @@ request ends. When pages run out a running request is preempted by recompute (``
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish, Output, Request, Status
 
@@ -24,6 +25,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     watermark: float = 0.01  # share of pages kept free when admitting new requests
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -37,6 +39,10 @@ class Scheduler:
     def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
         self.pool = pool
         self.config = config
+        self.kv = KVManager(pool, config.enable_prefix_caching)
+        self.copies: list[tuple[int, int]] = []
+        self.peak_used_pages = 0
+        self.num_computed_tokens = 0
         self.eos = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -50,14 +56,19 @@ class Scheduler:
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
+            for child in self._children(req):
+                self.requests[child.request_id] = child
+                self.waiting.append(child)
+            return
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def abort(self, request_id: str) -> None:
-        """Marks a request; its pages are freed when the next plan is built (within one step)."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            req.aborted = True
+    def abort(self, group: str) -> None:
+        """Marks a client request (all its forks); pages are freed when the next plan is built."""
+        for req in self.requests.values():
+            if req.group == group:
+                req.aborted = True
 
     @property
     def has_work(self) -> bool:
@@ -86,23 +97,28 @@ class Scheduler:
         self.step_id += 1
         plan = pb.StepPlan(step_id=self.step_id, forget=self.to_forget)
         self.to_forget = []
+        for src, dst in self.copies:
+            plan.page_ops.copy.add(src=src, dst=dst)
+        self.copies = []
         for req, n in scheduled:
             self._add_to_plan(plan, req, n)
         self.inflight = scheduled
+        self.peak_used_pages = max(self.peak_used_pages, self.pool.num_used)
         return plan, outputs
 
     def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req)."""
-        need = self.pool.pages_for(req.num_computed + n) - len(req.page_table)
-        while not self.pool.can_allocate(need):
+        while not self.pool.can_allocate(self.kv.pages_to_grow(req, n)):
             victim = self._pick_victim(unscheduled)
             unscheduled.remove(victim)
             self._preempt(victim)
             stats.preempted += 1
             if victim is req:
                 return False
-        if need > 0:
-            req.page_table.extend(self.pool.allocate(need))
+        copies = self.kv.grow(req, n)
+        if copies:
+            self.copies += copies
+            req.num_pages_sent = -1  # its table changed in place: send it in full
         return True
 
     @staticmethod
@@ -112,9 +128,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.pool.free(reversed(req.page_table))
-        req.page_table = []
-        req.num_computed = 0
+        self.kv.release(req)
         req.num_pages_sent = -1
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -123,28 +137,33 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """FCFS admission; a request whose shared prefix is being computed by another waits (is skipped)."""
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) + self.waiting[0].n <= self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_uncomputed, budget)
-            need = self.pool.pages_for(req.num_computed + n)
-            if not self.pool.can_allocate(need + self.watermark_pages) and self.running:
-                break
-            if not self.pool.can_allocate(need):
+            hits = self.kv.find_hits(req)
+            if self.kv.waits_for_inflight(req, len(hits)):
+                deferred.append(self.waiting.popleft())
+                continue
+            n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
+            need = self.kv.pages_to_admit(hits, n)
+            if not self.pool.can_allocate(need + (self.watermark_pages if self.running else 0)):
                 break
             self.waiting.popleft()
-            req.page_table = self.pool.allocate(need)
+            self.kv.admit(req, hits, n)
             req.status = Status.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
             stats.admitted += 1
+        self.waiting.extendleft(reversed(deferred))
         return budget
 
     def _add_to_plan(self, plan: pb.StepPlan, req: Request, n: int) -> None:
         if req.num_pages_sent < 0:
             s = req.sampling
             plan.new_requests.add(
-                request_id=req.request_id, token_ids=req.all_token_ids,
+                request_id=req.request_id, token_ids=req.all_token_ids[: req.compute_target],
                 num_computed_tokens=req.num_computed, num_scheduled_tokens=n, page_ids=req.page_table,
                 sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                            seed=s.seed, logprobs=s.logprobs),
@@ -161,16 +180,45 @@ class Scheduler:
         if result.error:
             return self._plan_rejected(inflight, result.error)
         self.plan_failures = 0
+        self.num_computed_tokens += result.num_computed_tokens
         for req, n in inflight:
             if req.status is Status.RUNNING:
                 req.num_computed += n
+                self.kv.publish(req)
+                if req.n > 1 and req.num_computed == req.compute_target:
+                    self._fork(req)
         outputs = []
         for s in result.sampled:
             req = self.requests.get(s.request_id)
-            if req is None or req.status is not Status.RUNNING or req.aborted:
+            if req is None or req.status is not Status.RUNNING or req.aborted or req.n > 1:
                 continue
             outputs.append((req, self._append_token(req, s.token_id, s.logprob)))
         return outputs
+
+    def _children(self, parent: Request) -> list[Request]:
+        """Fork i samples with seed + i (documented in the API)."""
+        return [
+            Request(request_id=f"{parent.request_id}/{i}", prompt_ids=parent.prompt_ids,
+                    sampling=replace(parent.sampling, seed=(parent.sampling.seed + i) % (1 << 64)),
+                    arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
+                    tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
+                    num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
+            for i in range(parent.n)
+        ]
+
+    def _fork(self, parent: Request) -> None:
+        """The parent computed all but the last prompt token: n children take over its pages."""
+        at = self.running.index(parent)
+        children = self._children(parent)
+        for child in children:
+            self.kv.fork(parent, child)
+            child.status = Status.RUNNING
+            self.requests[child.request_id] = child
+        self.running[at:at + 1] = children
+        self.kv.release(parent)
+        parent.status = Status.FINISHED
+        self.requests.pop(parent.request_id, None)
+        self.to_forget.append(parent.request_id)
 
     def _plan_rejected(self, inflight, error: str) -> list[tuple[Request, Output]]:
         """The executor disagreed with us: resend every request of the plan in full next step."""
@@ -196,7 +244,7 @@ class Scheduler:
             finish = Finish.LENGTH
         logprobs = [logprob] if s.logprobs else []
         if finish is None:
-            return Output(req.detokenizer.take(final=False), [token], logprobs)
+            return Output(req.detokenizer.take(final=False), [token], logprobs, index=req.index)
         out = self.finish(req, finish, reason)
         out.token_ids, out.logprobs = [token], logprobs
         return out
@@ -205,8 +253,7 @@ class Scheduler:
         """Ends a request: pages back to the pool at once, the executor told to forget it."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.pool.free(reversed(req.page_table))
-            req.page_table = []
+            self.kv.release(req)
             self.to_forget.append(req.request_id)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
@@ -217,7 +264,9 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         if finish is not Finish.ABORT:
             req.detokenizer.flush()
-        return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error)
+        return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error, index=req.index,
+                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                      cached_tokens=req.num_cached_tokens)
 
     def _reap_aborted(self) -> list[tuple[Request, Output]]:
         return [(r, self.finish(r, Finish.ABORT)) for r in list(self.requests.values()) if r.aborted]
@@ -230,6 +279,8 @@ class Scheduler:
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.pool.check_integrity(r.page_table for r in self.running)
+        for h, owner in self.kv.inflight.items():
+            assert owner.status is Status.RUNNING and h in owner.registered, "stale in-flight page claim"
         for r in self.waiting:
             assert not r.page_table, f"waiting request {r.request_id} holds pages"
         assert len(self.running) + len(self.waiting) == len(self.requests), "request lists disagree"

@@ -30,6 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
                    "capped to what the executor's page pool holds)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share and reuse the KV pages of common prompt prefixes (per tenant)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -71,7 +73,7 @@ async def serve(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)
     pool = PagePool(describe.num_device_pages, describe.block_size)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_len)
+                             max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching)
     scheduler = Scheduler(pool, config, list(describe.eos_token_ids))
     engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
@@ -89,7 +91,8 @@ async def serve(args) -> None:
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executor=args.executor, pid=os.getpid(),
-             num_pages=pool.num_pages, block_size=pool.block_size, max_model_len=max_len)
+             num_pages=pool.num_pages, block_size=pool.block_size, max_model_len=max_len,
+             prefix_caching=args.enable_prefix_caching)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -66,8 +66,6 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
         raise InvalidRequest(f"sampling.stop_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
     if p.n < 0 or p.n > MAX_FORKS:
         raise InvalidRequest(f"sampling.n: {p.n}; must be in [1, {MAX_FORKS}] (0 means 1)")
-    if p.n > 1:
-        raise InvalidRequest("sampling.n: parallel sampling (n > 1) is not available in this build")
     return Sampling(
         max_tokens=max_tokens, temperature=float(p.temperature), top_p=float(top_p), top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),

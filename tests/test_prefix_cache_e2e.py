@@ -1,0 +1,129 @@
+"""Prefix caching, Share-Prefix and parallel sampling through real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pagedkv.client import Client
+from tests.conftest import Server
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def server(model_cache):
+    s = Server("--num-pages", "1024", "--max-num-batched-tokens", "4096", "--check-integrity")
+    yield s
+    s.stop()
+
+
+def tenant_client(address: str, tenant: str | None) -> Client:
+    return Client(address, metadata=[("x-tenant", tenant)] if tenant else [])
+
+
+async def timed_complete(address: str, tenant: str | None, prompt, **params):
+    """One request; returns it and the tokens the executor ran for it (nothing else runs meanwhile)."""
+    async with tenant_client(address, tenant) as client:
+        before = (await client.model_info()).num_computed_tokens
+        out = await client.complete(prompt, **params)
+        after = (await client.model_info()).num_computed_tokens
+    return out, after - before
+
+
+def test_same_tenant_hits_and_other_tenant_misses(server):
+    rng = random.Random(1)
+    prompt = [1] + [rng.randrange(3, 259) for _ in range(299)]  # 18 full pages + 12 tokens
+
+    async def scenario():
+        cold = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
+        warm = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
+        other = await timed_complete(server.address, "globex", prompt, max_tokens=10, ignore_eos=True)
+        default = await timed_complete(server.address, None, prompt, max_tokens=10, ignore_eos=True)
+        return cold, warm, other, default
+
+    (cold, cold_n), (warm, warm_n), (other, other_n), (default, default_n) = asyncio.run(scenario())
+    assert cold.cached_tokens == 0 and cold_n == 300 + 9
+    assert warm.cached_tokens == 288 and warm_n == 12 + 9  # only the suffix is prefilled
+    assert warm.token_ids == cold.token_ids
+    assert other.cached_tokens == 0 and other_n == 300 + 9  # another tenant never hits
+    assert default.cached_tokens == 0 and default.token_ids == cold.token_ids
+
+
+def test_bad_tenant_metadata_is_refused(server):
+    import grpc
+
+    async def call():
+        async with tenant_client(server.address, "no spaces allowed") as client:
+            await client.complete("hi", max_tokens=2)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-tenant" in err.value.details()
+
+
+def test_100_requests_share_a_2000_token_prefix(server):
+    rng = random.Random(2)
+    prefix = [1] + [rng.randrange(3, 259) for _ in range(1999)]
+    suffix_lens = [rng.randint(1, 24) for _ in range(100)]
+    prompts = [prefix + [3 + i] + [rng.randrange(3, 259) for _ in range(n - 1)] for i, n in enumerate(suffix_lens)]
+
+    async def scenario():
+        async with tenant_client(server.address, "rag") as client:
+            before = await client.model_info(reset_peak=True)
+            first = asyncio.create_task(client.complete(prompts[0], max_tokens=2, ignore_eos=True))
+            await asyncio.sleep(0)  # the first request is admitted first; the others join it
+            rest = [client.complete(p, max_tokens=1, ignore_eos=True) for p in prompts[1:]]
+            outs = await asyncio.gather(first, *rest)
+            after = await client.model_info()
+        return before, outs, after
+
+    before, outs, after = asyncio.run(scenario())
+    assert before.num_used_pages == 0
+    assert [o.cached_tokens for o in outs[1:]] == [2000] * 99
+    assert after.num_computed_tokens - before.num_computed_tokens == 2000 + sum(suffix_lens) + 1  # prefix once
+
+    def pages(n: int) -> int:
+        return -(-n // BS)
+
+    suffix_pages = pages(2000 + suffix_lens[0] + 1) - 125 + sum(pages(2000 + n) - 125 for n in suffix_lens[1:])
+    assert after.peak_used_pages == 125 + suffix_pages
+    assert after.num_used_pages == 0
+
+
+def test_parallel_sampling_forks_match_separate_seeds(server):
+    rng = random.Random(3)
+    prompt = [1] + [rng.randrange(3, 259) for _ in range(40)]  # the forks share a partial last page
+    params = dict(max_tokens=12, temperature=1.0, top_p=0.9, ignore_eos=True)
+
+    async def scenario():
+        async with tenant_client(server.address, "forks") as client:
+            before = (await client.model_info()).num_computed_tokens
+            forks = await client.complete_n(prompt, n=4, seed=77, **params)
+            mid = (await client.model_info()).num_computed_tokens
+            separate = [await client.complete(prompt, seed=77 + i, **params) for i in range(4)]
+            return forks, separate, mid - before
+
+    forks, separate, computed = asyncio.run(scenario())
+    assert [f.token_ids for f in forks] == [s.token_ids for s in separate]
+    assert len({tuple(f.token_ids) for f in forks}) == 4
+    assert all(f.finish_reason == "length" and f.completion_tokens == 12 for f in forks)
+    assert computed == 40 + 4 * 1 + 4 * 11  # the prompt prefilled once (all but its last token), then per fork
+
+
+def test_caching_off_computes_everything(start_server):
+    server = start_server("--num-pages", "256", "--no-enable-prefix-caching")
+    prompt = [1] + list(range(10, 210))
+
+    async def scenario():
+        a = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True)
+        b = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True)
+        async with Client(server.address) as client:
+            info = await client.model_info()
+        return a, b, info
+
+    (a, a_n), (b, b_n), info = asyncio.run(scenario())
+    assert not info.prefix_caching and info.num_cached_pages == 0
+    assert b.cached_tokens == 0 and a_n == b_n == 201 + 3 and a.token_ids == b.token_ids
