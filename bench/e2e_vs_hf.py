@@ -22,20 +22,16 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedkv.cli import free_port
+from pagedkv.local_server import LocalServer
 from pagedkv.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,46 +164,9 @@ def _contended(result: dict[str, Any]) -> bool:
 
 
 # ---- pagedkv -----------------------------------------------------------------------------------
-class Server:
-    """``pagedkv serve`` as a child process group; stopped with SIGINT."""
-
+class Server(LocalServer):
     def __init__(self, args: list[str], timeout: float = 600.0) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "pagedkv", "serve", "--port", str(self.port), "--log-format", "console",
-               *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=ROOT, start_new_session=True)
-        self.lines: deque[str] = deque(maxlen=400)
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(timeout) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("pagedkv serve did not come up:\n" + self.log())
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if "pagedkv ready" in line:
-                self.ready.set()
-        self.ready.set()
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        super().__init__(*args, timeout=timeout)
 
 
 @dataclass(slots=True)

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import pytest
 
-from pagedkv.cli import free_port
+from pagedkv.local_server import ROOT, LocalServer
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ROOT", "Server", "wait_until"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,47 +37,8 @@ def qwen2_dir(tmp_path_factory) -> Path:
                               intermediate_size=512, num_layers=3, num_heads=6, num_kv_heads=2)
 
 
-class Server:
-    """``pagedkv serve`` as a child process; its output is kept for failure messages."""
-
-    def __init__(self, *args: str, timeout: float = 180.0) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "pagedkv", "serve", "--port", str(self.port),
-               "--log-format", "console", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=ROOT, start_new_session=True)
-        self.lines: deque[str] = deque(maxlen=400)
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(timeout):
-            self.stop()
-            raise RuntimeError(f"server not ready after {timeout}s:\n" + self.log())
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {self.proc.returncode}:\n" + self.log())
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if "pagedkv ready" in line:
-                self.ready.set()
-        self.ready.set()
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+class Server(LocalServer):
+    pass
 
 
 @pytest.fixture
