@@ -68,18 +68,26 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else w.get("lm_head.weight", self.embed)
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim ** -0.5
+        self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                          cfg.num_kv_heads * cfg.head_dim]
 
     def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        """One layer's tensors, with q/k/v and gate/up fused into single matmuls."""
         p = f"model.layers.{i}."
+        attn = [w[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
+        biases = [w.get(p + f"self_attn.{name}_proj.bias") for name in "qkv"]
+        if any(b is not None for b in biases):
+            biases = [b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
+                      for b, t in zip(biases, attn)]
+            qkv_bias = torch.cat(biases)
+        else:
+            qkv_bias = None
         return {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "q": w[p + "self_attn.q_proj.weight"], "q_b": w.get(p + "self_attn.q_proj.bias"),
-            "k": w[p + "self_attn.k_proj.weight"], "k_b": w.get(p + "self_attn.k_proj.bias"),
-            "v": w[p + "self_attn.v_proj.weight"], "v_b": w.get(p + "self_attn.v_proj.bias"),
+            "qkv": torch.cat(attn), "qkv_b": qkv_bias,
             "o": w[p + "self_attn.o_proj.weight"], "o_b": w.get(p + "self_attn.o_proj.bias"),
-            "gate": w[p + "mlp.gate_proj.weight"],
-            "up": w[p + "mlp.up_proj.weight"],
+            "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
             "down": w[p + "mlp.down_proj.weight"],
         }
 
@@ -94,9 +102,10 @@ class LlamaModel:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, lw in enumerate(self.layers):
             h = _rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
-            q = F.linear(h, lw["q"], lw["q_b"]).view(n, cfg.num_heads, cfg.head_dim)
-            k = F.linear(h, lw["k"], lw["k_b"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = F.linear(h, lw["v"], lw["v_b"]).view(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = F.linear(h, lw["qkv"], lw["qkv_b"]).split(self.qkv_sizes, dim=-1)
+            q = q.view(n, cfg.num_heads, cfg.head_dim)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = pool.layer(i)
@@ -104,7 +113,8 @@ class LlamaModel:
             a = attention.forward(q, k_cache, v_cache, meta).reshape(n, cfg.num_heads * cfg.head_dim)
             x = x + F.linear(a, lw["o"], lw["o_b"])
             h = _rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, lw["gate"])) * F.linear(h, lw["up"]), lw["down"])
+            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw["down"])
         x = _rms_norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
