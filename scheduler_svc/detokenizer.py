@@ -29,6 +29,9 @@ class IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, self._prompt_context, self.stop, self.include_stop)
 
     def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip HF's wrapper
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, emit_text: bool = True) -> None:
