@@ -41,7 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention implementation (auto: torch until the CUDA kernels land)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
-    p.add_argument("--log-format", choices=["json", "console"], default="json")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
+                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
@@ -129,7 +130,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
 
 
 async def serve(args) -> None:
-    log = logs.configure("executor", json=args.log_format == "json")
+    log = logs.configure("executor", json=logs.wants_json(args.log_format))
     runner, describe = build(args, log)
     server = grpc_common.new_server()
     pb_grpc.add_ExecutorServicer_to_server(ExecutorService(runner, describe, log), server)

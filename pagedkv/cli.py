@@ -45,7 +45,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share and reuse the KV pages of common prompt prefixes (per tenant)")
-    p.add_argument("--log-format", choices=["json", "console"], default="json")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
+                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
 
 def _wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:

@@ -27,3 +27,8 @@ def configure(service: str, json: bool | None = None, level: str = "info") -> st
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger(service=service)
+
+
+def wants_json(log_format: str) -> bool | None:
+    """--log-format → the json argument of configure (None: decide by whether stderr is a terminal)."""
+    return {"json": True, "console": False}.get(log_format)

@@ -39,7 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-integrity", action="store_true",
                    help="check page accounting after every step (always checked when idle)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
-    p.add_argument("--log-format", choices=["json", "console"], default="json")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
+                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
 
 def _check_args(args, describe, log) -> int:
@@ -64,7 +65,7 @@ def _check_args(args, describe, log) -> int:
 
 
 async def serve(args) -> None:
-    log = logs.configure("scheduler", json=args.log_format == "json")
+    log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
     client = ExecutorClient(args.executor, args.step_timeout)
     describe = await client.connect(args.connect_timeout)
     max_len = _check_args(args, describe, log)
