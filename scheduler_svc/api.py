@@ -49,12 +49,16 @@ class GenerationService(api_grpc.GenerationServicer):
         if n > self.engine.scheduler.config.max_num_seqs:
             limit = self.engine.scheduler.config.max_num_seqs
             raise InvalidRequest(f"sampling.n: {n}; must be <= max_num_seqs={limit}")
-        rid = request.request_id or uuid.uuid4().hex
-        if rid in self.live:
-            raise KeyError(rid)
+        client_id = request.request_id or uuid.uuid4().hex
+        if client_id in self.live:
+            raise KeyError(client_id)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
-        return Request(request_id=rid, prompt_ids=ids, sampling=sampling, arrival=self.engine.next_arrival(),
-                       detokenizer=detok, n=n, tenant=tenant, hash_root=tenant_root(tenant))
+        arrival = self.engine.next_arrival()
+        # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
+        # may reuse its id as soon as its stream ends, while the old request is still being reaped).
+        return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
+                       detokenizer=detok, n=n, tenant=tenant, hash_root=tenant_root(tenant),
+                       client_id=client_id)
 
     async def Generate(self, request, context):  # noqa: N802
         try:
@@ -66,9 +70,9 @@ class GenerationService(api_grpc.GenerationServicer):
                                 f"request_id: {err.args[0]!r} is already in use by a live request")
         if self.engine.executor.call is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected; retry later")
-        log = self.log.bind(request_id=req.request_id, tenant=req.tenant)
+        log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n)
-        self.live.add(req.request_id)
+        self.live.add(req.client_id)
         self.engine.add_request(req)
         finished = 0
         try:
@@ -77,7 +81,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 if out.error:
                     log.warning("request_failed", error=out.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-                msg = api.GenerateResponse(request_id=req.request_id, text=out.text, token_ids=out.token_ids,
+                msg = api.GenerateResponse(request_id=req.client_id, text=out.text, token_ids=out.token_ids,
                                            logprobs=out.logprobs, index=out.index)
                 if out.finish is not None:
                     finished += 1
@@ -91,7 +95,7 @@ class GenerationService(api_grpc.GenerationServicer):
                              preemptions=req.num_preemptions)
                 yield msg
         finally:
-            self.live.discard(req.request_id)
+            self.live.discard(req.client_id)
             if finished < req.n:  # the client went away (or we are shutting down): free its pages
                 self.engine.abort(req.request_id)
                 log.info("request_cancelled", forks_finished=finished)

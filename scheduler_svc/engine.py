@@ -69,45 +69,62 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            await self.wake.wait()
-            t0 = time.perf_counter()
-            preempted_before = self.scheduler.num_preemptions
-            plan, outputs = self.scheduler.schedule()
-            self._deliver(outputs)
-            metrics.PREEMPTIONS.labels("recompute").inc(self.scheduler.num_preemptions - preempted_before)
-            if plan is None:
-                if not self.scheduler.has_work:
-                    self.wake.clear()
-                    self.scheduler.check_integrity()  # idle: every page must be accounted for
-                    self._update_gauges()
-                else:
-                    await asyncio.sleep(0.001)
-                continue
-            t1 = time.perf_counter()
             try:
-                result = await self.executor.step(plan)
-            except ExecutorUnavailable as err:
-                await self._executor_failed(str(err))
-                continue
-            t2 = time.perf_counter()
-            self._deliver(self.scheduler.process(result))
-            if self.check_every_step:
-                self.scheduler.check_integrity()
-            self.steps += 1
-            self._update_gauges()
-            metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
-            metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
-            metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
+                await self._iteration()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a bug must not leave every client stream hanging
+                self.log.exception("engine_error")
+                self.executor.drop()  # the executor's request state goes with the stream
+                await self._executor_failed(f"internal error in the scheduler: {err!r}")
+
+    async def _iteration(self) -> None:
+        await self.wake.wait()
+        t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions
+        plan, outputs = self.scheduler.schedule()
+        self._deliver(outputs)
+        metrics.PREEMPTIONS.labels("recompute").inc(self.scheduler.num_preemptions - preempted_before)
+        if plan is None:
+            if not self.scheduler.has_work:
+                self.wake.clear()
+                self.scheduler.check_integrity()  # idle: every page must be accounted for
+                self._update_gauges()
+            else:
+                await asyncio.sleep(0.001)
+            return
+        t1 = time.perf_counter()
+        try:
+            result = await self.executor.step(plan)
+        except ExecutorUnavailable as err:
+            await self._executor_failed(str(err))
+            return
+        t2 = time.perf_counter()
+        self._deliver(self.scheduler.process(result))
+        if self.check_every_step:
+            self.scheduler.check_integrity()
+        self.steps += 1
+        self._update_gauges()
+        metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
+        metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
+        metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
 
     async def _executor_failed(self, error: str) -> None:
         self.log.error("executor_failed", error=error)
         self._deliver(self.scheduler.fail_all(error))
-        self.scheduler.to_forget = []  # the executor's state is gone with it
-        self.scheduler.check_integrity()
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError:
+            self.log.exception("integrity_after_failure")
         while True:
             try:
-                await self.executor.connect(self.reconnect_timeout)
-                self.log.info("executor_reconnected", executor_id=self.executor.describe.executor_id)
-                return
+                describe = await self.executor.connect(self.reconnect_timeout)
+                break
             except ExecutorUnavailable as err:
                 self.log.warning("executor_reconnect_failed", error=str(err))
+        pool = self.scheduler.pool
+        if (describe.num_device_pages, describe.block_size) != (pool.num_pages, pool.block_size):
+            self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
+                             block_size=describe.block_size)
+            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size)
+        self.log.info("executor_reconnected", executor_id=describe.executor_id)

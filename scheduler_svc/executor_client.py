@@ -41,23 +41,23 @@ class ExecutorClient:
             await self.call.write(plan)
             result = await asyncio.wait_for(self.call.read(), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
-            self._drop()
+            self.drop()
             raise ExecutorUnavailable(f"executor {self.address} failed during step {plan.step_id}: "
                                       f"{type(err).__name__}: {err}") from err
         if result is grpc.aio.EOF:
-            self._drop()
+            self.drop()
             raise ExecutorUnavailable(f"executor {self.address} closed its Run stream")
         if result.step_id != plan.step_id:
-            self._drop()
+            self.drop()
             raise ExecutorUnavailable(f"executor {self.address} answered step {result.step_id} "
                                       f"to plan {plan.step_id}")
         return result
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
         if self.call is not None:
             self.call.cancel()
         self.call = None
 
     async def close(self) -> None:
-        self._drop()
+        self.drop()
         await self.channel.close()

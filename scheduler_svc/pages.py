@@ -98,6 +98,11 @@ class PagePool:
         self.hash_of_page[page] = page_hash
         return True
 
+    def forget_hashes(self) -> None:
+        """Nothing is findable any more (the executor that held the contents is gone)."""
+        self.hash_of_page.clear()
+        self.page_of_hash.clear()
+
     def refcount(self, page: int) -> int:
         return self.refcounts[page]
 

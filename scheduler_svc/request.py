@@ -77,12 +77,15 @@ class Request:
     registered: list[bytes] = field(default_factory=list)
     # Parallel sampling: a parent with n > 1 computes prompt[:-1], then forks into n children.
     n: int = 1
-    group: str = ""  # the client's request id (shared by forks)
+    group: str = ""  # the internal id of the client request (shared by its forks)
+    client_id: str = ""  # the id the client knows (responses and logs)
     index: int = 0  # fork index
 
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
+        if not self.client_id:
+            self.client_id = self.request_id
 
     @property
     def num_tokens(self) -> int:

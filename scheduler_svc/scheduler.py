@@ -40,7 +40,8 @@ class Scheduler:
         self.pool = pool
         self.config = config
         self.kv = KVManager(pool, config.enable_prefix_caching)
-        self.copies: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int]] = []  # page copies for the next plan
+        self.inflight_copies: list[tuple[int, int]] = []
         self.peak_used_pages = 0
         self.num_computed_tokens = 0
         self.eos = set(eos_token_ids)
@@ -99,7 +100,7 @@ class Scheduler:
         self.to_forget = []
         for src, dst in self.copies:
             plan.page_ops.copy.add(src=src, dst=dst)
-        self.copies = []
+        self.inflight_copies, self.copies = self.copies, []
         for req, n in scheduled:
             self._add_to_plan(plan, req, n)
         self.inflight = scheduled
@@ -139,7 +140,8 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats) -> int:
         """FCFS admission; a request whose shared prefix is being computed by another waits (is skipped)."""
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) + self.waiting[0].n <= self.config.max_num_seqs:
+        seats = sum(r.n for r in self.running)  # a parent that has not forked yet holds n seats
+        while self.waiting and budget > 0 and seats + self.waiting[0].n <= self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.find_hits(req)
             if self.kv.waits_for_inflight(req, len(hits)):
@@ -153,6 +155,7 @@ class Scheduler:
             self.kv.admit(req, hits, n)
             req.status = Status.RUNNING
             self.running.append(req)
+            seats += req.n
             scheduled.append((req, n))
             budget -= n
             stats.admitted += 1
@@ -202,6 +205,7 @@ class Scheduler:
                     sampling=replace(parent.sampling, seed=(parent.sampling.seed + i) % (1 << 64)),
                     arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
+                    client_id=parent.client_id,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]
@@ -213,6 +217,7 @@ class Scheduler:
         for child in children:
             self.kv.fork(parent, child)
             child.status = Status.RUNNING
+            child.aborted = parent.aborted  # cancelled while its last prefill chunk ran: reaped next step
             self.requests[child.request_id] = child
         self.running[at:at + 1] = children
         self.kv.release(parent)
@@ -221,8 +226,11 @@ class Scheduler:
         self.to_forget.append(parent.request_id)
 
     def _plan_rejected(self, inflight, error: str) -> list[tuple[Request, Output]]:
-        """The executor disagreed with us: resend every request of the plan in full next step."""
+        """The executor disagreed with us and ran nothing of the step: resend every request of the plan
+        in full next step, with the plan's page copies."""
         self.plan_failures += 1
+        self.copies = self.inflight_copies + self.copies
+        self.inflight_copies = []
         outputs = []
         for req, _ in inflight:
             req.num_pages_sent = -1
@@ -272,9 +280,22 @@ class Scheduler:
         return [(r, self.finish(r, Finish.ABORT)) for r in list(self.requests.values()) if r.aborted]
 
     def fail_all(self, error: str) -> list[tuple[Request, Output]]:
-        """The executor is gone: every live request ends with an error; all pages return."""
-        self.inflight = []
-        return [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+        """The executor is gone, and its pages with it: every live request ends with an error, all pages
+        return, and the prefix cache forgets every page (a restarted executor holds none of them)."""
+        self.inflight, self.inflight_copies, self.copies = [], [], []
+        outputs = [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+        self.to_forget = []
+        self.plan_failures = 0
+        self.pool.forget_hashes()
+        self.kv.inflight.clear()
+        return outputs
+
+    def reset_pool(self, num_pages: int, block_size: int) -> None:
+        """A (re)connected executor with another pool geometry; only when nothing is live."""
+        assert not self.requests, "reset_pool with live requests"
+        self.pool = PagePool(num_pages, block_size)
+        self.kv = KVManager(self.pool, self.config.enable_prefix_caching)
+        self.watermark_pages = int(self.config.watermark * num_pages)
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -131,3 +131,22 @@ def test_max_model_len_beyond_pool_refused(start_server):
     with pytest.raises(RuntimeError) as err:
         start_server("--num-pages", "4", "--max-model-len", "512")
     assert "--max-model-len 512 needs 32 pages" in str(err.value)
+
+
+def test_request_id_reused_right_after_cancel(server):
+    """A client may reuse its id once its stream ended; the old request must not be confused with it."""
+
+    async def scenario():
+        async with Client(server.address) as client:
+            call = client.stub.Generate(client.build_request([1, 40, 41], max_tokens=200, ignore_eos=True,
+                                                             request_id="same"))
+            async for _ in call:
+                break
+            call.cancel()
+            again = await client.complete([1, 40, 41], max_tokens=5, ignore_eos=True, request_id="same")
+            other = await client.complete([1, 42], max_tokens=5, ignore_eos=True)
+            return again, other
+
+    again, other = asyncio.run(scenario())
+    assert again.request_id == "same" and again.completion_tokens == 5 and again.finish_reason == "length"
+    assert other.completion_tokens == 5

@@ -133,3 +133,68 @@ def test_fork_shares_pages_and_copies_the_partial_last_page():
     s.process(fake_result(plan, known))
     drive(s, known=known)
     assert s.pool.num_used == 0
+
+
+# ---- regressions found in review ----------------------------------------------------------------
+def test_executor_failure_forgets_the_prefix_cache():
+    s = new_scheduler()
+    prompt = [40 + i % 90 for i in range(80)]
+    run_one(s, 0, prompt)
+    assert s.pool.num_cached > 0
+    s.fail_all("executor gone")
+    again, computed = run_one(s, 1, prompt)
+    assert again.num_cached_tokens == 0 and computed == 80 + 3
+
+
+def _forked(s: Scheduler, prompt_len: int = 10, n: int = 2):
+    from tests.fake_executor import fake_result
+
+    parent = make_request(0, 0, 4, prompt=list(range(3, 3 + prompt_len)), n=n)
+    s.add(parent)
+    known: dict = {}
+    plan, _ = s.schedule()
+    return parent, plan, known, fake_result
+
+
+def test_rejected_plan_keeps_its_page_copies():
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    s = Scheduler(PagePool(40, 4), SchedulerConfig(max_model_len=64), [2])
+    parent, plan, known, fake_result = _forked(s)
+    s.process(fake_result(plan, known))
+    plan, _ = s.schedule()
+    copies = [(c.src, c.dst) for c in plan.page_ops.copy]
+    assert copies
+    s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
+    again, _ = s.schedule()
+    assert [(c.src, c.dst) for c in again.page_ops.copy] == copies
+    assert {r.request_id for r in again.new_requests} == {"r0/0", "r0/1"}
+
+
+def test_abort_during_the_last_parent_chunk_aborts_the_forks():
+    s = new_scheduler()
+    parent, plan, known, fake_result = _forked(s, prompt_len=40, n=3)
+    s.abort(parent.group)  # the client goes away while the parent's prefill runs
+    s.process(fake_result(plan, known))
+    plan, outs = s.schedule()
+    assert s.pool.num_used == 0 and not s.running
+    assert {o.finish.value for _, o in outs} == {"abort"}
+
+
+def test_a_parent_holds_n_seats_before_it_forks():
+    s = new_scheduler(seqs=4)
+    s.add(make_request(0, 0, 3, prompt=list(range(3, 30)), n=4))
+    for i in range(1, 4):
+        s.add(make_request(i, 0, 3, prompt=[50 + i] * 20))
+    drive_steps = 0
+    from tests.fake_executor import fake_result
+
+    known: dict = {}
+    while s.has_work and drive_steps < 100:
+        plan, _ = s.schedule()
+        if plan is None:
+            break
+        s.process(fake_result(plan, known))
+        assert len(s.running) <= 4
+        drive_steps += 1
+    assert not s.has_work
