@@ -51,3 +51,73 @@ class DevicePagePool:
             self.pages[torch.tensor(dst, device=self.pages.device)] = self.pages[
                 torch.tensor(src, device=self.pages.device)
             ]
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) pairs in plan order as runs (src0, dst0, length) where both ids count up by one.
+
+    The order is kept: a later copy to the same page must still land last."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]
+
+
+class HostPagePool:
+    """The host tier (swap space): the same page shape as the device pool, pinned when the device is
+    a GPU so page DMA runs asynchronously. Contents are garbage until a swap-out writes a page."""
+
+    def __init__(self, device_pool: DevicePagePool, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"the host page pool cannot have {num_pages} pages")
+        self.num_pages = num_pages
+        self.page_bytes = device_pool.page_bytes
+        pin = device_pool.pages.is_cuda
+        shape = (num_pages, *device_pool.pages.shape[1:])
+        self.pages = torch.empty(shape, dtype=device_pool.dtype, device="cpu", pin_memory=pin)
+
+
+class PageMover:
+    """Page DMA between the device pool and the host pool: whole pages (one copy per page, or per run of
+    consecutive pages), in plan order.
+
+    On a GPU the copies run on a stream of their own. It first waits for the work already queued on the
+    compute stream (earlier forwards wrote the pages being swapped out), and the compute stream then waits
+    for the copies before anything else of the step runs: a device page is never overwritten before its
+    copy-out finished, and a request never runs before its copy-in finished. The CPU never waits.
+    On the CPU the same operations are plain tensor copies.
+    """
+
+    def __init__(self, device_pool: DevicePagePool, host_pool: HostPagePool) -> None:
+        self.device = device_pool
+        self.host = host_pool
+        self.stream = torch.cuda.Stream(device_pool.pages.device) if device_pool.pages.is_cuda else None
+
+    def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        dev, host = self.device.pages, self.host.pages
+        async_copy = self.stream is not None
+        for src, dst, n in _runs(swap_out):
+            host[dst:dst + n].copy_(dev[src:src + n], non_blocking=async_copy)
+        for src, dst, n in _runs(swap_in):
+            dev[dst:dst + n].copy_(host[src:src + n], non_blocking=async_copy)
+
+    def run(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """All swap-outs of a step, then all its swap-ins (a page freed by a swap-out may be the target of a
+        swap-in in the same step)."""
+        if not swap_out and not swap_in:
+            return
+        if self.stream is None:
+            self._copy(swap_out, swap_in)
+            return
+        compute = torch.cuda.current_stream(self.device.pages.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            self._copy(swap_out, swap_in)
+        compute.wait_stream(self.stream)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()

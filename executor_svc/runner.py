@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
-from executor_svc.pages import DevicePagePool
+from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.sampler import SamplingParams, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
 
@@ -55,9 +55,12 @@ def _group_by_length(num_pages: list[int], slack: float = 1.25) -> list[tuple[li
 
 
 class ModelRunner:
-    def __init__(self, model, pool: DevicePagePool, attention, device: torch.device) -> None:
+    def __init__(self, model, pool: DevicePagePool, attention, device: torch.device,
+                 host_pool: HostPagePool | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.host_pool = host_pool
+        self.mover = PageMover(pool, host_pool) if host_pool is not None and host_pool.num_pages else None
         self.attention = attention
         self.device = device
         self.block_size = pool.block_size
@@ -73,7 +76,17 @@ class ModelRunner:
                 raise PlanError(f"request {request_id}: page id {p} outside [0, {self.pool.num_pages})",
                                 [request_id])
 
+    def _check_page_ops(self, ops: pb.PageOps) -> None:
+        num_host = self.host_pool.num_pages if self.host_pool is not None else 0
+        for name, copies, (src_n, dst_n) in (("swap_out", ops.swap_out, (self.pool.num_pages, num_host)),
+                                            ("swap_in", ops.swap_in, (num_host, self.pool.num_pages)),
+                                            ("copy", ops.copy, (self.pool.num_pages, self.pool.num_pages))):
+            for c in copies:
+                if not (0 <= c.src < src_n and 0 <= c.dst < dst_n):
+                    raise PlanError(f"page_ops.{name}: {c.src} -> {c.dst} outside [0, {src_n}) -> [0, {dst_n})", [])
+
     def _apply(self, plan: pb.StepPlan) -> list[_Scheduled]:
+        self._check_page_ops(plan.page_ops)
         for rid in plan.forget:
             self.requests.pop(rid, None)
         staged: list[tuple[str, RequestState, int]] = []
@@ -161,6 +174,9 @@ class ModelRunner:
             result.desynced_request_ids.extend(err.request_ids)
             return result
         t1 = time.perf_counter()
+        ops = plan.page_ops
+        if self.mover is not None:  # order: swap-out, swap-in, copy-on-write, then the forward
+            self.mover.run([(c.src, c.dst) for c in ops.swap_out], [(c.src, c.dst) for c in ops.swap_in])
         if plan.page_ops.copy:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
         t2 = time.perf_counter()

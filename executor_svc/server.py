@@ -14,7 +14,8 @@ import torch
 from executor_svc.attention import BACKENDS
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
-from executor_svc.pages import DevicePagePool, GiB, page_bytes, pages_for_budget
+from executor_svc.costs import measure_costs
+from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
 from pagedkv import grpc_common, logs
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -23,6 +24,8 @@ from pagedkv.models import resolve_model
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 BLOCK_SIZES = (8, 16, 32)
+MAX_SWAP_RATIO = 2.0  # the host tier is at most 2x the device KV (seeds, practice note 3)
+HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +38,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB (default: 1 on CPU, "
                       "--gpu-memory-utilization of free memory after weights on CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    swap = p.add_mutually_exclusive_group()
+    swap.add_argument("--swap-space", type=float, metavar="GiB",
+                      help="host (pinned) memory for swapped-out and spilled KV pages; 0 turns the host tier "
+                      "off (default: as much as the device KV, capped to half the available host memory; "
+                      f"at most {MAX_SWAP_RATIO:g}x the device KV)")
+    swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages instead of GiB")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
@@ -104,6 +113,50 @@ def _num_pages(args, cfg: ModelConfig, dtype: torch.dtype, device: torch.device)
     return pages
 
 
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _num_host_pages(args, num_device_pages: int, per_page: int, log) -> int:
+    """The host tier: bounded (at most MAX_SWAP_RATIO x the device KV) because an unbounded swap turns
+    a 3 s P99 into 20 s (seeds, practice note 3)."""
+    limit = int(MAX_SWAP_RATIO * num_device_pages)
+    device_gib = num_device_pages * per_page / GiB
+    if args.num_host_pages is not None:
+        pages, asked = args.num_host_pages, f"--num-host-pages {args.num_host_pages}"
+    elif args.swap_space is not None:
+        pages, asked = int(args.swap_space * GiB // per_page), f"--swap-space {args.swap_space:g} GiB"
+        if args.swap_space > 0 and pages == 0:
+            raise ValueError(f"{asked} holds no page of {per_page} bytes")
+    else:
+        avail = available_host_memory()
+        pages = min(num_device_pages, int(HOST_MEMORY_SHARE * avail) // per_page)
+        if pages < num_device_pages:
+            log.warning("swap_space_capped", host_pages=pages, device_pages=num_device_pages,
+                        available_host_bytes=avail, hint="the default host tier takes at most half the "
+                        "available host memory; set --swap-space to choose")
+        return pages
+    if pages < 0:
+        raise ValueError(f"{asked}: must be >= 0")
+    if pages > limit:
+        raise ValueError(
+            f"{asked} is {pages} pages ({pages * per_page / GiB:.3g} GiB), above {MAX_SWAP_RATIO:g}x the device "
+            f"KV cache ({num_device_pages} pages, {device_gib:.3g} GiB): at most {limit} pages. An unbounded "
+            "swap tier trades a short queue for long tail latency; give the device more KV instead")
+    avail = available_host_memory()
+    if pages * per_page > avail:
+        raise ValueError(f"{asked} needs {pages * per_page / GiB:.3g} GiB of host memory but only "
+                         f"{avail / GiB:.3g} GiB is available")
+    return pages
+
+
 def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,18 +168,24 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     backend = "torch" if args.attention_backend == "auto" else args.attention_backend
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device), args.block_size, dtype, device)
+    host_pool = HostPagePool(pool, _num_host_pages(args, pool.num_pages, pool.page_bytes, log))
+    runner = ModelRunner(model, pool, attention, device, host_pool)
+    costs = measure_costs(runner)
     describe = pb.DescribeResponse(
         model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
         dtype=str(dtype).removeprefix("torch."), kv_dtype=str(dtype).removeprefix("torch."),
-        block_size=args.block_size, num_device_pages=pool.num_pages, num_host_pages=0,
+        block_size=args.block_size, num_device_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
         page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
+        swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
-             block_size=args.block_size, num_pages=pool.num_pages, page_bytes=pool.page_bytes, backend=backend)
-    return ModelRunner(model, pool, attention, device), describe
+             block_size=args.block_size, num_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
+             page_bytes=pool.page_bytes, backend=backend, swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
+             prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1))
+    return runner, describe
 
 
 async def serve(args) -> None:

@@ -8,30 +8,70 @@ The facade between scheduling policy and the page pool. Token regions of a reque
 Pages [0, hits) are shared with the cache; a page becomes findable (published) only once the
 executor confirmed the step that filled it. Full pages of the prompt that a running request is
 still computing are "in flight": another request that needs them waits instead of computing them too.
+
+The host tier (optional) is a second PagePool of the same page size. It holds the pages of swapped-out
+requests (``req.host_table``) and, in its free LRU, prefix-cache pages spilled there when the device
+evicted them. Both are found by the same hashes, so a hit may come from either tier (tenant roots keep
+tenants apart in both). Every page movement is recorded in ``ops`` for the next plan; the executor runs
+swap-outs, then swap-ins, then copies, then the forward. Host pages read by a swap-in stay held until the
+plan that reads them is confirmed (``ops.host_release``), so no swap-out of the same plan can reuse them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.prefix_cache import extend_chain
 from scheduler_svc.request import Request
 
+Hit = tuple[int, bool]  # (page id, on the host tier)
+
+
+@dataclass(slots=True)
+class PageOps:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device), copy-on-write
+    host_release: list[int] = field(default_factory=list)  # host references to drop once the plan ran
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy or self.host_release)
+
+
+@dataclass(slots=True)
+class SwapCounters:
+    pages_out: int = 0
+    pages_in: int = 0
+    spilled: int = 0  # of pages_out: cached pages the device evicted
+    spill_hits: int = 0  # of pages_in: prefix hits served from the host tier
+
 
 class KVManager:
-    def __init__(self, pool: PagePool, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, pool: PagePool, enable_prefix_caching: bool = True, host: PagePool | None = None) -> None:
         self.pool = pool
+        self.host = host if host is not None and host.num_pages else None
         self.caching = enable_prefix_caching
         self.bs = pool.block_size
         self.inflight: dict[bytes, Request] = {}
         self.num_cached_prompt_tokens = 0
+        self.ops = PageOps()
+        self.swaps = SwapCounters()
+        if self.host is not None and self.caching:
+            pool.on_evict = self._spill
+
+    def take_ops(self) -> PageOps:
+        ops, self.ops = self.ops, PageOps()
+        return ops
 
     # ---- admission -----------------------------------------------------------------------------
     def _max_hit_pages(self, req: Request) -> int:
         """Whole pages that may come from the cache: never the one holding the last token to compute."""
         return max(0, (req.compute_target - 1) // self.bs)
 
-    def find_hits(self, req: Request) -> list[int]:
-        """The longest cached prefix of a request that holds no pages (read-only)."""
+    def find_hits(self, req: Request) -> list[Hit]:
+        """The longest cached prefix of a request that holds no pages (read-only): each page from the
+        device tier if it is there, else from the host tier."""
         if not self.caching or req.page_table:
             return []
         limit = self._max_hit_pages(req)
@@ -39,9 +79,13 @@ class KVManager:
         hits = []
         for h in req.page_hashes[:limit]:
             page = self.pool.lookup(h)
+            if page is not None:
+                hits.append((page, False))
+                continue
+            page = self.host.lookup(h) if self.host is not None else None
             if page is None:
                 break
-            hits.append(page)
+            hits.append((page, True))
         return hits
 
     def waits_for_inflight(self, req: Request, num_hits: int) -> bool:
@@ -51,17 +95,25 @@ class KVManager:
         owner = self.inflight.get(req.page_hashes[num_hits])
         return owner is not None and owner is not req
 
-    def pages_to_admit(self, hits: list[int], num_tokens: int) -> int:
-        """Free pages that admitting with these hits and num_tokens new tokens would take."""
-        reused_free = sum(1 for p in hits if self.pool.refcount(p) == 0)
-        return self.pool.pages_for(len(hits) * self.bs + num_tokens) - len(hits) + reused_free
+    def pages_to_admit(self, hits: list[Hit], num_tokens: int) -> int:
+        """Free device pages that admitting with these hits and num_tokens new tokens would take (a host
+        hit takes a device page to be copied into)."""
+        taken = sum(1 for p, on_host in hits if on_host or self.pool.refcount(p) == 0)
+        return self.pool.pages_for(len(hits) * self.bs + num_tokens) - len(hits) + taken
 
-    def admit(self, req: Request, hits: list[int], num_tokens: int) -> None:
-        """Takes references on the hit pages first, then allocates the suffix."""
-        self.pool.share(hits)
+    def admit(self, req: Request, hits: list[Hit], num_tokens: int) -> None:
+        """Takes references on the device hits first (so no allocation evicts them), brings host hits
+        back, then allocates the suffix."""
+        self.pool.share(p for p, on_host in hits if not on_host)
+        host_hits = [p for p, on_host in hits if on_host]
+        if host_hits:  # held before any allocation: a spill must not evict one of them
+            self.host.share(host_hits)
+            self.ops.host_release.extend(host_hits)
+            self.swaps.spill_hits += len(host_hits)
+        table = [p if not on_host else self._bring_back(p, req.page_hashes[j]) for j, (p, on_host) in enumerate(hits)]
         cached = len(hits) * self.bs
         need = self.pool.pages_for(cached + num_tokens) - len(hits)
-        req.page_table = hits + self.pool.allocate(need)
+        req.page_table = table + self.pool.allocate(need)
         req.num_computed = cached
         req.num_published = len(hits)
         if req.num_preemptions == 0 and req.index == 0 and not req.output_ids:
@@ -78,6 +130,112 @@ class KVManager:
                 self.inflight[h] = req
                 req.registered.append(h)
 
+    # ---- the host tier ---------------------------------------------------------------------------
+    def _bring_back(self, host_page: int, page_hash: bytes | None) -> int:
+        """A device page that will hold a host page's contents after this plan's swap-ins. The caller holds
+        host_page until the plan ran (ops.host_release)."""
+        (page,) = self.pool.allocate(1)
+        self.ops.swap_in.append((host_page, page))
+        self.swaps.pages_in += 1
+        if page_hash is not None:
+            self.pool.publish(page, page_hash)  # the copy-in runs before anything that could read it
+        return page
+
+    def _spill(self, page: int, page_hash: bytes) -> None:
+        """The device is about to reuse a cached page: keep its contents in the host tier (LRU) if there
+        is a free host page and the tier does not hold them already."""
+        if self.host.lookup(page_hash) is not None or not self.host.num_free:
+            return
+        (hp,) = self.host.allocate(1)
+        self.host.publish(hp, page_hash)
+        self.host.free([hp])  # free but findable, most recently used
+        self.ops.swap_out.append((page, hp))
+        self.swaps.pages_out += 1
+        self.swaps.spilled += 1
+
+    def _swap_out_plan(self, req: Request) -> tuple[int, int]:
+        """(pages to copy, free host pages taken) for swapping req out; its filled pages go to the host,
+        except those whose contents the host tier already caches (shared there)."""
+        copies = taken = 0
+        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
+            h = self.pool.hash_of(p)
+            hp = self.host.lookup(h) if h is not None else None
+            if hp is None:
+                copies += 1
+                taken += 1
+            elif self.host.refcount(hp) == 0:
+                taken += 1
+        return copies, taken
+
+    def shared_cached_tokens(self, req: Request) -> int:
+        """Tokens of req in cached pages other requests hold too: a recompute would find them again."""
+        n = 0
+        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
+            if self.pool.refcount(p) < 2 or self.pool.hash_of(p) is None:
+                break
+            n += 1
+        return min(n * self.bs, req.num_computed)
+
+    def swap_out_cost(self, req: Request) -> int | None:
+        """Pages that swapping req out would copy, or None when the host tier cannot take it."""
+        if self.host is None or req.num_computed == 0:
+            return None
+        copies, taken = self._swap_out_plan(req)
+        return copies if taken <= self.host.num_free else None
+
+    def swap_out(self, req: Request) -> None:
+        """Moves req's filled pages to the host tier and frees its device pages; req keeps num_computed."""
+        host_table = []
+        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
+            h = self.pool.hash_of(p)
+            hp = self.host.lookup(h) if h is not None else None
+            if hp is not None:
+                self.host.share([hp])
+            else:
+                (hp,) = self.host.allocate(1)
+                self.ops.swap_out.append((p, hp))
+                self.swaps.pages_out += 1
+                if h is not None:
+                    self.host.publish(hp, h)
+            host_table.append(hp)
+        num_computed, num_published = req.num_computed, req.num_published
+        self.release(req)
+        req.host_table = host_table
+        req.num_computed, req.num_published = num_computed, num_published
+
+    def pages_to_swap_in(self, req: Request, num_tokens: int) -> int:
+        """Free device pages that swapping req in and growing it by num_tokens would take."""
+        taken = 0
+        for hp in req.host_table:
+            h = self.host.hash_of(hp)
+            page = self.pool.lookup(h) if h is not None else None
+            if page is None or self.pool.refcount(page) == 0:
+                taken += 1
+        return taken + max(0, self.pool.pages_for(req.num_computed + num_tokens) - len(req.host_table))
+
+    def swap_in(self, req: Request, num_tokens: int) -> None:
+        """Gives req device pages again: contents still cached on the device are shared, the rest copied in."""
+        found = []
+        for hp in req.host_table:
+            h = self.host.hash_of(hp)
+            page = self.pool.lookup(h) if h is not None else None
+            found.append((page, h))
+        self.pool.share(page for page, _ in found if page is not None)
+        req.page_table = [page if page is not None else self._bring_back(hp, h)
+                          for hp, (page, h) in zip(req.host_table, found)]
+        # Pages copied in are read by this plan: their references drop once it ran; the others now.
+        self.ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
+        self.host.free(hp for hp, (page, _) in zip(req.host_table, found) if page is not None)
+        req.host_table = []
+        if self.caching:
+            self._register_inflight(req, req.num_published)
+        self.grow(req, num_tokens)
+
+    def confirm(self, ops: PageOps) -> None:
+        """The plan that carried ops ran: the host pages its swap-ins read may be reused."""
+        if self.host is not None:
+            self.host.free(ops.host_release)
+
     # ---- growth --------------------------------------------------------------------------------
     def _shared_write_page(self, req: Request) -> int | None:
         """Index of the page the next token goes into, if other tables hold it too (copy-on-write)."""
@@ -90,20 +248,20 @@ class KVManager:
         cow = 1 if self._shared_write_page(req) is not None else 0
         return max(0, self.pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)) + cow
 
-    def grow(self, req: Request, num_tokens: int) -> list[tuple[int, int]]:
-        """Makes the table cover num_computed + num_tokens; returns page copies (src, dst) to run first."""
-        copies = []
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Makes the table cover num_computed + num_tokens (a shared page about to be written is copied
+        first, recorded in ops.copy); True when a page of the table changed in place."""
         idx = self._shared_write_page(req)
         if idx is not None:
             src = req.page_table[idx]
             (dst,) = self.pool.allocate(1)
             self.pool.free([src])
             req.page_table[idx] = dst
-            copies.append((src, dst))
+            self.ops.copy.append((src, dst))
         need = self.pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)
         if need > 0:
             req.page_table.extend(self.pool.allocate(need))
-        return copies
+        return idx is not None
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child points at every page of the parent (one more reference each)."""
@@ -130,8 +288,12 @@ class KVManager:
         req.num_published = full
 
     def release(self, req: Request) -> None:
-        """Frees a request's pages tail-first and drops its in-flight claims; published pages stay findable."""
+        """Frees a request's pages (both tiers) tail-first and drops its in-flight claims; published pages
+        stay findable."""
         self.pool.free(reversed(req.page_table))
+        if req.host_table:
+            self.host.free(reversed(req.host_table))
+            req.host_table = []
         req.page_table = []
         req.num_computed = 0
         req.num_published = 0

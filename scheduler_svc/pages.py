@@ -1,4 +1,4 @@
-"""Page accounting: the one place that hands out and takes back device page ids.
+"""Page accounting: the one place that hands out and takes back page ids (one PagePool per tier).
 
 Every page is either used (refcount >= 1: that many page tables hold it) or free (refcount 0, in
 the free queue). A free page may still carry the hash of the tokens it holds: it stays findable
@@ -6,13 +6,14 @@ by the prefix cache until the pool hands it out again ("free is not evicted"). T
 an LRU with O(1) removal from the middle (a cache hit on a free page takes it out of the queue).
 
 Policy code asks ``can_allocate``/``allocate``, ``lookup``/``share``, ``publish`` and ``free``; it never
-touches the queue, the refcounts or the hash maps.
+touches the queue, the refcounts or the hash maps. The same class accounts for the device tier and the
+host tier (swap space); ``on_evict`` lets the owner copy a cached page elsewhere before it is reused.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class OutOfPages(Exception):
@@ -20,9 +21,11 @@ class OutOfPages(Exception):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, block_size: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    def __init__(self, num_pages: int, block_size: int, min_pages: int = 1,
+                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+        if num_pages < min_pages:
+            raise ValueError(f"num_pages must be >= {min_pages}, got {num_pages}")
+        self.on_evict = on_evict  # called with (page, hash) when a cached free page is handed out again
         self.num_pages = num_pages
         self.block_size = block_size
         self.refcounts = [0] * num_pages
@@ -61,6 +64,8 @@ class PagePool:
             if old is not None:
                 del self.page_of_hash[old]
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(page, old)
             self.refcounts[page] = 1
             pages.append(page)
         return pages
@@ -89,6 +94,9 @@ class PagePool:
     # ---- prefix cache index --------------------------------------------------------------------
     def lookup(self, page_hash: bytes) -> int | None:
         return self.page_of_hash.get(page_hash)
+
+    def hash_of(self, page: int) -> bytes | None:
+        return self.hash_of_page.get(page)
 
     def publish(self, page: int, page_hash: bytes) -> bool:
         """Makes a used page findable by the hash of its (confirmed) contents. First publisher wins."""

@@ -12,6 +12,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its pages in the host tier
     FINISHED = "finished"
 
 
@@ -62,6 +63,10 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in this request's pages
     page_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)  # host-tier pages while swapped out
+    priority: int = 0  # lower is more important (preempted last)
+    last_scheduled: int = 0  # step id of the last plan that computed tokens for it
+    swapped_at: int = 0  # step id when it was swapped out
     num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
     num_preemptions: int = 0
     num_cached_tokens: int = 0

@@ -3,17 +3,20 @@
 Each call of ``schedule`` builds one StepPlan; ``process`` applies the executor's StepResult.
 Requests join and leave at every step; prefills are cut into chunks so a step never computes more
 than ``max_num_batched_tokens`` tokens; pages are allocated as tokens arrive and freed the moment a
-request ends. When pages run out a running request is preempted by recompute (``_pick_victim``).
+request ends. When pages run out a running request is preempted: the victim and whether it is swapped to
+the host tier or recomputed later come from ``scheduler_svc.policy``. Swapped requests come back after new
+prefills (TTFT first), unless one has waited ``swap_in_max_wait`` steps: then it goes first.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc.kv_manager import KVManager
+from scheduler_svc.kv_manager import KVManager, PageOps
 from scheduler_svc.pages import PagePool
+from scheduler_svc.policy import Costs, PreemptionConfig, PreemptionPolicy
 from scheduler_svc.request import Finish, Output, Request, Status
 
 MAX_PLAN_RETRIES = 3
@@ -26,27 +29,36 @@ class SchedulerConfig:
     max_model_len: int = 2048
     watermark: float = 0.01  # share of pages kept free when admitting new requests
     enable_prefix_caching: bool = True
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 
 @dataclass(slots=True)
 class StepStats:
     preempted: int = 0
+    swapped_in: int = 0
     admitted: int = 0
     tokens: int = 0
 
 
+class PlanLoopError(RuntimeError):
+    """The executor keeps rejecting page operations: its state cannot be trusted any more."""
+
+
 class Scheduler:
-    def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int]) -> None:
+    def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int],
+                 host_pool: PagePool | None = None, costs: Costs | None = None) -> None:
         self.pool = pool
         self.config = config
-        self.kv = KVManager(pool, config.enable_prefix_caching)
-        self.copies: list[tuple[int, int]] = []  # page copies for the next plan
-        self.inflight_copies: list[tuple[int, int]] = []
+        self.kv = KVManager(pool, config.enable_prefix_caching, host_pool)
+        self.policy = PreemptionPolicy(config.preemption, costs or Costs(page_bytes=0))
+        self.inflight_ops = PageOps()  # page operations of the plan in flight
+        self.resend_ops: PageOps | None = None  # those of a rejected plan: sent again, alone, first
         self.peak_used_pages = 0
         self.num_computed_tokens = 0
         self.eos = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # in swap-out order
         self.requests: dict[str, Request] = {}
         self.to_forget: list[str] = []
         self.inflight: list[tuple[Request, int]] = []
@@ -54,6 +66,12 @@ class Scheduler:
         self.plan_failures = 0
         self.watermark_pages = int(config.watermark * pool.num_pages)
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    @property
+    def host(self) -> PagePool | None:
+        return self.kv.host
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -73,12 +91,14 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.to_forget)
+        return bool(self.waiting or self.running or self.swapped or self.to_forget or self.resend_ops)
 
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> tuple[pb.StepPlan | None, list[tuple[Request, Output]]]:
         """Returns the next plan (None if there is nothing to send) and outputs of reaped aborts."""
         outputs = self._reap_aborted()
+        if self.resend_ops is not None:
+            return self._resend_plan(), outputs
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         stats = StepStats()
@@ -93,55 +113,107 @@ class Scheduler:
             i += 1
         if not stats.preempted:
             budget = self._admit(budget, scheduled, stats)
-        if not scheduled and not self.to_forget:
+        if not scheduled and not self.to_forget and not self.kv.ops:
             return None, outputs
         self.step_id += 1
         plan = pb.StepPlan(step_id=self.step_id, forget=self.to_forget)
         self.to_forget = []
-        for src, dst in self.copies:
-            plan.page_ops.copy.add(src=src, dst=dst)
-        self.inflight_copies, self.copies = self.copies, []
+        self.inflight_ops = self.kv.take_ops()
+        self._add_ops(plan, self.inflight_ops)
         for req, n in scheduled:
             self._add_to_plan(plan, req, n)
         self.inflight = scheduled
         self.peak_used_pages = max(self.peak_used_pages, self.pool.num_used)
         return plan, outputs
 
+    @staticmethod
+    def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
+        for src, dst in ops.swap_out:
+            plan.page_ops.swap_out.add(src=src, dst=dst)
+        for src, dst in ops.swap_in:
+            plan.page_ops.swap_in.add(src=src, dst=dst)
+        for src, dst in ops.copy:
+            plan.page_ops.copy.add(src=src, dst=dst)
+
+    def _resend_plan(self) -> pb.StepPlan:
+        """The page operations of a rejected plan, alone, before anything planned later (whose operations
+        may depend on them running first)."""
+        self.step_id += 1
+        plan = pb.StepPlan(step_id=self.step_id, forget=self.to_forget)
+        self.to_forget = []
+        self.inflight_ops, self.resend_ops = self.resend_ops, None
+        self._add_ops(plan, self.inflight_ops)
+        return plan
+
     def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req)."""
+        now = self.step_id + 1
         while not self.pool.can_allocate(self.kv.pages_to_grow(req, n)):
-            victim = self._pick_victim(unscheduled)
+            victim = self.policy.pick_victim(unscheduled, now, req)
             unscheduled.remove(victim)
-            self._preempt(victim)
+            self._preempt(victim, now)
             stats.preempted += 1
             if victim is req:
                 return False
-        copies = self.kv.grow(req, n)
-        if copies:
-            self.copies += copies
+        if self.kv.grow(req, n):
             req.num_pages_sent = -1  # its table changed in place: send it in full
         return True
 
-    @staticmethod
-    def _pick_victim(candidates: list[Request]) -> Request:
-        """The one victim rule: of the running requests not yet scheduled this step, the newest."""
-        return max(candidates, key=lambda r: r.arrival)
-
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, now: int) -> None:
+        """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
         self.running.remove(req)
-        self.kv.release(req)
+        pages = self.kv.swap_out_cost(req)
+        if self.policy.should_swap(pages, req.num_computed - self.kv.shared_cached_tokens(req)):
+            self.kv.swap_out(req)
+            req.status = Status.SWAPPED
+            req.swapped_at = now
+            self.swapped.append(req)
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.release(req)
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+            self.num_recompute_preemptions += 1
         req.num_pages_sent = -1
         req.num_preemptions += 1
-        req.status = Status.WAITING
         self.to_forget.append(req.request_id)
-        self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def _swap_in(self, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int:
+        """Brings the longest-swapped request back if it fits; returns the tokens it takes (0: it did not fit)."""
+        req = self.swapped[0]
+        n = min(req.num_uncomputed, budget)
+        if seats + req.n > self.config.max_num_seqs:
+            return 0
+        need = self.kv.pages_to_swap_in(req, n) + (self.watermark_pages if self.running else 0)
+        if not self.pool.can_allocate(need):
+            return 0
+        self.swapped.popleft()
+        self.kv.swap_in(req, n)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        scheduled.append((req, n))
+        return n
+
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats) -> int:
-        """FCFS admission; a request whose shared prefix is being computed by another waits (is skipped)."""
-        deferred: list[Request] = []
+        """Swapped requests that waited too long first (nothing else is admitted until they fit); then new
+        and recompute-preempted requests, FCFS (one whose shared prefix another request is computing waits);
+        then the other swapped requests, in swap-out order."""
         seats = sum(r.n for r in self.running)  # a parent that has not forked yet holds n seats
-        while self.waiting and budget > 0 and seats + self.waiting[0].n <= self.config.max_num_seqs:
+        now = self.step_id + 1
+        while self.swapped and budget > 0 and now - self.swapped[0].swapped_at >= self.policy.config.swap_in_max_wait:
+            n = self._swap_in(budget, seats, scheduled)
+            if not n:
+                return budget
+            seats += scheduled[-1][0].n
+            budget -= n
+            stats.swapped_in += 1
+        deferred: list[Request] = []
+        blocked = False
+        while self.waiting and budget > 0:
+            if seats + self.waiting[0].n > self.config.max_num_seqs:
+                blocked = True
+                break
             req = self.waiting[0]
             hits = self.kv.find_hits(req)
             if self.kv.waits_for_inflight(req, len(hits)):
@@ -150,6 +222,7 @@ class Scheduler:
             n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
             need = self.kv.pages_to_admit(hits, n)
             if not self.pool.can_allocate(need + (self.watermark_pages if self.running else 0)):
+                blocked = True
                 break
             self.waiting.popleft()
             self.kv.admit(req, hits, n)
@@ -160,6 +233,13 @@ class Scheduler:
             budget -= n
             stats.admitted += 1
         self.waiting.extendleft(reversed(deferred))
+        while not blocked and self.swapped and budget > 0:
+            n = self._swap_in(budget, seats, scheduled)
+            if not n:
+                break
+            seats += scheduled[-1][0].n
+            budget -= n
+            stats.swapped_in += 1
         return budget
 
     def _add_to_plan(self, plan: pb.StepPlan, req: Request, n: int) -> None:
@@ -176,12 +256,15 @@ class Scheduler:
             plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,
                                 new_page_ids=req.page_table[req.num_pages_sent:])
         req.num_pages_sent = len(req.page_table)
+        req.last_scheduled = plan.step_id
 
     # ---- results -------------------------------------------------------------------------------
     def process(self, result: pb.StepResult) -> list[tuple[Request, Output]]:
         inflight, self.inflight = self.inflight, []
         if result.error:
             return self._plan_rejected(inflight, result.error)
+        self.kv.confirm(self.inflight_ops)
+        self.inflight_ops = PageOps()
         self.plan_failures = 0
         self.num_computed_tokens += result.num_computed_tokens
         for req, n in inflight:
@@ -226,11 +309,14 @@ class Scheduler:
         self.to_forget.append(parent.request_id)
 
     def _plan_rejected(self, inflight, error: str) -> list[tuple[Request, Output]]:
-        """The executor disagreed with us and ran nothing of the step: resend every request of the plan
-        in full next step, with the plan's page copies."""
+        """The executor disagreed with us and ran nothing of the step: its page operations go again, alone,
+        and every request of the plan is sent in full next time."""
         self.plan_failures += 1
-        self.copies = self.inflight_copies + self.copies
-        self.inflight_copies = []
+        if self.inflight_ops:
+            if self.plan_failures >= MAX_PLAN_RETRIES:
+                raise PlanLoopError(f"executor rejected page operations {self.plan_failures} times: {error}")
+            self.resend_ops = self.inflight_ops
+        self.inflight_ops = PageOps()
         outputs = []
         for req, _ in inflight:
             req.num_pages_sent = -1
@@ -263,6 +349,9 @@ class Scheduler:
             self.running.remove(req)
             self.kv.release(req)
             self.to_forget.append(req.request_id)
+        elif req.status is Status.SWAPPED:  # the executor forgot it when it was swapped out
+            self.swapped.remove(req)
+            self.kv.release(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
             if req.num_pages_sent >= 0:
@@ -280,28 +369,47 @@ class Scheduler:
         return [(r, self.finish(r, Finish.ABORT)) for r in list(self.requests.values()) if r.aborted]
 
     def fail_all(self, error: str) -> list[tuple[Request, Output]]:
-        """The executor is gone, and its pages with it: every live request ends with an error, all pages
-        return, and the prefix cache forgets every page (a restarted executor holds none of them)."""
-        self.inflight, self.inflight_copies, self.copies = [], [], []
+        """The executor is gone, and its pages with it (both tiers): every live request ends with an error,
+        all pages return, and the prefix cache forgets every page (a restarted executor holds none)."""
+        self.inflight = []
+        for ops in (self.inflight_ops, self.resend_ops, self.kv.take_ops()):
+            if ops is not None:
+                self.kv.confirm(ops)  # drops the host references they held
+        self.inflight_ops, self.resend_ops = PageOps(), None
         outputs = [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+        self.kv.take_ops()
         self.to_forget = []
         self.plan_failures = 0
         self.pool.forget_hashes()
+        if self.host is not None:
+            self.host.forget_hashes()
         self.kv.inflight.clear()
         return outputs
 
-    def reset_pool(self, num_pages: int, block_size: int) -> None:
+    def reset_pool(self, num_pages: int, block_size: int, num_host_pages: int = 0, costs: Costs | None = None) -> None:
         """A (re)connected executor with another pool geometry; only when nothing is live."""
         assert not self.requests, "reset_pool with live requests"
         self.pool = PagePool(num_pages, block_size)
-        self.kv = KVManager(self.pool, self.config.enable_prefix_caching)
+        host = PagePool(num_host_pages, block_size, min_pages=0) if num_host_pages else None
+        self.kv = KVManager(self.pool, self.config.enable_prefix_caching, host)
+        if costs is not None:
+            self.policy = PreemptionPolicy(self.config.preemption, costs)
         self.watermark_pages = int(self.config.watermark * num_pages)
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
+        """Both tiers: every page's refcount equals the tables (and pending swap-ins) holding it."""
         self.pool.check_integrity(r.page_table for r in self.running)
+        if self.host is not None:
+            pending = [ops.host_release for ops in (self.inflight_ops, self.resend_ops, self.kv.ops) if ops is not None]
+            self.host.check_integrity([*(r.host_table for r in self.swapped), *pending])
         for h, owner in self.kv.inflight.items():
             assert owner.status is Status.RUNNING and h in owner.registered, "stale in-flight page claim"
         for r in self.waiting:
-            assert not r.page_table, f"waiting request {r.request_id} holds pages"
-        assert len(self.running) + len(self.waiting) == len(self.requests), "request lists disagree"
+            assert not r.page_table and not r.host_table, f"waiting request {r.request_id} holds pages"
+        for r in self.running:
+            assert not r.host_table, f"running request {r.request_id} holds host pages"
+        for r in self.swapped:
+            assert not r.page_table and r.status is Status.SWAPPED, f"swapped request {r.request_id} holds device pages"
+            assert len(r.host_table) == self.pool.pages_for(r.num_computed), f"{r.request_id}: host table size"
+        assert len(self.running) + len(self.waiting) + len(self.swapped) == len(self.requests), "request lists disagree"

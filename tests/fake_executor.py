@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
@@ -41,18 +43,100 @@ def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
     return result
 
 
-def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None = None) -> list:
-    known = {} if known is None else known
+class FakeExecutor:
+    """fake_result plus a model of page contents: every KV slot holds a fingerprint of the tokens up to
+    its position. Page operations run in the executor's order (swap-out, swap-in, copy); each scheduled
+    request must find its earlier positions in its pages, exactly as a real forward would read them.
+    A page moved before its contents were written, or overwritten too early, fails here."""
+
+    def __init__(self, block_size: int, known: dict[str, list] | None = None, check_contents: bool = True) -> None:
+        self.bs = block_size
+        self.known = {} if known is None else known
+        self.check_contents = check_contents
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.pages_moved = 0
+
+    @staticmethod
+    def _fingerprints(tokens: list[int]) -> list[int]:
+        """fp[p] identifies tokens[:p+1] (what the KV at position p depends on)."""
+        out, h = [], 0
+        for t in tokens:
+            h = hash((h, t))
+            out.append(h)
+        return out
+
+    def _slot(self, rid: str, pos: int) -> tuple[list, int]:
+        page = self.device.setdefault(self.tables[rid][pos // self.bs], [None] * self.bs)
+        return page, pos % self.bs
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        if not self.check_contents:
+            return fake_result(plan, self.known)
+        for rid in plan.forget:
+            self.tables.pop(rid, None)
+            self.tokens.pop(rid, None)
+        ops = plan.page_ops
+        for c in ops.swap_out:
+            self.host[c.dst] = list(self.device.get(c.src, [None] * self.bs))
+        for c in ops.swap_in:
+            self.device[c.dst] = list(self.host.get(c.src, [None] * self.bs))
+        for c in ops.copy:
+            self.device[c.dst] = list(self.device.get(c.src, [None] * self.bs))
+        self.pages_moved += len(ops.swap_out) + len(ops.swap_in)
+        for new in plan.new_requests:
+            self.tables[new.request_id] = list(new.page_ids)
+            self.tokens[new.request_id] = list(new.token_ids)
+        for c in plan.continuing:
+            self.tables[c.request_id].extend(c.new_page_ids)
+        starts = {rid: self.known[rid][1] for rid in self.tables if rid in self.known}
+        result = fake_result(plan, self.known)
+        for item in [*plan.new_requests, *plan.continuing]:
+            rid = item.request_id
+            start = item.num_computed_tokens if isinstance(item, pb.NewRequest) else starts[rid]
+            fps = self._fingerprints(self.tokens[rid])
+            for pos in range(start):
+                page, off = self._slot(rid, pos)
+                assert page[off] == fps[pos], f"step {plan.step_id}: {rid} reads wrong KV at position {pos}"
+            for pos in range(start, start + item.num_scheduled_tokens):
+                page, off = self._slot(rid, pos)
+                page[off] = fps[pos]
+        for sampled in result.sampled:
+            self.tokens[sampled.request_id].append(sampled.token_id)
+        return result
+
+
+_EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None = None,
+          executor: FakeExecutor | None = None, on_step=None, feed_ticks: int = 0) -> list:
+    """Runs the scheduler against a FakeExecutor (page contents checked unless ``known`` comes from
+    earlier steps the executor did not see) until nothing is left; returns the finished requests."""
+    if executor is None and known is None:
+        executor = _EXECUTORS.setdefault(s, FakeExecutor(s.pool.block_size))  # one per scheduler: pages persist
+    elif executor is None:
+        executor = FakeExecutor(s.pool.block_size, known, check_contents=False)
     finished = []
+    ticks = 0  # loop turns; on_step(s) adds work for feed_ticks of them
     for _ in range(max_steps):
+        if on_step is not None:
+            on_step(s)
         plan, outs = s.schedule()
+        finished += [req for req, o in outs if o.finish is not None]
         if plan is None and not s.has_work:
+            if on_step is not None and ticks < feed_ticks:
+                ticks += 1
+                continue  # idle, but more work is coming
             break
+        ticks += 1
         assert plan is not None
         assert sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
             c.num_scheduled_tokens for c in plan.continuing) <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
-        outs = s.process(fake_result(plan, known))
+        outs = s.process(executor.step(plan))
         s.check_integrity()
         finished += [req for req, o in outs if o.finish is not None]
     return finished

@@ -166,9 +166,15 @@ def test_rejected_plan_keeps_its_page_copies():
     copies = [(c.src, c.dst) for c in plan.page_ops.copy]
     assert copies
     s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
-    again, _ = s.schedule()
+    again, _ = s.schedule()  # the rejected plan's page operations go first, alone
     assert [(c.src, c.dst) for c in again.page_ops.copy] == copies
-    assert {r.request_id for r in again.new_requests} == {"r0/0", "r0/1"}
+    assert not again.new_requests and not again.continuing
+    s.process(fake_result(again, known))
+    then, _ = s.schedule()
+    assert not then.page_ops.copy
+    assert {r.request_id for r in then.new_requests} == {"r0/0", "r0/1"}
+    s.process(fake_result(then, known))
+    s.check_integrity()
 
 
 def test_abort_during_the_last_parent_chunk_aborts_the_forks():

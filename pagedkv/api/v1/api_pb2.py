@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedkv/api/v1/api.proto\x12\x0epagedkv.api.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xee\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\x05\x42\x07\n\x05_seed\"\xa0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.pagedkv.api.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedkv.api.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.pagedkv.api.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.pagedkv.api.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\"&\n\x10ModelInfoRequest\x12\x12\n\nreset_peak\x18\x01 \x01(\x08\"\x9b\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\x05\x12\x16\n\x0enum_used_pages\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x13\n\x0bnum_running\x18\n \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12\x17\n\x0fpeak_used_pages\x18\r \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x0e \x01(\x03\x12 \n\x18num_cached_prompt_tokens\x18\x0f \x01(\x03\x12\x18\n\x10num_cached_pages\x18\x10 \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x11 \x01(\x08\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.pagedkv.api.v1.GenerateRequest\x1a .pagedkv.api.v1.GenerateResponse0\x01\x12P\n\tModelInfo\x12 .pagedkv.api.v1.ModelInfoRequest\x1a!.pagedkv.api.v1.ModelInfoResponse\x12M\n\x08Tokenize\x12\x1f.pagedkv.api.v1.TokenizeRequest\x1a .pagedkv.api.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedkv/api/v1/api.proto\x12\x0epagedkv.api.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xee\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\x05\x42\x07\n\x05_seed\"\xb2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x18.pagedkv.api.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedkv.api.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.pagedkv.api.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.pagedkv.api.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\x05\"&\n\x10ModelInfoRequest\x12\x12\n\nreset_peak\x18\x01 \x01(\x08\"\xae\x05\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\x05\x12\x16\n\x0enum_used_pages\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x13\n\x0bnum_running\x18\n \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12\x17\n\x0fpeak_used_pages\x18\r \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x0e \x01(\x03\x12 \n\x18num_cached_prompt_tokens\x18\x0f \x01(\x03\x12\x18\n\x10num_cached_pages\x18\x10 \x01(\x05\x12\x16\n\x0eprefix_caching\x18\x11 \x01(\x08\x12\x16\n\x0enum_host_pages\x18\x12 \x01(\x05\x12\x1b\n\x13num_used_host_pages\x18\x13 \x01(\x05\x12\x13\n\x0bnum_swapped\x18\x14 \x01(\x05\x12\x1c\n\x14num_swap_preemptions\x18\x15 \x01(\x03\x12!\n\x19num_recompute_preemptions\x18\x16 \x01(\x03\x12\x1d\n\x15num_pages_swapped_out\x18\x17 \x01(\x03\x12\x1c\n\x14num_pages_swapped_in\x18\x18 \x01(\x03\x12\x16\n\x0enum_swap_bytes\x18\x19 \x01(\x03\x12\x19\n\x11num_spilled_pages\x18\x1a \x01(\x03\x12\x16\n\x0enum_spill_hits\x18\x1b \x01(\x03\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\nGeneration\x12O\n\x08Generate\x12\x1f.pagedkv.api.v1.GenerateRequest\x1a .pagedkv.api.v1.GenerateResponse0\x01\x12P\n\tModelInfo\x12 .pagedkv.api.v1.ModelInfoRequest\x1a!.pagedkv.api.v1.ModelInfoResponse\x12M\n\x08Tokenize\x12\x1f.pagedkv.api.v1.TokenizeRequest\x1a .pagedkv.api.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.api.v1.api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1344
-  _globals['_FINISHREASON']._serialized_end=1464
+  _globals['_FINISHREASON']._serialized_start=1637
+  _globals['_FINISHREASON']._serialized_end=1757
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
   _globals['_SAMPLINGPARAMS']._serialized_end=308
   _globals['_GENERATEREQUEST']._serialized_start=311
-  _globals['_GENERATEREQUEST']._serialized_end=471
-  _globals['_USAGE']._serialized_start=473
-  _globals['_USAGE']._serialized_end=553
-  _globals['_GENERATERESPONSE']._serialized_start=556
-  _globals['_GENERATERESPONSE']._serialized_end=772
-  _globals['_MODELINFOREQUEST']._serialized_start=774
-  _globals['_MODELINFOREQUEST']._serialized_end=812
-  _globals['_MODELINFORESPONSE']._serialized_start=815
-  _globals['_MODELINFORESPONSE']._serialized_end=1226
-  _globals['_TOKENIZEREQUEST']._serialized_start=1228
-  _globals['_TOKENIZEREQUEST']._serialized_end=1287
-  _globals['_TOKENIZERESPONSE']._serialized_start=1289
-  _globals['_TOKENIZERESPONSE']._serialized_end=1342
-  _globals['_GENERATION']._serialized_start=1467
-  _globals['_GENERATION']._serialized_end=1721
+  _globals['_GENERATEREQUEST']._serialized_end=489
+  _globals['_USAGE']._serialized_start=491
+  _globals['_USAGE']._serialized_end=571
+  _globals['_GENERATERESPONSE']._serialized_start=574
+  _globals['_GENERATERESPONSE']._serialized_end=790
+  _globals['_MODELINFOREQUEST']._serialized_start=792
+  _globals['_MODELINFOREQUEST']._serialized_end=830
+  _globals['_MODELINFORESPONSE']._serialized_start=833
+  _globals['_MODELINFORESPONSE']._serialized_end=1519
+  _globals['_TOKENIZEREQUEST']._serialized_start=1521
+  _globals['_TOKENIZEREQUEST']._serialized_end=1580
+  _globals['_TOKENIZERESPONSE']._serialized_start=1582
+  _globals['_TOKENIZERESPONSE']._serialized_end=1635
+  _globals['_GENERATION']._serialized_start=1760
+  _globals['_GENERATION']._serialized_end=2014
 # @@protoc_insertion_point(module_scope)

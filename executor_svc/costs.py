@@ -1,0 +1,84 @@
+"""Start-up measurements the scheduler needs to choose between swap and recompute for a victim.
+
+Both are measured with the executor's own code paths (the page mover, a real step through the model)
+before the server starts, while the pools hold nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    swap_bytes_per_second: float  # 0: no host tier
+    prefill_seconds_per_token: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_of(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def swap_bandwidth(runner, max_pages: int = 64, repeats: int = 3) -> float:
+    """Bytes per second of page swap-out + swap-in, pages scattered (no two adjacent) as under load."""
+    mover = runner.mover
+    if mover is None:
+        return 0.0
+    k = min(max_pages, runner.pool.num_pages, mover.host.num_pages)
+    dev = list(range(k))
+    host = list(range(k))[::-1]  # reversed: no runs to merge, one copy per page
+    pairs_out, pairs_in = list(zip(dev, host)), list(zip(host, dev))
+
+    def once() -> None:
+        mover.run(pairs_out, [])
+        mover.run([], pairs_in)
+
+    seconds = _best_of(once, runner.device, repeats)
+    return 2 * k * mover.host.page_bytes / seconds
+
+
+def prefill_cost(runner, max_tokens: int = 256, repeats: int = 2) -> float:
+    """Seconds per token of a prefill chunk (one step over a random prompt)."""
+    cfg = runner.model.cfg
+    bs = runner.block_size
+    n = max(2, min(max_tokens, runner.pool.num_pages * bs, cfg.max_position_embeddings - 1))
+    rng = random.Random(0)
+    tokens = [rng.randrange(cfg.vocab_size) for _ in range(n)]
+    counter = iter(range(1 << 30))
+
+    def once() -> None:
+        rid = f"__prefill_probe_{next(counter)}"
+        plan = pb.StepPlan(step_id=0)
+        plan.new_requests.add(request_id=rid, token_ids=tokens, num_computed_tokens=0, num_scheduled_tokens=n,
+                              page_ids=list(range(-(-n // bs))), sampling=pb.SamplingParams())
+        result = runner.step(plan)
+        if result.error:
+            raise RuntimeError(f"prefill probe failed: {result.error}")
+        runner.requests.pop(rid, None)
+
+    seconds = _best_of(once, runner.device, repeats)
+    runner.reset()
+    return seconds / n
+
+
+def measure_costs(runner) -> Costs:
+    return Costs(swap_bandwidth(runner), prefill_cost(runner))

@@ -1,0 +1,89 @@
+"""Preemption policy, in one place: which request gives up its pages, and whether it is swapped or recomputed.
+
+Victims (seeds, practice note 3; DESIGN.md decision 6):
+  1. cold first: not scheduled for >= ``cold_steps`` steps;
+  2. never a hot one (scheduled within the last ``hot_steps`` steps) while another candidate exists;
+  3. then the least important (highest ``priority`` value), then the newest.
+
+Swap or recompute, per victim, by cost:
+  recompute = tokens whose KV would have to be computed again x measured prefill seconds per token
+  swap      = bytes copied out and back in / measured page copy bandwidth
+Tokens in pages that other running requests share (and that stay cached) are not counted as recompute;
+pages whose contents the host tier already caches are not copied. Without room in the host tier a victim
+is always recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from scheduler_svc.request import Request
+
+
+class Mode(enum.Enum):
+    AUTO = "auto"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionConfig:
+    mode: Mode = Mode.AUTO
+    hot_steps: int = 64
+    cold_steps: int = 512
+    swap_in_max_wait: int = 64  # steps a swapped request yields to new prefills before it goes first
+
+    def __post_init__(self) -> None:
+        if self.hot_steps < 0 or self.cold_steps < self.hot_steps:
+            raise ValueError(f"need 0 <= hot steps ({self.hot_steps}) <= cold steps ({self.cold_steps})")
+        if self.swap_in_max_wait < 0:
+            raise ValueError(f"swap-in max wait must be >= 0 steps, got {self.swap_in_max_wait}")
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    page_bytes: int = 0
+    swap_bytes_per_second: float = 0.0
+    prefill_seconds_per_token: float = 0.0
+
+
+class PreemptionPolicy:
+    COLD, WARM, HOT = 0, 1, 2
+
+    def __init__(self, config: PreemptionConfig, costs: Costs) -> None:
+        self.config = config
+        self.costs = costs
+
+    def temperature(self, req: Request, now: int) -> int:
+        idle = now - req.last_scheduled
+        if idle >= self.config.cold_steps:
+            return self.COLD
+        if idle >= self.config.hot_steps:
+            return self.WARM
+        return self.HOT
+
+    def pick_victim(self, candidates: list[Request], now: int, requester: Request | None = None) -> Request:
+        """Coldest first, then the highest priority value, then the newest. The request asking for pages
+        is about to be scheduled: it counts as hot."""
+        def key(r: Request):
+            temperature = self.HOT if r is requester else self.temperature(r, now)
+            return -temperature, r.priority, r.arrival
+
+        return max(candidates, key=key)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        return tokens * self.costs.prefill_seconds_per_token
+
+    def swap_seconds(self, pages: int) -> float:
+        if self.costs.swap_bytes_per_second <= 0:
+            return float("inf")
+        return 2 * pages * self.costs.page_bytes / self.costs.swap_bytes_per_second
+
+    def should_swap(self, pages_to_copy: int | None, tokens_to_recompute: int) -> bool:
+        """pages_to_copy is None when the host tier cannot take the victim."""
+        if pages_to_copy is None or self.config.mode is Mode.RECOMPUTE:
+            return False
+        if self.config.mode is Mode.SWAP:
+            return True
+        return self.swap_seconds(pages_to_copy) < self.recompute_seconds(tokens_to_recompute)
