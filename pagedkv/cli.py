@@ -36,6 +36,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-pages", type=int, help="number of device KV pages")
     size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB")
+    swap = p.add_mutually_exclusive_group()
+    swap.add_argument("--swap-space", type=float, metavar="GiB",
+                      help="host memory for swapped-out and spilled KV pages (default: 1x the device KV, "
+                      "at most 2x; 0: off)")
+    swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages")
+    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
+                   help="when pages run out: swap or recompute each victim, whichever costs less (auto)")
+    p.add_argument("--hot-steps", type=int, default=64, help="requests scheduled this recently are not victims")
+    p.add_argument("--cold-steps", type=int, default=512, help="requests idle this long are the first victims")
+    p.add_argument("--swap-in-max-wait", type=int, default=64,
+                   help="steps a swapped-out request yields to new prefills before it goes first")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
@@ -78,10 +89,16 @@ def serve(args) -> int:
         exec_cmd += ["--num-pages", str(args.num_pages)]
     if args.kv_cache_gb is not None:
         exec_cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.swap_space is not None:
+        exec_cmd += ["--swap-space", str(args.swap_space)]
+    if args.num_host_pages is not None:
+        exec_cmd += ["--num-host-pages", str(args.num_host_pages)]
     sched_cmd = [*common, "scheduler", "--executor", f"{args.host}:{exec_port}", "--host", args.host,
                  "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--max-model-len", str(args.max_model_len), "--log-format", args.log_format]
+                 "--max-model-len", str(args.max_model_len), "--log-format", args.log_format,
+                 "--preemption-mode", args.preemption_mode, "--hot-steps", str(args.hot_steps),
+                 "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait)]
     if args.check_integrity:
         sched_cmd.append("--check-integrity")
     if not args.enable_prefix_caching:

@@ -14,7 +14,8 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.tenancy import InvalidTenant, tenant_of
-from scheduler_svc.validation import InvalidRequest, Limits, check_prompt_ids, check_request_id, check_sampling
+from scheduler_svc.validation import (InvalidRequest, Limits, check_priority, check_prompt_ids, check_request_id,
+                                     check_sampling)
 
 FINISH_REASONS = {
     Finish.STOP: api.FINISH_REASON_STOP,
@@ -44,6 +45,7 @@ class GenerationService(api_grpc.GenerationServicer):
             raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
         check_prompt_ids(ids, self.limits)
         check_request_id(request.request_id)
+        check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), self.limits)
         n = max(1, request.sampling.n)
         if n > self.engine.scheduler.config.max_num_seqs:
@@ -58,7 +60,7 @@ class GenerationService(api_grpc.GenerationServicer):
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
                        detokenizer=detok, n=n, tenant=tenant, hash_root=tenant_root(tenant),
-                       client_id=client_id)
+                       client_id=client_id, priority=request.priority)
 
     async def Generate(self, request, context):  # noqa: N802
         try:
@@ -108,6 +110,12 @@ class GenerationService(api_grpc.GenerationServicer):
             num_preemptions=s.num_preemptions, peak_used_pages=s.peak_used_pages,
             num_computed_tokens=s.num_computed_tokens, num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
             num_cached_pages=s.pool.num_cached, prefix_caching=s.kv.caching,
+            num_host_pages=s.host.num_pages if s.host is not None else 0,
+            num_used_host_pages=s.host.num_used if s.host is not None else 0, num_swapped=len(s.swapped),
+            num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
+            num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
+            num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
+            num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits,
         )
         if request.reset_peak:
             s.peak_used_pages = s.pool.num_used

@@ -23,6 +23,7 @@ class Engine:
         self.arrivals = 0
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self._counted: dict[str, int] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="engine")
@@ -58,8 +59,29 @@ class Engine:
             if out.finish is not None:
                 metrics.FINISHED.labels(out.finish.value).inc()
 
+    def _count(self) -> None:
+        """Moves the scheduler's cumulative counters into the Prometheus counters."""
+        s = self.scheduler
+        now = {"swap": s.num_swap_preemptions, "recompute": s.num_recompute_preemptions,
+               "out": s.kv.swaps.pages_out, "in": s.kv.swaps.pages_in, "spilled": s.kv.swaps.spilled,
+               "spill_hits": s.kv.swaps.spill_hits}
+        last = self._counted
+        for kind in ("swap", "recompute"):
+            metrics.PREEMPTIONS.labels(kind).inc(now[kind] - last.get(kind, 0))
+        page_bytes = s.policy.costs.page_bytes
+        for direction in ("out", "in"):
+            metrics.SWAP_PAGES.labels(direction).inc(now[direction] - last.get(direction, 0))
+            metrics.SWAP_BYTES.labels(direction).inc((now[direction] - last.get(direction, 0)) * page_bytes)
+        metrics.SPILLED_PAGES.inc(now["spilled"] - last.get("spilled", 0))
+        metrics.SPILL_HITS.inc(now["spill_hits"] - last.get("spill_hits", 0))
+        self._counted = now
+
     def _update_gauges(self) -> None:
         s = self.scheduler
+        if s.host is not None:
+            metrics.HOST_PAGES_USED.set(s.host.num_used)
+            metrics.HOST_PAGES_CACHED.set(s.host.num_cached)
+        metrics.SWAPPED.set(len(s.swapped))
         metrics.PAGES_USED.set(s.pool.num_used)
         metrics.PAGES_FREE.set(s.pool.num_free)
         metrics.RUNNING.set(len(s.running))
@@ -81,10 +103,9 @@ class Engine:
     async def _iteration(self) -> None:
         await self.wake.wait()
         t0 = time.perf_counter()
-        preempted_before = self.scheduler.num_preemptions
         plan, outputs = self.scheduler.schedule()
         self._deliver(outputs)
-        metrics.PREEMPTIONS.labels("recompute").inc(self.scheduler.num_preemptions - preempted_before)
+        self._count()
         if plan is None:
             if not self.scheduler.has_work:
                 self.wake.clear()
@@ -123,8 +144,13 @@ class Engine:
             except ExecutorUnavailable as err:
                 self.log.warning("executor_reconnect_failed", error=str(err))
         pool = self.scheduler.pool
-        if (describe.num_device_pages, describe.block_size) != (pool.num_pages, pool.block_size):
+        host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0
+        if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
+                pool.num_pages, host_pages, pool.block_size):
             self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
-                             block_size=describe.block_size)
-            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size)
+                             num_host_pages=describe.num_host_pages, block_size=describe.block_size)
+            from scheduler_svc.server import costs_of
+
+            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages,
+                                      costs_of(describe))
         self.log.info("executor_reconnected", executor_id=describe.executor_id)

@@ -36,9 +36,9 @@ class PreemptionConfig:
 
     def __post_init__(self) -> None:
         if self.hot_steps < 0 or self.cold_steps < self.hot_steps:
-            raise ValueError(f"need 0 <= hot steps ({self.hot_steps}) <= cold steps ({self.cold_steps})")
+            raise ValueError(f"--hot-steps {self.hot_steps}: must be in [0, --cold-steps {self.cold_steps}]")
         if self.swap_in_max_wait < 0:
-            raise ValueError(f"swap-in max wait must be >= 0 steps, got {self.swap_in_max_wait}")
+            raise ValueError(f"--swap-in-max-wait {self.swap_in_max_wait}: must be >= 0 steps")
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,7 +288,7 @@ class Scheduler:
                     sampling=replace(parent.sampling, seed=(parent.sampling.seed + i) % (1 << 64)),
                     arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
-                    client_id=parent.client_id,
+                    client_id=parent.client_id, priority=parent.priority,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]

@@ -14,6 +14,7 @@ from scheduler_svc.api import GenerationService
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import ExecutorClient
 from scheduler_svc.pages import PagePool
+from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.validation import Limits
 
@@ -32,6 +33,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "capped to what the executor's page pool holds)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share and reuse the KV pages of common prompt prefixes (per tenant)")
+    p.add_argument("--preemption-mode", choices=[m.value for m in Mode], default="auto",
+                   help="when KV pages run out: auto = per victim, swap to the host tier or recompute, whichever "
+                   "the executor's measured copy bandwidth and prefill cost make cheaper")
+    p.add_argument("--hot-steps", type=int, default=64,
+                   help="a request scheduled within this many steps is hot: not a victim while another exists")
+    p.add_argument("--cold-steps", type=int, default=512,
+                   help="a request not scheduled for this many steps is cold: the first victim")
+    p.add_argument("--swap-in-max-wait", type=int, default=64,
+                   help="steps a swapped-out request yields to new prefills before it goes ahead of them")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -64,8 +74,15 @@ def _check_args(args, describe, log) -> int:
     return max_len
 
 
+def costs_of(describe) -> Costs:
+    return Costs(page_bytes=describe.page_bytes, swap_bytes_per_second=describe.swap_bytes_per_second,
+                 prefill_seconds_per_token=describe.prefill_seconds_per_token)
+
+
 async def serve(args) -> None:
     log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
+    preemption = PreemptionConfig(mode=Mode(args.preemption_mode), hot_steps=args.hot_steps,
+                                  cold_steps=args.cold_steps, swap_in_max_wait=args.swap_in_max_wait)
     client = ExecutorClient(args.executor, args.step_timeout)
     describe = await client.connect(args.connect_timeout)
     max_len = _check_args(args, describe, log)
@@ -73,9 +90,11 @@ async def serve(args) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)
     pool = PagePool(describe.num_device_pages, describe.block_size)
+    host = PagePool(describe.num_host_pages, describe.block_size, min_pages=0) if describe.num_host_pages else None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching)
-    scheduler = Scheduler(pool, config, list(describe.eos_token_ids))
+                             max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
+                             preemption=preemption)
+    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, costs_of(describe))
     engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
@@ -92,8 +111,8 @@ async def serve(args) -> None:
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executor=args.executor, pid=os.getpid(),
-             num_pages=pool.num_pages, block_size=pool.block_size, max_model_len=max_len,
-             prefix_caching=args.enable_prefix_caching)
+             num_pages=pool.num_pages, num_host_pages=describe.num_host_pages, block_size=pool.block_size,
+             max_model_len=max_len, prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -77,3 +77,11 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+
+
+MAX_PRIORITY = 1000
+
+
+def check_priority(priority: int) -> None:
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority: {priority}; must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")

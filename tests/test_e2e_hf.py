@@ -50,16 +50,26 @@ async def _info(address: str):
         return await client.model_info()
 
 
-def test_preemption_keeps_outputs_identical(start_server, workloads):
-    """A pool too small for the batch: requests are preempted and recomputed; outputs don't change."""
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_preemption_keeps_outputs_identical(start_server, workloads, mode):
+    """A device pool too small for the batch (24 pages, 48 in the host tier): requests are preempted, then
+    recomputed or swapped back in; outputs equal transformers' (and so an unconstrained run's)."""
     _, prompts, expected = workloads["tiny-llama"]
-    server = start_server("--block-size", "16", "--num-pages", "24", "--max-model-len", "384",
+    server = start_server("--block-size", "16", "--num-pages", "24", "--num-host-pages", "48",
+                          "--preemption-mode", mode, "--max-model-len", "384",
                           "--max-num-batched-tokens", "256", "--check-integrity")
     outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS))
     assert [o.token_ids for o in outs] == expected
     info = asyncio.run(_info(server.address))
     assert info.num_preemptions > 0, "the pool was meant to be too small: preemption must have happened"
-    assert info.num_used_pages == 0 and info.num_free_pages == 24
+    assert info.num_preemptions == info.num_swap_preemptions + info.num_recompute_preemptions
+    if mode == "recompute":
+        assert info.num_swap_preemptions == 0 and info.num_pages_swapped_in == info.num_spill_hits
+    else:  # on this CPU a page copy costs far less than recomputing its tokens: auto swaps too
+        assert info.num_swap_preemptions > 0 and info.num_pages_swapped_in > info.num_spill_hits
+        assert info.num_swap_bytes == (info.num_pages_swapped_in + info.num_pages_swapped_out) * 65536
+    assert info.num_used_pages == 0 and info.num_free_pages == 24  # nothing leaked in either tier
+    assert info.num_used_host_pages == 0 and info.num_swapped == 0 and info.num_host_pages == 48
     assert "preemptions=" in server.log()
 
 
