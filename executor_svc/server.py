@@ -12,9 +12,9 @@ import grpc
 import torch
 
 from executor_svc.attention import BACKENDS
+from executor_svc.costs import measure_costs
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
-from executor_svc.costs import measure_costs
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
 from pagedkv import grpc_common, logs

@@ -14,8 +14,14 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.tenancy import InvalidTenant, tenant_of
-from scheduler_svc.validation import (InvalidRequest, Limits, check_priority, check_prompt_ids, check_request_id,
-                                     check_sampling)
+from scheduler_svc.validation import (
+    InvalidRequest,
+    Limits,
+    check_priority,
+    check_prompt_ids,
+    check_request_id,
+    check_sampling,
+)
 
 FINISH_REASONS = {
     Finish.STOP: api.FINISH_REASON_STOP,
