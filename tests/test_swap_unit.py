@@ -250,3 +250,24 @@ def test_random_mix_of_forks_prefixes_aborts_and_swaps(seed):
     assert len(reqs) > 20
     assert all(r.status is Status.FINISHED or (r.n > 1 and r.compute_target == 0) for r in reqs)  # (forked at once)
     assert_empty(s)
+
+
+def test_host_tier_keeps_tenants_apart():
+    s = new_scheduler(pages=10, host_pages=20)
+    prefix = list(range(30, 58))  # 7 pages
+    s.add(make_request(0, 0, 2, prompt=prefix + [3], tenant="a"))
+    drive(s)
+    for i in range(1, 3):
+        s.add(make_request(i, 0, 2, prompt=[100 + i] * 33, tenant="a"))
+        drive(s)
+    assert s.kv.swaps.spilled >= 7
+    other = make_request(8, 0, 2, prompt=prefix + [4], tenant="b")
+    s.add(other)
+    drive(s)
+    assert other.num_cached_tokens == 0 and s.kv.swaps.spill_hits == 0
+    same = make_request(9, 0, 2, prompt=prefix + [4], tenant="a")
+    s.add(same)
+    drive(s)
+    # (b's own pages spilled meanwhile and pushed some of a's out of the host LRU)
+    assert same.num_cached_tokens >= 16 and s.kv.swaps.spill_hits >= 4
+    assert_empty(s)
