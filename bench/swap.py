@@ -479,11 +479,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "leave the CPUs")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 requests, 32 device pages, prompts 32-128 and outputs 32-96 tokens")
+    p.add_argument("--dma-only", action="store_true",
+                   help="only the page DMA measurement (needs CUDA; what bench/gpu_check.sh runs)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dma_only:
+        if not torch.cuda.is_available():
+            print("page DMA: skipped (no CUDA)")
+            return 0
+        dma = page_dma("cuda", num_pages=args.dma_pages)
+        print_dma(dma)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_name("swap_dma.json").write_text(json.dumps(dma, indent=2) + "\n")
+        return 0
     prompt_range, output_range = PROMPT_RANGE, OUTPUT_RANGE
     if args.quick:
         args.num_requests, args.num_pages = min(args.num_requests, 16), min(args.num_pages, 32)
