@@ -75,9 +75,32 @@ class HostPagePool:
             raise ValueError(f"the host page pool cannot have {num_pages} pages")
         self.num_pages = num_pages
         self.page_bytes = device_pool.page_bytes
-        pin = device_pool.pages.is_cuda
         shape = (num_pages, *device_pool.pages.shape[1:])
-        self.pages = torch.empty(shape, dtype=device_pool.dtype, device="cpu", pin_memory=pin)
+        self.pages = torch.empty(shape, dtype=device_pool.dtype, device="cpu")
+        self.registered = False
+        if device_pool.pages.is_cuda and num_pages:
+            self._pin()
+
+    def _pin(self) -> None:
+        """Page-locks exactly the pool's bytes. (``torch.empty(pin_memory=True)`` goes through torch's caching
+        host allocator, which rounds a request up to a power of two: 40 GiB of swap space would pin 64.)"""
+        nbytes = self.pages.numel() * self.pages.element_size()
+        err = int(torch.cuda.cudart().cudaHostRegister(self.pages.data_ptr(), nbytes, 0))
+        if err == 0:
+            self.registered = True
+            return
+        # Could not register (e.g. a limit on locked memory): pinned memory from torch's allocator instead.
+        clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+        if clear is not None:
+            clear()  # or a later launch check would report this error
+        self.pages = torch.empty(self.pages.shape, dtype=self.pages.dtype, device="cpu", pin_memory=True)
+
+    def __del__(self) -> None:
+        if getattr(self, "registered", False):
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
 
 class PageMover:

@@ -39,7 +39,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     swap = p.add_mutually_exclusive_group()
     swap.add_argument("--swap-space", type=float, metavar="GiB",
                       help="host memory for swapped-out and spilled KV pages (default: 1x the device KV, "
-                      "at most 2x; 0: off)")
+                      "capped to half the available host memory; at most 2x the device KV; 0: off)")
     swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages")
     p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
                    help="when pages run out: swap or recompute each victim, whichever costs less (auto)")

@@ -7,6 +7,7 @@ import time
 
 from scheduler_svc import metrics
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.policy import Costs
 from scheduler_svc.request import Output, Request
 from scheduler_svc.scheduler import Scheduler
 
@@ -66,6 +67,8 @@ class Engine:
                "out": s.kv.swaps.pages_out, "in": s.kv.swaps.pages_in, "spilled": s.kv.swaps.spilled,
                "spill_hits": s.kv.swaps.spill_hits}
         last = self._counted
+        if any(now[k] < last.get(k, 0) for k in now):  # counters never go back; if they did, start over
+            last = {}
         for kind in ("swap", "recompute"):
             metrics.PREEMPTIONS.labels(kind).inc(now[kind] - last.get(kind, 0))
         page_bytes = s.policy.costs.page_bytes
@@ -149,8 +152,6 @@ class Engine:
                 pool.num_pages, host_pages, pool.block_size):
             self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
                              num_host_pages=describe.num_host_pages, block_size=describe.block_size)
-            from scheduler_svc.server import costs_of
-
-            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages,
-                                      costs_of(describe))
+            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages)
+        self.scheduler.set_costs(Costs.of(describe))
         self.log.info("executor_reconnected", executor_id=describe.executor_id)

@@ -47,6 +47,12 @@ class Costs:
     swap_bytes_per_second: float = 0.0
     prefill_seconds_per_token: float = 0.0
 
+    @classmethod
+    def of(cls, describe) -> Costs:
+        """From an executor's DescribeResponse (its start-up measurements)."""
+        return cls(page_bytes=describe.page_bytes, swap_bytes_per_second=describe.swap_bytes_per_second,
+                   prefill_seconds_per_token=describe.prefill_seconds_per_token)
+
 
 class PreemptionPolicy:
     COLD, WARM, HOT = 0, 1, 2

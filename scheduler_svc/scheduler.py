@@ -53,6 +53,8 @@ class Scheduler:
         self.policy = PreemptionPolicy(config.preemption, costs or Costs(page_bytes=0))
         self.inflight_ops = PageOps()  # page operations of the plan in flight
         self.resend_ops: PageOps | None = None  # those of a rejected plan: sent again, alone, first
+        self.resending = False  # the plan in flight is a resend of page operations
+        self.ops_failures = 0  # consecutive rejections of such resends
         self.peak_used_pages = 0
         self.num_computed_tokens = 0
         self.eos = set(eos_token_ids)
@@ -120,6 +122,7 @@ class Scheduler:
         self.to_forget = []
         self.inflight_ops = self.kv.take_ops()
         self._add_ops(plan, self.inflight_ops)
+        self.resending = False
         for req, n in scheduled:
             self._add_to_plan(plan, req, n)
         self.inflight = scheduled
@@ -128,6 +131,11 @@ class Scheduler:
 
     @staticmethod
     def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
+        # Copies run after swap-ins: a copy source overwritten by a swap-in of the same plan would be read
+        # too late. Today no page is freed and handed out again within a plan after a copy was planned from
+        # it (sources stay referenced); this keeps it that way.
+        if ops.copy and ops.swap_in:
+            assert not {d for _, d in ops.swap_in} & {s for s, _ in ops.copy}, "swap-in over a copy source"
         for src, dst in ops.swap_out:
             plan.page_ops.swap_out.add(src=src, dst=dst)
         for src, dst in ops.swap_in:
@@ -143,6 +151,7 @@ class Scheduler:
         self.to_forget = []
         self.inflight_ops, self.resend_ops = self.resend_ops, None
         self._add_ops(plan, self.inflight_ops)
+        self.resending = True
         return plan
 
     def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
@@ -262,9 +271,12 @@ class Scheduler:
     def process(self, result: pb.StepResult) -> list[tuple[Request, Output]]:
         inflight, self.inflight = self.inflight, []
         if result.error:
-            return self._plan_rejected(inflight, result.error)
+            return self._plan_rejected(inflight, result.error, set(result.desynced_request_ids))
         self.kv.confirm(self.inflight_ops)
         self.inflight_ops = PageOps()
+        self.ops_failures = 0
+        if self.resending:  # only page operations ran: the requests of the rejected plan are still to go
+            return []
         self.plan_failures = 0
         self.num_computed_tokens += result.num_computed_tokens
         for req, n in inflight:
@@ -308,19 +320,24 @@ class Scheduler:
         self.requests.pop(parent.request_id, None)
         self.to_forget.append(parent.request_id)
 
-    def _plan_rejected(self, inflight, error: str) -> list[tuple[Request, Output]]:
+    def _plan_rejected(self, inflight, error: str, desynced: set[str]) -> list[tuple[Request, Output]]:
         """The executor disagreed with us and ran nothing of the step: its page operations go again, alone,
-        and every request of the plan is sent in full next time."""
-        self.plan_failures += 1
+        and every request of the plan is sent in full next time. After MAX_PLAN_RETRIES rejections in a row
+        the requests the executor named (all of the plan's if it named none) end with an error."""
+        if self.resending:
+            self.ops_failures += 1
+            if self.ops_failures >= MAX_PLAN_RETRIES:
+                raise PlanLoopError(f"executor rejected the same page operations {self.ops_failures} times: {error}")
+        else:
+            self.plan_failures += 1
         if self.inflight_ops:
-            if self.plan_failures >= MAX_PLAN_RETRIES:
-                raise PlanLoopError(f"executor rejected page operations {self.plan_failures} times: {error}")
             self.resend_ops = self.inflight_ops
         self.inflight_ops = PageOps()
         outputs = []
         for req, _ in inflight:
             req.num_pages_sent = -1
-            if self.plan_failures >= MAX_PLAN_RETRIES and req.status is Status.RUNNING:
+            named = not desynced or req.request_id in desynced
+            if self.plan_failures >= MAX_PLAN_RETRIES and named and req.status is Status.RUNNING:
                 outputs.append((req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {error}")))
         return outputs
 
@@ -376,6 +393,7 @@ class Scheduler:
             if ops is not None:
                 self.kv.confirm(ops)  # drops the host references they held
         self.inflight_ops, self.resend_ops = PageOps(), None
+        self.resending, self.ops_failures = False, 0
         outputs = [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
         self.kv.take_ops()
         self.to_forget = []
@@ -391,10 +409,16 @@ class Scheduler:
         assert not self.requests, "reset_pool with live requests"
         self.pool = PagePool(num_pages, block_size)
         host = PagePool(num_host_pages, block_size, min_pages=0) if num_host_pages else None
+        old = self.kv
         self.kv = KVManager(self.pool, self.config.enable_prefix_caching, host)
+        self.kv.swaps, self.kv.num_cached_prompt_tokens = old.swaps, old.num_cached_prompt_tokens  # "since start"
         if costs is not None:
-            self.policy = PreemptionPolicy(self.config.preemption, costs)
+            self.set_costs(costs)
         self.watermark_pages = int(self.config.watermark * num_pages)
+
+    def set_costs(self, costs: Costs) -> None:
+        """A (re)connected executor measured its copy bandwidth and prefill cost again."""
+        self.policy = PreemptionPolicy(self.config.preemption, costs)
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -74,11 +74,6 @@ def _check_args(args, describe, log) -> int:
     return max_len
 
 
-def costs_of(describe) -> Costs:
-    return Costs(page_bytes=describe.page_bytes, swap_bytes_per_second=describe.swap_bytes_per_second,
-                 prefill_seconds_per_token=describe.prefill_seconds_per_token)
-
-
 async def serve(args) -> None:
     log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
     preemption = PreemptionConfig(mode=Mode(args.preemption_mode), hot_steps=args.hot_steps,
@@ -94,7 +89,7 @@ async def serve(args) -> None:
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption)
-    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, costs_of(describe))
+    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, Costs.of(describe))
     engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,

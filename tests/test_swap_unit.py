@@ -271,3 +271,62 @@ def test_host_tier_keeps_tenants_apart():
     # (b's own pages spilled meanwhile and pushed some of a's out of the host LRU)
     assert same.num_cached_tokens >= 16 and s.kv.swaps.spill_hits >= 4
     assert_empty(s)
+
+
+def test_a_request_the_executor_keeps_rejecting_fails_alone():
+    """Plans with swaps in them are rejected because of one request: its plans fail three times and it
+    is aborted; the rejected page operations still run (resent alone) and nothing else fails."""
+    from scheduler_svc.scheduler import MAX_PLAN_RETRIES
+
+    s = new_scheduler(pages=9, hot=0, cold=0, seqs=4)
+    reqs = [make_request(i, 12, 12, prompt=[80 + i] * 12) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    ex = FakeExecutor(BS)
+    bad = reqs[1].request_id
+    rejected = 0
+    for _ in range(500):
+        plan, _ = s.schedule()
+        if plan is None and not s.has_work:
+            break
+        ids = {r.request_id for r in plan.new_requests} | {c.request_id for c in plan.continuing}
+        if bad in ids:
+            rejected += 1
+            s.process(pb.StepResult(step_id=plan.step_id, error=f"{bad} is cursed", desynced_request_ids=[bad]))
+        else:
+            s.process(ex.step(plan))
+        s.check_integrity()
+    assert rejected == MAX_PLAN_RETRIES and reqs[1].finish is Finish.ABORT
+    assert all(r.finish is Finish.LENGTH for r in reqs if r is not reqs[1])
+    assert_empty(s)
+
+
+def test_page_operations_rejected_again_and_again_end_the_executor_session():
+    from scheduler_svc.scheduler import PlanLoopError
+
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    for i in range(3):
+        s.add(make_request(i, 12, 20, prompt=[90 + i] * 12))
+    ex = FakeExecutor(BS)
+    plan, _ = s.schedule()
+    s.process(ex.step(plan))
+    plan, _ = s.schedule()
+    assert plan.page_ops.swap_out
+    with pytest.raises(PlanLoopError):
+        for _ in range(10):
+            s.process(pb.StepResult(step_id=plan.step_id, error="bad page id"))
+            plan, _ = s.schedule()
+    s.fail_all("executor state lost")
+    assert_empty(s)
+
+
+def test_counters_survive_a_new_pool_geometry():
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    for i in range(3):
+        s.add(make_request(i, 12, 20, prompt=[70 + i] * 12))
+    drive(s)
+    swaps = (s.kv.swaps.pages_out, s.kv.swaps.pages_in)
+    assert swaps[0] > 0
+    s.fail_all("executor restarted")
+    s.reset_pool(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
+    assert (s.kv.swaps.pages_out, s.kv.swaps.pages_in) == swaps and s.host.num_pages == 10

@@ -36,3 +36,21 @@ def test_copy_out_waits_for_earlier_compute():
     mover.run([(3, 11)], [])
     mover.synchronize()
     assert torch.all(host.pages[11] == 7.0)
+
+
+def test_compute_waits_for_copy_in():
+    """A swap-in, then at once a read on the compute stream (no host synchronisation in between): the
+    read sees the copied-in values (the compute stream waits for the DMA stream)."""
+    dev, host, mover = pools("cuda", num_pages=256, num_host=256, layers=8, kv_heads=8, head_dim=128)
+    host.pages.fill_(3.0)
+    dev.pages.zero_()
+    torch.cuda.synchronize()
+    mover.run([], [(h, h) for h in range(256)])
+    total = dev.pages.float().sum()  # queued on the compute stream right after the swap-ins
+    assert total.item() == 3.0 * dev.pages.numel()
+
+
+def test_host_pool_is_exactly_registered():
+    _, host, _ = pools("cuda", num_pages=8, num_host=40)
+    assert host.registered and host.pages.is_pinned()
+    assert host.pages.untyped_storage().nbytes() == 40 * host.page_bytes
