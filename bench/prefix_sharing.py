@@ -4,7 +4,7 @@ The workload is the seeds' example: ``--num-requests`` requests (100) arrive tog
 all sharing one ``--prefix-len``-token prefix (2,000 tokens: a system prompt plus RAG documents), each
 followed by its own suffix of 1-32 tokens and asking for 4-16 output tokens (EOS ignored, greedy). Every
 suffix starts with a token distinct per request (for up to 256 requests), so only the prefix pages can
-match. All requests use one tenant (``x-tenant: rag``), whose prefix cache they share.
+match. The server is single-tenant (no tenants file), so all requests share one prefix cache.
 
 Each mode gets a fresh ``pagedkv serve`` with the same flags except ``--[no-]enable-prefix-caching``, and
 enough KV pages that the caching-off run never preempts. Per mode the bench reports peak KV pages in use
@@ -118,7 +118,7 @@ def _info_dict(info: Any) -> dict[str, Any]:
 async def _workload(address: str, reqs: list[Request], wait_idle_s: float) -> dict[str, Any]:
     from pagedkv.client import Client
 
-    async with Client(address, metadata=[("x-tenant", TENANT)]) as client:
+    async with Client(address) as client:
         await client.wait_ready(timeout=120)
         warm = await client.complete(WARMUP_PROMPT, max_tokens=4, ignore_eos=True)  # untimed; shares nothing
         if len(warm.token_ids) != 4:
@@ -211,7 +211,7 @@ class Config:
     num_pages: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    tenant: str = TENANT
+    tenant: str = "default"
     dtype: str = "float32"
     quick: bool = False
     order: str = "caching off then on"

@@ -56,6 +56,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share and reuse the KV pages of common prompt prefixes (per tenant)")
+    p.add_argument("--tenants-file", default="", help="TOML file of tenants, API keys, weights and quotas "
+                   "(default: single-tenant, no keys)")
+    p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit across tenants by weighted service (VTC) instead of arrival order")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
@@ -103,6 +107,10 @@ def serve(args) -> int:
         sched_cmd.append("--check-integrity")
     if not args.enable_prefix_caching:
         sched_cmd.append("--no-enable-prefix-caching")
+    if args.tenants_file:
+        sched_cmd += ["--tenants-file", args.tenants_file]
+    if not args.fairness:
+        sched_cmd.append("--no-fairness")
     children: list[subprocess.Popen] = []
     stopping = False
 
@@ -148,8 +156,7 @@ async def _generate(args) -> int:
 
     from pagedkv.client import Client
 
-    metadata = [("x-tenant", args.tenant)] if args.tenant else []
-    async with Client(args.address, metadata=metadata) as client:
+    async with Client(args.address, api_key=args.api_key) as client:
         try:
             async for msg in client.generate(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -215,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--tenant", default="", help="tenant (x-tenant metadata) whose prefix cache to use")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
+                   help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
+    p = sub.add_parser("hash-key", help="print the sha256:<hex> form of an API key for a tenants file")
+    p.add_argument("key")
     p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--timeout", type=float, default=3.0)
@@ -230,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     if args.command == "health":
         return health(args)
+    if args.command == "hash-key":
+        from scheduler_svc.tenancy import hash_key
+
+        print(hash_key(args.key))
+        return 0
     if args.command == "executor":
         from executor_svc.server import serve as run
     else:

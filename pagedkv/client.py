@@ -50,7 +50,9 @@ def _accumulate(out: Completion, msg: api.GenerateResponse) -> None:
 class Client:
     """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``"""
 
-    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (), api_key: str = "") -> None:
+        if api_key:
+            metadata = (*metadata, ("authorization", f"Bearer {api_key}"))
         self.address = address
         self.metadata = tuple(metadata)
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -13,7 +13,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine import Engine
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
-from scheduler_svc.tenancy import InvalidTenant, tenant_of
+from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
@@ -30,6 +30,24 @@ FINISH_REASONS = {
 }
 
 
+def window_min_budget(tenant: Tenant, block_size: int) -> int:
+    return -(-max(tenant.sink_tokens, 1) // block_size) + 2
+
+
+def tenant_info(s, tenant: Tenant) -> api.TenantInfo:
+    st = s.stats(tenant.id)
+    t = tenant.id
+    return api.TenantInfo(
+        id=t, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
+        max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
+        overflow=tenant.overflow, used_pages=s.pool.used_by[t], peak_used_pages=st.peak_used_pages,
+        num_running=sum(1 for r in s.running if r.tenant == t), num_waiting=s.waiting.tenant_len(t),
+        num_swapped=sum(1 for r in s.swapped if r.tenant == t), service=s.waiting.service(t),
+        budget_hits=st.budget_hits, fair_share_preemptions=st.fair_share_preemptions,
+        fair_share_pages=s.fair_shares().get(t, 0.0), sliding_window=tenant.sliding_window,
+        sink_tokens=tenant.sink_tokens)
+
+
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, engine: Engine, tokenizer, limits: Limits, model_info: dict, log) -> None:
         self.engine = engine
@@ -39,7 +57,34 @@ class GenerationService(api_grpc.GenerationServicer):
         self.log = log
         self.live: set[str] = set()  # client request ids with an open stream
 
-    def _build_request(self, request: api.GenerateRequest, tenant: str) -> Request:
+    def _authenticate(self, context) -> Tenant:
+        return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
+
+    def _page_budget(self, request: api.GenerateRequest, tenant: Tenant, prompt_len: int) -> int:
+        """The request's page budget: the tenant's, or lower if the request asks."""
+        asked = request.page_budget
+        if asked < 0:
+            raise InvalidRequest(f"page_budget: {asked}; must be >= 0 (0: the tenant's default)")
+        if tenant.page_budget and asked > tenant.page_budget:
+            raise InvalidRequest(f"page_budget: {asked} pages; must be <= {tenant.page_budget} (tenant "
+                                 f"{tenant.id}'s budget; a request may lower it, never raise it)")
+        budget = asked or tenant.page_budget
+        if not budget:
+            return 0
+        bs = self.engine.scheduler.pool.block_size
+        if tenant.overflow == "stop":
+            need = -(-prompt_len // bs)
+            if need > budget:
+                raise InvalidRequest(f"prompt: {prompt_len} tokens need {need} pages; the page budget is "
+                                     f"{budget} pages (overflow policy 'stop')")
+        else:
+            least = window_min_budget(tenant, bs)
+            if budget < least:
+                raise InvalidRequest(f"page_budget: {budget} pages; the 'window' policy needs at least {least} "
+                                     f"(the attention sink's pages plus two)")
+        return budget
+
+    def _build_request(self, request: api.GenerateRequest, tenant: Tenant) -> Request:
         which = request.WhichOneof("prompt")
         if which == "text":
             if not request.text:
@@ -52,6 +97,7 @@ class GenerationService(api_grpc.GenerationServicer):
         check_prompt_ids(ids, self.limits)
         check_request_id(request.request_id)
         check_priority(request.priority)
+        budget = self._page_budget(request, tenant, len(ids))
         sampling = check_sampling(request.sampling, len(ids), self.limits)
         n = max(1, request.sampling.n)
         if n > self.engine.scheduler.config.max_num_seqs:
@@ -65,13 +111,18 @@ class GenerationService(api_grpc.GenerationServicer):
         # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
-                       detokenizer=detok, n=n, tenant=tenant, hash_root=tenant_root(tenant),
-                       client_id=client_id, priority=request.priority)
+                       detokenizer=detok, n=n, tenant=tenant.id, hash_root=tenant_root(tenant.id),
+                       client_id=client_id, priority=request.priority, page_budget=budget,
+                       overflow=tenant.overflow)
 
     async def Generate(self, request, context):  # noqa: N802
         try:
-            req = self._build_request(request, tenant_of(context.invocation_metadata()))
-        except (InvalidRequest, InvalidTenant) as err:
+            tenant = self._authenticate(context)
+        except Unauthenticated as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+        try:
+            req = self._build_request(request, tenant)
+        except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except KeyError as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -109,6 +160,10 @@ class GenerationService(api_grpc.GenerationServicer):
                 log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
+        try:
+            tenant = self._authenticate(context)
+        except Unauthenticated as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
         s = self.engine.scheduler
         info = api.ModelInfoResponse(
             **self.model_info, num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
@@ -122,12 +177,18 @@ class GenerationService(api_grpc.GenerationServicer):
             num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
             num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
             num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits,
+            tenant=tenant_info(s, tenant),
         )
         if request.reset_peak:
+            s.stats(tenant.id).peak_used_pages = s.pool.used_by[tenant.id]
             s.peak_used_pages = s.pool.num_used
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802
+        try:
+            self._authenticate(context)
+        except Unauthenticated as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
         ids = await asyncio.to_thread(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens)
         ids = ids["input_ids"]
         return api.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))

@@ -104,16 +104,17 @@ class KVManager:
     def admit(self, req: Request, hits: list[Hit], num_tokens: int) -> None:
         """Takes references on the device hits first (so no allocation evicts them), brings host hits
         back, then allocates the suffix."""
-        self.pool.share(p for p, on_host in hits if not on_host)
+        self.pool.share((p for p, on_host in hits if not on_host), req.tenant)
         host_hits = [p for p, on_host in hits if on_host]
         if host_hits:  # held before any allocation: a spill must not evict one of them
             self.host.share(host_hits)
             self.ops.host_release.extend(host_hits)
             self.swaps.spill_hits += len(host_hits)
-        table = [p if not on_host else self._bring_back(p, req.page_hashes[j]) for j, (p, on_host) in enumerate(hits)]
+        table = [p if not on_host else self._bring_back(p, req.page_hashes[j], req.tenant)
+                 for j, (p, on_host) in enumerate(hits)]
         cached = len(hits) * self.bs
         need = self.pool.pages_for(cached + num_tokens) - len(hits)
-        req.page_table = table + self.pool.allocate(need)
+        req.page_table = table + self.pool.allocate(need, req.tenant)
         req.num_computed = cached
         req.num_published = len(hits)
         if req.num_preemptions == 0 and req.index == 0 and not req.output_ids:
@@ -131,10 +132,10 @@ class KVManager:
                 req.registered.append(h)
 
     # ---- the host tier ---------------------------------------------------------------------------
-    def _bring_back(self, host_page: int, page_hash: bytes | None) -> int:
+    def _bring_back(self, host_page: int, page_hash: bytes | None, owner: str) -> int:
         """A device page that will hold a host page's contents after this plan's swap-ins. The caller holds
         host_page until the plan ran (ops.host_release)."""
-        (page,) = self.pool.allocate(1)
+        (page,) = self.pool.allocate(1, owner)
         self.ops.swap_in.append((host_page, page))
         self.swaps.pages_in += 1
         if page_hash is not None:
@@ -220,8 +221,8 @@ class KVManager:
             h = self.host.hash_of(hp)
             page = self.pool.lookup(h) if h is not None else None
             found.append((page, h))
-        self.pool.share(page for page, _ in found if page is not None)
-        req.page_table = [page if page is not None else self._bring_back(hp, h)
+        self.pool.share((page for page, _ in found if page is not None), req.tenant)
+        req.page_table = [page if page is not None else self._bring_back(hp, h, req.tenant)
                           for hp, (page, h) in zip(req.host_table, found)]
         # Pages copied in are read by this plan: their references drop once it ran; the others now.
         self.ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
@@ -254,18 +255,18 @@ class KVManager:
         idx = self._shared_write_page(req)
         if idx is not None:
             src = req.page_table[idx]
-            (dst,) = self.pool.allocate(1)
+            (dst,) = self.pool.allocate(1, req.tenant)
             self.pool.free([src])
             req.page_table[idx] = dst
             self.ops.copy.append((src, dst))
         need = self.pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)
         if need > 0:
-            req.page_table.extend(self.pool.allocate(need))
+            req.page_table.extend(self.pool.allocate(need, req.tenant))
         return idx is not None
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child points at every page of the parent (one more reference each)."""
-        self.pool.share(parent.page_table)
+        self.pool.share(parent.page_table, parent.tenant)
         child.page_table = list(parent.page_table)
         child.num_computed = parent.num_computed
         child.page_hashes = list(parent.page_hashes)

@@ -12,7 +12,7 @@ host tier (swap space); ``on_evict`` lets the owner copy a cached page elsewhere
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 
@@ -29,6 +29,10 @@ class PagePool:
         self.num_pages = num_pages
         self.block_size = block_size
         self.refcounts = [0] * num_pages
+        # The tenant a used page counts against (pages are shared only within a tenant: prefix-cache hits
+        # are per tenant, forks belong to their parent's).
+        self.owner: list[str | None] = [None] * num_pages
+        self.used_by: Counter[str] = Counter()
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # front = next out
         self.hash_of_page: dict[int, bytes] = {}
         self.page_of_hash: dict[bytes, int] = {}
@@ -53,8 +57,9 @@ class PagePool:
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self.free_queue)
 
-    def allocate(self, num_pages: int) -> list[int]:
-        """Takes pages from the front of the free queue; a page that still had a hash loses it now."""
+    def allocate(self, num_pages: int, owner: str = "") -> list[int]:
+        """Takes pages from the front of the free queue for ``owner`` (a tenant); a page that still had a
+        hash loses it now."""
         if num_pages > len(self.free_queue):
             raise OutOfPages(f"need {num_pages} pages, {len(self.free_queue)} free")
         pages = []
@@ -67,14 +72,19 @@ class PagePool:
                 if self.on_evict is not None:
                     self.on_evict(page, old)
             self.refcounts[page] = 1
+            self.owner[page] = owner
+            self.used_by[owner] += 1
             pages.append(page)
         return pages
 
-    def share(self, pages: Iterable[int]) -> None:
-        """Adds one reference to each page (a cache hit, or a fork); a free page leaves the free queue."""
+    def share(self, pages: Iterable[int], owner: str = "") -> None:
+        """Adds one reference to each page (a cache hit, or a fork); a free page leaves the free queue and
+        counts against ``owner`` from now on."""
         for p in pages:
             if self.refcounts[p] == 0:
                 del self.free_queue[p]
+                self.owner[p] = owner
+                self.used_by[owner] += 1
             self.refcounts[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
@@ -90,6 +100,8 @@ class PagePool:
             self.refcounts[p] = rc - 1
             if rc == 1:
                 self.free_queue[p] = None
+                self.used_by[self.owner[p]] -= 1
+                self.owner[p] = None
 
     # ---- prefix cache index --------------------------------------------------------------------
     def lookup(self, page_hash: bytes) -> int | None:
@@ -126,6 +138,8 @@ class PagePool:
                 f"page {p}: refcount {self.refcounts[p]} but {expected[p]} tables hold it")
             assert (p in self.free_queue) == (expected[p] == 0), (
                 f"page {p}: in free queue={p in self.free_queue} but refcount {expected[p]}")
+        owners = Counter(o for p, o in enumerate(self.owner) if self.refcounts[p])
+        assert +self.used_by == owners, f"pages per tenant {dict(+self.used_by)} but {dict(owners)} held"
         assert len(self.page_of_hash) == len(self.hash_of_page), "hash maps differ in size"
         for h, p in self.page_of_hash.items():
             assert self.hash_of_page.get(p) == h, f"page {p}: hash maps disagree"

@@ -1,6 +1,7 @@
 """Preemption policy, in one place: which request gives up its pages, and whether it is swapped or recomputed.
 
-Victims (seeds, practice note 3; DESIGN.md decision 6):
+Victims (seeds, practice note 3; DESIGN.md decisions 6 and 7):
+  0. a request of a tenant holding more than its fair share of pages first (tenants, fairness);
   1. cold first: not scheduled for >= ``cold_steps`` steps;
   2. never a hot one (scheduled within the last ``hot_steps`` steps) while another candidate exists;
   3. then the least important (highest ``priority`` value), then the newest.
@@ -69,12 +70,13 @@ class PreemptionPolicy:
             return self.WARM
         return self.HOT
 
-    def pick_victim(self, candidates: list[Request], now: int, requester: Request | None = None) -> Request:
-        """Coldest first, then the highest priority value, then the newest. The request asking for pages
-        is about to be scheduled: it counts as hot."""
+    def pick_victim(self, candidates: list[Request], now: int, requester: Request | None = None,
+                    over_share: set[str] | frozenset = frozenset()) -> Request:
+        """A request of a tenant above its fair share first, then the coldest, then the highest priority
+        value, then the newest. The request asking for pages is about to be scheduled: it counts as hot."""
         def key(r: Request):
             temperature = self.HOT if r is requester else self.temperature(r, now)
-            return -temperature, r.priority, r.arrival
+            return r.tenant in over_share, -temperature, r.priority, r.arrival
 
         return max(candidates, key=key)
 

@@ -65,6 +65,8 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     host_table: list[int] = field(default_factory=list)  # host-tier pages while swapped out
     priority: int = 0  # lower is more important (preempted last)
+    page_budget: int = 0  # most pages this request may hold (0: no limit)
+    overflow: str = "window"  # past the budget: "window" or "stop"
     last_scheduled: int = 0  # step id of the last plan that computed tokens for it
     swapped_at: int = 0  # step id when it was swapped out
     num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)

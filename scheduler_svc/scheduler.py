@@ -14,10 +14,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.fairness import WaitQueue
 from scheduler_svc.kv_manager import KVManager, PageOps
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, PreemptionConfig, PreemptionPolicy
 from scheduler_svc.request import Finish, Output, Request, Status
+from scheduler_svc.tenancy import Tenant, Tenants
 
 MAX_PLAN_RETRIES = 3
 
@@ -29,7 +31,16 @@ class SchedulerConfig:
     max_model_len: int = 2048
     watermark: float = 0.01  # share of pages kept free when admitting new requests
     enable_prefix_caching: bool = True
+    fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+
+
+@dataclass(slots=True)
+class TenantStats:
+    peak_used_pages: int = 0
+    budget_hits: int = 0  # requests that reached their page budget
+    fair_share_preemptions: int = 0  # of this tenant's requests, to give another tenant its share
+    admitted: int = 0
 
 
 @dataclass(slots=True)
@@ -46,9 +57,11 @@ class PlanLoopError(RuntimeError):
 
 class Scheduler:
     def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int],
-                 host_pool: PagePool | None = None, costs: Costs | None = None) -> None:
+                 host_pool: PagePool | None = None, costs: Costs | None = None,
+                 tenants: Tenants | None = None) -> None:
         self.pool = pool
         self.config = config
+        self.tenants = tenants if tenants is not None else Tenants()
         self.kv = KVManager(pool, config.enable_prefix_caching, host_pool)
         self.policy = PreemptionPolicy(config.preemption, costs or Costs(page_bytes=0))
         self.inflight_ops = PageOps()  # page operations of the plan in flight
@@ -58,7 +71,8 @@ class Scheduler:
         self.peak_used_pages = 0
         self.num_computed_tokens = 0
         self.eos = set(eos_token_ids)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitQueue(config.fairness, lambda t: self.tenants.get(t).weight)
+        self.tenant_stats: dict[str, TenantStats] = {}
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # in swap-out order
         self.requests: dict[str, Request] = {}
@@ -74,6 +88,71 @@ class Scheduler:
     @property
     def host(self) -> PagePool | None:
         return self.kv.host
+
+    # ---- tenants -------------------------------------------------------------------------------
+    def stats(self, tenant: str) -> TenantStats:
+        st = self.tenant_stats.get(tenant)
+        if st is None:
+            st = self.tenant_stats[tenant] = TenantStats()
+        return st
+
+    def _reserved_for_others(self, tenant: str) -> int:
+        """Free pages other tenants' reserved minimums still claim."""
+        if not self.tenants.total_reserved:
+            return 0
+        used = self.pool.used_by
+        return sum(max(0, t.reserved_pages - used[t.id]) for t in self.tenants if t.id != tenant)
+
+    def _over_quota(self, tenant: Tenant, need: int) -> bool:
+        return bool(tenant.page_quota) and self.pool.used_by[tenant.id] + need > tenant.page_quota
+
+    def _can_take(self, tenant_id: str, need: int, slack: int = 0) -> bool:
+        """need more pages for the tenant: within its quota, leaving other tenants' reserved minimums free."""
+        if self._over_quota(self.tenants.get(tenant_id), need):
+            return False
+        return self.pool.can_allocate(need + slack + self._reserved_for_others(tenant_id))
+
+    def fair_shares(self) -> dict[str, float]:
+        """Pages each active tenant (running, waiting or swapped requests) is entitled to under pressure:
+        the pool split by weight, at least its reserved minimum, at most its quota."""
+        active = {r.tenant for r in self.running} | {t for t, q in self.waiting.queues.items() if q} | {
+            r.tenant for r in self.swapped}
+        if not active:
+            return {}
+        weights = {t: self.tenants.get(t).weight for t in active}
+        total = sum(weights.values())
+        shares = {}
+        for t in active:
+            ten = self.tenants.get(t)
+            share = max(ten.reserved_pages, self.pool.num_pages * weights[t] / total)
+            shares[t] = min(share, ten.page_quota) if ten.page_quota else share
+        return shares
+
+    def _over_share(self) -> set[str]:
+        return {t for t, share in self.fair_shares().items() if self.pool.used_by[t] > share}
+
+    def _make_room_for_fair_share(self, stats: StepStats) -> None:
+        """The request fairness would admit next cannot get pages, and its tenant holds less than its fair
+        share: tenants above theirs give pages back (preemption) until it fits."""
+        if not self.config.fairness or not self.waiting:
+            return
+        req = self.waiting.head()
+        if req is None or self.kv.waits_for_inflight(req, len(self.kv.find_hits(req))):
+            return
+        shares = self.fair_shares()
+        if self.pool.used_by[req.tenant] >= shares.get(req.tenant, 0):
+            return
+        n = min(req.compute_target, self.config.max_num_batched_tokens)
+        need = self.pool.pages_for(n) + self.watermark_pages
+        now = self.step_id + 1
+        while not self._can_take(req.tenant, need):
+            over = {t for t, share in shares.items() if t != req.tenant and self.pool.used_by[t] > share}
+            victims = [r for r in self.running if r.tenant in over]
+            if not victims:
+                return
+            victim = self.policy.pick_victim(victims, now)
+            self._preempt(victim, now)  # (not counted in stats.preempted: admission goes on this step)
+            self.stats(victim.tenant).fair_share_preemptions += 1
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -104,6 +183,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         stats = StepStats()
+        self._make_room_for_fair_share(stats)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -127,6 +207,9 @@ class Scheduler:
             self._add_to_plan(plan, req, n)
         self.inflight = scheduled
         self.peak_used_pages = max(self.peak_used_pages, self.pool.num_used)
+        for tenant, used in self.pool.used_by.items():
+            st = self.stats(tenant)
+            st.peak_used_pages = max(st.peak_used_pages, used)
         return plan, outputs
 
     @staticmethod
@@ -157,8 +240,16 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req)."""
         now = self.step_id + 1
-        while not self.pool.can_allocate(self.kv.pages_to_grow(req, n)):
-            victim = self.policy.pick_victim(unscheduled, now, req)
+        over_share: set[str] | None = None
+        tenant = self.tenants.get(req.tenant)
+        while not self._can_take(req.tenant, need := self.kv.pages_to_grow(req, n)):
+            if self._over_quota(tenant, need):  # its own tenant's requests make room
+                candidates = [r for r in unscheduled if r.tenant == req.tenant]
+            else:
+                candidates = unscheduled
+            if over_share is None:
+                over_share = self._over_share()
+            victim = self.policy.pick_victim(candidates, now, req, over_share)
             unscheduled.remove(victim)
             self._preempt(victim, now)
             stats.preempted += 1
@@ -194,8 +285,8 @@ class Scheduler:
         n = min(req.num_uncomputed, budget)
         if seats + req.n > self.config.max_num_seqs:
             return 0
-        need = self.kv.pages_to_swap_in(req, n) + (self.watermark_pages if self.running else 0)
-        if not self.pool.can_allocate(need):
+        need = self.kv.pages_to_swap_in(req, n)
+        if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
             return 0
         self.swapped.popleft()
         self.kv.swap_in(req, n)
@@ -217,31 +308,48 @@ class Scheduler:
             seats += scheduled[-1][0].n
             budget -= n
             stats.swapped_in += 1
-        deferred: list[Request] = []
+        skip: set[int] = set()  # requests waiting for another's in-flight prefix pages
+        skip_tenants: set[str] = set()  # tenants at their quota or concurrency limit
+        running_by_tenant: dict[str, int] = {}
+        for r in self.running:
+            running_by_tenant[r.tenant] = running_by_tenant.get(r.tenant, 0) + r.n
         blocked = False
-        while self.waiting and budget > 0:
-            if seats + self.waiting[0].n > self.config.max_num_seqs:
+        while budget > 0:
+            req = self.waiting.head(skip, skip_tenants)
+            if req is None:
+                break
+            if seats + req.n > self.config.max_num_seqs:
                 blocked = True
                 break
-            req = self.waiting[0]
+            tenant = self.tenants.get(req.tenant)
+            limit = tenant.max_concurrent_requests
+            if limit and running_by_tenant.get(req.tenant, 0) + req.n > limit:
+                skip_tenants.add(req.tenant)
+                continue
             hits = self.kv.find_hits(req)
             if self.kv.waits_for_inflight(req, len(hits)):
-                deferred.append(self.waiting.popleft())
+                skip.add(id(req))
                 continue
             n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
             need = self.kv.pages_to_admit(hits, n)
-            if not self.pool.can_allocate(need + (self.watermark_pages if self.running else 0)):
+            if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
+                if self._over_quota(tenant, need):
+                    skip_tenants.add(req.tenant)  # its own quota: others may still go
+                    continue
                 blocked = True
                 break
-            self.waiting.popleft()
+            self.waiting.pop(req)
             self.kv.admit(req, hits, n)
+            if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
+                self.waiting.charge(req.tenant, prompt_tokens=req.compute_target - len(hits) * self.pool.block_size)
+                self.stats(req.tenant).admitted += 1
             req.status = Status.RUNNING
             self.running.append(req)
+            running_by_tenant[req.tenant] = running_by_tenant.get(req.tenant, 0) + req.n
             seats += req.n
             scheduled.append((req, n))
             budget -= n
             stats.admitted += 1
-        self.waiting.extendleft(reversed(deferred))
         while not blocked and self.swapped and budget > 0:
             n = self._swap_in(budget, seats, scheduled)
             if not n:
@@ -300,7 +408,8 @@ class Scheduler:
                     sampling=replace(parent.sampling, seed=(parent.sampling.seed + i) % (1 << 64)),
                     arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
-                    client_id=parent.client_id, priority=parent.priority,
+                    client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
+                    overflow=parent.overflow,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]
@@ -343,6 +452,7 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int, logprob: float) -> Output:
         req.output_ids.append(token)
+        self.waiting.charge(req.tenant, output_tokens=1)
         s = req.sampling
         finish, reason = None, ""
         stop_token = token in s.stop_token_ids or (not s.ignore_eos and token in self.eos)
@@ -353,6 +463,10 @@ class Scheduler:
             finish, reason = Finish.STOP, req.detokenizer.stopped_by
         elif len(req.output_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
             finish = Finish.LENGTH
+        elif req.page_budget and req.overflow == "stop" and self.pool.pages_for(req.num_tokens) > req.page_budget:
+            # the next token's KV would need a page beyond the request's budget
+            finish, reason = Finish.LENGTH, f"page_budget: {req.page_budget} pages reached"
+            self.stats(req.tenant).budget_hits += 1
         logprobs = [logprob] if s.logprobs else []
         if finish is None:
             return Output(req.detokenizer.take(final=False), [token], logprobs, index=req.index)

@@ -16,6 +16,7 @@ from scheduler_svc.executor_client import ExecutorClient
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tenancy import InvalidTenant, Tenants
 from scheduler_svc.validation import Limits
 
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -42,6 +43,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a request not scheduled for this many steps is cold: the first victim")
     p.add_argument("--swap-in-max-wait", type=int, default=64,
                    help="steps a swapped-out request yields to new prefills before it goes ahead of them")
+    p.add_argument("--tenants-file", default="",
+                   help="TOML file of tenants: hashed API keys, weights, page quotas, reserved pages, request "
+                   "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP")
+    p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -88,8 +94,16 @@ async def serve(args) -> None:
     host = PagePool(describe.num_host_pages, describe.block_size, min_pages=0) if describe.num_host_pages else None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
-                             preemption=preemption)
-    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, Costs.of(describe))
+                             preemption=preemption, fairness=args.fairness)
+    try:
+        tenants = Tenants.load(args.tenants_file, pool.num_pages) if args.tenants_file else Tenants()
+    except InvalidTenant as err:
+        raise ValueError(str(err)) from err
+    if tenants.multi:
+        log.info("tenants_loaded", path=args.tenants_file, tenants=sorted(tenants.by_id), fairness=args.fairness)
+    else:
+        log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
+    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, Costs.of(describe), tenants)
     engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
@@ -112,6 +126,17 @@ async def serve(args) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def reload_tenants() -> None:
+        if not args.tenants_file:
+            return
+        try:
+            scheduler.tenants = Tenants.load(args.tenants_file, pool.num_pages)
+            log.info("tenants_reloaded", path=args.tenants_file, tenants=sorted(scheduler.tenants.by_id))
+        except InvalidTenant as err:
+            log.error("tenants_reload_failed", error=str(err), hint="the previous tenants stay in force")
+
+    loop.add_signal_handler(signal.SIGHUP, reload_tenants)
     await stop.wait()
     await grpc_common.set_serving(health, [SERVICE], False)
     await server.stop(grace=2.0)

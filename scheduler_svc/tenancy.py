@@ -1,22 +1,195 @@
-"""Who is calling. For now the tenant comes from the ``x-tenant`` metadata (``default`` when absent);
-the tenants issue replaces this with authenticated API keys. Keep the derivation here, in one place."""
+"""Who is calling, and what they may hold: tenants, API keys, weights, page quotas, request limits.
+
+A tenants file (TOML, ``--tenants-file``) lists the tenants::
+
+    [defaults]                      # optional: every tenant starts from these
+    page_budget = 256               # pages one request may hold (0: no limit)
+    overflow = "window"             # past the budget: "window" (sink + recent tokens) or "stop"
+
+    [tenants.acme]
+    keys = ["sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"]
+    revoked_keys = []               # refused with "revoked", not "unknown"
+    weight = 2.0                    # fair-share weight
+    page_quota = 0.5                # most device pages held at once: a fraction of the pool or a count
+    reserved_pages = 64             # pages kept free for this tenant (a fraction or a count)
+    max_concurrent_requests = 128   # 0: no limit
+    sliding_window = 0              # attend to the sink plus the last N tokens (0: off)
+    sink_tokens = 16
+
+Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
+constant time. Clients send ``authorization: Bearer <key>``. Without a tenants file the server is
+single-tenant: every caller is ``default`` and no key is asked for. The tenant decides the prefix
+cache's namespace (``prefix_cache.tenant_root``): a client never chooses it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
 
 DEFAULT_TENANT = "default"
+OVERFLOW_POLICIES = ("window", "stop")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class InvalidTenant(ValueError):
     pass
 
 
-def tenant_of(metadata) -> str:
-    for key, value in metadata or ():
-        if key == "x-tenant":
-            if not _TENANT_RE.match(value):
-                raise InvalidTenant("x-tenant metadata: must be 1 to 64 characters of [A-Za-z0-9._-]")
-            return value
-    return DEFAULT_TENANT
+class Unauthenticated(Exception):
+    pass
+
+
+def hash_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: str
+    weight: float = 1.0
+    page_quota: int = 0  # pages; 0: the whole pool
+    reserved_pages: int = 0
+    max_concurrent_requests: int = 0  # 0: no limit
+    page_budget: int = 0  # pages per request; 0: no limit
+    overflow: str = "window"
+    sliding_window: int = 0  # tokens; 0: off
+    sink_tokens: int = 0
+    key_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+    revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+
+
+def _pages(value, name: str, num_pages: int) -> int:
+    """A page count given as a fraction of the pool (float in (0, 1]) or a number of pages (int)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidTenant(f"{name}: must be a number of pages or a fraction of the pool, got {value!r}")
+    if isinstance(value, float):
+        if not 0 <= value <= 1:
+            raise InvalidTenant(f"{name}: a fraction must be in [0, 1], got {value}")
+        return int(value * num_pages)
+    if not 0 <= value <= num_pages:
+        raise InvalidTenant(f"{name}: {value} pages; must be in [0, {num_pages}] (the device pool)")
+    return value
+
+
+def _hashes(values, name: str) -> tuple[bytes, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise InvalidTenant(f"{name}: must be a list of strings")
+    for v in values:
+        if not _HASH_RE.match(v):
+            raise InvalidTenant(f"{name}: {v[:12]}... is not 'sha256:<64 hex digits>' (store hashed keys: "
+                                "pagedkv hash-key KEY)")
+    return tuple(bytes.fromhex(v.removeprefix("sha256:")) for v in values)
+
+
+_FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
+           "page_budget", "overflow", "sliding_window", "sink_tokens"}
+
+
+def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
+    where = f"tenants.{tid}"
+    if not _TENANT_RE.match(tid):
+        raise InvalidTenant(f"{where}: a tenant id is 1 to 64 characters of [A-Za-z0-9._-]")
+    unknown = set(raw) - _FIELDS
+    if unknown:
+        raise InvalidTenant(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_FIELDS)}")
+    weight = raw.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1e6:
+        raise InvalidTenant(f"{where}.weight: must be a number in (0, 1e6], got {weight!r}")
+    quota = _pages(raw.get("page_quota", num_pages), f"{where}.page_quota", num_pages)
+    reserved = _pages(raw.get("reserved_pages", 0), f"{where}.reserved_pages", num_pages)
+    if quota < 1:
+        raise InvalidTenant(f"{where}.page_quota: {quota} pages; a tenant needs at least 1")
+    if reserved > quota:
+        raise InvalidTenant(f"{where}.reserved_pages: {reserved} is above its page_quota {quota}")
+    ints = {}
+    for name in ("max_concurrent_requests", "page_budget", "sliding_window", "sink_tokens"):
+        value = raw.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidTenant(f"{where}.{name}: must be an integer >= 0, got {value!r}")
+        ints[name] = value
+    overflow = raw.get("overflow", "window")
+    if overflow not in OVERFLOW_POLICIES:
+        raise InvalidTenant(f"{where}.overflow: {overflow!r}; must be one of {list(OVERFLOW_POLICIES)}")
+    return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
+                  key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
+                  revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
+
+
+class Tenants:
+    """The tenant registry. ``authenticate`` maps a call's metadata to a Tenant."""
+
+    def __init__(self, tenants: list[Tenant] | None = None, path: Path | None = None) -> None:
+        self.path = path
+        self.multi = tenants is not None
+        self.by_id = {t.id: t for t in tenants} if tenants is not None else {DEFAULT_TENANT: Tenant(DEFAULT_TENANT)}
+        total_reserved = sum(t.reserved_pages for t in self.by_id.values())
+        self.total_reserved = total_reserved
+
+    @classmethod
+    def load(cls, path: str | Path, num_pages: int) -> Tenants:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise InvalidTenant(f"--tenants-file {path}: {err}") from err
+        defaults = raw.get("defaults", {})
+        tables = raw.get("tenants", {})
+        if set(raw) - {"defaults", "tenants"}:
+            raise InvalidTenant(f"--tenants-file {path}: unknown top-level table(s) "
+                                f"{sorted(set(raw) - {'defaults', 'tenants'})}; expected [defaults] and [tenants.ID]")
+        if not tables:
+            raise InvalidTenant(f"--tenants-file {path}: no [tenants.ID] table")
+        tenants = [_tenant(tid, {**defaults, **t}, num_pages) for tid, t in tables.items()]
+        reserved = sum(t.reserved_pages for t in tenants)
+        if reserved > num_pages:
+            raise InvalidTenant(f"--tenants-file {path}: reserved_pages add up to {reserved}, more than the "
+                                f"{num_pages} device pages")
+        seen: dict[bytes, str] = {}
+        for t in tenants:
+            for h in t.key_hashes:
+                if h in seen:
+                    raise InvalidTenant(f"--tenants-file {path}: tenants {seen[h]} and {t.id} share a key")
+                seen[h] = t.id
+        return cls(tenants, path)
+
+    def authenticate(self, metadata) -> Tenant:
+        if not self.multi:
+            return self.by_id[DEFAULT_TENANT]
+        token = None
+        for key, value in metadata or ():
+            if key == "authorization":
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() != "bearer" or not token.strip():
+                    raise Unauthenticated("authorization metadata: expected 'Bearer <api key>'")
+                token = token.strip()
+        if token is None:
+            raise Unauthenticated("missing API key: send 'authorization: Bearer <api key>' metadata")
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        found, revoked = None, False
+        for t in self.by_id.values():  # every hash is compared: the time does not depend on which matched
+            for h in t.key_hashes:
+                if hmac.compare_digest(h, digest):
+                    found = t
+            for h in t.revoked_hashes:
+                if hmac.compare_digest(h, digest):
+                    revoked = True
+        if revoked:
+            raise Unauthenticated("API key revoked")
+        if found is None:
+            raise Unauthenticated("unknown API key")
+        return found
+
+    def __iter__(self):
+        return iter(self.by_id.values())
+
+    def get(self, tenant_id: str) -> Tenant:
+        """The tenant's settings (a tenant unknown to the registry gets the defaults: no limits)."""
+        t = self.by_id.get(tenant_id)
+        return t if t is not None else Tenant(tenant_id)

@@ -8,23 +8,31 @@ import random
 import pytest
 
 from pagedkv.client import Client
+from scheduler_svc.tenancy import hash_key
 from tests.conftest import Server
 
 BS = 16
 
 
+TENANTS = ("acme", "globex", "rag", "forks")
+
+
 @pytest.fixture(scope="module")
-def server(model_cache):
-    s = Server("--num-pages", "1024", "--max-num-batched-tokens", "4096", "--check-integrity")
+def server(model_cache, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text("".join(f'[tenants.{t}]\nkeys = ["{hash_key("key-" + t)}"]\n' for t in TENANTS))
+    s = Server("--num-pages", "1024", "--max-num-batched-tokens", "4096", "--check-integrity",
+               "--tenants-file", str(path))
     yield s
     s.stop()
 
 
-def tenant_client(address: str, tenant: str | None) -> Client:
-    return Client(address, metadata=[("x-tenant", tenant)] if tenant else [])
+def tenant_client(address: str, tenant: str) -> Client:
+    """Tenants are who their API key says they are; the prefix cache is per tenant."""
+    return Client(address, api_key="key-" + tenant)
 
 
-async def timed_complete(address: str, tenant: str | None, prompt, **params):
+async def timed_complete(address: str, tenant: str, prompt, **params):
     """One request; returns it and the tokens the executor ran for it (nothing else runs meanwhile)."""
     async with tenant_client(address, tenant) as client:
         before = (await client.model_info()).num_computed_tokens
@@ -41,27 +49,14 @@ def test_same_tenant_hits_and_other_tenant_misses(server):
         cold = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
         warm = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
         other = await timed_complete(server.address, "globex", prompt, max_tokens=10, ignore_eos=True)
-        default = await timed_complete(server.address, None, prompt, max_tokens=10, ignore_eos=True)
-        return cold, warm, other, default
+        return cold, warm, other
 
-    (cold, cold_n), (warm, warm_n), (other, other_n), (default, default_n) = asyncio.run(scenario())
+    (cold, cold_n), (warm, warm_n), (other, other_n) = asyncio.run(scenario())
     assert cold.cached_tokens == 0 and cold_n == 300 + 9
     assert warm.cached_tokens == 288 and warm_n == 12 + 9  # only the suffix is prefilled
     assert warm.token_ids == cold.token_ids
     assert other.cached_tokens == 0 and other_n == 300 + 9  # another tenant never hits
-    assert default.cached_tokens == 0 and default.token_ids == cold.token_ids
-
-
-def test_bad_tenant_metadata_is_refused(server):
-    import grpc
-
-    async def call():
-        async with tenant_client(server.address, "no spaces allowed") as client:
-            await client.complete("hi", max_tokens=2)
-
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        asyncio.run(call())
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-tenant" in err.value.details()
+    assert other.token_ids == cold.token_ids
 
 
 def test_100_requests_share_a_2000_token_prefix(server):

@@ -1,0 +1,94 @@
+"""The admission queue: one FIFO per tenant, and which tenant goes next.
+
+With fairness on, the next request comes from the backlogged tenant with the least weighted service so
+far: a virtual token counter per tenant (VTC, "Fairness in Serving Large Language Models", OSDI'24),
+charged 1 per prompt token admitted and 2 per token generated, divided by the tenant's weight. A tenant
+that returns from idle starts at the current minimum, so it cannot bank credit while away. With fairness
+off, requests go in arrival order whatever their tenant (first come, first served).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from scheduler_svc.request import Request
+
+PROMPT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0
+
+
+class WaitQueue:
+    def __init__(self, fair: bool = True, weight: Callable[[str], float] = lambda _: 1.0) -> None:
+        self.fair = fair
+        self.weight = weight
+        self.queues: dict[str, deque[Request]] = {}
+        self.counters: dict[str, float] = {}
+        self._len = 0
+
+    # ---- contents ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for q in self.queues.values():
+            yield from q
+
+    def __contains__(self, req: Request) -> bool:
+        return req in self.queues.get(req.tenant, ())
+
+    def _queue_for(self, tenant: str) -> deque[Request]:
+        q = self.queues.get(tenant)
+        if q is None:
+            q = self.queues[tenant] = deque()
+        if not q:  # back from idle: no credit for the time away
+            backlogged = [self.counters.get(t, 0.0) for t, other in self.queues.items() if other and t != tenant]
+            if backlogged:
+                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(backlogged))
+        return q
+
+    def append(self, req: Request) -> None:
+        self._queue_for(req.tenant).append(req)
+        self._len += 1
+
+    def appendleft(self, req: Request) -> None:
+        """A preempted request goes back to the front of its tenant's queue."""
+        self._queue_for(req.tenant).appendleft(req)
+        self._len += 1
+
+    def remove(self, req: Request) -> None:
+        self.queues[req.tenant].remove(req)
+        self._len -= 1
+
+    def tenant_len(self, tenant: str) -> int:
+        return len(self.queues.get(tenant, ()))
+
+    # ---- order ---------------------------------------------------------------------------------
+    def head(self, skip: set[int] | frozenset = frozenset(), skip_tenants: set[str] | frozenset = frozenset()
+             ) -> Request | None:
+        """The request to admit next, passing over requests (by id()) and tenants in the skip sets."""
+        best, best_key = None, None
+        for tenant, q in self.queues.items():
+            if tenant in skip_tenants:
+                continue
+            req = next((r for r in q if id(r) not in skip), None)
+            if req is None:
+                continue
+            key = (self.counters.get(tenant, 0.0), req.arrival) if self.fair else (req.arrival,)
+            if best_key is None or key < best_key:
+                best, best_key = req, key
+        return best
+
+    def pop(self, req: Request) -> None:
+        self.remove(req)
+
+    # ---- service -------------------------------------------------------------------------------
+    def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        cost = PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weight(tenant)
+
+    def service(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
