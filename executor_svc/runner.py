@@ -24,6 +24,8 @@ class RequestState:
     page_ids: list[int]
     sampling: SamplingParams
     num_output: int  # draws made so far: the index of the next draw in the seed stream
+    sink: int = 0  # attention sink + window (0: full attention); dropped pages are -1 in page_ids
+    window: int = 0
 
 
 class PlanError(Exception):
@@ -70,8 +72,10 @@ class ModelRunner:
         self.requests.clear()
 
     # ---- plan -> state -------------------------------------------------------------------------
-    def _check_pages(self, request_id: str, page_ids) -> None:
+    def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:
         for p in page_ids:
+            if dropped_ok and p == -1:
+                continue
             if not 0 <= p < self.pool.num_pages:
                 raise PlanError(f"request {request_id}: page id {p} outside [0, {self.pool.num_pages})",
                                 [request_id])
@@ -91,13 +95,13 @@ class ModelRunner:
             self.requests.pop(rid, None)
         staged: list[tuple[str, RequestState, int]] = []
         for new in plan.new_requests:
-            self._check_pages(new.request_id, new.page_ids)
+            self._check_pages(new.request_id, new.page_ids, dropped_ok=new.window_tokens > 0)
             s = new.sampling
             state = RequestState(
                 token_ids=list(new.token_ids), num_computed=new.num_computed_tokens,
                 page_ids=list(new.page_ids),
                 sampling=SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed, s.logprobs),
-                num_output=new.num_output_tokens,
+                num_output=new.num_output_tokens, sink=new.sink_tokens, window=new.window_tokens,
             )
             staged.append((new.request_id, state, new.num_scheduled_tokens))
         missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests]
@@ -105,18 +109,27 @@ class ModelRunner:
             raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
         for c in plan.continuing:
             self._check_pages(c.request_id, c.new_page_ids)
+            table = len(self.requests[c.request_id].page_ids) + len(c.new_page_ids)
+            if any(not 0 <= i < table for i in c.dropped_page_indices):
+                raise PlanError(f"request {c.request_id}: dropped page index outside its table of {table}",
+                                [c.request_id])
         # The plan is consistent: commit.
         for rid, state, _ in staged:
             self.requests[rid] = state
         for c in plan.continuing:
-            self.requests[c.request_id].page_ids.extend(c.new_page_ids)
+            st = self.requests[c.request_id]
+            st.page_ids.extend(c.new_page_ids)
+            for i in c.dropped_page_indices:
+                st.page_ids[i] = -1
         scheduled = [(rid, n) for rid, _, n in staged] + [(c.request_id, c.num_scheduled_tokens)
                                                            for c in plan.continuing]
         out = []
         for rid, n in scheduled:
             st = self.requests[rid]
             end = st.num_computed + n
-            if n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > len(st.page_ids):
+            writes = st.page_ids[st.num_computed // self.block_size: -(-end // self.block_size)]
+            if (n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > len(st.page_ids)
+                    or -1 in writes):
                 self.requests.pop(rid, None)
                 raise PlanError(
                     f"request {rid}: {n} tokens from position {st.num_computed} do not fit "
@@ -129,6 +142,7 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slot_pages, slot_offsets = [], [], [], []
         decode_idx, decode_tables, decode_lens, prefills, logits_rows = [], [], [], [], []
+        decode_sinks, decode_windows = [], []
         for item in scheduled:
             st, start, n = item.state, item.start, item.count
             q_start = len(ids)
@@ -138,25 +152,33 @@ class ModelRunner:
             slot_pages.extend(st.page_ids[p // bs] for p in pos)
             slot_offsets.extend(p % bs for p in pos)
             ctx = start + n
+            table = st.page_ids[: -(-ctx // bs)]
+            if st.window:  # dropped pages (-1) are read as page 0 and masked
+                table = [max(p, 0) for p in table]
             if n == 1:
                 decode_idx.append(q_start)
-                decode_tables.append(st.page_ids[: -(-ctx // bs)])
+                decode_tables.append(table)
                 decode_lens.append(ctx)
+                decode_sinks.append(st.sink)
+                decode_windows.append(st.window)
             else:
-                pages = torch.tensor(st.page_ids[: -(-ctx // bs)], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSegment(q_start, n, ctx, pages))
+                pages = torch.tensor(table, dtype=torch.long, device=self.device)
+                prefills.append(PrefillSegment(q_start, n, ctx, pages, st.sink, st.window))
             if ctx == len(st.token_ids):
                 logits_rows.append(len(ids) - 1)
 
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        groups = [
-            DecodeGroup(tensor([decode_idx[i] for i in members]),
-                        tensor([decode_tables[i] + [0] * (width - len(decode_tables[i])) for i in members]),
-                        tensor([decode_lens[i] for i in members]))
-            for members, width in _group_by_length([len(t) for t in decode_tables])
-        ]
+        groups = []
+        for members, width in _group_by_length([len(t) for t in decode_tables]):
+            group = DecodeGroup(tensor([decode_idx[i] for i in members]),
+                                tensor([decode_tables[i] + [0] * (width - len(decode_tables[i])) for i in members]),
+                                tensor([decode_lens[i] for i in members]))
+            if any(decode_windows[i] for i in members):
+                group.sinks = tensor([decode_sinks[i] for i in members])
+                group.windows = tensor([decode_windows[i] for i in members])
+            groups.append(group)
         meta = AttentionMetadata(
             slot_pages=tensor(slot_pages), slot_offsets=tensor(slot_offsets), decodes=groups,
             prefills=prefills, sliding_window=self.model.cfg.sliding_window,

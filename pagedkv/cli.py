@@ -60,6 +60,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(default: single-tenant, no keys)")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit across tenants by weighted service (VTC) instead of arrival order")
+    p.add_argument("--sliding-window", type=int, default=0, metavar="N",
+                   help="attention over the sink plus the last N tokens of every request (0: off)")
+    p.add_argument("--sink-tokens", type=int, default=0, metavar="S", help="attention-sink tokens (with a window)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
@@ -111,6 +114,8 @@ def serve(args) -> int:
         sched_cmd += ["--tenants-file", args.tenants_file]
     if not args.fairness:
         sched_cmd.append("--no-fairness")
+    if args.sliding_window:
+        sched_cmd += ["--sliding-window", str(args.sliding_window), "--sink-tokens", str(args.sink_tokens)]
     children: list[subprocess.Popen] = []
     stopping = False
 

@@ -87,13 +87,14 @@ class Client:
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                       include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1,
-                      priority: int = 0) -> api.GenerateRequest:
+                      priority: int = 0, page_budget: int = 0) -> api.GenerateRequest:
         sampling = api.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output)
         if seed is not None:
             sampling.seed = seed
-        req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority)
+        req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
+                                  page_budget=page_budget)
         if isinstance(prompt, str):
             req.text = prompt
         else:

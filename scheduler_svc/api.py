@@ -30,8 +30,24 @@ FINISH_REASONS = {
 }
 
 
-def window_min_budget(tenant: Tenant, block_size: int) -> int:
-    return -(-max(tenant.sink_tokens, 1) // block_size) + 2
+def attention_window(tenant: Tenant, config, budget: int, block_size: int) -> tuple[int, int]:
+    """(sink tokens, window tokens) of a request: the tenant's (else the server's) sliding window, and for a
+    page budget with the 'window' policy the first page(s) as sink plus as many recent tokens as the budget
+    holds; the narrower window wins. (0, 0): full attention."""
+    sliding = tenant.sliding_window or config.sliding_window
+    sink = tenant.sink_tokens or config.sink_tokens
+    windows = [sliding] if sliding else []
+    if budget and tenant.overflow == "window":
+        sink = sink or block_size  # the first page is the attention sink
+        windows.append((budget - -(-sink // block_size) - 1) * block_size)
+    if not windows:
+        return 0, 0
+    return sink, min(windows)
+
+
+def window_min_budget(tenant: Tenant, config, block_size: int) -> int:
+    sink = tenant.sink_tokens or config.sink_tokens or block_size
+    return -(-sink // block_size) + 2
 
 
 def tenant_info(s, tenant: Tenant) -> api.TenantInfo:
@@ -78,7 +94,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 raise InvalidRequest(f"prompt: {prompt_len} tokens need {need} pages; the page budget is "
                                      f"{budget} pages (overflow policy 'stop')")
         else:
-            least = window_min_budget(tenant, bs)
+            least = window_min_budget(tenant, self.engine.scheduler.config, bs)
             if budget < least:
                 raise InvalidRequest(f"page_budget: {budget} pages; the 'window' policy needs at least {least} "
                                      f"(the attention sink's pages plus two)")
@@ -110,10 +126,14 @@ class GenerationService(api_grpc.GenerationServicer):
         arrival = self.engine.next_arrival()
         # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
+        scheduler = self.engine.scheduler
+        sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
+        # NOTE: a windowed request's KV depends on its window, so its pages are cached under other hashes.
+        root = tenant_root(tenant.id) if not window else tenant_root(f"{tenant.id}\x00window:{sink}:{window}")
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
-                       detokenizer=detok, n=n, tenant=tenant.id, hash_root=tenant_root(tenant.id),
-                       client_id=client_id, priority=request.priority, page_budget=budget,
-                       overflow=tenant.overflow)
+                       detokenizer=detok, n=n, tenant=tenant.id, hash_root=root, client_id=client_id,
+                       priority=request.priority, page_budget=budget, overflow=tenant.overflow,
+                       sink_tokens=sink, window_tokens=window)
 
     async def Generate(self, request, context):  # noqa: N802
         try:

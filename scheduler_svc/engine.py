@@ -25,6 +25,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self.steps = 0
         self._counted: dict[str, int] = {}
+        self._tenant_counted: dict[str, tuple[int, int]] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="engine")
@@ -85,6 +86,18 @@ class Engine:
             metrics.HOST_PAGES_USED.set(s.host.num_used)
             metrics.HOST_PAGES_CACHED.set(s.host.num_cached)
         metrics.SWAPPED.set(len(s.swapped))
+        running: dict[str, int] = {}
+        for r in s.running:
+            running[r.tenant] = running.get(r.tenant, 0) + 1
+        for tenant, st in s.tenant_stats.items():
+            metrics.TENANT_PAGES.labels(tenant).set(s.pool.used_by[tenant])
+            metrics.TENANT_RUNNING.labels(tenant).set(running.get(tenant, 0))
+            metrics.TENANT_WAITING.labels(tenant).set(s.waiting.tenant_len(tenant))
+            metrics.TENANT_SERVICE.labels(tenant).set(s.waiting.service(tenant))
+            last = self._tenant_counted.get(tenant, (0, 0))
+            metrics.TENANT_BUDGET_HITS.labels(tenant).inc(max(0, st.budget_hits - last[0]))
+            metrics.TENANT_FAIR_PREEMPTIONS.labels(tenant).inc(max(0, st.fair_share_preemptions - last[1]))
+            self._tenant_counted[tenant] = (st.budget_hits, st.fair_share_preemptions)
         metrics.PAGES_USED.set(s.pool.num_used)
         metrics.PAGES_FREE.set(s.pool.num_free)
         metrics.RUNNING.set(len(s.running))

@@ -26,6 +26,12 @@ from scheduler_svc.prefix_cache import extend_chain
 from scheduler_svc.request import Request
 
 Hit = tuple[int, bool]  # (page id, on the host tier)
+DROPPED = -1  # a page-table entry whose page left (outside the request's attention window)
+
+
+def held(table: list[int]):
+    """The pages a table holds (entries of dropped pages left out)."""
+    return (p for p in table if p != DROPPED)
 
 
 @dataclass(slots=True)
@@ -158,7 +164,7 @@ class KVManager:
         """(pages to copy, free host pages taken) for swapping req out; its filled pages go to the host,
         except those whose contents the host tier already caches (shared there)."""
         copies = taken = 0
-        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
+        for p in held(req.page_table[: self.pool.pages_for(req.num_computed)]):
             h = self.pool.hash_of(p)
             hp = self.host.lookup(h) if h is not None else None
             if hp is None:
@@ -172,7 +178,7 @@ class KVManager:
         """Tokens of req in cached pages other requests hold too: a recompute would find them again."""
         n = 0
         for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
-            if self.pool.refcount(p) < 2 or self.pool.hash_of(p) is None:
+            if p == DROPPED or self.pool.refcount(p) < 2 or self.pool.hash_of(p) is None:
                 break
             n += 1
         return min(n * self.bs, req.num_computed)
@@ -188,6 +194,9 @@ class KVManager:
         """Moves req's filled pages to the host tier and frees its device pages; req keeps num_computed."""
         host_table = []
         for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
+            if p == DROPPED:
+                host_table.append(DROPPED)
+                continue
             h = self.pool.hash_of(p)
             hp = self.host.lookup(h) if h is not None else None
             if hp is not None:
@@ -207,7 +216,7 @@ class KVManager:
     def pages_to_swap_in(self, req: Request, num_tokens: int) -> int:
         """Free device pages that swapping req in and growing it by num_tokens would take."""
         taken = 0
-        for hp in req.host_table:
+        for hp in held(req.host_table):
             h = self.host.hash_of(hp)
             page = self.pool.lookup(h) if h is not None else None
             if page is None or self.pool.refcount(page) == 0:
@@ -218,15 +227,15 @@ class KVManager:
         """Gives req device pages again: contents still cached on the device are shared, the rest copied in."""
         found = []
         for hp in req.host_table:
-            h = self.host.hash_of(hp)
+            h = self.host.hash_of(hp) if hp != DROPPED else None
             page = self.pool.lookup(h) if h is not None else None
-            found.append((page, h))
-        self.pool.share((page for page, _ in found if page is not None), req.tenant)
+            found.append((DROPPED if hp == DROPPED else page, h))
+        self.pool.share((page for page, _ in found if page not in (None, DROPPED)), req.tenant)
         req.page_table = [page if page is not None else self._bring_back(hp, h, req.tenant)
                           for hp, (page, h) in zip(req.host_table, found)]
         # Pages copied in are read by this plan: their references drop once it ran; the others now.
         self.ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
-        self.host.free(hp for hp, (page, _) in zip(req.host_table, found) if page is not None)
+        self.host.free(hp for hp, (page, _) in zip(req.host_table, found) if page not in (None, DROPPED))
         req.host_table = []
         if self.caching:
             self._register_inflight(req, req.num_published)
@@ -236,6 +245,37 @@ class KVManager:
         """The plan that carried ops ran: the host pages its swap-ins read may be reused."""
         if self.host is not None:
             self.host.free(ops.host_release)
+
+    # ---- attention window (sink + the most recent tokens) ----------------------------------------
+    def sink_pages(self, req: Request) -> int:
+        return -(-req.sink_tokens // self.bs)
+
+    def window_chunk_limit(self, req: Request, num_tokens: int) -> int:
+        """The most of num_tokens the request may compute this step without holding more than its page
+        budget: the earliest query of the step decides which pages stay visible."""
+        if not req.page_budget:
+            return num_tokens
+        p0 = req.num_computed
+        sink = self.sink_pages(req)
+        first_visible_page = max(0, p0 - req.window_tokens + 1) // self.bs if req.window_tokens else 0
+        pages = req.page_budget - sink + max(sink, first_visible_page)
+        return max(1, min(num_tokens, pages * self.bs - p0))
+
+    def drop_outside_window(self, req: Request) -> list[int]:
+        """Frees the pages no query from num_computed on can see (wholly between the sink and the window);
+        returns their indices (the executor is told)."""
+        if not req.window_tokens:
+            return []
+        # a swapped-out request drops host pages (before they would be copied back)
+        table, pool = (req.host_table, self.host) if req.host_table else (req.page_table, self.pool)
+        first_visible = req.num_computed - req.window_tokens + 1
+        end = min(max(0, first_visible) // self.bs, len(table))
+        dropped = [i for i in range(self.sink_pages(req), end) if table[i] != DROPPED]
+        if dropped:
+            pool.free(table[i] for i in dropped)
+            for i in dropped:
+                table[i] = DROPPED
+        return dropped
 
     # ---- growth --------------------------------------------------------------------------------
     def _shared_write_page(self, req: Request) -> int | None:
@@ -266,7 +306,7 @@ class KVManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child points at every page of the parent (one more reference each)."""
-        self.pool.share(parent.page_table, parent.tenant)
+        self.pool.share(held(parent.page_table), parent.tenant)
         child.page_table = list(parent.page_table)
         child.num_computed = parent.num_computed
         child.page_hashes = list(parent.page_hashes)
@@ -283,7 +323,8 @@ class KVManager:
         extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self.bs, full)
         for j in range(req.num_published, full):
             h = req.page_hashes[j]
-            self.pool.publish(req.page_table[j], h)
+            if req.page_table[j] != DROPPED:
+                self.pool.publish(req.page_table[j], h)
             if self.inflight.get(h) is req:
                 del self.inflight[h]
         req.num_published = full
@@ -291,9 +332,9 @@ class KVManager:
     def release(self, req: Request) -> None:
         """Frees a request's pages (both tiers) tail-first and drops its in-flight claims; published pages
         stay findable."""
-        self.pool.free(reversed(req.page_table))
+        self.pool.free(held(reversed(req.page_table)))
         if req.host_table:
-            self.host.free(reversed(req.host_table))
+            self.host.free(held(reversed(req.host_table)))
             req.host_table = []
         req.page_table = []
         req.num_computed = 0

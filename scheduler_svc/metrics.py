@@ -14,6 +14,15 @@ HOST_PAGES_CACHED = Gauge("pagedkv_host_pages_cached", "Host-tier pages findable
 SWAP_PAGES = Counter("pagedkv_swap_pages_total", "Pages copied between tiers (out: device to host)", ["direction"])
 SWAP_BYTES = Counter("pagedkv_swap_bytes_total", "Bytes copied between tiers (out: device to host)", ["direction"])
 SPILLED_PAGES = Counter("pagedkv_prefix_spilled_pages_total", "Cached pages written to the host tier on eviction")
+TENANT_PAGES = Gauge("pagedkv_tenant_pages_used", "Device KV pages held by a tenant's requests", ["tenant"])
+TENANT_RUNNING = Gauge("pagedkv_tenant_requests_running", "A tenant's requests holding pages", ["tenant"])
+TENANT_WAITING = Gauge("pagedkv_tenant_requests_waiting", "A tenant's requests queued for admission", ["tenant"])
+TENANT_SERVICE = Gauge("pagedkv_tenant_weighted_service", "A tenant's weighted virtual token counter (VTC)",
+                       ["tenant"])
+TENANT_BUDGET_HITS = Counter("pagedkv_tenant_budget_hits_total", "Requests that reached their page budget",
+                             ["tenant"])
+TENANT_FAIR_PREEMPTIONS = Counter("pagedkv_tenant_fair_share_preemptions_total",
+                                  "A tenant's requests preempted to give another tenant its fair share", ["tenant"])
 SPILL_HITS = Counter("pagedkv_prefix_spill_hits_total", "Prefix-cache pages served from the host tier")
 FINISHED = Counter("pagedkv_requests_finished_total", "Requests finished", ["reason"])
 GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and streamed")

@@ -67,6 +67,12 @@ class Request:
     priority: int = 0  # lower is more important (preempted last)
     page_budget: int = 0  # most pages this request may hold (0: no limit)
     overflow: str = "window"  # past the budget: "window" or "stop"
+    # Attention over the first sink_tokens positions plus the last window_tokens (0: full attention);
+    # pages wholly outside leave the table (DROPPED entries), their indices go to the executor once.
+    sink_tokens: int = 0
+    window_tokens: int = 0
+    dropped_pending: list[int] = field(default_factory=list)
+    budget_hit: bool = False
     last_scheduled: int = 0  # step id of the last plan that computed tokens for it
     swapped_at: int = 0  # step id when it was swapped out
     num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)

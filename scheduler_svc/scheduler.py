@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.fairness import WaitQueue
-from scheduler_svc.kv_manager import KVManager, PageOps
+from scheduler_svc.kv_manager import KVManager, PageOps, held
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, PreemptionConfig, PreemptionPolicy
 from scheduler_svc.request import Finish, Output, Request, Status
@@ -32,6 +32,8 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of pages kept free when admitting new requests
     enable_prefix_caching: bool = True
     fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
+    sliding_window: int = 0  # serve every request with attention over sink + the last N tokens (0: off)
+    sink_tokens: int = 0
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 
@@ -187,7 +189,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed, budget)
+            n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
             if not self._reserve(req, n, self.running[i:], stats):
                 continue  # req itself was preempted; the list shrank
             scheduled.append((req, n))
@@ -240,6 +242,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, unscheduled: list[Request], stats: StepStats) -> bool:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req)."""
         now = self.step_id + 1
+        self._drop_outside_window(req)
         over_share: set[str] | None = None
         tenant = self.tenants.get(req.tenant)
         while not self._can_take(req.tenant, need := self.kv.pages_to_grow(req, n)):
@@ -258,6 +261,15 @@ class Scheduler:
         if self.kv.grow(req, n):
             req.num_pages_sent = -1  # its table changed in place: send it in full
         return True
+
+    def _drop_outside_window(self, req: Request) -> None:
+        dropped = self.kv.drop_outside_window(req)
+        if not dropped:
+            return
+        req.dropped_pending += dropped
+        if req.page_budget and not req.budget_hit:
+            req.budget_hit = True
+            self.stats(req.tenant).budget_hits += 1
 
     def _preempt(self, req: Request, now: int) -> None:
         """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
@@ -282,13 +294,14 @@ class Scheduler:
     def _swap_in(self, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int:
         """Brings the longest-swapped request back if it fits; returns the tokens it takes (0: it did not fit)."""
         req = self.swapped[0]
-        n = min(req.num_uncomputed, budget)
+        n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
         if seats + req.n > self.config.max_num_seqs:
             return 0
         need = self.kv.pages_to_swap_in(req, n)
         if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
             return 0
         self.swapped.popleft()
+        self._drop_outside_window(req)
         self.kv.swap_in(req, n)
         req.status = Status.RUNNING
         self.running.append(req)
@@ -330,7 +343,11 @@ class Scheduler:
             if self.kv.waits_for_inflight(req, len(hits)):
                 skip.add(id(req))
                 continue
+            if req.page_budget:  # at most budget - 1 pages from the cache, the rest within the budget
+                hits = hits[: req.page_budget - 1]
             n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
+            if req.page_budget:
+                n = min(n, (req.page_budget - len(hits)) * self.pool.block_size)
             need = self.kv.pages_to_admit(hits, n)
             if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
                 if self._over_quota(tenant, need):
@@ -367,11 +384,14 @@ class Scheduler:
                 num_computed_tokens=req.num_computed, num_scheduled_tokens=n, page_ids=req.page_table,
                 sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                            seed=s.seed, logprobs=s.logprobs),
-                num_output_tokens=len(req.output_ids),
+                num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
+                window_tokens=req.window_tokens,
             )
         else:
             plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,
-                                new_page_ids=req.page_table[req.num_pages_sent:])
+                                new_page_ids=req.page_table[req.num_pages_sent:],
+                                dropped_page_indices=req.dropped_pending)
+        req.dropped_pending = []
         req.num_pages_sent = len(req.page_table)
         req.last_scheduled = plan.step_id
 
@@ -409,7 +429,7 @@ class Scheduler:
                     arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
                     client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
-                    overflow=parent.overflow,
+                    overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]
@@ -537,10 +557,14 @@ class Scheduler:
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Both tiers: every page's refcount equals the tables (and pending swap-ins) holding it."""
-        self.pool.check_integrity(r.page_table for r in self.running)
+        self.pool.check_integrity(list(held(r.page_table)) for r in self.running)
+        for r in self.running:
+            if r.page_budget:
+                pages = sum(1 for _ in held(r.page_table))
+                assert pages <= r.page_budget, f"{r.request_id} holds {pages} pages, budget {r.page_budget}"
         if self.host is not None:
             pending = [ops.host_release for ops in (self.inflight_ops, self.resend_ops, self.kv.ops) if ops is not None]
-            self.host.check_integrity([*(r.host_table for r in self.swapped), *pending])
+            self.host.check_integrity([*(list(held(r.host_table)) for r in self.swapped), *pending])
         for h, owner in self.kv.inflight.items():
             assert owner.status is Status.RUNNING and h in owner.registered, "stale in-flight page claim"
         for r in self.waiting:

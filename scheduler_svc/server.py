@@ -48,6 +48,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
+    p.add_argument("--sliding-window", type=int, default=0, metavar="N",
+                   help="serve every request with attention over the sink plus its last N tokens; pages wholly "
+                   "outside are freed at once (0: full attention; a tenant's sliding_window overrides)")
+    p.add_argument("--sink-tokens", type=int, default=0, metavar="S",
+                   help="attention-sink tokens kept at the start of a windowed request")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -63,6 +68,9 @@ def _check_args(args, describe, log) -> int:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("sliding_window", "sink_tokens"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_len = args.max_model_len or describe.max_position_embeddings
     pool_tokens = describe.num_device_pages * describe.block_size
     if not args.max_model_len and max_len > pool_tokens:
@@ -94,7 +102,8 @@ async def serve(args) -> None:
     host = PagePool(describe.num_host_pages, describe.block_size, min_pages=0) if describe.num_host_pages else None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
-                             preemption=preemption, fairness=args.fairness)
+                             preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
+                             sink_tokens=args.sink_tokens)
     try:
         tenants = Tenants.load(args.tenants_file, pool.num_pages) if args.tenants_file else Tenants()
     except InvalidTenant as err:

@@ -57,6 +57,7 @@ class FakeExecutor:
         self.host: dict[int, list] = {}
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
+        self.windows: dict[str, tuple[int, int]] = {}  # (sink, window) tokens
         self.pages_moved = 0
 
     @staticmethod
@@ -89,15 +90,22 @@ class FakeExecutor:
         for new in plan.new_requests:
             self.tables[new.request_id] = list(new.page_ids)
             self.tokens[new.request_id] = list(new.token_ids)
+            self.windows[new.request_id] = (new.sink_tokens, new.window_tokens)
         for c in plan.continuing:
             self.tables[c.request_id].extend(c.new_page_ids)
+            for i in c.dropped_page_indices:
+                self.tables[c.request_id][i] = -1
         starts = {rid: self.known[rid][1] for rid in self.tables if rid in self.known}
         result = fake_result(plan, self.known)
         for item in [*plan.new_requests, *plan.continuing]:
             rid = item.request_id
             start = item.num_computed_tokens if isinstance(item, pb.NewRequest) else starts[rid]
             fps = self._fingerprints(self.tokens[rid])
+            sink, window = self.windows[rid]
             for pos in range(start):
+                if window and sink <= pos <= start - window:
+                    continue  # outside the attention window of every query of this step
+                assert self.tables[rid][pos // self.bs] != -1, f"{rid}: position {pos} visible but its page dropped"
                 page, off = self._slot(rid, pos)
                 assert page[off] == fps[pos], f"step {plan.step_id}: {rid} reads wrong KV at position {pos}"
             for pos in range(start, start + item.num_scheduled_tokens):

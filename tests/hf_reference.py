@@ -26,3 +26,23 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: list[in
 def random_prompts(seed: int, lengths: list[int], vocab_size: int, first_id: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [[1] + torch.randint(first_id, vocab_size, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+def hf_windowed_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, sink: int, window: int) -> list[int]:
+    """Greedy decoding with dense attention under a sink + window mask, computed from scratch each step:
+    token i attends to j when j <= i and (j < sink or j > i - window). No cache, nothing paged."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            n = len(ids)
+            i = torch.arange(n).view(-1, 1)
+            j = torch.arange(n).view(1, -1)
+            allowed = (j <= i) & ((j < sink) | (j > i - window))
+            mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            logits = model(torch.tensor([ids]), attention_mask=mask).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]

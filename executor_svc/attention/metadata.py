@@ -14,7 +14,9 @@ class PrefillSegment:
     q_start: int
     q_len: int
     ctx_len: int
-    page_ids: torch.Tensor  # the pages holding positions [0, ctx_len)
+    page_ids: torch.Tensor  # the pages holding positions [0, ctx_len) (dropped ones: any page, masked)
+    sink: int = 0  # attention sink + window of the request (window 0: none)
+    window: int = 0
 
 
 @dataclass(slots=True)
@@ -24,6 +26,8 @@ class DecodeGroup:
     token_idx: torch.Tensor  # [B] flat index of each decode token
     page_tables: torch.Tensor  # [B, max_pages]
     ctx_lens: torch.Tensor  # [B] context length including the new token
+    sinks: torch.Tensor | None = None  # [B] per-request attention sink and window (None: nobody has one;
+    windows: torch.Tensor | None = None  # a window of 0 means none)
     mask: torch.Tensor | None = None  # built by the backend on first use, shared by every layer
 
 

@@ -4,7 +4,8 @@ It reads K/V through page tables from the per-layer views of the page pool
 ``[num_pages, block_size, num_kv_heads, head_dim]``: one ``index_select`` of whole pages gives a
 request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
 ``scaled_dot_product_attention`` with grouped-query heads. Positions past a request's context (table
-padding), and outside the sliding window when there is one, are masked.
+padding), outside the model's sliding window when there is one, and outside a request's own sink + window
+(its dropped pages among them) are masked.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class TorchPagedAttention:
             visible = pos < ctx
             if window:
                 visible &= pos > ctx - 1 - window
+            if group.windows is not None:
+                w = group.windows.view(batch, 1)
+                visible &= (w == 0) | (pos < group.sinks.view(batch, 1)) | (pos > ctx - 1 - w)
             group.mask = visible.view(batch, 1, 1, -1)
         # NOTE: the query heads of one KV head go in as rows of that head (q_len = group size) rather than
         # through enable_gqa with q_len = 1: the same arithmetic, ~40% faster in the CPU kernel.
@@ -85,7 +89,7 @@ class TorchPagedAttention:
         k = self._gather(k_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]  # [1, H, ctx, D]
         v = self._gather(v_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
-        if seg.ctx_len == seg.q_len and not window:
+        if seg.ctx_len == seg.q_len and not window and not seg.window:
             out = self._attend(qh, k, v, None, causal=True)
         else:
             q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=q.device).view(-1, 1)
@@ -93,5 +97,7 @@ class TorchPagedAttention:
             visible = k_pos <= q_pos
             if window:
                 visible &= k_pos > q_pos - window
+            if seg.window:
+                visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
             out = self._attend(qh, k, v, visible)
         return out[0].transpose(0, 1)

@@ -71,7 +71,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "page_ids", "sampling", "num_output_tokens")
+    __slots__ = ("request_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "page_ids", "sampling", "num_output_tokens", "sink_tokens", "window_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class NewRequest(_message.Message):
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -86,17 +88,21 @@ class NewRequest(_message.Message):
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    sink_tokens: int
+    window_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class ContinuingRequest(_message.Message):
-    __slots__ = ("request_id", "num_scheduled_tokens", "new_page_ids")
+    __slots__ = ("request_id", "num_scheduled_tokens", "new_page_ids", "dropped_page_indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_scheduled_tokens: int
     new_page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    dropped_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., dropped_page_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PageCopy(_message.Message):
     __slots__ = ("src", "dst")
