@@ -47,7 +47,8 @@ sink_tokens = 4
 def server(model_cache, tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(TENANTS)
-    s = Server("--num-pages", "128", "--max-num-batched-tokens", "512", "--check-integrity", "--tenants-file", str(path))
+    s = Server("--num-pages", "128", "--max-num-batched-tokens", "512", "--check-integrity",
+               "--tenants-file", str(path))
     yield s
     s.stop()
 
