@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 import grpc
 
@@ -110,11 +111,19 @@ class GenerationService(api_grpc.GenerationServicer):
             ids = list(request.token_ids.ids)
         else:
             raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
-        check_prompt_ids(ids, self.limits)
+        scheduler = self.engine.scheduler
+        budget = self._page_budget(request, tenant, len(ids))
+        sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
+        limits = self.limits
+        if not (budget and window):
+            capacity = scheduler.tenant_capacity(tenant.id)
+            if capacity * scheduler.pool.block_size < limits.max_model_len:
+                limits = replace(limits, max_model_len=capacity * scheduler.pool.block_size,
+                                 max_len_name=f"the {capacity} pages tenant {tenant.id} can hold (tokens)")
+        check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
         check_priority(request.priority)
-        budget = self._page_budget(request, tenant, len(ids))
-        sampling = check_sampling(request.sampling, len(ids), self.limits)
+        sampling = check_sampling(request.sampling, len(ids), limits)
         n = max(1, request.sampling.n)
         if n > self.engine.scheduler.config.max_num_seqs:
             limit = self.engine.scheduler.config.max_num_seqs
@@ -126,8 +135,6 @@ class GenerationService(api_grpc.GenerationServicer):
         arrival = self.engine.next_arrival()
         # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
-        scheduler = self.engine.scheduler
-        sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
         # NOTE: a windowed request's KV depends on its window, so its pages are cached under other hashes.
         root = tenant_root(tenant.id) if not window else tenant_root(f"{tenant.id}\x00window:{sink}:{window}")
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,

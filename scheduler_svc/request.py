@@ -66,6 +66,7 @@ class Request:
     host_table: list[int] = field(default_factory=list)  # host-tier pages while swapped out
     priority: int = 0  # lower is more important (preempted last)
     page_budget: int = 0  # most pages this request may hold (0: no limit)
+    max_len: int = 1 << 30  # prompt + output it may reach (the scheduler sets it from its tenant's capacity)
     overflow: str = "window"  # past the budget: "window" or "stop"
     # Attention over the first sink_tokens positions plus the last window_tokens (0: full attention);
     # pages wholly outside leave the table (DROPPED entries), their indices go to the executor once.

@@ -105,6 +105,20 @@ class Scheduler:
         used = self.pool.used_by
         return sum(max(0, t.reserved_pages - used[t.id]) for t in self.tenants if t.id != tenant)
 
+    def tenant_capacity(self, tenant_id: str) -> int:
+        """The most pages one request of the tenant can ever get: its quota, less every other tenant's
+        reserved minimum."""
+        t = self.tenants.get(tenant_id)
+        others = self.tenants.total_reserved - (t.reserved_pages if t.id in self.tenants.by_id else 0)
+        return min(t.page_quota or self.pool.num_pages, self.pool.num_pages - others)
+
+    def max_len_for(self, req: Request) -> int:
+        """Longest prompt + output the request can reach: max_model_len, lower when its tenant's capacity
+        holds fewer tokens (a request with a page budget and a window never holds more than its budget)."""
+        if req.page_budget and req.window_tokens:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, self.tenant_capacity(req.tenant) * self.pool.block_size)
+
     def _over_quota(self, tenant: Tenant, need: int) -> bool:
         return bool(tenant.page_quota) and self.pool.used_by[tenant.id] + need > tenant.page_quota
 
@@ -158,6 +172,7 @@ class Scheduler:
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        req.max_len = self.max_len_for(req)
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
             for child in self._children(req):
                 self.requests[child.request_id] = child
@@ -197,6 +212,8 @@ class Scheduler:
             i += 1
         if not stats.preempted:
             budget = self._admit(budget, scheduled, stats)
+        elif self.tenants.total_reserved:  # pages are short, but reserved pages are there for their tenants
+            budget = self._admit(budget, scheduled, stats, only_reserved=True)
         if not scheduled and not self.to_forget and not self.kv.ops:
             return None, outputs
         self.step_id += 1
@@ -308,10 +325,16 @@ class Scheduler:
         scheduled.append((req, n))
         return n
 
-    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats) -> int:
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats,
+               only_reserved: bool = False) -> int:
         """Swapped requests that waited too long first (nothing else is admitted until they fit); then new
-        and recompute-preempted requests, FCFS (one whose shared prefix another request is computing waits);
-        then the other swapped requests, in swap-out order."""
+        and recompute-preempted requests in fair order (one whose shared prefix another request is computing
+        waits); then the other swapped requests, in swap-out order. only_reserved: just new requests of
+        tenants below their reserved minimum (a step that preempted admits nothing else)."""
+        if only_reserved:
+            used = self.pool.used_by
+            skip = {t for t in self.waiting.queues if used[t] >= self.tenants.get(t).reserved_pages}
+            return self._admit_waiting(budget, scheduled, stats, sum(r.n for r in self.running), skip)[0]
         seats = sum(r.n for r in self.running)  # a parent that has not forked yet holds n seats
         now = self.step_id + 1
         while self.swapped and budget > 0 and now - self.swapped[0].swapped_at >= self.policy.config.swap_in_max_wait:
@@ -321,8 +344,21 @@ class Scheduler:
             seats += scheduled[-1][0].n
             budget -= n
             stats.swapped_in += 1
+        budget, seats, blocked = self._admit_waiting(budget, scheduled, stats, seats, set())
+        while not blocked and self.swapped and budget > 0:
+            n = self._swap_in(budget, seats, scheduled)
+            if not n:
+                break
+            seats += scheduled[-1][0].n
+            budget -= n
+            stats.swapped_in += 1
+        return budget
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats, seats: int,
+                       skip_tenants: set[str]) -> tuple[int, int, bool]:
+        """New and recompute-preempted requests in fair order; returns (budget, seats, blocked). Tenants in
+        skip_tenants (and those reaching their quota or concurrency limit) are passed over."""
         skip: set[int] = set()  # requests waiting for another's in-flight prefix pages
-        skip_tenants: set[str] = set()  # tenants at their quota or concurrency limit
         running_by_tenant: dict[str, int] = {}
         for r in self.running:
             running_by_tenant[r.tenant] = running_by_tenant.get(r.tenant, 0) + r.n
@@ -349,9 +385,10 @@ class Scheduler:
             if req.page_budget:
                 n = min(n, (req.page_budget - len(hits)) * self.pool.block_size)
             need = self.kv.pages_to_admit(hits, n)
-            if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
-                if self._over_quota(tenant, need):
-                    skip_tenants.add(req.tenant)  # its own quota: others may still go
+            slack = self.watermark_pages if self.running else 0
+            if not self._can_take(req.tenant, need, slack):
+                if self._over_quota(tenant, need) or self.pool.can_allocate(need + slack):
+                    skip_tenants.add(req.tenant)  # its quota, or other tenants' reserves: others may go
                     continue
                 blocked = True
                 break
@@ -367,14 +404,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             stats.admitted += 1
-        while not blocked and self.swapped and budget > 0:
-            n = self._swap_in(budget, seats, scheduled)
-            if not n:
-                break
-            seats += scheduled[-1][0].n
-            budget -= n
-            stats.swapped_in += 1
-        return budget
+        return budget, seats, blocked
 
     def _add_to_plan(self, plan: pb.StepPlan, req: Request, n: int) -> None:
         if req.num_pages_sent < 0:
@@ -430,6 +460,7 @@ class Scheduler:
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
                     client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
                     overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
+                    max_len=parent.max_len,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]
@@ -481,7 +512,7 @@ class Scheduler:
             finish, reason = Finish.STOP, str(token)
         elif req.detokenizer.stopped_by is not None:
             finish, reason = Finish.STOP, req.detokenizer.stopped_by
-        elif len(req.output_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
+        elif len(req.output_ids) >= s.max_tokens or req.num_tokens >= req.max_len:
             finish = Finish.LENGTH
         elif req.page_budget and req.overflow == "stop" and self.pool.pages_for(req.num_tokens) > req.page_budget:
             # the next token's KV would need a page beyond the request's budget

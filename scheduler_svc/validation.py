@@ -24,13 +24,14 @@ class InvalidRequest(ValueError):
 class Limits:
     max_model_len: int
     vocab_size: int
+    max_len_name: str = "max_model_len"  # what sets max_model_len (a tenant's quota can lower it)
 
 
 def check_prompt_ids(ids: list[int], limits: Limits) -> None:
     if not ids:
         raise InvalidRequest("prompt: must not be empty")
     if len(ids) >= limits.max_model_len:
-        raise InvalidRequest(f"prompt: {len(ids)} tokens; must be shorter than max_model_len="
+        raise InvalidRequest(f"prompt: {len(ids)} tokens; must be shorter than {limits.max_len_name}="
                              f"{limits.max_model_len} (at least one token must be generated)")
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
@@ -45,7 +46,7 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
     if max_tokens > room:
         raise InvalidRequest(
             f"sampling.max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-            f"exceeds max_model_len={limits.max_model_len}")
+            f"exceeds {limits.max_len_name}={limits.max_model_len}")
     if math.isnan(p.temperature) or p.temperature < 0 or math.isinf(p.temperature):
         raise InvalidRequest(f"sampling.temperature: {p.temperature}; must be a finite number >= 0")
     top_p = p.top_p if p.top_p != 0 else 1.0

@@ -74,3 +74,60 @@ def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
         ref = dense(q[start:start + n], k, v, ctx, n, head_dim ** -0.5, window)
         torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
         start += n
+
+
+def dense_sink_window(q, k, v, ctx_len, q_len, scale, sink, window):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1).transpose(0, 1)
+    v = v.repeat_interleave(group, 1).transpose(0, 1)
+    s = q.transpose(0, 1) @ k.transpose(1, 2) * scale
+    qp = torch.arange(ctx_len - q_len, ctx_len).view(-1, 1)
+    kp = torch.arange(ctx_len).view(1, -1)
+    visible = (kp <= qp) & ((kp < sink) | (kp > qp - window))
+    s = s.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(s.float(), -1).to(q.dtype) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_sink_and_window_with_dropped_pages(block_size):
+    """Requests with their own sink + window: pages wholly outside are gone (read as page 0, which holds
+    other data) and must not change the result; one request without a window shares the decode group."""
+    g = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, head_dim, num_pages = 8, 2, 32, 96
+    # (context length, new tokens, sink, window)
+    reqs = [(90, 1, 4, 20), (75, 1, 0, 33), (60, 1, 0, 0), (120, 12, 8, 40), (50, 5, 3, 17)]
+    k_cache = torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_pages - 1, generator=g).add(1).tolist()  # page 0 stays foreign
+    full_tables, tables = [], []
+    for ctx, n, sink, window in reqs:
+        table = [perm.pop() for _ in range(-(-ctx // block_size))]
+        full_tables.append(table)
+        first_visible = ctx - n - window + 1  # the earliest query's window start
+        sink_pages = -(-sink // block_size)
+        tables.append([0 if window and sink_pages <= i < first_visible // block_size else p
+                       for i, p in enumerate(table)])
+    total = sum(r[1] for r in reqs)
+    q = torch.randn(total, heads, head_dim, generator=g)
+    dec, prefills, start = [], [], 0
+    for (ctx, n, sink, window), table in zip(reqs, tables):
+        if n == 1:
+            dec.append((start, table, ctx, sink, window))
+        else:
+            prefills.append(PrefillSegment(start, n, ctx, torch.tensor(table), sink, window))
+        start += n
+    width = max(len(t) for _, t, *_ in dec)
+    group = DecodeGroup(torch.tensor([d[0] for d in dec]),
+                        torch.tensor([d[1] + [0] * (width - len(d[1])) for d in dec]),
+                        torch.tensor([d[2] for d in dec]), sinks=torch.tensor([d[3] for d in dec]),
+                        windows=torch.tensor([d[4] for d in dec]))
+    meta = AttentionMetadata(slot_pages=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
+                             decodes=[group], prefills=prefills)
+    out = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5).forward(q, k_cache, v_cache, meta)
+    start = 0
+    for (ctx, n, sink, window), table in zip(reqs, full_tables):
+        k = k_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]
+        v = v_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]
+        ref = dense_sink_window(q[start:start + n], k, v, ctx, n, head_dim ** -0.5, sink, window or 10**9)
+        torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
+        start += n

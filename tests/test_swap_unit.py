@@ -23,13 +23,13 @@ CHEAP_SWAP = Costs(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_
 
 
 def new_scheduler(pages=16, host_pages=32, mode=Mode.SWAP, caching=True, budget=64, seqs=8, max_len=64,
-                  hot=64, cold=512, max_wait=64, costs=CHEAP_SWAP) -> Scheduler:
+                  hot=64, cold=512, max_wait=64, costs=CHEAP_SWAP, tenants=None, fair=True) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, watermark=0,
-                          enable_prefix_caching=caching,
+                          enable_prefix_caching=caching, fairness=fair,
                           preemption=PreemptionConfig(mode=mode, hot_steps=hot, cold_steps=cold,
                                                       swap_in_max_wait=max_wait))
     host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
-    return Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=costs)
+    return Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=costs, tenants=tenants)
 
 
 def assert_empty(s: Scheduler) -> None:

@@ -1,0 +1,218 @@
+"""Tenants file, API keys, fair admission (VTC), quotas, reserved pages and fair-share preemption, at the
+scheduler level with a stand-in executor that checks KV contents (tests/fake_executor.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.fairness import WaitQueue
+from scheduler_svc.pages import PagePool
+from scheduler_svc.request import Finish, Status
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants, Unauthenticated, hash_key
+from tests.fake_executor import FakeExecutor, drive, make_request
+
+BS = 4
+
+
+def load(tmp_path, text: str, num_pages: int = 100) -> Tenants:
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    return Tenants.load(path, num_pages)
+
+
+def test_tenants_file_is_parsed_and_keys_authenticate(tmp_path):
+    t = load(tmp_path, f"""
+[defaults]
+page_budget = 32
+[tenants.acme]
+keys = ["{hash_key('k1')}", "{hash_key('k2')}"]
+revoked_keys = ["{hash_key('old')}"]
+weight = 2.5
+page_quota = 0.5
+reserved_pages = 10
+[tenants.globex]
+keys = ["{hash_key('g')}"]
+page_budget = 8
+overflow = "stop"
+""")
+    acme = t.authenticate([("authorization", "Bearer k2")])
+    assert (acme.id, acme.weight, acme.page_quota, acme.reserved_pages, acme.page_budget) == ("acme", 2.5, 50, 10, 32)
+    glob = t.authenticate([("authorization", "bearer g")])
+    assert (glob.id, glob.page_budget, glob.overflow, glob.page_quota) == ("globex", 8, "stop", 100)
+    for metadata, words in (([], "missing"), ([("authorization", "Bearer nope")], "unknown"),
+                            ([("authorization", "Bearer old")], "revoked"), ([("authorization", "k1")], "Bearer")):
+        with pytest.raises(Unauthenticated, match=words):
+            t.authenticate(metadata)
+    assert Tenants().authenticate([]).id == "default"  # single-tenant: nobody needs a key
+
+
+@pytest.mark.parametrize("text,words", [
+    ('[tenants.a]\nkeys = ["plain-text-key"]', "sha256"),
+    ('[tenants.a]\nweigth = 2', "unknown field"),
+    ('[tenants.a]\nreserved_pages = 60\n[tenants.b]\nreserved_pages = 60', "reserved_pages add up to 120"),
+    ('[tenants.a]\npage_quota = 1.5', "fraction must be in"),
+    ('[tenants.a]\npage_quota = 10\nreserved_pages = 20', "above its page_quota"),
+    ('[tenants.a]\noverflow = "offload"', "overflow"),
+    ('[tenants."bad id"]', "tenant id"),
+    ('[tenant.a]', "unknown top-level"),
+    ('[tenants.a]\nkeys = ["KEY"]\n[tenants.b]\nkeys = ["KEY"]', "share a key"),
+])
+def test_tenants_file_errors_name_the_field(tmp_path, text, words):
+    text = text.replace('"KEY"', f'"{hash_key("same")}"')
+    with pytest.raises(InvalidTenant, match=words):
+        load(tmp_path, text)
+
+
+def test_vtc_serves_the_tenant_with_least_weighted_service():
+    weights = {"a": 1.0, "b": 1.0, "c": 4.0}
+    q = WaitQueue(fair=True, weight=weights.__getitem__)
+    for i, t in enumerate(["a", "a", "a", "b", "c"]):
+        q.append(make_request(i, 4, 4, tenant=t))
+    q.charge("a", prompt_tokens=100)
+    q.charge("b", prompt_tokens=50)
+    q.charge("c", prompt_tokens=100)  # weight 4: 25
+    assert q.head().tenant == "c"
+    q.charge("c", output_tokens=40)  # 25 + 80 / 4 = 45 < b's 50
+    assert q.head().tenant == "c"
+    q.pop(q.head())  # c idle now
+    assert q.head().tenant == "b"
+    q.append(make_request(9, 4, 4, tenant="c"))  # back from idle: starts at the current minimum (b: 50)
+    assert q.service("c") == 50
+    fcfs = WaitQueue(fair=False)
+    for i, t in enumerate(["a", "b", "a"]):
+        fcfs.append(make_request(i, 4, 4, tenant=t))
+    fcfs.charge("a", prompt_tokens=10**6)
+    assert fcfs.head().arrival == 0
+
+
+def two_tenants(a: Tenant, b: Tenant, pages: int = 24, seqs: int = 8, fair: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=64, max_model_len=96, watermark=0,
+                          fairness=fair)
+    return Scheduler(PagePool(pages, BS), cfg, [2], tenants=Tenants([a, b]))
+
+
+def test_quota_holds_while_the_other_tenant_runs():
+    s = two_tenants(Tenant("a", page_quota=8), Tenant("b"))
+    flood = [make_request(i, 12, 20, prompt=[10 + i] * 12, tenant="a") for i in range(6)]
+    quiet = [make_request(10 + i, 8, 4, prompt=[50 + i] * 8, tenant="b") for i in range(3)]
+    for r in flood + quiet:
+        s.add(r)
+    peak = {"a": 0}
+    finished_at: dict[str, int] = {}
+
+    def watch(sched):
+        peak["a"] = max(peak["a"], sched.pool.used_by["a"])
+        for r in flood + quiet:
+            if r.finish is not None:
+                finished_at.setdefault(r.request_id, sched.step_id)
+
+    drive(s, on_step=watch)
+    assert peak["a"] <= 8 and all(r.finish is Finish.LENGTH for r in flood + quiet)
+    # b did not wait for a's queue: all of b finished before a's last four requests
+    assert max(finished_at[r.request_id] for r in quiet) < min(finished_at[r.request_id] for r in flood[2:])
+    assert s.stats("a").peak_used_pages <= 8
+
+
+def test_reserved_pages_are_there_for_their_tenant_at_once():
+    """a has no quota but b reserves 10 of the 24 pages: a never holds more than 14, and b is admitted in
+    the very step it arrives."""
+    s = two_tenants(Tenant("a"), Tenant("b", reserved_pages=10))
+    for i in range(6):
+        s.add(make_request(i, 12, 20, prompt=[10 + i] * 12, tenant="a"))
+    ex = FakeExecutor(BS)
+    for _ in range(5):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+        assert s.pool.used_by["a"] <= 14
+    b = make_request(50, 30, 4, prompt=[77] * 30, tenant="b")  # 8 pages
+    s.add(b)
+    plan, _ = s.schedule()
+    assert b.status is Status.RUNNING and b.request_id in {r.request_id for r in plan.new_requests}
+    s.process(ex.step(plan))
+    drive(s, executor=ex)
+    assert s.pool.num_used == 0
+
+
+def test_a_tenant_over_its_share_gives_pages_back():
+    """a holds the whole pool; b arrives with less than its fair share (half): a's requests are preempted
+    until b fits, and b runs within two steps."""
+    s = two_tenants(Tenant("a"), Tenant("b"), pages=20)
+    for i in range(5):
+        s.add(make_request(i, 16, 8, prompt=[10 + i] * 16, tenant="a"))  # 4 pages each + growth
+    ex = FakeExecutor(BS)
+    for _ in range(3):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    assert s.pool.used_by["a"] >= 19
+    b = make_request(50, 12, 4, prompt=[77] * 12, tenant="b")
+    s.add(b)
+    for _ in range(2):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    assert b.status is Status.RUNNING or b.finish is not None
+    assert s.stats("a").fair_share_preemptions >= 1
+    drive(s, executor=ex)
+    assert s.pool.num_used == 0 and b.finish is Finish.LENGTH
+
+
+def test_concurrency_limit_per_tenant():
+    s = two_tenants(Tenant("a", max_concurrent_requests=2), Tenant("b"), pages=60)
+    for i in range(5):
+        s.add(make_request(i, 8, 10, prompt=[10 + i] * 8, tenant="a"))
+    s.add(make_request(9, 8, 10, prompt=[90] * 8, tenant="b"))
+    most = 0
+
+    def watch(sched):
+        nonlocal most
+        most = max(most, sum(1 for r in sched.running if r.tenant == "a"))
+
+    drive(s, on_step=watch)
+    assert most == 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_tenants_quotas_budgets_and_swaps(seed):
+    """Property test: tenants with quotas, reserves, concurrency limits and weights, requests with page
+    budgets (window or stop), forks, aborts and swaps: everything ends, KV contents stay exact, no tenant
+    exceeds its quota, no request its budget, nothing leaks."""
+    import random
+
+    from scheduler_svc.policy import Mode
+    from tests.test_swap_unit import assert_empty, new_scheduler
+
+    rng = random.Random(seed)
+    pages = rng.choice([24, 32])
+    tenants = Tenants([Tenant("a", weight=rng.choice([1.0, 3.0]), page_quota=rng.choice([0, 12, 20]),
+                              max_concurrent_requests=rng.choice([0, 2])),
+                       Tenant("b", reserved_pages=rng.choice([0, 6]), page_budget=rng.choice([0, 5]),
+                              overflow=rng.choice(["window", "stop"])),
+                       Tenant("c")])
+    s = new_scheduler(pages=pages, host_pages=rng.choice([0, 24]), mode=Mode.AUTO, budget=rng.choice([16, 64]),
+                      seqs=rng.choice([4, 8]), hot=rng.choice([0, 2]), max_len=200, tenants=tenants,
+                      fair=rng.choice([True, False]))
+    reqs = []
+    ticks = iter(range(10_000))
+
+    def feed(sched):
+        for t in sched.tenants:
+            quota = t.page_quota or pages
+            assert sched.pool.used_by[t.id] <= quota, f"tenant {t.id} above its quota"
+        if next(ticks) < 120 and rng.random() < 0.35:
+            i = len(reqs)
+            tenant = tenants.get(rng.choice("abc"))
+            budget = tenant.page_budget
+            sink, window = (BS, (budget - 2) * BS) if budget and tenant.overflow == "window" else (0, 0)
+            prompt_len = rng.randint(1, 4 * budget - 1 if budget and tenant.overflow == "stop" else 40)
+            req = make_request(i, 0, rng.randint(1, 30), prompt=[rng.randrange(3, 250) for _ in range(prompt_len)],
+                               tenant=tenant.id, n=rng.choice([1, 1, 2]), page_budget=budget,
+                               overflow=tenant.overflow, sink_tokens=sink, window_tokens=window)
+            reqs.append(req)
+            sched.add(req)
+        if sched.requests and rng.random() < 0.02:
+            sched.abort(rng.choice(list(sched.requests.values())).group)
+
+    drive(s, on_step=feed, feed_ticks=120)
+    assert len(reqs) > 20
+    assert all(r.status is Status.FINISHED or (r.n > 1 and r.compute_target == 0) for r in reqs)
+    assert_empty(s)
