@@ -150,7 +150,7 @@ class Scheduler:
     def _make_room_for_fair_share(self, stats: StepStats) -> None:
         """The request fairness would admit next cannot get pages, and its tenant holds less than its fair
         share: tenants above theirs give pages back (preemption) until it fits."""
-        if not self.config.fairness or not self.waiting:
+        if not self.config.fairness or not self.tenants.multi or not self.waiting:
             return
         req = self.waiting.head()
         if req is None or self.kv.waits_for_inflight(req, len(self.kv.find_hits(req))):
