@@ -25,8 +25,8 @@ prompt lengths and schedule, other random ids, so the loaded run cannot reuse it
 
 A's flood is cancelled as soon as B's last request has finished (``--full-flood`` lets it run to the end), to
 keep the run short: A's tokens/s is then the tokens it received until the cancellation over the time from its
-first send to the cancellation, and its latency percentiles cover only the requests that finished (its TTFT
-ones only those that got a first token; the table says how many finished and started).
+first send to the cancellation; its latency percentiles cover only the requests that finished and its TTFT
+percentiles only those that got a first token (the table says how many finished and started).
 
 Per configuration and tenant the bench reports TTFT p50/p99 (from each request's own send to its first token),
 end-to-end latency p50/p99, output tokens/s over the tenant's own span (its first send to its last token, or to
@@ -174,10 +174,7 @@ class Poller:
                                  "tenant_running": info.tenant.num_running,
                                  "tenant_waiting": info.tenant.num_waiting,
                                  "tenant_used_pages": info.tenant.used_pages})
-            try:
-                await asyncio.wait_for(self.stop.wait(), self.every_s)
-            except TimeoutError:
-                pass
+            await asyncio.sleep(self.every_s)
 
     async def finish(self) -> dict[str, Any]:
         self.stop.set()
@@ -190,7 +187,10 @@ class Poller:
         return {"samples": len(s), "max_running": peak("running"), "max_waiting": peak("waiting"),
                 "max_used_pages": peak("used_pages"), "max_tenant_running": peak("tenant_running"),
                 "max_tenant_used_pages": peak("tenant_used_pages"),
-                "mean_running": statistics.fmean(x["running"] for x in s) if s else 0.0, "timeline": s}
+                "mean_running": statistics.fmean(x["running"] for x in s) if s else 0.0,
+                "median_pages_per_running": statistics.median(per) if (per := [
+                    x["used_pages"] / x["running"] for x in s if x["running"]]) else float("nan"),
+                "timeline": s}
 
 
 INFO_KEYS = ("num_pages", "num_used_pages", "peak_used_pages", "num_running", "num_waiting", "num_computed_tokens",
@@ -269,7 +269,8 @@ def server_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
 def tenants_toml(config: str, args: argparse.Namespace) -> str:
     limits = []
     if config in ("fair+quota", "fair+quota+budget"):
-        limits += [f"page_quota = {args.flood_quota!r}", f"max_concurrent_requests = {args.flood_concurrency}"]
+        quota = repr(float(args.flood_quota)) if args.flood_quota <= 1 else str(int(args.flood_quota))  # pages
+        limits += [f"page_quota = {quota}", f"max_concurrent_requests = {args.flood_concurrency}"]
     if config == "fair+quota+budget":
         limits += [f"page_budget = {args.flood_page_budget}", 'overflow = "window"']
     return "\n".join([f"[tenants.{FLOOD}]", f'keys = ["{hash_key(KEYS[FLOOD])}"]', *limits, "",
@@ -500,6 +501,17 @@ def _num(value: Any, spec: str) -> str:
     return spec.format(value)
 
 
+def _json_safe(value: Any) -> Any:
+    """NaN (a percentile of nothing, a rate over no time) as null: the JSON stays standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def print_table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> None:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
@@ -536,8 +548,8 @@ NOISY_ROWS: list[tuple[str, str, str, str]] = [
 ]
 
 
-def noisy_cell(run: dict[str, Any], who: str, key: str, spec: str) -> str:
-    if who == FLOOD and not run["flood"]:
+def noisy_cell(run: dict[str, Any], label: str, who: str, key: str, spec: str) -> str:
+    if label.startswith("A ") and not run["flood"]:  # B alone: no flood
         return "-"
     src = run if not who else run[who]
     if key == "counts":
@@ -553,6 +565,7 @@ LONG_ROWS: list[tuple[str, str, str, str]] = [
     ("mean running (polled)", "poll", "mean_running", "{:.2f}"),
     ("peak pages", "server", "peak_used_pages", "int"),
     ("peak pages / most running", "", "pages_per_running", "{:.1f}"),
+    ("pages / running (median poll)", "poll", "median_pages_per_running", "{:.1f}"),
     ("preemptions: swap", "server", "swap_preemptions", "int"),
     ("preemptions: recompute", "server", "recompute_preemptions", "int"),
     ("tokens computed", "server", "computed_tokens", "int"),
@@ -586,7 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--quiet-tokens", type=int, default=8, help="output tokens of each quiet request")
     g.add_argument("--quiet-interval-ms", type=float, default=50.0, help="one quiet request every this often")
     g.add_argument("--quiet-delay", type=float, default=0.5, help="seconds from the flood to the first quiet request")
-    g.add_argument("--flood-quota", type=float, default=0.5, help="flood's page_quota (a fraction of the pool)")
+    g.add_argument("--flood-quota", type=float, default=0.5,
+                   help="flood's page_quota: a fraction of the pool (<= 1) or a number of pages")
     g.add_argument("--flood-concurrency", type=int, default=0,
                    help="flood's max_concurrent_requests in the quota configurations (0: half of --max-num-seqs)")
     g.add_argument("--flood-page-budget", type=int, default=8, help="flood's page_budget (pages per request) "
@@ -727,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for i, r in enumerate(quiet_reqs)],
                            "long": [{"prompt_len": len(r.prompt), "max_tokens": r.max_tokens} for r in long_reqs]}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n")
+    args.out.write_text(json.dumps(_json_safe(report), indent=2) + "\n")
     print(f"wrote {args.out}")
     return 1 if problems else 0
 
@@ -758,7 +772,7 @@ def noisy_part(args: argparse.Namespace, servers: Servers, flood_reqs: list[Requ
                 print(f"  WARNING: other processes used {runs[name]['cpu']['foreign_share']:.0%} of the machine's "
                       f"CPU during {name}; its timings are not trustworthy", flush=True)
     base = runs[ALONE]["quiet"]["ttft_p99_s"]
-    for name, run in runs.items():
+    for run in runs.values():
         run["quiet"]["ttft_p99_vs_alone"] = run["quiet"]["ttft_p99_s"] / base if base > 0 else float("nan")
     return runs
 
@@ -789,7 +803,7 @@ def report_noisy(runs: dict[str, dict[str, Any]], cfg: Config, notes: list[str],
     cols = (ALONE, *CONFIGS)
     print()
     print("noisy neighbour (A = flood, B = quiet)")
-    print_table(("metric", *cols), [(label, *(noisy_cell(runs[c], who, key, spec) for c in cols))
+    print_table(("metric", *cols), [(label, *(noisy_cell(runs[c], label, who, key, spec) for c in cols))
                                     for label, who, key, spec in NOISY_ROWS])
     for name, run in runs.items():
         q, f = run["quiet"], run["flood"]
@@ -845,11 +859,16 @@ def report_long(runs: dict[str, dict[str, Any]], cfg: Config, notes: list[str], 
     if not nw["server"]["preemptions"]:
         notes.append("long context: no preemptions without the window; the requests fit the pool (lower "
                      "--long-num-pages or raise --long-requests)")
+    steady = w["poll"]["median_pages_per_running"]
+    if steady > cfg.window_pages_bound:
+        problems.append(f"long context: with the window a running request held {steady:.1f} pages (median of the "
+                        f"polls), above the ~{cfg.window_pages_bound} a (window + sink)-token window needs")
     if w["pages_per_running"] > cfg.window_pages_bound:
         notes.append(f"long context: with the window the peak was {w['server']['peak_used_pages']} pages for "
-                     f"{w['poll']['max_running']} running requests ({w['pages_per_running']:.1f} a request), above "
-                     f"the ~{cfg.window_pages_bound} pages a windowed request holds after its prefill (prefill "
-                     "chunks allocate before the pages behind the window are dropped)")
+                     f"{w['poll']['max_running']} running requests ({w['pages_per_running']:.1f} a request; "
+                     f"{steady:.1f} in the median poll), above the ~{cfg.window_pages_bound} pages a windowed "
+                     "request holds once decoding: a prefill chunk (up to --max-num-batched-tokens tokens) gets "
+                     "its pages before those behind the window are dropped")
 
 
 if __name__ == "__main__":
