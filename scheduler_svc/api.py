@@ -88,6 +88,10 @@ class GenerationService(api_grpc.GenerationServicer):
         budget = asked or tenant.page_budget
         if not budget:
             return 0
+        capacity = self.engine.scheduler.tenant_capacity(tenant.id)
+        if budget > capacity:
+            raise InvalidRequest(f"page_budget: {budget} pages; tenant {tenant.id} can hold at most {capacity} "
+                                 "(its quota, less other tenants' reserved pages)")
         bs = self.engine.scheduler.pool.block_size
         if tenant.overflow == "stop":
             need = -(-prompt_len // bs)
@@ -115,7 +119,10 @@ class GenerationService(api_grpc.GenerationServicer):
         budget = self._page_budget(request, tenant, len(ids))
         sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
         limits = self.limits
-        if not (budget and window):
+        if window and not budget and not scheduler.window_page_limit(tenant.id, sink, window):
+            raise InvalidRequest(f"sliding window: sink {sink} + window {window} tokens do not fit the "
+                                 f"{scheduler.tenant_capacity(tenant.id)} pages tenant {tenant.id} can hold")
+        if not window:
             capacity = scheduler.tenant_capacity(tenant.id)
             if capacity * scheduler.pool.block_size < limits.max_model_len:
                 limits = replace(limits, max_model_len=capacity * scheduler.pool.block_size,

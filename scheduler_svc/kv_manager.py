@@ -253,12 +253,13 @@ class KVManager:
     def window_chunk_limit(self, req: Request, num_tokens: int) -> int:
         """The most of num_tokens the request may compute this step without holding more than its page
         budget: the earliest query of the step decides which pages stay visible."""
-        if not req.page_budget:
+        limit = req.page_budget or req.page_limit
+        if not limit:
             return num_tokens
         p0 = req.num_computed
         sink = self.sink_pages(req)
         first_visible_page = max(0, p0 - req.window_tokens + 1) // self.bs if req.window_tokens else 0
-        pages = req.page_budget - sink + max(sink, first_visible_page)
+        pages = limit - sink + max(sink, first_visible_page)
         return max(1, min(num_tokens, pages * self.bs - p0))
 
     def drop_outside_window(self, req: Request) -> list[int]:

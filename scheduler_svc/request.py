@@ -67,6 +67,7 @@ class Request:
     priority: int = 0  # lower is more important (preempted last)
     page_budget: int = 0  # most pages this request may hold (0: no limit)
     max_len: int = 1 << 30  # prompt + output it may reach (the scheduler sets it from its tenant's capacity)
+    page_limit: int = 0  # pages a windowed request without a budget holds at most (set by the scheduler)
     overflow: str = "window"  # past the budget: "window" or "stop"
     # Attention over the first sink_tokens positions plus the last window_tokens (0: full attention);
     # pages wholly outside leave the table (DROPPED entries), their indices go to the executor once.

@@ -114,10 +114,20 @@ class Scheduler:
 
     def max_len_for(self, req: Request) -> int:
         """Longest prompt + output the request can reach: max_model_len, lower when its tenant's capacity
-        holds fewer tokens (a request with a page budget and a window never holds more than its budget)."""
-        if req.page_budget and req.window_tokens:
+        holds fewer tokens (a request with a window holds a bounded number of pages at any length)."""
+        if req.window_tokens:
             return self.config.max_model_len
         return min(self.config.max_model_len, self.tenant_capacity(req.tenant) * self.pool.block_size)
+
+    def window_page_limit(self, tenant_id: str, sink: int, window: int) -> int:
+        """Pages a windowed request without a budget may hold: its sink and window, plus a prefill chunk,
+        within its tenant's capacity (0: the window alone does not fit)."""
+        bs = self.pool.block_size
+        least = -(-sink // bs) + -(-window // bs) + 2
+        capacity = self.tenant_capacity(tenant_id)
+        if least > capacity:
+            return 0
+        return min(capacity, least + -(-self.config.max_num_batched_tokens // bs))
 
     def _over_quota(self, tenant: Tenant, need: int) -> bool:
         return bool(tenant.page_quota) and self.pool.used_by[tenant.id] + need > tenant.page_quota
@@ -173,6 +183,8 @@ class Scheduler:
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.max_len = self.max_len_for(req)
+        if req.window_tokens and not req.page_budget:
+            req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
             for child in self._children(req):
                 self.requests[child.request_id] = child
@@ -460,7 +472,7 @@ class Scheduler:
                     tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
                     client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
                     overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
-                    max_len=parent.max_len,
+                    max_len=parent.max_len, page_limit=parent.page_limit,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]

@@ -73,6 +73,14 @@ def _check_args(args, describe, log) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_len = args.max_model_len or describe.max_position_embeddings
     pool_tokens = describe.num_device_pages * describe.block_size
+    if args.sliding_window:  # every request holds only its sink + window: contexts may exceed the pool
+        window_pages = -(-(args.sink_tokens + args.sliding_window) // describe.block_size) + 2
+        if window_pages > describe.num_device_pages:
+            raise ValueError(f"--sliding-window {args.sliding_window} + --sink-tokens {args.sink_tokens} need "
+                             f"{window_pages} pages; the executor has {describe.num_device_pages}")
+        if not 1 < max_len <= describe.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}]")
+        return max_len
     if not args.max_model_len and max_len > pool_tokens:
         log.warning("max_model_len_capped", model_max=max_len, pool_tokens=pool_tokens,
                     hint="give the executor more pages to serve the model's full context")
