@@ -158,19 +158,20 @@ class Scheduler:
         return {t for t, share in self.fair_shares().items() if self.pool.used_by[t] > share}
 
     def _make_room_for_fair_share(self, stats: StepStats) -> None:
-        """The request fairness would admit next cannot get pages, and its tenant holds less than its fair
-        share: tenants above theirs give pages back (preemption) until it fits."""
+        """The request fairness would admit next cannot get a seat (max_num_seqs) or pages, and its tenant
+        holds less than its fair share of them: tenants above theirs give one back (preemption) until it fits."""
         if not self.config.fairness or not self.tenants.multi or not self.waiting:
             return
         req = self.waiting.head()
         if req is None or self.kv.waits_for_inflight(req, len(self.kv.find_hits(req))):
             return
+        now = self.step_id + 1
+        self._make_seat_for(req, now)
         shares = self.fair_shares()
         if self.pool.used_by[req.tenant] >= shares.get(req.tenant, 0):
             return
         n = min(req.compute_target, self.config.max_num_batched_tokens)
         need = self.pool.pages_for(n) + self.watermark_pages
-        now = self.step_id + 1
         while not self._can_take(req.tenant, need):
             over = {t for t, share in shares.items() if t != req.tenant and self.pool.used_by[t] > share}
             victims = [r for r in self.running if r.tenant in over]
@@ -178,6 +179,28 @@ class Scheduler:
                 return
             victim = self.policy.pick_victim(victims, now)
             self._preempt(victim, now)  # (not counted in stats.preempted: admission goes on this step)
+            self.stats(victim.tenant).fair_share_preemptions += 1
+
+    def _make_seat_for(self, req: Request, now: int) -> None:
+        seats: dict[str, int] = {}
+        for r in self.running:
+            seats[r.tenant] = seats.get(r.tenant, 0) + r.n
+        limit = self.config.max_num_seqs
+        if sum(seats.values()) + req.n <= limit:
+            return
+        active = set(seats) | {req.tenant}
+        total = sum(self.tenants.get(t).weight for t in active)
+        share = {t: limit * self.tenants.get(t).weight / total for t in active}
+        if seats.get(req.tenant, 0) + req.n > share[req.tenant]:
+            return  # its tenant already has its share of seats
+        while sum(seats.values()) + req.n > limit:
+            over = {t for t in seats if t != req.tenant and seats[t] > share[t]}
+            victims = [r for r in self.running if r.tenant in over]
+            if not victims:
+                return
+            victim = self.policy.pick_victim(victims, now)
+            self._preempt(victim, now)
+            seats[victim.tenant] -= victim.n
             self.stats(victim.tenant).fair_share_preemptions += 1
 
     # ---- intake --------------------------------------------------------------------------------

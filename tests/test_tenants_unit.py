@@ -216,3 +216,24 @@ def test_random_tenants_quotas_budgets_and_swaps(seed):
     assert len(reqs) > 20
     assert all(r.status is Status.FINISHED or (r.n > 1 and r.compute_target == 0) for r in reqs)
     assert_empty(s)
+
+
+def test_a_tenant_over_its_share_of_seats_gives_one_back():
+    """a runs on all 4 seats; b arrives (its counter starts at a's: no credit for idling): within two steps
+    fairness takes one of a's seats back (b's weighted share is 2 of 4), without waiting for a's requests."""
+    s = two_tenants(Tenant("a"), Tenant("b"), pages=60, seqs=4)
+    for i in range(6):
+        s.add(make_request(i, 8, 30, prompt=[10 + i] * 8, tenant="a"))
+    ex = FakeExecutor(BS)
+    for _ in range(3):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    assert sum(1 for r in s.running if r.tenant == "a") == 4
+    b = make_request(50, 8, 4, prompt=[77] * 8, tenant="b")
+    s.add(b)
+    for _ in range(2):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    assert b.status is Status.RUNNING and s.stats("a").fair_share_preemptions == 1
+    drive(s, executor=ex)
+    assert s.pool.num_used == 0
