@@ -109,7 +109,11 @@ class ModelRunner:
             raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
         for c in plan.continuing:
             self._check_pages(c.request_id, c.new_page_ids)
-            table = len(self.requests[c.request_id].page_ids) + len(c.new_page_ids)
+            st = self.requests[c.request_id]
+            table = len(st.page_ids) + len(c.new_page_ids)
+            if c.dropped_page_indices and not st.window:
+                raise PlanError(f"request {c.request_id}: pages dropped but it has no attention window",
+                                [c.request_id])
             if any(not 0 <= i < table for i in c.dropped_page_indices):
                 raise PlanError(f"request {c.request_id}: dropped page index outside its table of {table}",
                                 [c.request_id])

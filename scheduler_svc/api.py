@@ -135,6 +135,9 @@ class GenerationService(api_grpc.GenerationServicer):
         if n > self.engine.scheduler.config.max_num_seqs:
             limit = self.engine.scheduler.config.max_num_seqs
             raise InvalidRequest(f"sampling.n: {n}; must be <= max_num_seqs={limit}")
+        if tenant.max_concurrent_requests and n > tenant.max_concurrent_requests:
+            raise InvalidRequest(f"sampling.n: {n}; must be <= {tenant.max_concurrent_requests} (tenant {tenant.id}'s "
+                                 "max_concurrent_requests)")
         client_id = request.request_id or uuid.uuid4().hex
         if client_id in self.live:
             raise KeyError(client_id)

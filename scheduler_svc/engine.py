@@ -53,7 +53,7 @@ class Engine:
         self.wake.set()
 
     @staticmethod
-    def _deliver(outputs: list[tuple[Request, Output]]) -> None:
+    def deliver(outputs: list[tuple[Request, Output]]) -> None:
         for req, out in outputs:
             req.queue.put_nowait(out)
             if out.token_ids:
@@ -120,7 +120,7 @@ class Engine:
         await self.wake.wait()
         t0 = time.perf_counter()
         plan, outputs = self.scheduler.schedule()
-        self._deliver(outputs)
+        self.deliver(outputs)
         self._count()
         if plan is None:
             if not self.scheduler.has_work:
@@ -137,7 +137,7 @@ class Engine:
             await self._executor_failed(str(err))
             return
         t2 = time.perf_counter()
-        self._deliver(self.scheduler.process(result))
+        self.deliver(self.scheduler.process(result))
         if self.check_every_step:
             self.scheduler.check_integrity()
         self.steps += 1
@@ -148,7 +148,7 @@ class Engine:
 
     async def _executor_failed(self, error: str) -> None:
         self.log.error("executor_failed", error=error)
-        self._deliver(self.scheduler.fail_all(error))
+        self.deliver(self.scheduler.fail_all(error))
         try:
             self.scheduler.check_integrity()
         except AssertionError:

@@ -82,6 +82,13 @@ class WaitQueue:
                 best, best_key = req, key
         return best
 
+    def lift(self, tenant: str, others: set[str]) -> None:
+        """A tenant with nothing running or waiting comes back: it starts at the least service among the
+        tenants that are active (running or waiting), never below its own."""
+        floors = [self.counters.get(t, 0.0) for t in others if t != tenant]
+        if floors:
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(floors))
+
     def pop(self, req: Request) -> None:
         self.remove(req)
 

@@ -75,6 +75,7 @@ class Scheduler:
         self.eos = set(eos_token_ids)
         self.waiting = WaitQueue(config.fairness, lambda t: self.tenants.get(t).weight)
         self.tenant_stats: dict[str, TenantStats] = {}
+        self.deferred_outputs: list[tuple[Request, Output]] = []  # requests ended while planning
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # in swap-out order
         self.requests: dict[str, Request] = {}
@@ -163,15 +164,29 @@ class Scheduler:
         if not self.config.fairness or not self.tenants.multi or not self.waiting:
             return
         req = self.waiting.head()
-        if req is None or self.kv.waits_for_inflight(req, len(self.kv.find_hits(req))):
+        if req is None:
+            return
+        hits = self.kv.find_hits(req)
+        if self.kv.waits_for_inflight(req, len(hits)):
+            return
+        tenant = self.tenants.get(req.tenant)
+        limit = tenant.max_concurrent_requests
+        if limit and sum(r.n for r in self.running if r.tenant == req.tenant) + req.n > limit:
+            return  # its own limit holds it back: taking from others would not help
+        cap = req.page_budget or req.page_limit
+        hits = hits[: cap - 1] if cap else hits
+        n = min(req.compute_target - len(hits) * self.pool.block_size, self.config.max_num_batched_tokens)
+        if cap:
+            n = min(n, (cap - len(hits)) * self.pool.block_size)
+        need = self.kv.pages_to_admit(hits, n)
+        if self._over_quota(tenant, need):
             return
         now = self.step_id + 1
         self._make_seat_for(req, now)
         shares = self.fair_shares()
         if self.pool.used_by[req.tenant] >= shares.get(req.tenant, 0):
             return
-        n = min(req.compute_target, self.config.max_num_batched_tokens)
-        need = self.pool.pages_for(n) + self.watermark_pages
+        need += self.watermark_pages if self.running else 0
         while not self._can_take(req.tenant, need):
             over = {t for t, share in shares.items() if t != req.tenant and self.pool.used_by[t] > share}
             victims = [r for r in self.running if r.tenant in over]
@@ -205,9 +220,21 @@ class Scheduler:
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        t = req.tenant
+        if self.config.fairness and not self.waiting.tenant_len(t) and not any(r.tenant == t for r in self.running):
+            active = {r.tenant for r in self.running} | {u for u, q in self.waiting.queues.items() if q}
+            self.waiting.lift(t, active)  # no credit banked while idle
         req.max_len = self.max_len_for(req)
         if req.window_tokens and not req.page_budget:
             req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
+        if len(req.prompt_ids) >= req.max_len or (req.window_tokens and not req.page_budget and not req.page_limit):
+            # (the API refuses these; a request that could never be admitted must not wait forever)
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
+            self.deferred_outputs.append((req, self.finish(
+                req, Finish.ABORT, error=f"prompt of {len(req.prompt_ids)} tokens does not fit what tenant "
+                f"{req.tenant} can hold ({self.tenant_capacity(req.tenant)} pages)")))
+            return
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
             for child in self._children(req):
                 self.requests[child.request_id] = child
@@ -224,12 +251,16 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.to_forget or self.resend_ops)
+        return bool(self.waiting or self.running or self.swapped or self.to_forget or self.resend_ops
+                    or self.deferred_outputs)
 
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> tuple[pb.StepPlan | None, list[tuple[Request, Output]]]:
         """Returns the next plan (None if there is nothing to send) and outputs of reaped aborts."""
         outputs = self._reap_aborted()
+        if self.deferred_outputs:
+            outputs += self.deferred_outputs
+            self.deferred_outputs = []
         if self.resend_ops is not None:
             return self._resend_plan(), outputs
         budget = self.config.max_num_batched_tokens
@@ -343,17 +374,25 @@ class Scheduler:
         self.to_forget.append(req.request_id)
         self.num_preemptions += 1
 
-    def _swap_in(self, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int:
-        """Brings the longest-swapped request back if it fits; returns the tokens it takes (0: it did not fit)."""
-        req = self.swapped[0]
-        n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
+    def _swap_in(self, req: Request, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int | None:
+        """Brings a swapped request back if it fits; returns the tokens it takes, 0 when the pool or the
+        seats are short (wait), None when its own tenant's limits hold it back (others may go)."""
         if seats + req.n > self.config.max_num_seqs:
             return 0
+        limit = self.tenants.get(req.tenant).max_concurrent_requests
+        if limit and sum(r.n for r in self.running if r.tenant == req.tenant) + req.n > limit:
+            return None
+        self._drop_outside_window(req)  # host pages outside the window are not worth copying back
+        n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
         need = self.kv.pages_to_swap_in(req, n)
+        if need > self.tenant_capacity(req.tenant):  # it can never come back (e.g. a quota lowered by reload)
+            self.deferred_outputs.append((req, self.finish(
+                req, Finish.ABORT, error=f"request needs {need} pages; tenant {req.tenant} can hold at most "
+                f"{self.tenant_capacity(req.tenant)}")))
+            return None
         if not self._can_take(req.tenant, need, self.watermark_pages if self.running else 0):
-            return 0
-        self.swapped.popleft()
-        self._drop_outside_window(req)
+            return None if self._over_quota(self.tenants.get(req.tenant), need) else 0
+        self.swapped.remove(req)
         self.kv.swap_in(req, n)
         req.status = Status.RUNNING
         self.running.append(req)
@@ -372,21 +411,28 @@ class Scheduler:
             return self._admit_waiting(budget, scheduled, stats, sum(r.n for r in self.running), skip)[0]
         seats = sum(r.n for r in self.running)  # a parent that has not forked yet holds n seats
         now = self.step_id + 1
-        while self.swapped and budget > 0 and now - self.swapped[0].swapped_at >= self.policy.config.swap_in_max_wait:
-            n = self._swap_in(budget, seats, scheduled)
-            if not n:
-                return budget
-            seats += scheduled[-1][0].n
-            budget -= n
-            stats.swapped_in += 1
-        budget, seats, blocked = self._admit_waiting(budget, scheduled, stats, seats, set())
-        while not blocked and self.swapped and budget > 0:
-            n = self._swap_in(budget, seats, scheduled)
-            if not n:
+        wait = self.policy.config.swap_in_max_wait
+        for req in [r for r in self.swapped if now - r.swapped_at >= wait]:
+            if budget <= 0:
                 break
-            seats += scheduled[-1][0].n
-            budget -= n
-            stats.swapped_in += 1
+            n = self._swap_in(req, budget, seats, scheduled)
+            if n == 0:
+                return budget  # an overdue request waits for room: nothing else goes ahead of it
+            if n is not None:
+                seats += req.n
+                budget -= n
+                stats.swapped_in += 1
+        budget, seats, blocked = self._admit_waiting(budget, scheduled, stats, seats, set())
+        for req in list(self.swapped):
+            if blocked or budget <= 0:
+                break
+            n = self._swap_in(req, budget, seats, scheduled)
+            if n == 0:
+                break
+            if n is not None:
+                seats += req.n
+                budget -= n
+                stats.swapped_in += 1
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]], stats: StepStats, seats: int,
@@ -414,11 +460,12 @@ class Scheduler:
             if self.kv.waits_for_inflight(req, len(hits)):
                 skip.add(id(req))
                 continue
-            if req.page_budget:  # at most budget - 1 pages from the cache, the rest within the budget
-                hits = hits[: req.page_budget - 1]
+            limit = req.page_budget or req.page_limit
+            if limit:  # at most limit - 1 pages from the cache, the rest within the limit
+                hits = hits[: limit - 1]
             n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
-            if req.page_budget:
-                n = min(n, (req.page_budget - len(hits)) * self.pool.block_size)
+            if limit:
+                n = min(n, (limit - len(hits)) * self.pool.block_size)
             need = self.kv.pages_to_admit(hits, n)
             slack = self.watermark_pages if self.running else 0
             if not self._can_take(req.tenant, need, slack):
@@ -611,10 +658,32 @@ class Scheduler:
         host = PagePool(num_host_pages, block_size, min_pages=0) if num_host_pages else None
         old = self.kv
         self.kv = KVManager(self.pool, self.config.enable_prefix_caching, host)
+        if self.tenants.path is not None:  # quotas and reserves given as fractions follow the new pool
+            try:
+                self.tenants = Tenants.load(self.tenants.path, num_pages)
+            except ValueError:
+                pass  # the old settings stay; the next reload reports the file's error
         self.kv.swaps, self.kv.num_cached_prompt_tokens = old.swaps, old.num_cached_prompt_tokens  # "since start"
         if costs is not None:
             self.set_costs(costs)
         self.watermark_pages = int(self.config.watermark * num_pages)
+
+    def set_tenants(self, tenants: Tenants) -> list[tuple[Request, Output]]:
+        """New tenant settings (a reload): live requests get their limits again; those that no longer fit
+        their tenant (a quota lowered below what they hold or need) end with an error."""
+        self.tenants = tenants
+        ended = []
+        for req in list(self.requests.values()):
+            req.max_len = self.max_len_for(req)
+            if req.window_tokens and not req.page_budget:
+                req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
+            too_long = req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget
+                                                         and not req.page_limit)
+            if too_long and not req.aborted:
+                ended.append((req, self.finish(req, Finish.ABORT, error=(
+                    f"tenant {req.tenant}'s new limits hold {self.tenant_capacity(req.tenant)} pages; this "
+                    "request needs more"))))
+        return ended
 
     def set_costs(self, costs: Costs) -> None:
         """A (re)connected executor measured its copy bandwidth and prefill cost again."""

@@ -148,10 +148,15 @@ async def serve(args) -> None:
         if not args.tenants_file:
             return
         try:
-            scheduler.tenants = Tenants.load(args.tenants_file, pool.num_pages)
-            log.info("tenants_reloaded", path=args.tenants_file, tenants=sorted(scheduler.tenants.by_id))
+            tenants = Tenants.load(args.tenants_file, scheduler.pool.num_pages)
         except InvalidTenant as err:
             log.error("tenants_reload_failed", error=str(err), hint="the previous tenants stay in force")
+            return
+        ended = scheduler.set_tenants(tenants)
+        engine.deliver(ended)
+        engine.wake.set()
+        log.info("tenants_reloaded", path=args.tenants_file, tenants=sorted(tenants.by_id),
+                 requests_ended=len(ended))
 
     loop.add_signal_handler(signal.SIGHUP, reload_tenants)
     await stop.wait()

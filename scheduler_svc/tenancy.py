@@ -33,6 +33,7 @@ from pathlib import Path
 import tomllib
 
 DEFAULT_TENANT = "default"
+MAX_INT = 1 << 24  # bound for counts in the tenants file (they travel as int32)
 OVERFLOW_POLICIES = ("window", "stop")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -111,9 +112,11 @@ def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
     ints = {}
     for name in ("max_concurrent_requests", "page_budget", "sliding_window", "sink_tokens"):
         value = raw.get(name, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidTenant(f"{where}.{name}: must be an integer >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+            raise InvalidTenant(f"{where}.{name}: must be an integer in [0, {MAX_INT}], got {value!r}")
         ints[name] = value
+    if ints["page_budget"] > quota:
+        raise InvalidTenant(f"{where}.page_budget: {ints['page_budget']} pages is above its page_quota {quota}")
     overflow = raw.get("overflow", "window")
     if overflow not in OVERFLOW_POLICIES:
         raise InvalidTenant(f"{where}.overflow: {overflow!r}; must be one of {list(OVERFLOW_POLICIES)}")
@@ -148,6 +151,11 @@ class Tenants:
             raise InvalidTenant(f"--tenants-file {path}: no [tenants.ID] table")
         tenants = [_tenant(tid, {**defaults, **t}, num_pages) for tid, t in tables.items()]
         reserved = sum(t.reserved_pages for t in tenants)
+        for t in tenants:
+            capacity = min(t.page_quota, num_pages - (reserved - t.reserved_pages))
+            if t.page_budget > capacity:
+                raise InvalidTenant(f"tenants.{t.id}.page_budget: {t.page_budget} pages; it can hold at most "
+                                    f"{capacity} (its quota, less other tenants' reserved pages)")
         if reserved > num_pages:
             raise InvalidTenant(f"--tenants-file {path}: reserved_pages add up to {reserved}, more than the "
                                 f"{num_pages} device pages")

@@ -185,8 +185,8 @@ def test_random_tenants_quotas_budgets_and_swaps(seed):
     pages = rng.choice([24, 32])
     tenants = Tenants([Tenant("a", weight=rng.choice([1.0, 3.0]), page_quota=rng.choice([0, 12, 20]),
                               max_concurrent_requests=rng.choice([0, 2])),
-                       Tenant("b", reserved_pages=rng.choice([0, 6]), page_budget=rng.choice([0, 5]),
-                              overflow=rng.choice(["window", "stop"])),
+                       Tenant("b", reserved_pages=rng.choice([0, 5]), page_budget=rng.choice([0, 5]),
+                              page_quota=rng.choice([0, 5, 8]), overflow=rng.choice(["window", "stop"])),
                        Tenant("c")])
     s = new_scheduler(pages=pages, host_pages=rng.choice([0, 24]), mode=Mode.AUTO, budget=rng.choice([16, 64]),
                       seqs=rng.choice([4, 8]), hot=rng.choice([0, 2]), max_len=200, tenants=tenants,
@@ -237,3 +237,19 @@ def test_a_tenant_over_its_share_of_seats_gives_one_back():
     assert b.status is Status.RUNNING and s.stats("a").fair_share_preemptions == 1
     drive(s, executor=ex)
     assert s.pool.num_used == 0
+
+
+def test_a_reload_that_lowers_a_quota_ends_what_no_longer_fits():
+    s = two_tenants(Tenant("a", page_quota=24), Tenant("b"), pages=32)
+    big = make_request(0, 40, 50, prompt=[5] * 40, tenant="a")  # up to 90 tokens: 23 pages
+    small = make_request(1, 8, 4, prompt=[6] * 8, tenant="a")
+    s.add(big)
+    s.add(small)
+    ex = FakeExecutor(BS)
+    for _ in range(3):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    ended = s.set_tenants(Tenants([Tenant("a", page_quota=8), Tenant("b")]))
+    assert [r for r, _ in ended] == [big] and "8 pages" in ended[0][1].error
+    drive(s, executor=ex)
+    assert small.finish is Finish.LENGTH and s.pool.num_used == 0
