@@ -24,6 +24,7 @@ class WaitQueue:
         self.weight = weight
         self.queues: dict[str, deque[Request]] = {}
         self.counters: dict[str, float] = {}
+        self.vtime = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
         self._len = 0
 
     # ---- contents ------------------------------------------------------------------------------
@@ -84,10 +85,14 @@ class WaitQueue:
 
     def lift(self, tenant: str, others: set[str]) -> None:
         """A tenant with nothing running or waiting comes back: it starts at the least service among the
-        tenants that are active (running or waiting), never below its own."""
+        tenants that are active (running or waiting), or, when none is, at the service of the last tenant
+        that went idle; never below its own."""
         floors = [self.counters.get(t, 0.0) for t in others if t != tenant]
-        if floors:
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(floors))
+        floor = min(floors) if floors else self.vtime
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def went_idle(self, tenant: str) -> None:
+        self.vtime = max(self.vtime, self.counters.get(tenant, 0.0))
 
     def pop(self, req: Request) -> None:
         self.remove(req)

@@ -623,6 +623,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish = finish
         self.requests.pop(req.request_id, None)
+        if self.config.fairness and not any(r.tenant == req.tenant for r in self.requests.values()):
+            self.waiting.went_idle(req.tenant)
         if finish is not Finish.ABORT:
             req.detokenizer.flush()
         return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error, index=req.index,

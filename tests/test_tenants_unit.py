@@ -253,3 +253,26 @@ def test_a_reload_that_lowers_a_quota_ends_what_no_longer_fits():
     assert [r for r, _ in ended] == [big] and "8 pages" in ended[0][1].error
     drive(s, executor=ex)
     assert small.finish is Finish.LENGTH and s.pool.num_used == 0
+
+
+def test_a_tenant_served_alone_banks_no_credit_against_a_newcomer():
+    """x is served alone; later x and a new tenant y arrive together: y starts at x's service (the last
+    tenant to go idle), so the two alternate instead of y taking the next 10 admissions."""
+    s = two_tenants(Tenant("x"), Tenant("y"), pages=200, seqs=1)
+    for i in range(5):
+        s.add(make_request(i, 8, 80, prompt=[10 + i] * 8, tenant="x"))  # 5 x (8 + 2 x 80) = 840 of service
+    drive(s)
+    order = []
+    for i in range(10):  # y's burst lands first, while nobody is active
+        s.add(make_request(200 + i, 8, 8, prompt=[70 + i] * 8, tenant="y"))
+    for i in range(10):
+        s.add(make_request(100 + i, 8, 8, prompt=[40 + i] * 8, tenant="x"))
+
+    def watch(sched):
+        for r in sched.running:
+            if not order or order[-1] is not r:
+                order.append(r)
+
+    drive(s, on_step=watch)
+    first = "".join(r.tenant for r in order[:10])
+    assert first.count("x") >= 3, f"admission order {first}"
