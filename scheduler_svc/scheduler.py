@@ -171,13 +171,9 @@ class Scheduler:
             return
         tenant = self.tenants.get(req.tenant)
         limit = tenant.max_concurrent_requests
-        if limit and sum(r.n for r in self.running if r.tenant == req.tenant) + req.n > limit:
+        if limit and self._seats_of(req.tenant) + req.n > limit:
             return  # its own limit holds it back: taking from others would not help
-        cap = req.page_budget or req.page_limit
-        hits = hits[: cap - 1] if cap else hits
-        n = min(req.compute_target - len(hits) * self.pool.block_size, self.config.max_num_batched_tokens)
-        if cap:
-            n = min(n, (cap - len(hits)) * self.pool.block_size)
+        hits, n = self._first_chunk(req, hits, self.config.max_num_batched_tokens)
         need = self.kv.pages_to_admit(hits, n)
         if self._over_quota(tenant, need):
             return
@@ -195,6 +191,20 @@ class Scheduler:
             victim = self.policy.pick_victim(victims, now)
             self._preempt(victim, now)  # (not counted in stats.preempted: admission goes on this step)
             self.stats(victim.tenant).fair_share_preemptions += 1
+
+    def _seats_of(self, tenant: str) -> int:
+        return sum(r.n for r in self.running if r.tenant == tenant)
+
+    def _first_chunk(self, req: Request, hits: list, budget: int) -> tuple[list, int]:
+        """The cache hits a request admitted now uses and the tokens its first step computes: with a page
+        budget (or a window's page limit) at most limit - 1 pages come from the cache, the rest fit it."""
+        limit = req.page_budget or req.page_limit
+        if limit:
+            hits = hits[: limit - 1]
+        n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
+        if limit:
+            n = min(n, (limit - len(hits)) * self.pool.block_size)
+        return hits, n
 
     def _make_seat_for(self, req: Request, now: int) -> None:
         seats: dict[str, int] = {}
@@ -380,7 +390,7 @@ class Scheduler:
         if seats + req.n > self.config.max_num_seqs:
             return 0
         limit = self.tenants.get(req.tenant).max_concurrent_requests
-        if limit and sum(r.n for r in self.running if r.tenant == req.tenant) + req.n > limit:
+        if limit and self._seats_of(req.tenant) + req.n > limit:
             return None
         self._drop_outside_window(req)  # host pages outside the window are not worth copying back
         n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
@@ -460,12 +470,7 @@ class Scheduler:
             if self.kv.waits_for_inflight(req, len(hits)):
                 skip.add(id(req))
                 continue
-            limit = req.page_budget or req.page_limit
-            if limit:  # at most limit - 1 pages from the cache, the rest within the limit
-                hits = hits[: limit - 1]
-            n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
-            if limit:
-                n = min(n, (limit - len(hits)) * self.pool.block_size)
+            hits, n = self._first_chunk(req, hits, budget)
             need = self.kv.pages_to_admit(hits, n)
             slack = self.watermark_pages if self.running else 0
             if not self._can_take(req.tenant, need, slack):
