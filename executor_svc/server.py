@@ -49,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
                    help="paged attention implementation (auto: torch until the CUDA kernels land)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
+                   "before exiting anyway")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
@@ -60,29 +63,60 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.describe = describe
         self.log = log
         self.busy = False
+        self.draining = False
+        self.idle_drain = asyncio.Event()  # draining with no request left: end the Run stream
+        self.detached = asyncio.Event()  # the Run stream ended (or there was none)
+        self.detached.set()
 
     async def Describe(self, request, context):  # noqa: N802
         return self.describe
 
     async def Run(self, request_iterator, context):  # noqa: N802
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this executor is draining (shutting down)")
         if self.busy:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this executor is already driven by a scheduler (one Run stream at a time)")
         self.busy = True
+        self.detached.clear()
         self.log.info("scheduler_attached", peer=context.peer())
+        plans = request_iterator.__aiter__()
+        ended = asyncio.ensure_future(self.idle_drain.wait())
         try:
-            async for plan in request_iterator:
+            while True:
+                nxt = asyncio.ensure_future(plans.__anext__())
+                await asyncio.wait({nxt, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # draining and idle: the scheduler moved every request away
+                    nxt.cancel()
+                    break
+                try:
+                    plan = nxt.result()
+                except StopAsyncIteration:
+                    break
                 # NOTE: the step runs on the event loop thread. Handing it to a worker thread cost ~10%
                 # of end-to-end throughput on CPU (GIL hand-offs between the two threads every step);
                 # the price is that health checks wait for the current step to end.
                 result = self.runner.step(plan)
                 if result.error:
                     self.log.warning("plan_rejected", step_id=plan.step_id, error=result.error)
+                if self.draining:
+                    result.draining = True
+                    if not self.runner.requests:
+                        self.idle_drain.set()
                 yield result
         finally:
+            ended.cancel()
             self.runner.reset()
             self.busy = False
+            self.detached.set()
             self.log.info("scheduler_detached", peer=context.peer())
+
+    def start_drain(self) -> None:
+        """SIGTERM: take no new scheduler; tell the current one (in every step result) so it moves the
+        requests elsewhere; the Run stream ends when the scheduler closes it or, idle, here."""
+        self.draining = True
+        if not self.runner.requests:
+            self.idle_drain.set()
 
 
 def _device(name: str) -> torch.device:
@@ -192,7 +226,8 @@ async def serve(args) -> None:
     log = logs.configure("executor", json=logs.wants_json(args.log_format))
     runner, describe = build(args, log)
     server = grpc_common.new_server()
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorService(runner, describe, log), server)
+    service = ExecutorService(runner, describe, log)
+    pb_grpc.add_ExecutorServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port)
     if args.metrics_port:
@@ -207,6 +242,16 @@ async def serve(args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # Drain: the scheduler moves this executor's requests to others (or lets them finish), then closes the
+    # stream; past --drain-timeout the executor exits anyway and the scheduler recomputes what was left.
     await grpc_common.set_serving(health, [SERVICE], False)
-    await server.stop(grace=2.0)
-    log.info("executor_stopped")
+    service.start_drain()
+    stop.clear()  # a second signal: exit now
+    log.info("executor_draining", requests=len(runner.requests), drain_timeout_s=args.drain_timeout)
+    waits = [asyncio.ensure_future(service.detached.wait()), asyncio.ensure_future(stop.wait())]
+    done, _ = await asyncio.wait(waits, timeout=args.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    drained = service.detached.is_set()
+    await server.stop(grace=1.0)
+    log.info("executor_stopped", drained=drained, requests_left=len(runner.requests))

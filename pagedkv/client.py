@@ -34,7 +34,7 @@ class Completion:
     cached_tokens: int = 0
 
 
-def _accumulate(out: Completion, msg: api.GenerateResponse) -> None:
+def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
     out.request_id = msg.request_id
     out.text += msg.text
     out.token_ids.extend(msg.token_ids)
@@ -47,6 +47,14 @@ def _accumulate(out: Completion, msg: api.GenerateResponse) -> None:
         out.cached_tokens = msg.usage.cached_tokens
 
 
+def channel_target(address: str) -> str:
+    """A gRPC target. Several schedulers, client-side round robin: ``dns:///name:port`` (a DNS name with
+    several addresses), or a comma-separated list ``10.0.0.1:50051,10.0.0.2:50051`` (becomes ``ipv4:…``)."""
+    if "," in address and ":///" not in address and not address.startswith(("ipv4:", "ipv6:")):
+        return "ipv4:" + address
+    return address
+
+
 class Client:
     """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``"""
 
@@ -55,7 +63,8 @@ class Client:
             metadata = (*metadata, ("authorization", f"Bearer {api_key}"))
         self.address = address
         self.metadata = tuple(metadata)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(channel_target(address), options=[
+            *CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")])
         self.stub = api_grpc.GenerationStub(self.channel)
 
     async def __aenter__(self) -> Client:
@@ -111,14 +120,14 @@ class Client:
         """Runs one request to the end and gathers its stream."""
         out = Completion()
         async for msg in self.generate(prompt, **params):
-            _accumulate(out, msg)
+            accumulate(out, msg)
         return out
 
     async def complete_n(self, prompt: str | Sequence[int], n: int, **params) -> list[Completion]:
         """Parallel sampling: n forks of one prompt, gathered by fork index."""
         outs = [Completion() for _ in range(n)]
         async for msg in self.generate(prompt, n=n, **params):
-            _accumulate(outs[msg.index], msg)
+            accumulate(outs[msg.index], msg)
         return outs
 
     async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:

@@ -10,8 +10,8 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.engine import Engine
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.tenancy import Tenant, Unauthenticated
@@ -51,28 +51,36 @@ def window_min_budget(tenant: Tenant, config, block_size: int) -> int:
     return -(-sink // block_size) + 2
 
 
-def tenant_info(s, tenant: Tenant) -> api.TenantInfo:
-    st = s.stats(tenant.id)
+def tenant_info(schedulers: list, tenant: Tenant) -> api.TenantInfo:
+    """A tenant's settings and, added up over the executors, its usage."""
     t = tenant.id
-    return api.TenantInfo(
+    info = api.TenantInfo(
         id=t, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
-        overflow=tenant.overflow, used_pages=s.pool.used_by[t], peak_used_pages=st.peak_used_pages,
-        num_running=sum(1 for r in s.running if r.tenant == t), num_waiting=s.waiting.tenant_len(t),
-        num_swapped=sum(1 for r in s.swapped if r.tenant == t), service=s.waiting.service(t),
-        budget_hits=st.budget_hits, fair_share_preemptions=st.fair_share_preemptions,
-        fair_share_pages=s.fair_shares().get(t, 0.0), sliding_window=tenant.sliding_window,
-        sink_tokens=tenant.sink_tokens)
+        overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens)
+    for s in schedulers:
+        st = s.stats(t)
+        info.used_pages += s.pool.used_by[t]
+        info.peak_used_pages += st.peak_used_pages
+        info.num_running += sum(1 for r in s.running if r.tenant == t)
+        info.num_waiting += s.waiting.tenant_len(t)
+        info.num_swapped += sum(1 for r in s.swapped if r.tenant == t)
+        info.service = max(info.service, s.waiting.service(t))
+        info.budget_hits += st.budget_hits
+        info.fair_share_preemptions += st.fair_share_preemptions
+        info.fair_share_pages += s.fair_shares().get(t, 0.0)
+    return info
 
 
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, tokenizer, limits: Limits, model_info: dict, log) -> None:
+    def __init__(self, engine: Cluster, tokenizer, limits: Limits, model_info: dict, log) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_info = model_info
         self.log = log
         self.live: set[str] = set()  # client request ids with an open stream
+        self.closing = False  # shutting down: no new requests
 
     def _authenticate(self, context) -> Tenant:
         return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
@@ -164,8 +172,12 @@ class GenerationService(api_grpc.GenerationServicer):
         except KeyError as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {err.args[0]!r} is already in use by a live request")
-        if self.engine.executor.call is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected; retry later")
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another "
+                                "scheduler (or this one once it is back)")
+        if not self.engine.available:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
+                                "failed or draining); retry later")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n)
         self.live.add(req.client_id)
@@ -201,24 +213,30 @@ class GenerationService(api_grpc.GenerationServicer):
             tenant = self._authenticate(context)
         except Unauthenticated as err:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
-        s = self.engine.scheduler
-        info = api.ModelInfoResponse(
-            **self.model_info, num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
-            num_used_pages=s.pool.num_used, num_running=len(s.running), num_waiting=len(s.waiting),
-            num_preemptions=s.num_preemptions, peak_used_pages=s.peak_used_pages,
-            num_computed_tokens=s.num_computed_tokens, num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
-            num_cached_pages=s.pool.num_cached, prefix_caching=s.kv.caching,
-            num_host_pages=s.host.num_pages if s.host is not None else 0,
-            num_used_host_pages=s.host.num_used if s.host is not None else 0, num_swapped=len(s.swapped),
-            num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
-            num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
-            num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
-            num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits,
-            tenant=tenant_info(s, tenant),
-        )
+        schedulers = self.engine.schedulers()
+        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching,
+                                     executors=self.engine.executor_infos())
+        for s in schedulers:  # every count adds up the executors'
+            host = s.host
+            add = dict(
+                num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free, num_used_pages=s.pool.num_used,
+                num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+                peak_used_pages=s.peak_used_pages, num_computed_tokens=s.num_computed_tokens,
+                num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens, num_cached_pages=s.pool.num_cached,
+                num_host_pages=host.num_pages if host is not None else 0,
+                num_used_host_pages=host.num_used if host is not None else 0, num_swapped=len(s.swapped),
+                num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
+                num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
+                num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
+                num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits)
+            for name, value in add.items():
+                setattr(info, name, getattr(info, name) + value)
+        info.num_waiting += len(self.engine.unplaced)
+        info.tenant.CopyFrom(tenant_info(schedulers, tenant))
         if request.reset_peak:
-            s.stats(tenant.id).peak_used_pages = s.pool.used_by[tenant.id]
-            s.peak_used_pages = s.pool.num_used
+            for s in schedulers:
+                s.stats(tenant.id).peak_used_pages = s.pool.used_by[tenant.id]
+                s.peak_used_pages = s.pool.num_used
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802

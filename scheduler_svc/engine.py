@@ -1,34 +1,77 @@
-"""The scheduler's loop: plan a step, send it, apply the result, stream outputs to clients."""
+"""One executor's loop: plan a step, send it, apply the result, stream outputs to clients.
+
+Each executor the scheduler drives has its own ``Engine``: its own ``Scheduler`` (page accounting for that
+executor's pools), its own Run stream and its own loop. The ``Cluster`` (cluster.py) places requests on the
+engines and moves them between engines when an executor fails or drains.
+
+States::
+
+    connecting ──Describe + Run──▶ up ──step fails / stream ends──▶ down ──reconnect──▶ up
+                                    │                                 ▲
+                                    └──executor says draining──▶ draining ──no requests left──┘
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
+from typing import TYPE_CHECKING
 
 from scheduler_svc import metrics
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.policy import Costs
-from scheduler_svc.request import Output, Request
+from scheduler_svc.request import Output, Request, Status
 from scheduler_svc.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from scheduler_svc.cluster import Cluster
+
+
+class State(enum.Enum):
+    CONNECTING = "connecting"
+    UP = "up"
+    DRAINING = "draining"
+    DOWN = "down"
+
+
+RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
+RECONNECT_LOG_EVERY = 60.0
+
+
+def deliver(outputs: list[tuple[Request, Output]]) -> None:
+    for req, out in outputs:
+        req.queue.put_nowait(out)
+        if out.token_ids:
+            metrics.GENERATED_TOKENS.inc(len(out.token_ids))
+        if out.finish is not None:
+            metrics.FINISHED.labels(out.finish.value).inc()
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, executor: ExecutorClient, log,
-                 check_every_step: bool = False, reconnect_timeout: float = 30.0) -> None:
-        self.scheduler = scheduler
-        self.executor = executor
-        self.log = log
+    def __init__(self, cluster: Cluster, client: ExecutorClient, log, check_every_step: bool = False,
+                 drain_timeout: float = 30.0) -> None:
+        self.cluster = cluster
+        self.executor = client
+        self.address = client.address
+        self.log = log.bind(executor=client.address)
         self.check_every_step = check_every_step
-        self.reconnect_timeout = reconnect_timeout
+        self.drain_timeout = drain_timeout
+        self.scheduler: Scheduler | None = None
+        self.state = State.CONNECTING
+        self.executor_id = ""
         self.wake = asyncio.Event()
-        self.arrivals = 0
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self.num_placed = 0
+        self.num_migrated_out = 0
+        self.drain_deadline = 0.0
+        self.removed = False  # no longer configured: drain, then stop for good
         self._counted: dict[str, int] = {}
-        self._tenant_counted: dict[str, tuple[int, int]] = {}
 
+    # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="engine")
+        self._task = asyncio.create_task(self._run(), name=f"engine {self.address}")
 
     async def stop(self) -> None:
         if self._task:
@@ -39,28 +82,188 @@ class Engine:
                 pass
         await self.executor.close()
 
-    def next_arrival(self) -> int:
-        self.arrivals += 1
-        return self.arrivals
+    @property
+    def accepts(self) -> bool:
+        """New requests may be placed here."""
+        return self.state is State.UP and not self.removed
 
-    def add_request(self, req: Request) -> None:
-        self.scheduler.add(req)
-        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+    def add_request(self, req: Request, front: bool = False) -> None:
+        self.scheduler.add(req, front=front)
+        self.num_placed += 1
         self.wake.set()
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+    def abort(self, group: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(group)
+            self.wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            if self.state in (State.CONNECTING, State.DOWN):
+                if self.removed:
+                    return
+                await self._connect()
+                continue
+            try:
+                await self._iteration()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a bug must not leave every client stream hanging
+                self.log.exception("engine_error")
+                self.executor.drop()  # the executor's request state goes with the stream
+                self._executor_lost(f"internal error in the scheduler: {err!r}")
+
+    async def _connect(self) -> None:
+        """Until the executor answers (or this engine is removed): Describe, then a new Run stream."""
+        first_failure = last_log = 0.0
+        while not self.removed:
+            try:
+                describe = await self.executor.connect(RECONNECT_POLL)
+                break
+            except ExecutorUnavailable as err:
+                now = time.monotonic()
+                first_failure = first_failure or now
+                if now - last_log >= RECONNECT_LOG_EVERY:
+                    self.log.warning("executor_unreachable", error=str(err), state=self.state.value,
+                                     down_for_s=round(now - first_failure, 1))
+                    last_log = now
+                await asyncio.sleep(0.2)
+        else:
+            return
+        problem = self.cluster.check_compatible(describe)
+        if problem:
+            self.log.error("executor_refused", reason=problem)
+            self.executor.drop()
+            await asyncio.sleep(RECONNECT_POLL)
+            return
+        self._adopt(describe)
+        self.executor.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
+        self.state = State.UP
+        self.executor_id = describe.executor_id
+        self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
+                      num_host_pages=describe.num_host_pages)
+        self.cluster.engine_up(self)
+
+    def _adopt(self, describe) -> None:
+        """A fresh executor holds no pages: a new Scheduler, or the old one with a new pool geometry."""
+        if self.scheduler is None:
+            self.scheduler = self.cluster.make_scheduler(describe)
+            return
+        pool = self.scheduler.pool
+        host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0
+        if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
+                pool.num_pages, host_pages, pool.block_size):
+            self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
+                             num_host_pages=describe.num_host_pages, block_size=describe.block_size)
+            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages)
+        self.scheduler.set_costs(Costs.of(describe))
+
+    # ---- one step ------------------------------------------------------------------------------
+    async def _iteration(self) -> None:
+        await self.wake.wait()
+        if self.executor.call is None or self.executor.call.done():
+            self._executor_lost("the executor closed its Run stream")
+            return
+        if self.state is State.DRAINING or self.removed:
+            if self._drain_step():
+                return
+        t0 = time.perf_counter()
+        s = self.scheduler
+        plan, outputs = s.schedule()
+        deliver(outputs)
+        self._count()
+        if plan is None:
+            if not s.has_work:
+                self.wake.clear()
+                s.check_integrity()  # idle: every page must be accounted for
+                self.cluster.update_gauges()
+            else:
+                await asyncio.sleep(0.001)
+            return
+        t1 = time.perf_counter()
+        try:
+            result = await self.executor.step(plan)
+        except ExecutorUnavailable as err:
+            self._executor_lost(str(err))
+            return
+        t2 = time.perf_counter()
+        deliver(s.process(result))
+        if result.draining and self.state is State.UP:
+            self._start_drain("the executor is shutting down")
+        if self.check_every_step:
+            s.check_integrity()
+        self.steps += 1
+        self.cluster.update_gauges()
+        metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
+        metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
+        metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
+
+    # ---- leaving: drain or failure ---------------------------------------------------------------
+    def _start_drain(self, why: str) -> None:
+        self.state = State.DRAINING
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.log.info("executor_draining", reason=why, running=len(self.scheduler.running),
+                      queued=len(self.scheduler.waiting) + len(self.scheduler.swapped),
+                      drain_timeout_s=self.drain_timeout)
         self.wake.set()
 
-    @staticmethod
-    def deliver(outputs: list[tuple[Request, Output]]) -> None:
-        for req, out in outputs:
-            req.queue.put_nowait(out)
-            if out.token_ids:
-                metrics.GENERATED_TOKENS.inc(len(out.token_ids))
-            if out.finish is not None:
-                metrics.FINISHED.labels(out.finish.value).inc()
+    def begin_removal(self) -> None:
+        """The executor is no longer configured (DNS, executors file): drain it, then stop."""
+        self.removed = True
+        if self.state is State.UP:
+            self._start_drain("no longer configured")
+        self.wake.set()
 
+    def _drain_step(self) -> bool:
+        """Moves what has not started (and, past the deadline, everything) to other executors; running
+        requests finish here meanwhile. Returns True once nothing is left and the stream is closed."""
+        s = self.scheduler
+        if self.state is State.UP:  # removed while up
+            self._start_drain("no longer configured")
+        overdue = time.monotonic() >= self.drain_deadline
+        movable = [r for r in list(s.requests.values())
+                   if not r.aborted and (overdue or r.status is not Status.RUNNING)]
+        if movable:
+            for req in movable:
+                s.detach(req)
+            self._migrated(movable, "drain")
+        if s.requests or s.to_forget:
+            return False
+        s.check_integrity()
+        self.executor.drop()  # ends the Run stream: the executor exits
+        self.state = State.DOWN
+        self.log.info("executor_drained", steps=self.steps)
+        self.cluster.update_gauges()
+        return True
+
+    def _executor_lost(self, error: str) -> None:
+        """The executor is gone with its pages: its requests move to the other executors."""
+        self.executor.drop()
+        was = self.state
+        self.state = State.DOWN
+        if self.scheduler is None:
+            return
+        moved, ended = self.scheduler.evacuate()
+        deliver(ended)
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError:
+            self.log.exception("integrity_after_failure")
+        if was is not State.DRAINING or moved:
+            self.log.error("executor_failed", error=error, requests_moved=len(moved))
+        self._migrated(moved, "failure")
+        self.cluster.update_gauges()
+
+    def _migrated(self, moved: list[Request], cause: str) -> None:
+        if not moved:
+            return
+        self.num_migrated_out += len(moved)
+        metrics.MIGRATIONS.labels(cause).inc(len(moved))
+        self.log.info("requests_migrating", cause=cause, count=len(moved),
+                      request_ids=[r.client_id for r in moved[:16]])
+        self.cluster.relocate(moved, exclude=self)
+
+    # ---- metrics -------------------------------------------------------------------------------
     def _count(self) -> None:
         """Moves the scheduler's cumulative counters into the Prometheus counters."""
         s = self.scheduler
@@ -79,92 +282,3 @@ class Engine:
         metrics.SPILLED_PAGES.inc(now["spilled"] - last.get("spilled", 0))
         metrics.SPILL_HITS.inc(now["spill_hits"] - last.get("spill_hits", 0))
         self._counted = now
-
-    def _update_gauges(self) -> None:
-        s = self.scheduler
-        if s.host is not None:
-            metrics.HOST_PAGES_USED.set(s.host.num_used)
-            metrics.HOST_PAGES_CACHED.set(s.host.num_cached)
-        metrics.SWAPPED.set(len(s.swapped))
-        running: dict[str, int] = {}
-        for r in s.running:
-            running[r.tenant] = running.get(r.tenant, 0) + 1
-        for tenant, st in s.tenant_stats.items():
-            metrics.TENANT_PAGES.labels(tenant).set(s.pool.used_by[tenant])
-            metrics.TENANT_RUNNING.labels(tenant).set(running.get(tenant, 0))
-            metrics.TENANT_WAITING.labels(tenant).set(s.waiting.tenant_len(tenant))
-            metrics.TENANT_SERVICE.labels(tenant).set(s.waiting.service(tenant))
-            last = self._tenant_counted.get(tenant, (0, 0))
-            metrics.TENANT_BUDGET_HITS.labels(tenant).inc(max(0, st.budget_hits - last[0]))
-            metrics.TENANT_FAIR_PREEMPTIONS.labels(tenant).inc(max(0, st.fair_share_preemptions - last[1]))
-            self._tenant_counted[tenant] = (st.budget_hits, st.fair_share_preemptions)
-        metrics.PAGES_USED.set(s.pool.num_used)
-        metrics.PAGES_FREE.set(s.pool.num_free)
-        metrics.RUNNING.set(len(s.running))
-        metrics.WAITING.set(len(s.waiting))
-        slots = s.pool.num_used * s.pool.block_size
-        metrics.KV_SLOT_UTILIZATION.set(sum(r.num_computed for r in s.running) / slots if slots else 0.0)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self._iteration()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001 - a bug must not leave every client stream hanging
-                self.log.exception("engine_error")
-                self.executor.drop()  # the executor's request state goes with the stream
-                await self._executor_failed(f"internal error in the scheduler: {err!r}")
-
-    async def _iteration(self) -> None:
-        await self.wake.wait()
-        t0 = time.perf_counter()
-        plan, outputs = self.scheduler.schedule()
-        self.deliver(outputs)
-        self._count()
-        if plan is None:
-            if not self.scheduler.has_work:
-                self.wake.clear()
-                self.scheduler.check_integrity()  # idle: every page must be accounted for
-                self._update_gauges()
-            else:
-                await asyncio.sleep(0.001)
-            return
-        t1 = time.perf_counter()
-        try:
-            result = await self.executor.step(plan)
-        except ExecutorUnavailable as err:
-            await self._executor_failed(str(err))
-            return
-        t2 = time.perf_counter()
-        self.deliver(self.scheduler.process(result))
-        if self.check_every_step:
-            self.scheduler.check_integrity()
-        self.steps += 1
-        self._update_gauges()
-        metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
-        metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
-        metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
-
-    async def _executor_failed(self, error: str) -> None:
-        self.log.error("executor_failed", error=error)
-        self.deliver(self.scheduler.fail_all(error))
-        try:
-            self.scheduler.check_integrity()
-        except AssertionError:
-            self.log.exception("integrity_after_failure")
-        while True:
-            try:
-                describe = await self.executor.connect(self.reconnect_timeout)
-                break
-            except ExecutorUnavailable as err:
-                self.log.warning("executor_reconnect_failed", error=str(err))
-        pool = self.scheduler.pool
-        host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0
-        if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
-                pool.num_pages, host_pages, pool.block_size):
-            self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
-                             num_host_pages=describe.num_host_pages, block_size=describe.block_size)
-            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages)
-        self.scheduler.set_costs(Costs.of(describe))
-        self.log.info("executor_reconnected", executor_id=describe.executor_id)

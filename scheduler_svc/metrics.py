@@ -29,3 +29,9 @@ GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and
 PROMPT_TOKENS = Counter("pagedkv_prompt_tokens_total", "Prompt tokens admitted")
 STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step", ["part"],
                          buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))
+EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
+EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])
+EXECUTOR_RUNNING = Gauge("pagedkv_executor_requests_running", "Requests running on one executor", ["executor"])
+MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another executor, by cause (failure or drain)",
+                     ["cause"])
+UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")

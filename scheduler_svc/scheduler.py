@@ -229,7 +229,9 @@ class Scheduler:
             self.stats(victim.tenant).fair_share_preemptions += 1
 
     # ---- intake --------------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, front: bool = False) -> None:
+        """A new request, or (front) one migrated from another executor, which goes ahead of new work as a
+        recompute-preempted one would."""
         t = req.tenant
         if self.config.fairness and not self.waiting.tenant_len(t) and not any(r.tenant == t for r in self.running):
             active = {r.tenant for r in self.running} | {u for u, q in self.waiting.queues.items() if q}
@@ -251,7 +253,39 @@ class Scheduler:
                 self.waiting.append(child)
             return
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def fits(self, req: Request) -> bool:
+        """Whether this executor's pool can ever hold the request (what ``add`` would otherwise refuse)."""
+        if req.n > self.config.max_num_seqs:
+            return False
+        if req.window_tokens and not req.page_budget:
+            return self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens) > 0
+        return req.num_tokens < self.max_len_for(req)
+
+    def detach(self, req: Request) -> None:
+        """Takes a live request away from this executor, to be placed on another: its pages here are freed
+        (both tiers; its KV is recomputed there, prompt and the tokens streamed so far), and the executor is
+        told to forget it. Only between steps (never while a plan holding it is in flight)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.to_forget.append(req.request_id)
+        elif req.status is Status.SWAPPED:
+            self.swapped.remove(req)
+        else:
+            self.waiting.remove(req)
+            if req.num_pages_sent >= 0:
+                self.to_forget.append(req.request_id)
+        self.kv.release(req)
+        self.requests.pop(req.request_id, None)
+        req.status = Status.WAITING
+        req.num_pages_sent = -1
+        req.dropped_pending = []
+        if self.config.fairness and not any(r.tenant == req.tenant for r in self.requests.values()):
+            self.waiting.went_idle(req.tenant)
 
     def abort(self, group: str) -> None:
         """Marks a client request (all its forks); pages are freed when the next plan is built."""
@@ -642,13 +676,32 @@ class Scheduler:
     def fail_all(self, error: str) -> list[tuple[Request, Output]]:
         """The executor is gone, and its pages with it (both tiers): every live request ends with an error,
         all pages return, and the prefix cache forgets every page (a restarted executor holds none)."""
+        self._drop_inflight()
+        outputs = [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+        self._forget_executor_state()
+        return outputs
+
+    def evacuate(self) -> tuple[list[Request], list[tuple[Request, Output]]]:
+        """The executor is gone, and its pages with it: its live requests come back ready to be placed on
+        another executor (oldest first), aborted ones end; all pages return and the prefix cache forgets
+        every page. A request's sampler continues there: draws are numbered by output position."""
+        self._drop_inflight()
+        ended = self._reap_aborted()
+        moved = sorted(self.requests.values(), key=lambda r: r.arrival)
+        for req in moved:
+            self.detach(req)
+        self._forget_executor_state()
+        return moved, ended
+
+    def _drop_inflight(self) -> None:
         self.inflight = []
         for ops in (self.inflight_ops, self.resend_ops, self.kv.take_ops()):
             if ops is not None:
                 self.kv.confirm(ops)  # drops the host references they held
         self.inflight_ops, self.resend_ops = PageOps(), None
         self.resending, self.ops_failures = False, 0
-        outputs = [(r, self.finish(r, Finish.ABORT, error=error)) for r in list(self.requests.values())]
+
+    def _forget_executor_state(self) -> None:
         self.kv.take_ops()
         self.to_forget = []
         self.plan_failures = 0
@@ -656,7 +709,6 @@ class Scheduler:
         if self.host is not None:
             self.host.forget_hashes()
         self.kv.inflight.clear()
-        return outputs
 
     def reset_pool(self, num_pages: int, block_size: int, num_host_pages: int = 0, costs: Costs | None = None) -> None:
         """A (re)connected executor with another pool geometry; only when nothing is live."""

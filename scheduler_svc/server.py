@@ -11,8 +11,8 @@ from pagedkv import grpc_common, logs
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc.api import GenerationService
-from scheduler_svc.engine import Engine
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, resolve
+from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -23,7 +23,21 @@ SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", required=True, metavar="HOST:PORT", help="address of the executor to drive")
+    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
+                   help="an executor to drive; repeat for several. A DNS name that resolves to several addresses "
+                   "means one executor each, re-resolved every --resolve-interval seconds")
+    p.add_argument("--executors-file", default="", metavar="PATH",
+                   help="file of executor HOST:PORT lines (# comments), re-read every --resolve-interval seconds "
+                   "and on SIGHUP: executors join and leave at run time")
+    p.add_argument("--resolve-interval", type=float, default=10.0,
+                   help="seconds between re-resolving executor names and re-reading the executors file")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a draining executor (SIGTERM, or no longer listed) may finish its running "
+                   "requests before they move to other executors")
+    p.add_argument("--unplaced-timeout", type=float, default=30.0,
+                   help="seconds a request waits when no executor is up before it ends with an error")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight streams get to finish (new requests get UNAVAILABLE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -96,71 +110,140 @@ def _check_args(args, describe, log) -> int:
     return max_len
 
 
+def _targets(args) -> list[str]:
+    targets = list(args.executor)
+    if args.executors_file:
+        targets += read_executors_file(args.executors_file)
+    if not targets:
+        raise ValueError("no executor: give --executor HOST:PORT (repeatable) or --executors-file")
+    for t in args.executor:
+        parse_address(t)
+    return targets
+
+
+async def _first_executor(addresses: set[str], timeout: float, step_timeout: float, log):
+    """The description of the first executor that answers within ``timeout`` (the model the cluster
+    serves; later executors must serve the same)."""
+    clients = [ExecutorClient(a, step_timeout) for a in sorted(addresses)]
+    try:
+        probes = [asyncio.ensure_future(c.probe(timeout)) for c in clients]
+        errors = []
+        for done in asyncio.as_completed(probes):
+            try:
+                return await done
+            except ExecutorUnavailable as err:
+                errors.append(str(err))
+        raise ValueError("no executor answered: " + "; ".join(errors))
+    finally:
+        for p in probes:
+            p.cancel()
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
 async def serve(args) -> None:
     log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
     preemption = PreemptionConfig(mode=Mode(args.preemption_mode), hot_steps=args.hot_steps,
                                   cold_steps=args.cold_steps, swap_in_max_wait=args.swap_in_max_wait)
-    client = ExecutorClient(args.executor, args.step_timeout)
-    describe = await client.connect(args.connect_timeout)
+    for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    targets = _targets(args)
+    addresses = await asyncio.to_thread(resolve, targets)
+    describe = await _first_executor(addresses, args.connect_timeout, args.step_timeout, log)
     max_len = _check_args(args, describe, log)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)
-    pool = PagePool(describe.num_device_pages, describe.block_size)
-    host = PagePool(describe.num_host_pages, describe.block_size, min_pages=0) if describe.num_host_pages else None
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
                              sink_tokens=args.sink_tokens)
     try:
-        tenants = Tenants.load(args.tenants_file, pool.num_pages) if args.tenants_file else Tenants()
+        tenants = Tenants.load(args.tenants_file, describe.num_device_pages) if args.tenants_file else Tenants()
     except InvalidTenant as err:
         raise ValueError(str(err)) from err
     if tenants.multi:
         log.info("tenants_loaded", path=args.tenants_file, tenants=sorted(tenants.by_id), fairness=args.fairness)
     else:
         log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
-    scheduler = Scheduler(pool, config, list(describe.eos_token_ids), host, Costs.of(describe), tenants)
-    engine = Engine(scheduler, client, log, check_every_step=args.check_integrity)
+
+    def make_scheduler(d) -> Scheduler:
+        pool = PagePool(d.num_device_pages, d.block_size)
+        host = PagePool(d.num_host_pages, d.block_size, min_pages=0) if d.num_host_pages else None
+        own = Tenants.load(args.tenants_file, pool.num_pages) if args.tenants_file else Tenants()
+        return Scheduler(pool, config, list(d.eos_token_ids), host, Costs.of(d), own)
+
+    cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
+                      check_every_step=args.check_integrity, drain_timeout=args.drain_timeout,
+                      unplaced_timeout=args.unplaced_timeout)
+    cluster.start()
+    cluster.set_addresses(addresses)
+    try:
+        await asyncio.wait_for(cluster.any_up.wait(), args.connect_timeout)
+    except asyncio.TimeoutError:
+        raise ValueError(f"no executor came up within --connect-timeout {args.connect_timeout:.0f}s") from None
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend)
     server = grpc_common.new_server()
-    api_grpc.add_GenerationServicer_to_server(GenerationService(engine, tokenizer, limits, info, log), server)
+    service = GenerationService(cluster, tokenizer, limits, info, log)
+    api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port)
     if args.metrics_port:
         import prometheus_client
 
         prometheus_client.start_http_server(args.metrics_port, addr=args.host)
-    engine.start()
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
-    log.info("scheduler_ready", address=f"{args.host}:{port}", executor=args.executor, pid=os.getpid(),
-             num_pages=pool.num_pages, num_host_pages=describe.num_host_pages, block_size=pool.block_size,
-             max_model_len=max_len, prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode)
+    log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
+             num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
+             block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
+             preemption_mode=args.preemption_mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    def reload_tenants() -> None:
+    async def refresh_executors() -> None:
+        try:
+            found = await asyncio.to_thread(resolve, _targets(args))
+        except (OSError, ValueError) as err:  # a DNS hiccup must not drop every executor
+            log.warning("executors_resolve_failed", error=str(err), hint="the current executors stay")
+            return
+        cluster.set_addresses(found)
+
+    async def membership() -> None:
+        while True:
+            await asyncio.sleep(args.resolve_interval)
+            await refresh_executors()
+
+    def reload() -> None:
+        loop.create_task(refresh_executors())
         if not args.tenants_file:
             return
         try:
-            tenants = Tenants.load(args.tenants_file, scheduler.pool.num_pages)
+            ended = cluster.set_tenants(args.tenants_file)
         except InvalidTenant as err:
             log.error("tenants_reload_failed", error=str(err), hint="the previous tenants stay in force")
             return
-        ended = scheduler.set_tenants(tenants)
-        engine.deliver(ended)
-        engine.wake.set()
-        log.info("tenants_reloaded", path=args.tenants_file, tenants=sorted(tenants.by_id),
-                 requests_ended=len(ended))
+        log.info("tenants_reloaded", path=args.tenants_file, requests_ended=ended)
 
-    loop.add_signal_handler(signal.SIGHUP, reload_tenants)
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    watcher = loop.create_task(membership())
     await stop.wait()
+    # Graceful shutdown: refuse new work, let in-flight streams finish, then end what is left with an error.
+    service.closing = True
     await grpc_common.set_serving(health, [SERVICE], False)
+    log.info("scheduler_draining", live_streams=len(service.live), shutdown_timeout_s=args.shutdown_timeout)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop now
+        loop.add_signal_handler(sig, service.live.clear)
+    deadline = loop.time() + args.shutdown_timeout
+    while service.live and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    left = len(service.live)
+    watcher.cancel()
+    await cluster.stop()
+    cluster.fail_all("the scheduler shut down before this request finished")
     await server.stop(grace=2.0)
-    await engine.stop()
-    log.info("scheduler_stopped")
+    log.info("scheduler_stopped", unfinished_streams=left)

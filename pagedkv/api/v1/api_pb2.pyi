@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, reset_peak: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant")
+    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class ModelInfoResponse(_message.Message):
     NUM_SPILLED_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_SPILL_HITS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -160,7 +161,34 @@ class ModelInfoResponse(_message.Message):
     num_spilled_pages: int
     num_spill_hits: int
     tenant: TenantInfo
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ...) -> None: ...
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorInfo]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ...) -> None: ...
+
+class ExecutorInfo(_message.Message):
+    __slots__ = ("address", "state", "executor_id", "num_pages", "num_used_pages", "num_cached_pages", "num_running", "num_waiting", "num_placed", "num_migrated_out", "num_computed_tokens")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLACED_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    executor_id: str
+    num_pages: int
+    num_used_pages: int
+    num_cached_pages: int
+    num_running: int
+    num_waiting: int
+    num_placed: int
+    num_migrated_out: int
+    num_computed_tokens: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_placed: _Optional[int] = ..., num_migrated_out: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
     __slots__ = ("id", "weight", "page_quota", "reserved_pages", "max_concurrent_requests", "page_budget", "overflow", "used_pages", "peak_used_pages", "num_running", "num_waiting", "num_swapped", "service", "budget_hits", "fair_share_preemptions", "fair_share_pages", "sliding_window", "sink_tokens")

@@ -159,17 +159,19 @@ class StepTimings(_message.Message):
     def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "timings", "error", "desynced_request_ids", "num_computed_tokens")
+    __slots__ = ("step_id", "sampled", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DESYNCED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     timings: StepTimings
     error: str
     desynced_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_computed_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

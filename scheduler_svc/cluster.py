@@ -1,0 +1,308 @@
+"""Many executors behind one scheduler: membership, placement, migration.
+
+Each executor has an ``Engine`` (engine.py) with its own ``Scheduler`` and page accounting. The cluster:
+
+- keeps the set of executors in line with the configured addresses (``--executor`` entries, DNS names
+  re-resolved periodically, and an optional executors file): new addresses get an engine, vanished ones
+  are drained and dropped;
+- places each new request on the executor with the longest prefix-cache hit for its tenant, then the
+  least loaded one (pages in use, requests queued and running);
+- re-places the requests of an executor that failed or drains: the prompt and the tokens already streamed
+  are recomputed there, the sampler continues at the same draw (draws are numbered by output position),
+  and the client stream goes on with no token lost or repeated;
+- holds requests when no executor is up, for up to ``unplaced_timeout`` seconds, then ends them with an
+  error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from pagedkv.api.v1 import api_pb2 as api
+from scheduler_svc import metrics
+from scheduler_svc.engine import Engine, State, deliver
+from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.tenancy import Tenants
+
+
+class NoExecutor(Exception):
+    """No executor is up to take a request."""
+
+
+def parse_address(entry: str, what: str = "--executor") -> tuple[str, int]:
+    host, sep, port = entry.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {entry!r}: expected HOST:PORT (port 1-65535)")
+    return host, int(port)
+
+
+def resolve(entries: Iterable[str]) -> set[str]:
+    """HOST:PORT entries -> the set of IP:PORT addresses they name now (a DNS name may name several; IPv4
+    when the name has any, else IPv6). Raises OSError when a name does not resolve."""
+    out = set()
+    for entry in entries:
+        host, port = parse_address(entry)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        ips = v4 or [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+        out.update(f"{ip}:{port}" if ":" not in ip else f"[{ip}]:{port}" for ip in ips)
+    return out
+
+
+def read_executors_file(path: str) -> list[str]:
+    """One HOST:PORT per line; blank lines and # comments ignored."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.split("#", 1)[0].strip() for line in f]
+    entries = [line for line in lines if line]
+    for line in entries:
+        parse_address(line, f"executors file {path}:")
+    return entries
+
+
+class Cluster:
+    def __init__(self, reference, make_scheduler: Callable[[object], Scheduler], log, *,
+                 step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
+                 unplaced_timeout: float = 30.0) -> None:
+        self.reference = reference  # the first executor's DescribeResponse: every other must serve the same
+        self.make_scheduler = make_scheduler
+        self.log = log
+        self.step_timeout = step_timeout
+        self.check_every_step = check_every_step
+        self.drain_timeout = drain_timeout
+        self.unplaced_timeout = unplaced_timeout
+        self.engines: dict[str, Engine] = {}
+        self.unplaced: deque[tuple[Request, float]] = deque()
+        self.arrivals = 0
+        self.any_up = asyncio.Event()
+        self._tenant_counted: dict[str, tuple[int, int]] = {}
+        self._expiry: asyncio.Task | None = None
+
+    # ---- membership ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._expiry = asyncio.create_task(self._expire_unplaced(), name="unplaced expiry")
+
+    def set_addresses(self, addresses: set[str]) -> None:
+        """Adds an engine per new address; drains and drops those no longer listed."""
+        for address in sorted(addresses - self.engines.keys()):
+            engine = Engine(self, ExecutorClient(address, self.step_timeout), self.log,
+                            check_every_step=self.check_every_step, drain_timeout=self.drain_timeout)
+            self.engines[address] = engine
+            engine.start()
+            self.log.info("executor_added", executor=address)
+        for address in sorted(self.engines.keys() - addresses):
+            engine = self.engines[address]
+            if not engine.removed:
+                self.log.info("executor_removed", executor=address, state=engine.state.value)
+                engine.begin_removal()
+        for address, engine in list(self.engines.items()):  # drained and stopped for good
+            if engine.removed and engine._task is not None and engine._task.done():
+                del self.engines[address]
+        self.update_gauges()
+
+    async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
+
+    def check_compatible(self, describe) -> str:
+        """Why an executor cannot join (another model, vocabulary or block size), or ''."""
+        ref = self.reference
+        for field in ("model", "vocab_size", "block_size", "max_position_embeddings"):
+            if getattr(describe, field) != getattr(ref, field):
+                return (f"{field} {getattr(describe, field)!r} differs from the other executors' "
+                        f"{getattr(ref, field)!r}")
+        return ""
+
+    def engine_up(self, engine: Engine) -> None:
+        self.any_up.set()
+        waiting, self.unplaced = self.unplaced, deque()
+        for req, _ in waiting:
+            self._place(req, front=True)
+        self.update_gauges()
+
+    # ---- what the API uses -----------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler whose limits the API validates against: the largest executor that takes work
+        (every executor serves the same model; a request too long for a small one goes to a larger)."""
+        candidates = [e for e in self.engines.values() if e.scheduler is not None]
+        up = [e for e in candidates if e.accepts] or candidates
+        return max(up, key=lambda e: e.scheduler.pool.num_pages).scheduler
+
+    @property
+    def tenants(self) -> Tenants:
+        return self.scheduler.tenants
+
+    @property
+    def available(self) -> bool:
+        return any(e.accepts for e in self.engines.values())
+
+    def next_arrival(self) -> int:
+        self.arrivals += 1
+        return self.arrivals
+
+    def add_request(self, req: Request) -> None:
+        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+        self._place(req)
+
+    def abort(self, group: str) -> None:
+        for engine in self.engines.values():
+            engine.abort(group)
+        kept = deque((r, t) for r, t in self.unplaced if r.group != group)
+        if len(kept) != len(self.unplaced):
+            self.unplaced = kept
+            metrics.UNPLACED.set(len(self.unplaced))
+
+    def relocate(self, reqs: list[Request], exclude: Engine) -> None:
+        """Requests taken from an executor (failed or draining): each goes to another, ahead of new work."""
+        for req in reqs:
+            self._place(req, front=True, exclude=exclude)
+
+    def fail_all(self, error: str) -> None:
+        """Ends every live request's stream with an error; only once the engines are stopped (shutdown)."""
+        for s in self.schedulers():
+            deliver([(r, Output("", [], [], Finish.ABORT, error=error, index=r.index)) for r in s.requests.values()])
+        self._fail_unplaced(lambda _deadline: True, error)
+
+    def set_tenants(self, path: str) -> int:
+        """Reloads the tenants file into every executor's scheduler (quotas given as fractions follow each
+        pool); returns how many live requests no longer fit and ended. Raises InvalidTenant."""
+        loaded = {a: Tenants.load(path, e.scheduler.pool.num_pages)
+                  for a, e in self.engines.items() if e.scheduler is not None}
+        ended = 0
+        for address, tenants in loaded.items():
+            engine = self.engines[address]
+            outputs = engine.scheduler.set_tenants(tenants)
+            deliver(outputs)
+            ended += len(outputs)
+            engine.wake.set()
+        return ended
+
+    # ---- placement -----------------------------------------------------------------------------
+    def _place(self, req: Request, front: bool = False, exclude: Engine | None = None) -> None:
+        engine = self._best(req, exclude)
+        if engine is None:
+            self.unplaced.append((req, time.monotonic() + self.unplaced_timeout))
+            metrics.UNPLACED.set(len(self.unplaced))
+            self.log.warning("request_unplaced", request_id=req.client_id, hint="no executor is up",
+                             timeout_s=self.unplaced_timeout)
+            return
+        engine.add_request(req, front=front)
+
+    def _best(self, req: Request, exclude: Engine | None) -> Engine | None:
+        """Longest prefix-cache hit for the request's tenant first, then the least loaded executor."""
+        best, best_key = None, None
+        for engine in self.engines.values():
+            if engine is exclude or not engine.accepts:
+                continue
+            s = engine.scheduler
+            fits = s.fits(req)
+            hit = len(s.kv.find_hits(req)) if fits else -1
+            load = s.pool.num_used / s.pool.num_pages + (
+                len(s.running) + len(s.waiting) + len(s.swapped)) / s.config.max_num_seqs
+            key = (fits, hit, -load, -engine.steps)
+            if best_key is None or key > best_key:
+                best, best_key = engine, key
+        return best
+
+    async def _expire_unplaced(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if self.unplaced and self.unplaced[0][1] <= now:
+                self._fail_unplaced(lambda deadline, now=now: deadline <= now,
+                                    f"no executor became available within {self.unplaced_timeout:.0f}s")
+
+    def _fail_unplaced(self, expired: Callable[[float], bool], error: str) -> None:
+        kept = deque()
+        for req, deadline in self.unplaced:
+            if expired(deadline):
+                req.finish = Finish.ABORT
+                deliver([(req, Output("", [], [], Finish.ABORT, error=error, index=req.index,
+                                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))])
+            else:
+                kept.append((req, deadline))
+        self.unplaced = kept
+        metrics.UNPLACED.set(len(self.unplaced))
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def schedulers(self) -> list[Scheduler]:
+        return [e.scheduler for e in self.engines.values() if e.scheduler is not None]
+
+    def executor_infos(self) -> list[api.ExecutorInfo]:
+        out = []
+        for address, e in sorted(self.engines.items()):
+            s = e.scheduler
+            out.append(api.ExecutorInfo(
+                address=address, state=e.state.value, executor_id=e.executor_id,
+                num_pages=s.pool.num_pages if s else 0, num_used_pages=s.pool.num_used if s else 0,
+                num_cached_pages=s.pool.num_cached if s else 0, num_running=len(s.running) if s else 0,
+                num_waiting=(len(s.waiting) + len(s.swapped)) if s else 0, num_placed=e.num_placed,
+                num_migrated_out=e.num_migrated_out, num_computed_tokens=s.num_computed_tokens if s else 0))
+        return out
+
+    def update_gauges(self) -> None:
+        states = {s: 0 for s in State}
+        for e in self.engines.values():
+            states[e.state] += 1
+        for state, n in states.items():
+            metrics.EXECUTORS.labels(state.value).set(n)
+        metrics.UNPLACED.set(len(self.unplaced))
+        schedulers = self.schedulers()
+        used = free = running = waiting = swapped = computed = host_used = host_cached = 0
+        tenants: dict[str, list[int]] = {}
+        for address, e in self.engines.items():
+            s = e.scheduler
+            if s is None:
+                continue
+            metrics.EXECUTOR_PAGES_USED.labels(address).set(s.pool.num_used)
+            metrics.EXECUTOR_RUNNING.labels(address).set(len(s.running))
+            used += s.pool.num_used
+            free += s.pool.num_free
+            running += len(s.running)
+            waiting += len(s.waiting)
+            swapped += len(s.swapped)
+            computed += sum(r.num_computed for r in s.running)
+            if s.host is not None:
+                host_used += s.host.num_used
+                host_cached += s.host.num_cached
+            for r in s.running:
+                tenants.setdefault(r.tenant, [0, 0])[0] += 1
+            for tenant in s.tenant_stats:
+                row = tenants.setdefault(tenant, [0, 0])
+                row[1] += s.pool.used_by[tenant]
+        metrics.PAGES_USED.set(used)
+        metrics.PAGES_FREE.set(free)
+        metrics.RUNNING.set(running)
+        metrics.WAITING.set(waiting + len(self.unplaced))
+        metrics.SWAPPED.set(swapped)
+        metrics.HOST_PAGES_USED.set(host_used)
+        metrics.HOST_PAGES_CACHED.set(host_cached)
+        slots = used * (schedulers[0].pool.block_size if schedulers else 1)
+        metrics.KV_SLOT_UTILIZATION.set(computed / slots if slots else 0.0)
+        for tenant, (n_running, pages) in tenants.items():
+            metrics.TENANT_PAGES.labels(tenant).set(pages)
+            metrics.TENANT_RUNNING.labels(tenant).set(n_running)
+            metrics.TENANT_WAITING.labels(tenant).set(sum(s.waiting.tenant_len(tenant) for s in schedulers))
+            metrics.TENANT_SERVICE.labels(tenant).set(max(s.waiting.service(tenant) for s in schedulers))
+        self._count_tenant_events(schedulers)
+
+    def _count_tenant_events(self, schedulers: list[Scheduler]) -> None:
+        totals: dict[str, tuple[int, int]] = {}
+        for s in schedulers:
+            for tenant, st in s.tenant_stats.items():
+                a, b = totals.get(tenant, (0, 0))
+                totals[tenant] = (a + st.budget_hits, b + st.fair_share_preemptions)
+        last = self._tenant_counted
+        for tenant, (hits, fair) in totals.items():
+            prev = last.get(tenant, (0, 0))
+            metrics.TENANT_BUDGET_HITS.labels(tenant).inc(max(0, hits - prev[0]))
+            metrics.TENANT_FAIR_PREEMPTIONS.labels(tenant).inc(max(0, fair - prev[1]))
+        self._tenant_counted = totals
