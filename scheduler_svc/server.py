@@ -121,6 +121,22 @@ def _targets(args) -> list[str]:
     return targets
 
 
+async def _resolve_until(targets: list[str], timeout: float, log) -> set[str]:
+    """The executors' addresses; a DNS name may not resolve yet (its containers are starting): retry."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            found = await asyncio.to_thread(resolve, targets)
+            if found:
+                return found
+        except OSError as err:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ValueError(f"--executor {' '.join(targets)}: cannot resolve within {timeout:.0f}s: "
+                                 f"{err}") from err
+            log.info("executors_not_resolved_yet", targets=targets, error=str(err))
+        await asyncio.sleep(1.0)
+
+
 async def _first_executor(addresses: set[str], timeout: float, step_timeout: float, log):
     """The description of the first executor that answers within ``timeout`` (the model the cluster
     serves; later executors must serve the same)."""
@@ -147,8 +163,7 @@ async def serve(args) -> None:
     for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    targets = _targets(args)
-    addresses = await asyncio.to_thread(resolve, targets)
+    addresses = await _resolve_until(_targets(args), args.connect_timeout, log)
     describe = await _first_executor(addresses, args.connect_timeout, args.step_timeout, log)
     max_len = _check_args(args, describe, log)
     from transformers import AutoTokenizer
