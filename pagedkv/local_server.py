@@ -1,7 +1,9 @@
-"""``pagedkv serve`` as a child process on loopback, for tests and benchmarks."""
+"""``pagedkv serve``, or one service (executor, scheduler) alone, as a child process on loopback, for tests and
+benchmarks."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,4 +61,72 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        return self.proc.returncode
+
+
+class ServiceProcess:
+    """``pagedkv <role> --port <free> *args`` with JSON logs; waits for its ``<role>_ready`` line."""
+
+    def __init__(self, role: str, *args: str, port: int = 0, timeout: float = 120.0, wait: bool = True,
+                 env: dict[str, str] | None = None) -> None:
+        self.role = role
+        self.port = port or free_port()
+        cmd = [sys.executable, "-m", "pagedkv", role, "--port", str(self.port), "--log-format", "json", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.events: list[dict] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if wait:
+            self.wait_ready(timeout)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self.events.append(event)
+            if event.get("event") == f"{self.role}_ready":
+                self.ready.set()
+        self.ready.set()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        if not self.ready.wait(timeout) or self.proc.poll() is not None:
+            self.kill()
+            raise RuntimeError(f"{self.role} not ready:\n{self.log()}")
+
+    def saw(self, event: str, **fields) -> bool:
+        return any(e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
+                   for e in list(self.events))
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
         return self.proc.returncode

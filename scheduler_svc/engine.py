@@ -260,7 +260,7 @@ class Engine:
         self.num_migrated_out += len(moved)
         metrics.MIGRATIONS.labels(cause).inc(len(moved))
         self.log.info("requests_migrating", cause=cause, count=len(moved),
-                      request_ids=[r.client_id for r in moved[:16]])
+                      request_ids=[r.client_id for r in moved[:256]])
         self.cluster.relocate(moved, exclude=self)
 
     # ---- metrics -------------------------------------------------------------------------------
