@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     executor_server.add_args(p)
     p = sub.add_parser("generate", help="stream one completion from a running server to stdout")
     p.add_argument("prompt")
-    p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"),
+                   help="scheduler HOST:PORT; several comma-separated, or dns:///NAME:PORT, for round robin")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
