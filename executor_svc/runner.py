@@ -105,6 +105,7 @@ class ModelRunner:
             )
             staged.append((new.request_id, state, new.num_scheduled_tokens))
         missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests]
+        missing += [rid for rid in plan.decodes if rid not in self.requests]
         if missing:
             raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
         for c in plan.continuing:
@@ -127,6 +128,7 @@ class ModelRunner:
                 st.page_ids[i] = -1
         scheduled = [(rid, n) for rid, _, n in staged] + [(c.request_id, c.num_scheduled_tokens)
                                                            for c in plan.continuing]
+        scheduled += [(rid, 1) for rid in plan.decodes]
         out = []
         for rid, n in scheduled:
             st = self.requests[rid]

@@ -312,8 +312,18 @@ class Scheduler:
         stats = StepStats()
         self._make_room_for_fair_share(stats)
         i = 0
+        bs, refcounts = self.pool.block_size, self.pool.refcounts
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            # Fast path, the steady decode: one token into the request's own last page (not shared, not
+            # full), no window. Nothing to allocate, copy or drop, so nothing _reserve could refuse.
+            computed = req.num_computed
+            if (computed % bs and not req.window_tokens and req.compute_target - computed == 1
+                    and refcounts[req.page_table[computed // bs]] == 1):
+                scheduled.append((req, 1))
+                budget -= 1
+                i += 1
+                continue
             n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
             if not self._reserve(req, n, self.running[i:], stats):
                 continue  # req itself was preempted; the list shrank
@@ -332,8 +342,14 @@ class Scheduler:
         self.inflight_ops = self.kv.take_ops()
         self._add_ops(plan, self.inflight_ops)
         self.resending = False
+        decodes = []
         for req, n in scheduled:
-            self._add_to_plan(plan, req, n)
+            if n == 1 and req.num_pages_sent == len(req.page_table) and not req.dropped_pending:
+                decodes.append(req.request_id)
+                req.last_scheduled = plan.step_id
+            else:
+                self._add_to_plan(plan, req, n)
+        plan.decodes.extend(decodes)
         self.inflight = scheduled
         self.peak_used_pages = max(self.peak_used_pages, self.pool.num_used)
         for tenant, used in self.pool.used_by.items():
@@ -449,6 +465,8 @@ class Scheduler:
         and recompute-preempted requests in fair order (one whose shared prefix another request is computing
         waits); then the other swapped requests, in swap-out order. only_reserved: just new requests of
         tenants below their reserved minimum (a step that preempted admits nothing else)."""
+        if not self.waiting and not self.swapped:
+            return budget
         if only_reserved:
             used = self.pool.used_by
             skip = {t for t in self.waiting.queues if used[t] >= self.tenants.get(t).reserved_pages}

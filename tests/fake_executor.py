@@ -24,6 +24,12 @@ def make_request(i: int, prompt_len: int, max_tokens: int, prompt: list[int] | N
                    tenant=tenant, hash_root=tenant_root(tenant), **kw)
 
 
+def scheduled(plan: pb.StepPlan) -> list[tuple[str, int]]:
+    """(request id, tokens scheduled) of every request in a plan: new, continuing, then the packed decodes."""
+    return ([(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests]
+            + [(c.request_id, c.num_scheduled_tokens) for c in plan.continuing] + [(rid, 1) for rid in plan.decodes])
+
+
 def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
     """A stand-in executor: tracks computed counts and 'samples' token 7 when a request is caught up."""
     result = pb.StepResult(step_id=plan.step_id)
@@ -31,15 +37,15 @@ def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
         known.pop(rid, None)
     for new in plan.new_requests:
         known[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
-    for item in [*plan.new_requests, *plan.continuing]:
-        result.num_computed_tokens += item.num_scheduled_tokens
-        total, done = known[item.request_id]
-        done += item.num_scheduled_tokens
+    for rid, n in scheduled(plan):
+        result.num_computed_tokens += n
+        total, done = known[rid]
+        done += n
         assert done <= total
         if done == total:
             total += 1
-            result.sampled.add(request_id=item.request_id, token_id=7)
-        known[item.request_id] = [total, done]
+            result.sampled.add(request_id=rid, token_id=7)
+        known[rid] = [total, done]
     return result
 
 
@@ -97,9 +103,9 @@ class FakeExecutor:
                 self.tables[c.request_id][i] = -1
         starts = {rid: self.known[rid][1] for rid in self.tables if rid in self.known}
         result = fake_result(plan, self.known)
-        for item in [*plan.new_requests, *plan.continuing]:
-            rid = item.request_id
-            start = item.num_computed_tokens if isinstance(item, pb.NewRequest) else starts[rid]
+        new_starts = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
+        for rid, n in scheduled(plan):
+            start = new_starts[rid] if rid in new_starts else starts[rid]
             fps = self._fingerprints(self.tokens[rid])
             sink, window = self.windows[rid]
             for pos in range(start):
@@ -108,7 +114,7 @@ class FakeExecutor:
                 assert self.tables[rid][pos // self.bs] != -1, f"{rid}: position {pos} visible but its page dropped"
                 page, off = self._slot(rid, pos)
                 assert page[off] == fps[pos], f"step {plan.step_id}: {rid} reads wrong KV at position {pos}"
-            for pos in range(start, start + item.num_scheduled_tokens):
+            for pos in range(start, start + n):
                 page, off = self._slot(rid, pos)
                 page[off] = fps[pos]
         for sampled in result.sampled:
@@ -141,8 +147,7 @@ def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None =
             break
         ticks += 1
         assert plan is not None
-        assert sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(
-            c.num_scheduled_tokens for c in plan.continuing) <= s.config.max_num_batched_tokens
+        assert sum(n for _, n in scheduled(plan)) <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
         outs = s.process(executor.step(plan))
         s.check_integrity()

@@ -168,7 +168,7 @@ def test_rejected_plan_keeps_its_page_copies():
     s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
     again, _ = s.schedule()  # the rejected plan's page operations go first, alone
     assert [(c.src, c.dst) for c in again.page_ops.copy] == copies
-    assert not again.new_requests and not again.continuing
+    assert not again.new_requests and not again.continuing and not again.decodes
     s.process(fake_result(again, known))
     then, _ = s.schedule()
     assert not then.page_ops.copy

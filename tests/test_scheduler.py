@@ -65,8 +65,8 @@ def test_continuing_requests_send_only_appended_pages():
     for _ in range(6):
         s.process(fake_result(plan, known))
         plan, _ = s.schedule()
-        sent += list(plan.continuing[0].new_page_ids)
-        assert not plan.new_requests
+        sent += [p for c in plan.continuing for p in c.new_page_ids]
+        assert not plan.new_requests and len(plan.continuing) + len(plan.decodes) == 1
     assert sent == s.running[0].page_table[2:]
 
 

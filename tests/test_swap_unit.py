@@ -15,7 +15,7 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig, PreemptionPolicy
 from scheduler_svc.request import Finish, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from tests.fake_executor import FakeExecutor, drive, make_request
+from tests.fake_executor import FakeExecutor, drive, make_request, scheduled
 
 BS = 4
 # Costs that make swap clearly cheaper than recompute (as on the CPU: ~4 GB/s, ~70 us per token)
@@ -194,7 +194,7 @@ def test_rejected_plan_resends_its_swaps_alone_and_first():
     s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
     again, _ = s.schedule()
     assert [(c.src, c.dst) for c in again.page_ops.swap_out] == ops
-    assert not again.new_requests and not again.continuing
+    assert not again.new_requests and not again.continuing and not again.decodes
     s.check_integrity()
     s.process(ex.step(again))
     drive(s, executor=ex)
@@ -289,7 +289,7 @@ def test_a_request_the_executor_keeps_rejecting_fails_alone():
         plan, _ = s.schedule()
         if plan is None and not s.has_work:
             break
-        ids = {r.request_id for r in plan.new_requests} | {c.request_id for c in plan.continuing}
+        ids = {rid for rid, _ in scheduled(plan)}
         if bad in ids:
             rejected += 1
             s.process(pb.StepResult(step_id=plan.step_id, error=f"{bad} is cursed", desynced_request_ids=[bad]))
