@@ -11,6 +11,7 @@ import uuid
 import grpc
 import torch
 
+from executor_svc import metrics
 from executor_svc.attention import BACKENDS
 from executor_svc.costs import measure_costs
 from executor_svc.model import load_model
@@ -97,6 +98,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 # of end-to-end throughput on CPU (GIL hand-offs between the two threads every step);
                 # the price is that health checks wait for the current step to end.
                 result = self.runner.step(plan)
+                metrics.observe_step(plan, result, len(self.runner.requests))
                 if result.error:
                     self.log.warning("plan_rejected", step_id=plan.step_id, error=result.error)
                 if self.draining:
@@ -115,6 +117,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         """SIGTERM: take no new scheduler; tell the current one (in every step result) so it moves the
         requests elsewhere; the Run stream ends when the scheduler closes it or, idle, here."""
         self.draining = True
+        metrics.DRAINING.set(1)
         if not self.runner.requests:
             self.idle_drain.set()
 
@@ -227,6 +230,8 @@ async def serve(args) -> None:
     runner, describe = build(args, log)
     server = grpc_common.new_server()
     service = ExecutorService(runner, describe, log)
+    metrics.DEVICE_PAGES.set(describe.num_device_pages)
+    metrics.HOST_PAGES.set(describe.num_host_pages)
     pb_grpc.add_ExecutorServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port)

@@ -63,6 +63,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sliding-window", type=int, default=0, metavar="N",
                    help="attention over the sink plus the last N tokens of every request (0: off)")
     p.add_argument("--sink-tokens", type=int, default=0, metavar="S", help="attention-sink tokens (with a window)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="Prometheus metrics: the scheduler's on port P, the executor's on P+1 (0: off)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
@@ -92,6 +94,8 @@ def serve(args) -> int:
     exec_cmd = [*common, "executor", "--model", args.model, "--host", args.host, "--port", str(exec_port),
                 "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
                 "--threads", str(args.threads), "--log-format", args.log_format]
+    if args.metrics_port:
+        exec_cmd += ["--metrics-port", str(args.metrics_port + 1)]
     if args.num_pages is not None:
         exec_cmd += ["--num-pages", str(args.num_pages)]
     if args.kv_cache_gb is not None:
@@ -106,6 +110,8 @@ def serve(args) -> int:
                  "--max-model-len", str(args.max_model_len), "--log-format", args.log_format,
                  "--preemption-mode", args.preemption_mode, "--hot-steps", str(args.hot_steps),
                  "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait)]
+    if args.metrics_port:
+        sched_cmd += ["--metrics-port", str(args.metrics_port)]
     if args.check_integrity:
         sched_cmd.append("--check-integrity")
     if not args.enable_prefix_caching:

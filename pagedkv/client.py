@@ -51,6 +51,10 @@ def channel_target(address: str) -> str:
     """A gRPC target. Several schedulers, client-side round robin: ``dns:///name:port`` (a DNS name with
     several addresses), or a comma-separated list ``10.0.0.1:50051,10.0.0.2:50051`` (becomes ``ipv4:…``)."""
     if "," in address and ":///" not in address and not address.startswith(("ipv4:", "ipv6:")):
+        hosts = [a.rpartition(":")[0] for a in address.split(",")]
+        if not all(h.replace(".", "").isdigit() and h.count(".") == 3 for h in hosts):
+            raise ValueError(f"address {address!r}: a comma-separated list takes IPv4 addresses only; for host "
+                             "names use a DNS name that resolves to all of them (dns:///NAME:PORT)")
         return "ipv4:" + address
     return address
 

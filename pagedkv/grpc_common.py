@@ -12,9 +12,22 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# An executor that vanishes without closing its connection (host down, network cut) is noticed by pings
+# within ~15 s, even while no step is in flight; servers accept pings that often.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+    return grpc.aio.server(options=[*CHANNEL_OPTIONS, *SERVER_KEEPALIVE_OPTIONS])
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from scheduler_svc import metrics
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
@@ -73,7 +75,8 @@ def tenant_info(schedulers: list, tenant: Tenant) -> api.TenantInfo:
 
 
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, engine: Cluster, tokenizer, limits: Limits, model_info: dict, log) -> None:
+    def __init__(self, engine: Cluster, tokenizer, limits: Limits, model_info: dict, log,
+                 log_prompts: bool = False) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -81,6 +84,7 @@ class GenerationService(api_grpc.GenerationServicer):
         self.log = log
         self.live: set[str] = set()  # client request ids with an open stream
         self.closing = False  # shutting down: no new requests
+        self.log_prompts = log_prompts  # prompt text (or ids) in the request_admitted line: off unless asked
 
     def _authenticate(self, context) -> Tenant:
         return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
@@ -161,6 +165,7 @@ class GenerationService(api_grpc.GenerationServicer):
                        sink_tokens=sink, window_tokens=window)
 
     async def Generate(self, request, context):  # noqa: N802
+        received = time.perf_counter()
         try:
             tenant = self._authenticate(context)
         except Unauthenticated as err:
@@ -179,13 +184,23 @@ class GenerationService(api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
                                 "failed or draining); retry later")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
-        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n)
+        extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
+        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
+                 **extra)
         self.live.add(req.client_id)
         self.engine.add_request(req)
         finished = 0
+        last_token_at = 0.0
         try:
             while finished < req.n:
                 out: Output = await req.queue.get()
+                if out.token_ids:
+                    now = time.perf_counter()
+                    if last_token_at:
+                        metrics.ITL_SECONDS.observe(now - last_token_at)
+                    else:
+                        metrics.TTFT_SECONDS.labels(req.tenant).observe(now - received)
+                    last_token_at = now
                 if out.error:
                     log.warning("request_failed", error=out.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
@@ -202,6 +217,7 @@ class GenerationService(api_grpc.GenerationServicer):
                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                              preemptions=req.num_preemptions)
                 yield msg
+            metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:
             self.live.discard(req.client_id)
             if finished < req.n:  # the client went away (or we are shutting down): free its pages
@@ -216,13 +232,16 @@ class GenerationService(api_grpc.GenerationServicer):
         schedulers = self.engine.schedulers()
         info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching,
                                      executors=self.engine.executor_infos())
-        for s in schedulers:  # every count adds up the executors'
-            host = s.host
+        live = {id(s) for s in self.engine.schedulers(live=True)}
+        for s in schedulers:  # every count adds up the executors' (pools: those up or draining)
+            host = s.host if id(s) in live else None
+            pool = dict(num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
+                        num_cached_pages=s.pool.num_cached) if id(s) in live else {}
             add = dict(
-                num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free, num_used_pages=s.pool.num_used,
+                **pool, num_used_pages=s.pool.num_used,
                 num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
                 peak_used_pages=s.peak_used_pages, num_computed_tokens=s.num_computed_tokens,
-                num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens, num_cached_pages=s.pool.num_cached,
+                num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
                 num_host_pages=host.num_pages if host is not None else 0,
                 num_used_host_pages=host.num_used if host is not None else 0, num_swapped=len(s.swapped),
                 num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,

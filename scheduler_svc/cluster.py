@@ -30,9 +30,7 @@ from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tenancy import Tenants
 
-
-class NoExecutor(Exception):
-    """No executor is up to take a request."""
+GAUGE_PERIOD = 0.25  # seconds
 
 
 def parse_address(entry: str, what: str = "--executor") -> tuple[str, int]:
@@ -82,6 +80,8 @@ class Cluster:
         self.arrivals = 0
         self.any_up = asyncio.Event()
         self._tenant_counted: dict[str, tuple[int, int]] = {}
+        self._gauges_at = 0.0
+        self._last_scheduler: Scheduler | None = None
         self._expiry: asyncio.Task | None = None
 
     # ---- membership ----------------------------------------------------------------------------
@@ -104,7 +104,13 @@ class Cluster:
         for address, engine in list(self.engines.items()):  # drained and stopped for good
             if engine.removed and engine._task is not None and engine._task.done():
                 del self.engines[address]
-        self.update_gauges()
+                asyncio.ensure_future(engine.executor.close())
+                for gauge in (metrics.EXECUTOR_PAGES_USED, metrics.EXECUTOR_RUNNING):
+                    try:
+                        gauge.remove(address)
+                    except KeyError:
+                        pass
+        self.update_gauges(force=True)
 
     async def stop(self) -> None:
         if self._expiry is not None:
@@ -123,18 +129,21 @@ class Cluster:
     def engine_up(self, engine: Engine) -> None:
         self.any_up.set()
         waiting, self.unplaced = self.unplaced, deque()
-        for req, _ in waiting:
-            self._place(req, front=True)
-        self.update_gauges()
+        for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
+            self._place(req, front=True, deadline=deadline)
+        self.update_gauges(force=True)
 
     # ---- what the API uses -----------------------------------------------------------------------
     @property
     def scheduler(self) -> Scheduler:
         """The scheduler whose limits the API validates against: the largest executor that takes work
-        (every executor serves the same model; a request too long for a small one goes to a larger)."""
+        (every executor serves the same model; a request too long for a small one goes to a larger). With
+        none connected right now, the last one seen (its settings still hold)."""
         candidates = [e for e in self.engines.values() if e.scheduler is not None]
         up = [e for e in candidates if e.accepts] or candidates
-        return max(up, key=lambda e: e.scheduler.pool.num_pages).scheduler
+        if up:
+            self._last_scheduler = max(up, key=lambda e: e.scheduler.pool.num_pages).scheduler
+        return self._last_scheduler
 
     @property
     def tenants(self) -> Tenants:
@@ -162,7 +171,7 @@ class Cluster:
 
     def relocate(self, reqs: list[Request], exclude: Engine) -> None:
         """Requests taken from an executor (failed or draining): each goes to another, ahead of new work."""
-        for req in reqs:
+        for req in reversed(reqs):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, exclude=exclude)
 
     def fail_all(self, error: str) -> None:
@@ -186,28 +195,33 @@ class Cluster:
         return ended
 
     # ---- placement -----------------------------------------------------------------------------
-    def _place(self, req: Request, front: bool = False, exclude: Engine | None = None) -> None:
+    def _place(self, req: Request, front: bool = False, exclude: Engine | None = None,
+               deadline: float | None = None) -> None:
         engine = self._best(req, exclude)
         if engine is None:
-            self.unplaced.append((req, time.monotonic() + self.unplaced_timeout))
+            entry = (req, deadline if deadline is not None else time.monotonic() + self.unplaced_timeout)
+            if front:
+                self.unplaced.appendleft(entry)
+            else:
+                self.unplaced.append(entry)
             metrics.UNPLACED.set(len(self.unplaced))
-            self.log.warning("request_unplaced", request_id=req.client_id, hint="no executor is up",
-                             timeout_s=self.unplaced_timeout)
+            self.log.warning("request_unplaced", request_id=req.client_id, timeout_s=self.unplaced_timeout,
+                             hint="no executor that is up can hold it")
             return
         engine.add_request(req, front=front)
 
     def _best(self, req: Request, exclude: Engine | None) -> Engine | None:
-        """Longest prefix-cache hit for the request's tenant first, then the least loaded executor."""
+        """Among the executors that can hold the request: the longest prefix-cache hit for its tenant first,
+        then the least loaded."""
         best, best_key = None, None
         for engine in self.engines.values():
-            if engine is exclude or not engine.accepts:
+            if engine is exclude or not engine.accepts or not engine.scheduler.fits(req):
                 continue
             s = engine.scheduler
-            fits = s.fits(req)
-            hit = len(s.kv.find_hits(req)) if fits else -1
+            hit = len(s.kv.find_hits(req))
             load = s.pool.num_used / s.pool.num_pages + (
                 len(s.running) + len(s.waiting) + len(s.swapped)) / s.config.max_num_seqs
-            key = (fits, hit, -load, -engine.steps)
+            key = (hit, -load, -engine.steps)
             if best_key is None or key > best_key:
                 best, best_key = engine, key
         return best
@@ -218,7 +232,8 @@ class Cluster:
             now = time.monotonic()
             if self.unplaced and self.unplaced[0][1] <= now:
                 self._fail_unplaced(lambda deadline, now=now: deadline <= now,
-                                    f"no executor became available within {self.unplaced_timeout:.0f}s")
+                                    f"no executor that can hold this request was available for "
+                                    f"{self.unplaced_timeout:.0f}s")
 
     def _fail_unplaced(self, expired: Callable[[float], bool], error: str) -> None:
         kept = deque()
@@ -233,8 +248,10 @@ class Cluster:
         metrics.UNPLACED.set(len(self.unplaced))
 
     # ---- reporting -----------------------------------------------------------------------------
-    def schedulers(self) -> list[Scheduler]:
-        return [e.scheduler for e in self.engines.values() if e.scheduler is not None]
+    def schedulers(self, live: bool = False) -> list[Scheduler]:
+        """Every executor's scheduler (their counters); live: only of executors up or draining (their pools)."""
+        return [e.scheduler for e in self.engines.values()
+                if e.scheduler is not None and (not live or e.state in (State.UP, State.DRAINING))]
 
     def executor_infos(self) -> list[api.ExecutorInfo]:
         out = []
@@ -248,7 +265,13 @@ class Cluster:
                 num_migrated_out=e.num_migrated_out, num_computed_tokens=s.num_computed_tokens if s else 0))
         return out
 
-    def update_gauges(self) -> None:
+    def update_gauges(self, force: bool = False) -> None:
+        """Gauges from every executor's state; at most every GAUGE_PERIOD seconds unless forced (the KV
+        utilization walks every page table)."""
+        now = time.monotonic()
+        if not force and now - self._gauges_at < GAUGE_PERIOD:
+            return
+        self._gauges_at = now
         states = {s: 0 for s in State}
         for e in self.engines.values():
             states[e.state] += 1
@@ -256,23 +279,30 @@ class Cluster:
             metrics.EXECUTORS.labels(state.value).set(n)
         metrics.UNPLACED.set(len(self.unplaced))
         schedulers = self.schedulers()
-        used = free = running = waiting = swapped = computed = host_used = host_cached = 0
+        used = free = cached = capacity = running = waiting = swapped = filled = 0
+        host_capacity = host_used = host_cached = host_free = 0
         tenants: dict[str, list[int]] = {}
         for address, e in self.engines.items():
             s = e.scheduler
-            if s is None:
+            if s is None or e.state not in (State.UP, State.DRAINING):
+                metrics.EXECUTOR_PAGES_USED.labels(address).set(0)
+                metrics.EXECUTOR_RUNNING.labels(address).set(0)
                 continue
             metrics.EXECUTOR_PAGES_USED.labels(address).set(s.pool.num_used)
             metrics.EXECUTOR_RUNNING.labels(address).set(len(s.running))
             used += s.pool.num_used
             free += s.pool.num_free
+            cached += s.pool.num_cached
+            capacity += s.pool.num_pages
             running += len(s.running)
             waiting += len(s.waiting)
             swapped += len(s.swapped)
-            computed += sum(r.num_computed for r in s.running)
+            filled += s.kv_slots_filled()
             if s.host is not None:
+                host_capacity += s.host.num_pages
                 host_used += s.host.num_used
                 host_cached += s.host.num_cached
+                host_free += s.host.num_free
             for r in s.running:
                 tenants.setdefault(r.tenant, [0, 0])[0] += 1
             for tenant in s.tenant_stats:
@@ -280,13 +310,17 @@ class Cluster:
                 row[1] += s.pool.used_by[tenant]
         metrics.PAGES_USED.set(used)
         metrics.PAGES_FREE.set(free)
+        metrics.PAGES_CACHED.set(cached)
+        metrics.PAGES_CAPACITY.set(capacity)
+        metrics.HOST_PAGES_CAPACITY.set(host_capacity)
+        metrics.HOST_PAGES_FREE.set(host_free)
         metrics.RUNNING.set(running)
         metrics.WAITING.set(waiting + len(self.unplaced))
         metrics.SWAPPED.set(swapped)
         metrics.HOST_PAGES_USED.set(host_used)
         metrics.HOST_PAGES_CACHED.set(host_cached)
         slots = used * (schedulers[0].pool.block_size if schedulers else 1)
-        metrics.KV_SLOT_UTILIZATION.set(computed / slots if slots else 0.0)
+        metrics.KV_SLOT_UTILIZATION.set(filled / slots if slots else 0.0)
         for tenant, (n_running, pages) in tenants.items():
             metrics.TENANT_PAGES.labels(tenant).set(pages)
             metrics.TENANT_RUNNING.labels(tenant).set(n_running)

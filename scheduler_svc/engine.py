@@ -110,8 +110,7 @@ class Engine:
                 raise
             except Exception as err:  # noqa: BLE001 - a bug must not leave every client stream hanging
                 self.log.exception("engine_error")
-                self.executor.drop()  # the executor's request state goes with the stream
-                self._executor_lost(f"internal error in the scheduler: {err!r}")
+                self._internal_error(f"internal error in the scheduler: {err!r}")
 
     async def _connect(self) -> None:
         """Until the executor answers (or this engine is removed): Describe, then a new Run stream."""
@@ -131,12 +130,16 @@ class Engine:
         else:
             return
         problem = self.cluster.check_compatible(describe)
+        if not problem:
+            try:
+                self._adopt(describe)
+            except Exception as err:  # noqa: BLE001 - e.g. a tenants file that does not fit this pool
+                problem = f"cannot account for its pools: {err}"
         if problem:
-            self.log.error("executor_refused", reason=problem)
+            self.log.error("executor_refused", reason=problem, hint="retried every few seconds")
             self.executor.drop()
             await asyncio.sleep(RECONNECT_POLL)
             return
-        self._adopt(describe)
         self.executor.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
         self.state = State.UP
         self.executor_id = describe.executor_id
@@ -145,10 +148,13 @@ class Engine:
         self.cluster.engine_up(self)
 
     def _adopt(self, describe) -> None:
-        """A fresh executor holds no pages: a new Scheduler, or the old one with a new pool geometry."""
+        """A new Scheduler, or the old one (with a new pool geometry if it changed). Another executor id is
+        another process: its pools are empty, so the prefix cache forgets every page."""
         if self.scheduler is None:
             self.scheduler = self.cluster.make_scheduler(describe)
             return
+        if describe.executor_id != self.executor_id:
+            self.scheduler.forget_cached_pages()
         pool = self.scheduler.pool
         host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0
         if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
@@ -162,7 +168,10 @@ class Engine:
     async def _iteration(self) -> None:
         await self.wake.wait()
         if self.executor.call is None or self.executor.call.done():
-            self._executor_lost("the executor closed its Run stream")
+            if self.state is State.DRAINING and not self.scheduler.requests:
+                self._drained()  # the executor ended the stream itself once nothing was left on it
+            else:
+                self._executor_lost("the executor closed its Run stream")
             return
         if self.state is State.DRAINING or self.removed:
             if self._drain_step():
@@ -176,7 +185,7 @@ class Engine:
             if not s.has_work:
                 self.wake.clear()
                 s.check_integrity()  # idle: every page must be accounted for
-                self.cluster.update_gauges()
+                self.cluster.update_gauges(force=True)
             else:
                 await asyncio.sleep(0.001)
             return
@@ -197,6 +206,7 @@ class Engine:
         metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
         metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
         metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
+        metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - t1 - result.timings.total_ms / 1e3))
 
     # ---- leaving: drain or failure ---------------------------------------------------------------
     def _start_drain(self, why: str) -> None:
@@ -227,14 +237,21 @@ class Engine:
             for req in movable:
                 s.detach(req)
             self._migrated(movable, "drain")
-        if s.requests or s.to_forget:
+        if s.requests:
             return False
+        self._drained()
+        return True
+
+    def _drained(self) -> None:
+        """Nothing is left on a draining executor: close the stream (it exits) and forget its pages."""
+        s = self.scheduler
+        s.to_forget = []
         s.check_integrity()
-        self.executor.drop()  # ends the Run stream: the executor exits
+        s.forget_cached_pages()  # a process that comes back at this address starts empty
+        self.executor.drop()
         self.state = State.DOWN
         self.log.info("executor_drained", steps=self.steps)
-        self.cluster.update_gauges()
-        return True
+        self.cluster.update_gauges(force=True)
 
     def _executor_lost(self, error: str) -> None:
         """The executor is gone with its pages: its requests move to the other executors."""
@@ -252,7 +269,16 @@ class Engine:
         if was is not State.DRAINING or moved:
             self.log.error("executor_failed", error=error, requests_moved=len(moved))
         self._migrated(moved, "failure")
-        self.cluster.update_gauges()
+        self.cluster.update_gauges(force=True)
+
+    def _internal_error(self, error: str) -> None:
+        """A scheduler bug mid-step: which tokens reached which client is uncertain, so the requests on this
+        executor end with the error instead of moving (a move could recompute a token no client saw)."""
+        self.executor.drop()  # the executor's request state goes with the stream
+        self.state = State.DOWN
+        if self.scheduler is not None:
+            deliver(self.scheduler.fail_all(error))
+        self.cluster.update_gauges(force=True)
 
     def _migrated(self, moved: list[Request], cause: str) -> None:
         if not moved:
@@ -269,7 +295,8 @@ class Engine:
         s = self.scheduler
         now = {"swap": s.num_swap_preemptions, "recompute": s.num_recompute_preemptions,
                "out": s.kv.swaps.pages_out, "in": s.kv.swaps.pages_in, "spilled": s.kv.swaps.spilled,
-               "spill_hits": s.kv.swaps.spill_hits}
+               "spill_hits": s.kv.swaps.spill_hits, "query": s.kv.num_prompt_tokens_queried,
+               "hit": s.kv.num_cached_prompt_tokens}
         last = self._counted
         if any(now[k] < last.get(k, 0) for k in now):  # counters never go back; if they did, start over
             last = {}
@@ -281,4 +308,6 @@ class Engine:
             metrics.SWAP_BYTES.labels(direction).inc((now[direction] - last.get(direction, 0)) * page_bytes)
         metrics.SPILLED_PAGES.inc(now["spilled"] - last.get("spilled", 0))
         metrics.SPILL_HITS.inc(now["spill_hits"] - last.get("spill_hits", 0))
+        metrics.PREFIX_QUERY_TOKENS.inc(now["query"] - last.get("query", 0))
+        metrics.PREFIX_HIT_TOKENS.inc(now["hit"] - last.get("hit", 0))
         self._counted = now

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
-from pagedkv.grpc_common import CHANNEL_OPTIONS
+from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
 
 
 class ExecutorUnavailable(Exception):
@@ -23,7 +23,7 @@ class ExecutorClient:
     def __init__(self, address: str, step_timeout: float) -> None:
         self.address = address
         self.step_timeout = step_timeout
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS])
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.call = None
@@ -52,7 +52,8 @@ class ExecutorClient:
         if self.call is None:
             raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
         try:
-            await self.call.write(plan)
+            # NOTE: the write has a deadline too: a hung executor that stops reading blocks it on flow control.
+            await asyncio.wait_for(self.call.write(plan), self.step_timeout)
             result = await asyncio.wait_for(self.call.read(), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             self.drop()

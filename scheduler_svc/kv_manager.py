@@ -61,6 +61,7 @@ class KVManager:
         self.bs = pool.block_size
         self.inflight: dict[bytes, Request] = {}
         self.num_cached_prompt_tokens = 0
+        self.num_prompt_tokens_queried = 0  # prompt tokens of first admissions (the hit rate's denominator)
         self.ops = PageOps()
         self.swaps = SwapCounters()
         if self.host is not None and self.caching:
@@ -123,9 +124,10 @@ class KVManager:
         req.page_table = table + self.pool.allocate(need, req.tenant)
         req.num_computed = cached
         req.num_published = len(hits)
-        if req.num_preemptions == 0 and req.index == 0 and not req.output_ids:
-            req.num_cached_tokens = cached
+        if req.num_preemptions == 0 and req.num_migrations == 0 and req.index == 0 and not req.output_ids:
+            req.num_cached_tokens = cached  # once per client request: not again after a preemption or move
             self.num_cached_prompt_tokens += cached
+            self.num_prompt_tokens_queried += len(req.prompt_ids)
         if self.caching:
             self._register_inflight(req, len(hits))
 

@@ -1,10 +1,22 @@
-"""Prometheus metrics of the scheduler."""
+"""Prometheus metrics of the scheduler (a scheduler driving several executors adds theirs up; per-executor
+series carry an ``executor`` label)."""
 
 from prometheus_client import Counter, Gauge, Histogram
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15,
+                   20, 30, 60, 120)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5,
+                     5, 10)
+
 PAGES_USED = Gauge("pagedkv_pages_used", "Device KV pages referenced by at least one request")
 PAGES_FREE = Gauge("pagedkv_pages_free", "Device KV pages free")
-KV_SLOT_UTILIZATION = Gauge("pagedkv_kv_slot_utilization", "Token slots holding KV / slots in used pages")
+PAGES_CAPACITY = Gauge("pagedkv_pages_capacity", "Device KV pages in the pools")
+PAGES_CACHED = Gauge("pagedkv_pages_cached", "Device KV pages no request holds that the prefix cache can still serve")
+HOST_PAGES_CAPACITY = Gauge("pagedkv_host_pages_capacity", "Host-tier (swap) pages in the pools")
+HOST_PAGES_FREE = Gauge("pagedkv_host_pages_free", "Host-tier pages neither held nor cached")
+KV_SLOT_UTILIZATION = Gauge("pagedkv_kv_slot_utilization",
+                            "Token slots holding KV / token slots of the device pages in use (internal fragmentation "
+                            "made visible; a page shared by several requests counts once)")
 RUNNING = Gauge("pagedkv_requests_running", "Requests holding pages")
 WAITING = Gauge("pagedkv_requests_waiting", "Requests queued for admission")
 PREEMPTIONS = Counter("pagedkv_preemptions_total", "Requests preempted, by kind (swap or recompute)", ["kind"])
@@ -27,7 +39,19 @@ SPILL_HITS = Counter("pagedkv_prefix_spill_hits_total", "Prefix-cache pages serv
 FINISHED = Counter("pagedkv_requests_finished_total", "Requests finished", ["reason"])
 GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and streamed")
 PROMPT_TOKENS = Counter("pagedkv_prompt_tokens_total", "Prompt tokens admitted")
-STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step", ["part"],
+PREFIX_QUERY_TOKENS = Counter("pagedkv_prefix_cache_query_tokens_total",
+                              "Prompt tokens of requests admitted for the first time (the prefix cache's lookups)")
+PREFIX_HIT_TOKENS = Counter("pagedkv_prefix_cache_hit_tokens_total",
+                            "Of those, tokens served from the prefix cache (hit rate = hits / queries)")
+TTFT_SECONDS = Histogram("pagedkv_time_to_first_token_seconds", "Request received to first token sent", ["tenant"],
+                         buckets=LATENCY_BUCKETS)
+ITL_SECONDS = Histogram("pagedkv_inter_token_latency_seconds", "Gap between consecutive token messages of a stream",
+                        buckets=TOKEN_GAP_BUCKETS)
+E2E_SECONDS = Histogram("pagedkv_request_latency_seconds", "Request received to its last message", ["tenant"],
+                        buckets=LATENCY_BUCKETS)
+STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step by part: plan (the scheduler), executor "
+                         "(the round trip), forward (the executor's model time), rpc (round trip less the executor's "
+                         "own step time)", ["part"],
                          buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))
 EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
 EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])

@@ -79,6 +79,7 @@ class Request:
     swapped_at: int = 0  # step id when it was swapped out
     num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
     num_preemptions: int = 0
+    num_migrations: int = 0  # moves to another executor (its executor failed or drained)
     num_cached_tokens: int = 0
     finish: Finish | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

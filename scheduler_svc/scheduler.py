@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.fairness import WaitQueue
-from scheduler_svc.kv_manager import KVManager, PageOps, held
+from scheduler_svc.kv_manager import DROPPED, KVManager, PageOps, held
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, PreemptionConfig, PreemptionPolicy
 from scheduler_svc.request import Finish, Output, Request, Status
@@ -239,12 +239,13 @@ class Scheduler:
         req.max_len = self.max_len_for(req)
         if req.window_tokens and not req.page_budget:
             req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
-        if len(req.prompt_ids) >= req.max_len or (req.window_tokens and not req.page_budget and not req.page_limit):
-            # (the API refuses these; a request that could never be admitted must not wait forever)
+        if req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget and not req.page_limit):
+            # (the API refuses these, and placement avoids executors too small for a migrated request; a
+            # request that could never be admitted must not wait forever)
             self.requests[req.request_id] = req
             self.waiting.append(req)
             self.deferred_outputs.append((req, self.finish(
-                req, Finish.ABORT, error=f"prompt of {len(req.prompt_ids)} tokens does not fit what tenant "
+                req, Finish.ABORT, error=f"{req.num_tokens} tokens (prompt and output so far) do not fit what tenant "
                 f"{req.tenant} can hold ({self.tenant_capacity(req.tenant)} pages)")))
             return
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
@@ -284,6 +285,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_pages_sent = -1
         req.dropped_pending = []
+        req.num_migrations += 1
         if self.config.fairness and not any(r.tenant == req.tenant for r in self.requests.values()):
             self.waiting.went_idle(req.tenant)
 
@@ -704,7 +706,8 @@ class Scheduler:
         another executor (oldest first), aborted ones end; all pages return and the prefix cache forgets
         every page. A request's sampler continues there: draws are numbered by output position."""
         self._drop_inflight()
-        ended = self._reap_aborted()
+        ended = self._reap_aborted() + self.deferred_outputs
+        self.deferred_outputs = []
         moved = sorted(self.requests.values(), key=lambda r: r.arrival)
         for req in moved:
             self.detach(req)
@@ -723,6 +726,10 @@ class Scheduler:
         self.kv.take_ops()
         self.to_forget = []
         self.plan_failures = 0
+        self.forget_cached_pages()
+
+    def forget_cached_pages(self) -> None:
+        """The executor's pages hold nothing any more (another process): no prefix-cache hit may point there."""
         self.pool.forget_hashes()
         if self.host is not None:
             self.host.forget_hashes()
@@ -741,6 +748,7 @@ class Scheduler:
             except ValueError:
                 pass  # the old settings stay; the next reload reports the file's error
         self.kv.swaps, self.kv.num_cached_prompt_tokens = old.swaps, old.num_cached_prompt_tokens  # "since start"
+        self.kv.num_prompt_tokens_queried = old.num_prompt_tokens_queried
         if costs is not None:
             self.set_costs(costs)
         self.watermark_pages = int(self.config.watermark * num_pages)
@@ -765,6 +773,20 @@ class Scheduler:
     def set_costs(self, costs: Costs) -> None:
         """A (re)connected executor measured its copy bandwidth and prefill cost again."""
         self.policy = PreemptionPolicy(self.config.preemption, costs)
+
+    def kv_slots_filled(self) -> int:
+        """Token slots of the device pages in use that hold KV (each page once, however many share it)."""
+        bs = self.pool.block_size
+        fill: dict[int, int] = {}
+        for r in self.running:
+            full, rest = divmod(r.num_computed, bs)
+            for j, page in enumerate(r.page_table):
+                if page == DROPPED:
+                    continue
+                n = bs if j < full else (rest if j == full else 0)
+                if n > fill.get(page, 0):
+                    fill[page] = n
+        return sum(fill.values())
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

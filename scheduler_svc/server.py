@@ -74,6 +74,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-integrity", action="store_true",
                    help="check page accounting after every step (always checked when idle)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="put each request's prompt (text, or token ids) in its request_admitted log line; off by "
+                   "default: logs carry request ids, tenants and token counts, never prompt text")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
@@ -121,6 +124,22 @@ def _targets(args) -> list[str]:
     return targets
 
 
+class _Stopped(Exception):
+    pass
+
+
+async def _unless_stopped(coro, stop: asyncio.Event):
+    """coro's result, unless ``stop`` is set first (then coro is cancelled and _Stopped raised)."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise _Stopped
+
+
 async def _resolve_until(targets: list[str], timeout: float, log) -> set[str]:
     """The executors' addresses; a DNS name may not resolve yet (its containers are starting): retry."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -163,8 +182,17 @@ async def serve(args) -> None:
     for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    addresses = await _resolve_until(_targets(args), args.connect_timeout, log)
-    describe = await _first_executor(addresses, args.connect_timeout, args.step_timeout, log)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        addresses = await _unless_stopped(_resolve_until(_targets(args), args.connect_timeout, log), stop)
+        describe = await _unless_stopped(_first_executor(addresses, args.connect_timeout, args.step_timeout, log),
+                                         stop)
+    except _Stopped:
+        log.info("scheduler_stopped", during="start-up")
+        return
     max_len = _check_args(args, describe, log)
     from transformers import AutoTokenizer
 
@@ -194,14 +222,19 @@ async def serve(args) -> None:
     cluster.start()
     cluster.set_addresses(addresses)
     try:
-        await asyncio.wait_for(cluster.any_up.wait(), args.connect_timeout)
+        await _unless_stopped(asyncio.wait_for(cluster.any_up.wait(), args.connect_timeout), stop)
     except asyncio.TimeoutError:
+        await cluster.stop()
         raise ValueError(f"no executor came up within --connect-timeout {args.connect_timeout:.0f}s") from None
+    except _Stopped:
+        await cluster.stop()
+        log.info("scheduler_stopped", during="start-up")
+        return
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend)
     server = grpc_common.new_server()
-    service = GenerationService(cluster, tokenizer, limits, info, log)
+    service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port)
@@ -215,10 +248,6 @@ async def serve(args) -> None:
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
              preemption_mode=args.preemption_mode)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     async def refresh_executors() -> None:
         try:

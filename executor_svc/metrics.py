@@ -1,0 +1,33 @@
+"""Prometheus metrics of an executor (its scheduler exports the page accounting; these are the GPU side)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+STEP_SECONDS = Histogram("pagedkv_executor_step_seconds", "Executor time of one step, by part "
+                         "(page_ops: swap and copy-on-write; forward; sample; total)", ["part"], buckets=STEP_BUCKETS)
+TOKENS = Counter("pagedkv_executor_tokens_total", "Tokens run through the model")
+STEPS = Counter("pagedkv_executor_steps_total", "Step plans executed, by outcome (ok or rejected)", ["outcome"])
+PAGE_COPIES = Counter("pagedkv_executor_page_copies_total", "Pages copied, by kind (swap_out, swap_in, copy)",
+                      ["kind"])
+REQUESTS = Gauge("pagedkv_executor_requests", "Requests whose state this executor holds")
+DEVICE_PAGES = Gauge("pagedkv_executor_device_pages", "Device KV pages in this executor's pool")
+HOST_PAGES = Gauge("pagedkv_executor_host_pages", "Host-tier pages in this executor's pool")
+DRAINING = Gauge("pagedkv_executor_draining", "1 while the executor drains after SIGTERM")
+
+
+def observe_step(plan, result, num_requests: int) -> None:
+    if result.error:
+        STEPS.labels("rejected").inc()
+        return
+    STEPS.labels("ok").inc()
+    t = result.timings
+    for part, ms in (("page_ops", t.page_ops_ms), ("forward", t.forward_ms), ("sample", t.sample_ms),
+                     ("total", t.total_ms)):
+        STEP_SECONDS.labels(part).observe(ms / 1e3)
+    TOKENS.inc(result.num_computed_tokens)
+    ops = plan.page_ops
+    for kind, items in (("swap_out", ops.swap_out), ("swap_in", ops.swap_in), ("copy", ops.copy)):
+        if items:
+            PAGE_COPIES.labels(kind).inc(len(items))
+    REQUESTS.set(num_requests)
