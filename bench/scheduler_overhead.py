@@ -1,0 +1,233 @@
+"""Scheduler overhead: planning time per step at 64, 256 and 1,024 running requests, and the step round trip
+over gRPC against an executor that runs no model, side by side with a real tiny-llama executor's step.
+
+Planning (in this process, no RPC): ``--requests`` requests of 32-token prompts are admitted and run to
+their steady decode (one token per request per step, EOS ignored); then ``--steps`` steps are timed:
+``Scheduler.schedule()`` (the plan) and ``Scheduler.process()`` (applying the sampled tokens), median and
+p99. Target: planning <= 0.5 ms per step at 256 running (DESIGN.md).
+
+Round trip: the same scheduler drives, over a real gRPC Run stream on loopback, (a) a no-op executor (a
+process of its own that keeps per-request token counts and answers each plan at once with one token per
+caught-up request) and (b) a real ``pagedkv executor`` with tiny-llama on the CPU, one thread. Per step:
+the round trip, and for the real executor its own forward time; the scheduler's share of a real step is
+(plan + process + no-op round trip) / real step.
+
+    python bench/scheduler_overhead.py           # -> bench/results/scheduler_overhead.json
+    python bench/scheduler_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pagedkv import grpc_common  # noqa: E402
+from pagedkv.executor.v1 import executor_pb2 as pb  # noqa: E402
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc  # noqa: E402
+from pagedkv.local_server import ServiceProcess  # noqa: E402
+from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
+from scheduler_svc.executor_client import ExecutorClient  # noqa: E402
+from scheduler_svc.pages import PagePool  # noqa: E402
+from scheduler_svc.request import Request, Sampling  # noqa: E402
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+BLOCK = 16
+PROMPT = 32
+
+
+class _NullTokenizer:
+    def decode(self, ids, **_kw) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids):
+        return [""] * len(ids)
+
+
+def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
+    pages = num_pages or n * 24 + 64
+    config = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n), max_model_len=pages * BLOCK)
+    s = Scheduler(PagePool(pages, BLOCK), config, [2])
+    for i in range(n):
+        prompt = [1] + [3 + (i * 31 + j * 7) % 250 for j in range(PROMPT - 1)]
+        s.add(Request(request_id=f"q{i}", prompt_ids=prompt, sampling=Sampling(max_tokens=1 << 20, ignore_eos=True),
+                      arrival=i, detokenizer=IncrementalDetokenizer(_NullTokenizer(), prompt, [], False)))
+    return s
+
+
+def _result_for(plan: pb.StepPlan, known: dict[str, list[int]]) -> pb.StepResult:
+    """What a model would answer, without the model: one token for every request that caught up."""
+    result = pb.StepResult(step_id=plan.step_id)
+    for rid in plan.forget:
+        known.pop(rid, None)
+    for new in plan.new_requests:
+        known[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
+    sampled = []
+    items = [(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests]
+    items += [(c.request_id, c.num_scheduled_tokens) for c in plan.continuing]
+    for rid, n in items:
+        total, done = known[rid]
+        done += n
+        if done == total:
+            total += 1
+            sampled.append(rid)
+        known[rid] = [total, done]
+    for rid in plan.decodes:  # caught up by definition: one more token
+        st = known[rid]
+        st[0] += 1
+        st[1] += 1
+        sampled.append(rid)
+    result.num_computed_tokens = sum(n for _, n in items) + len(plan.decodes)
+    for rid in sampled:
+        result.sampled.add(request_id=rid, token_id=7)
+    return result
+
+
+def measure_planning(n: int, steps: int) -> dict[str, float]:
+    s = new_scheduler(n)
+    known: dict[str, list[int]] = {}
+    while len(s.running) < n or any(r.num_uncomputed > 1 for r in s.running):  # to the steady decode
+        plan, _ = s.schedule()
+        s.process(_result_for(plan, known))
+    plan_t, process_t = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan, _ = s.schedule()
+        t1 = time.perf_counter()
+        result = _result_for(plan, known)
+        t2 = time.perf_counter()
+        s.process(result)
+        t3 = time.perf_counter()
+        plan_t.append(t1 - t0)
+        process_t.append(t3 - t2)
+    s.check_integrity()
+    return {"running": n, "plan_ms_p50": _ms(plan_t, 50), "plan_ms_p99": _ms(plan_t, 99),
+            "process_ms_p50": _ms(process_t, 50), "process_ms_p99": _ms(process_t, 99),
+            "plan_bytes": plan.ByteSize(), "decodes_in_plan": len(plan.decodes)}
+
+
+def _ms(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(round((len(xs) - 1) * q / 100)))] * 1e3
+
+
+# ---- the no-op executor ------------------------------------------------------------------------------
+class NoopExecutor(pb_grpc.ExecutorServicer):
+    def __init__(self, num_pages: int) -> None:
+        self.describe = pb.DescribeResponse(model="noop", num_device_pages=num_pages, block_size=BLOCK,
+                                            vocab_size=259, max_position_embeddings=1 << 20, executor_id="noop")
+
+    async def Describe(self, request, context):  # noqa: N802
+        return self.describe
+
+    async def Run(self, request_iterator, context):  # noqa: N802
+        known: dict[str, list[int]] = {}
+        async for plan in request_iterator:
+            yield _result_for(plan, known)
+
+
+async def serve_noop(port: int, num_pages: int) -> None:
+    server = grpc_common.new_server()
+    pb_grpc.add_ExecutorServicer_to_server(NoopExecutor(num_pages), server)
+    health = grpc_common.add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["Executor"].full_name])
+    grpc_common.bind(server, "127.0.0.1", port)
+    await server.start()
+    await grpc_common.set_serving(health, [pb.DESCRIPTOR.services_by_name["Executor"].full_name], True)
+    print("noop_ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def drive(address: str, n: int, steps: int, num_pages: int) -> dict[str, float]:
+    """Runs the scheduler against an executor over gRPC; times the steady-decode steps."""
+    print(f"driving {address} with {n} requests", file=sys.stderr, flush=True)
+    client = ExecutorClient(address, step_timeout=120)
+    await client.connect(60)
+    s = new_scheduler(n, num_pages)
+    rtt, forward = [], []
+    try:
+        while len(s.running) < n or any(r.num_uncomputed > 1 for r in s.running):
+            plan, _ = s.schedule()
+            s.process(await client.step(plan))
+        for _ in range(steps):
+            plan, _ = s.schedule()
+            t0 = time.perf_counter()
+            result = await client.step(plan)
+            rtt.append(time.perf_counter() - t0)
+            forward.append(result.timings.total_ms / 1e3)
+            s.process(result)
+    finally:
+        await client.close()
+    return {"rtt_ms_p50": _ms(rtt, 50), "rtt_ms_p99": _ms(rtt, 99), "executor_ms_p50": _ms(forward, 50)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", default="64,256,1024", help="running requests to measure at")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--real-steps", type=int, default=30, help="steps timed against the real executor")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--serve-noop", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scheduler_overhead.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve_noop:
+        asyncio.run(serve_noop(args.serve_noop, 1 << 16))
+        return 0
+    if args.quick:
+        args.requests, args.steps, args.real_steps = "64,256", 40, 8
+    counts = [int(c) for c in args.requests.split(",")]
+    planning = [measure_planning(n, args.steps) for n in counts]
+    import subprocess
+
+    from pagedkv.cli import free_port
+
+    port = free_port()
+    noop = subprocess.Popen([sys.executable, __file__, "--serve-noop", str(port)], stdout=subprocess.PIPE, text=True)
+    assert noop.stdout is not None and noop.stdout.readline().strip() == "noop_ready"
+    real = ServiceProcess("executor", "--threads", "1", "--num-pages", str(max(counts) * 24 + 64))
+    rows = []
+    try:
+        for n, plan_row in zip(counts, planning):
+            noop_row = asyncio.run(drive(f"127.0.0.1:{port}", n, args.steps, 1 << 16))
+            real_row = asyncio.run(drive(real.address, n, args.real_steps, max(counts) * 24 + 64))
+            overhead = plan_row["plan_ms_p50"] + plan_row["process_ms_p50"] + noop_row["rtt_ms_p50"]
+            rows.append({**plan_row, "noop": noop_row, "tiny_llama": real_row,
+                         "scheduler_share_of_real_step": overhead / (real_row["rtt_ms_p50"] + plan_row["plan_ms_p50"]
+                                                                     + plan_row["process_ms_p50"])})
+    finally:
+        noop.kill()
+        real.kill()
+    print(f"\nscheduler overhead ({os.cpu_count()} cores, {platform.python_implementation()} "
+          f"{platform.python_version()}); steady decode, block {BLOCK}, median (p99)\n")
+    print("| running | plan (ms) | process (ms) | plan bytes | no-op executor round trip (ms) | "
+          "tiny-llama step round trip (ms) | its forward+sample (ms) | scheduler share of a real step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['running']} | {r['plan_ms_p50']:.3f} ({r['plan_ms_p99']:.3f}) | {r['process_ms_p50']:.3f} "
+              f"({r['process_ms_p99']:.3f}) | {r['plan_bytes']:,} | {r['noop']['rtt_ms_p50']:.2f} "
+              f"({r['noop']['rtt_ms_p99']:.2f}) | {r['tiny_llama']['rtt_ms_p50']:.1f} | "
+              f"{r['tiny_llama']['executor_ms_p50']:.1f} | {r['scheduler_share_of_real_step']:.0%} |")
+    at256 = next((r for r in rows if r["running"] == 256), None)
+    if at256:
+        ok = at256["plan_ms_p50"] <= 0.5
+        verdict = "met" if ok else "MISSED"
+        print(f"\nplanning at 256 running: {at256['plan_ms_p50']:.3f} ms (target <= 0.5 ms: {verdict})")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                                          "config": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
