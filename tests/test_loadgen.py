@@ -279,3 +279,18 @@ def test_bench_against_a_live_server_writes_every_documented_field(tiny_llama_di
     assert kv["scrapes"] >= 2 and kv["scrape_errors"] == 0
     assert 0 < kv["peak_pages_used"] <= rep["server"]["num_pages"]
     assert rep["plots"] and all(p.endswith(".png") for p in rep["plots"])
+
+
+def test_plots_are_written_or_skipped_with_a_reason(tmp_path, monkeypatch):
+    from pagedkv.loadgen.plots import NO_MATPLOTLIB, write_plots
+
+    results = [_result(0, 0.1, [(0.1, 1), (0.2, 1)], 0.2), _result(1, 0.2, [(0.2, 1), (0.25, 2)], 0.3)]
+    kv = [{"t_s": 0.0, "values": {"pagedkv_pages_used": 3.0, "pagedkv_pages_free": 5.0}},
+          {"t_s": 0.5, "values": {"pagedkv_pages_used": 4.0, "pagedkv_pages_free": 4.0}}]
+    pytest.importorskip("matplotlib")
+    paths, note = write_plots(tmp_path / "run", results, kv)
+    assert note == "" and [p.rsplit("/", 1)[-1] for p in paths] == ["run_latency_cdf.png", "run_kv.png"]
+    assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 1000 for p in paths)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert write_plots(tmp_path / "again", results, kv) == ([], NO_MATPLOTLIB)
+    assert not list(tmp_path.glob("again*"))
