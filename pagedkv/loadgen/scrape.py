@@ -8,6 +8,7 @@ counted and the run goes on.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ class MetricsScraper:
     async def scrape_once(self, t0: float) -> None:
         try:
             values = await asyncio.to_thread(self.fetch)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, http.client.HTTPException) as err:
             self.errors += 1
             self.last_error = f"{type(err).__name__}: {err}"
             return

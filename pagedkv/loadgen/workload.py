@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 ARRIVALS = ("poisson", "burst")
 
 
@@ -120,8 +122,11 @@ class Tenant:
 
     @classmethod
     def parse(cls, spec: str, index: int) -> Tenant:
-        """``[NAME=]KEY[:WEIGHT]``."""
-        name, _, rest = spec.rpartition("=") if "=" in spec else (f"tenant{index}", "", spec)
+        """``[NAME=]KEY[:WEIGHT]``. NAME is a tenant-like name (letters, digits, ``._-``). A key that
+        could read as NAME=... or that ends in ``:<number>`` needs a NAME= in front and an explicit :WEIGHT."""
+        name, sep, rest = spec.partition("=")
+        if not sep or not _NAME_RE.match(name) or not rest or rest.startswith("="):
+            name, rest = f"tenant{index}", spec
         key, weight = rest, 1.0
         head, sep, tail = rest.rpartition(":")
         if sep:
@@ -133,7 +138,7 @@ class Tenant:
             raise WorkloadError(f"--tenant: {spec!r}: empty API key")
         if not math.isfinite(weight) or weight <= 0:
             raise WorkloadError(f"--tenant: {spec!r}: weight {weight}; must be > 0")
-        return cls(name or f"tenant{index}", key, weight)
+        return cls(name, key, weight)
 
 
 @dataclass(frozen=True, slots=True)
