@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from pagedkv.cli import free_port
+from pagedkv.cli import main as cli_main
 from pagedkv.loadgen.report import FIELD_DOCS, summarize, undocumented_fields
 from pagedkv.loadgen.runner import RequestResult
 from pagedkv.loadgen.scrape import MetricsScraper, parse_gauges
@@ -225,30 +226,30 @@ def _spawn(*args: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_bench_against_a_live_server_writes_every_documented_field(tiny_llama_dir, tmp_path):
+def test_bench_against_a_live_server_writes_every_documented_field(tiny_llama_dir, tmp_path, capsys):
     exec_port, sched_port, metrics_port = free_port(), free_port(), free_port()
     (tmp_path / "tenants.toml").write_text(TENANTS)
     procs = [_spawn("executor", "--port", str(exec_port), "--num-pages", "256", "--threads", "1")]
     procs.append(_spawn("scheduler", "--executor", f"127.0.0.1:{exec_port}", "--port", str(sched_port),
                         "--metrics-port", str(metrics_port), "--tenants-file", str(tmp_path / "tenants.toml")))
     out = tmp_path / "run.json"
-    try:
-        bench = subprocess.run(
-            [sys.executable, "-m", "pagedkv", "bench", "--address", f"127.0.0.1:{sched_port}", "--num-prompts", "12",
-             "--request-rate", "30", "--input-len", "uniform:8:40", "--output-len", "uniform:3:10", "--seed", "1",
+    try:  # the command runs in this process while the services start (it waits for them to serve)
+        code = cli_main(
+            ["bench", "--address", f"127.0.0.1:{sched_port}", "--num-prompts", "12", "--request-rate", "30",
+             "--input-len", "uniform:8:40", "--output-len", "uniform:3:10", "--seed", "1",
              "--shared-prefix-fraction", "0.5", "--shared-prefix-len", "32", "--max-concurrency", "6",
              "--tenant", "a=bench-alpha:2", "--tenant", "b=bench-beta:1", "--tenant", "intruder=wrong-key:1",
              "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--ready-timeout", "120",
              "--metrics-url", f"http://127.0.0.1:{metrics_port}/metrics", "--metrics-interval", "0.2",
-             "--out", str(out)],
-            cwd=ROOT, capture_output=True, text=True, timeout=150)
+             "--out", str(out)])
     finally:
         for p in reversed(procs):
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
-    assert bench.returncode == 0, bench.stdout + bench.stderr
-    assert "pagedkv bench" in bench.stdout and "TTFT" in bench.stdout
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    assert "pagedkv bench" in printed.out and "TTFT" in printed.out
     rep = json.loads(out.read_text())
     assert undocumented_fields(rep) == ([], []), "JSON fields and FIELD_DOCS differ"
     assert set(FIELD_DOCS) >= {"ttft_ms.p99", "itl_ms.p50", "goodput.request_goodput"}
