@@ -295,3 +295,28 @@ def test_plots_are_written_or_skipped_with_a_reason(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert write_plots(tmp_path / "again", results, kv) == ([], NO_MATPLOTLIB)
     assert not list(tmp_path.glob("again*"))
+
+
+def test_prompts_do_not_depend_on_the_rate_or_the_tenant_mix():
+    tokens = TokenSpace(3, 250, bos=(1,))
+    slow, fast = (make_workload(_spec(request_rate=r), tokens, 2048) for r in (1.0, math.inf))
+    mixed = make_workload(_spec(tenants=(Tenant("a", "k1"), Tenant("b", "k2"))), tokens, 2048)
+    assert [r.prompt for r in slow] == [r.prompt for r in fast] == [r.prompt for r in mixed]
+    assert [r.max_tokens for r in slow] == [r.max_tokens for r in mixed]
+    assert [r.send_at_s for r in fast] == [0.0] * 200 and slow[-1].send_at_s > 100
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    import io
+
+    from pagedkv.loadgen.runner import Progress
+
+    out = io.StringIO()
+    bar = Progress(4, enabled=True, stream=out)
+    bar.done, bar.inflight, bar.errors = 2, 1, 1
+    bar.update(force=True)
+    bar.close()
+    assert "\r[###############---------------] 2/4 done, 1 in flight, 1 errors" in out.getvalue()
+    quiet = io.StringIO()
+    Progress(4, enabled=False, stream=quiet).close()
+    assert quiet.getvalue() == ""

@@ -60,7 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
-                   help="API key for every request (default: $PAGEDKV_API_KEY); see --tenant for a mix")
+                   help="API key for every request (default: $PAGEDKV_API_KEY); --tenant replaces it with a mix")
     p.add_argument("--tenant", action="append", default=[], metavar="[NAME=]KEY[:WEIGHT]",
                    help="a tenant of a multi-tenant mix (repeatable): each request takes one key, chosen "
                         "with probability proportional to WEIGHT (default 1)")
@@ -73,8 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-size", type=int, default=8)
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: no cap)")
     p.add_argument("--input-len", default="lognormal:161:1.0:1024",
-                   help="prompt tokens per request, BOS included (after a shared prefix: tokens of its own "
-                        "+ 1) (default lognormal:161:1.0:1024)")
+                   help="prompt tokens per request, BOS included; a request given a shared prefix has the prefix "
+                        "+ INPUT_LEN - 1 tokens (default lognormal:161:1.0:1024)")
     p.add_argument("--output-len", default="lognormal:338:1.0:1024",
                    help="max_tokens per request (default lognormal:338:1.0:1024)")
     p.add_argument("--shared-prefix-fraction", type=float, default=0.0,
@@ -88,7 +88,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask the server to ignore EOS, so each output is max_tokens long (default: on)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload; request i samples with seed + i")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts and lengths do not depend on "
+                   "the rate or the tenant mix); request i samples with seed + i")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
     p.add_argument("--metrics-url", default="",

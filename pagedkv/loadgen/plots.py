@@ -60,7 +60,7 @@ def write_plots(prefix: Path, results: Sequence[RequestResult], kv_samples: list
         ax1.plot(ts, [u * 100 if u is not None else float("nan") for u in util], label="pages used / all pages")
         if any("pagedkv_kv_slot_utilization" in s["values"] for s in kv_samples):
             ax1.plot(ts, [s["values"].get("pagedkv_kv_slot_utilization", float("nan")) * 100 for s in kv_samples],
-                     label="token slots holding KV / slots in used pages")
+                     label="pagedkv_kv_slot_utilization (as the scheduler reports it)")
         ax1.set_ylabel("%")
         ax1.set_ylim(bottom=0)
         ax1.legend(loc="lower right")

@@ -288,7 +288,7 @@ def format_table(rep: dict[str, Any]) -> str:
         rows.append(("KV pages used: peak / mean share of pool", f"{_fmt(kv['peak_pages_used'], '.0f')} / "
                      f"{_fmt(pct['mean_page_utilization'], '.1f')}% ({kv['scrapes']} scrapes, "
                      f"{kv['scrape_errors']} failed)"))
-        rows.append(("KV slot utilization in used pages (mean)", f"{_fmt(pct['mean_kv_slot_utilization'], '.1f')}%"))
+        rows.append(("pagedkv_kv_slot_utilization (mean)", f"{_fmt(pct['mean_kv_slot_utilization'], '.1f')}%"))
     w = max(len(k) for k, _ in rows)
     head = f"{'latency (ms)':<{w}}  {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}"
     lines = [" pagedkv bench ".center(len(head), "="), *(f"{k:<{w}}  {v}" for k, v in rows), "-" * len(head), head]

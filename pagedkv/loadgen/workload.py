@@ -220,8 +220,11 @@ def make_workload(spec: WorkloadSpec, tokens: TokenSpace, max_model_len: int) ->
     if spec.shared.fraction > 0 and spec.shared.length >= max_model_len:
         raise WorkloadError(f"--shared-prefix-len: {spec.shared.length}; must be shorter than the server's "
                             f"max_model_len={max_model_len}")
-    rng = random.Random(spec.seed)
-    times = arrival_times(spec.num_prompts, spec.request_rate, rng, spec.arrival, spec.burst_size)
+    # One generator per concern, so the same seed gives the same prompts at any rate or tenant mix.
+    rng = random.Random(f"prompts/{spec.seed}")
+    times = arrival_times(spec.num_prompts, spec.request_rate, random.Random(f"arrivals/{spec.seed}"), spec.arrival,
+                          spec.burst_size)
+    tenant_rng = random.Random(f"tenants/{spec.seed}")
     prefixes = [list(tokens.bos) + tokens.draw(rng, spec.shared.length - len(tokens.bos))
                 for _ in range(spec.shared.count)] if spec.shared.fraction > 0 else []
     num_shared = round(spec.shared.fraction * spec.num_prompts)
@@ -236,5 +239,5 @@ def make_workload(spec: WorkloadSpec, tokens: TokenSpace, max_model_len: int) ->
         prompt = head + tokens.draw(rng, own)
         max_tokens = min(out_len, max_model_len - len(prompt))
         fitted = own < wanted or max_tokens < out_len
-        out.append(PlannedRequest(i, t, prompt, max_tokens, _choose_tenant(spec.tenants, rng), prefix, fitted))
+        out.append(PlannedRequest(i, t, prompt, max_tokens, _choose_tenant(spec.tenants, tenant_rng), prefix, fitted))
     return out
