@@ -278,10 +278,14 @@ def test_bench_against_a_live_server_writes_every_documented_field(tiny_llama_di
     assert max(r["send_s"] for r in rep["per_request"]) < rep["duration_s"]
     kv = rep["kv_metrics"]
     assert kv["scrapes"] >= 2 and kv["scrape_errors"] == 0
-    for sample in kv["samples"]:  # the scheduler's own gauges (whether a 0.2 s scrape caught pages in use is luck)
+    # The scheduler's own gauges (whether a 0.2 s scrape caught pages in use is luck; before its first step the
+    # scheduler reports 0 used and 0 free). The last scrape comes after every request ended.
+    for sample in kv["samples"]:
         v = sample["values"]
-        assert v["pagedkv_pages_used"] + v["pagedkv_pages_free"] == rep["server"]["num_pages"]
-        assert {"pagedkv_requests_running", "pagedkv_requests_waiting"} <= v.keys()
+        assert {"pagedkv_requests_running", "pagedkv_requests_waiting", "pagedkv_kv_slot_utilization"} <= v.keys()
+        assert v["pagedkv_pages_used"] + v["pagedkv_pages_free"] in (0, rep["server"]["num_pages"])
+    last = kv["samples"][-1]["values"]
+    assert last["pagedkv_pages_free"] == rep["server"]["num_pages"] and last["pagedkv_requests_running"] == 0
     assert 0 <= kv["peak_pages_used"] <= rep["server"]["num_pages"]
     assert rep["plots"] and all(p.endswith(".png") for p in rep["plots"])
 
