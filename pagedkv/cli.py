@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | generate."""
+"""The ``pagedkv`` command: serve | scheduler | executor | generate | bench | hash-key | health."""
 
 from __future__ import annotations
 

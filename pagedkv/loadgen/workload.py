@@ -38,8 +38,7 @@ class LengthDist:
     @classmethod
     def parse(cls, spec: str, option: str) -> LengthDist:
         parts = spec.strip().split(":")
-        kind = parts[0] if not parts[0].isdigit() else "fixed"
-        nums = parts[1:] if kind != "fixed" or not parts[0].isdigit() else parts
+        kind, nums = ("fixed", parts) if parts[0].isdigit() else (parts[0], parts[1:])
         try:
             vals = [float(x) for x in nums]
         except ValueError:
