@@ -27,6 +27,7 @@ from pagedkv.loadgen.workload import (
     TokenSpace,
     WorkloadError,
     WorkloadSpec,
+    check_arrivals,
     default_token_space,
     make_workload,
 )
@@ -183,15 +184,17 @@ def _workload_summary(plan: list[PlannedRequest]) -> dict[str, Any]:
 async def _bench(args: argparse.Namespace) -> int:
     _check_args(args)
     tenants = _tenants(args)
-    keys = {t.name: t.key for t in tenants} or {"default": args.api_key}
-    info, bos = await _probe(args.address, keys, args.ready_timeout)
-    space = _token_space(args.token_id_range, info.vocab_size, () if args.no_bos else bos)
     spec = WorkloadSpec(
         num_prompts=args.num_prompts, input_len=LengthDist.parse(args.input_len, "--input-len"),
         output_len=LengthDist.parse(args.output_len, "--output-len"), request_rate=args.request_rate,
         arrival=args.arrival, burst_size=args.burst_size,
         shared=SharedPrefixes(args.shared_prefix_fraction, args.num_shared_prefixes, args.shared_prefix_len),
         tenants=tenants, seed=args.seed)
+    spec.shared.validate()
+    check_arrivals(spec.num_prompts, spec.request_rate, spec.arrival, spec.burst_size)
+    keys = {t.name: t.key for t in tenants} or {"default": args.api_key}
+    info, bos = await _probe(args.address, keys, args.ready_timeout)
+    space = _token_space(args.token_id_range, info.vocab_size, () if args.no_bos else bos)
     plan = make_workload(spec, space, info.max_model_len)
     workload = _workload_summary(plan)
     print(f"pagedkv bench: {len(plan)} requests to {args.address} ({info.model}, max_model_len {info.max_model_len}); "
@@ -245,6 +248,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (TimeoutError, grpc.aio.AioRpcError) as err:
-        msg = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
-        print(f"error: {args.address}: {msg}", file=sys.stderr)
+        if isinstance(err, grpc.aio.AioRpcError):
+            print(f"error: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+        else:
+            print(f"error: {err} (--address, --ready-timeout)", file=sys.stderr)
         return 1

@@ -86,11 +86,7 @@ class LengthDist:
         return f"lognormal:{self.a:g}:{self.b:g}" + (f":{self.cap}" if self.cap else "")
 
 
-def arrival_times(num: int, rate: float, rng: random.Random, kind: str = "poisson", burst_size: int = 1) -> list[float]:
-    """Send times in seconds from the start, averaging ``rate`` requests/s (``inf``: all at 0).
-
-    poisson: exponential gaps of mean 1/rate, the first request at 0. burst: groups of ``burst_size``
-    requests sent together every ``burst_size / rate`` seconds (same mean rate, no randomness)."""
+def check_arrivals(num: int, rate: float, kind: str = "poisson", burst_size: int = 1) -> None:
     if num < 1:
         raise WorkloadError(f"--num-prompts: {num}; must be >= 1")
     if math.isnan(rate) or rate <= 0:
@@ -99,6 +95,14 @@ def arrival_times(num: int, rate: float, rng: random.Random, kind: str = "poisso
         raise WorkloadError(f"--arrival: {kind!r}; must be one of {', '.join(ARRIVALS)}")
     if burst_size < 1:
         raise WorkloadError(f"--burst-size: {burst_size}; must be >= 1")
+
+
+def arrival_times(num: int, rate: float, rng: random.Random, kind: str = "poisson", burst_size: int = 1) -> list[float]:
+    """Send times in seconds from the start, averaging ``rate`` requests/s (``inf``: all at 0).
+
+    poisson: exponential gaps of mean 1/rate, the first request at 0. burst: groups of ``burst_size``
+    requests sent together every ``burst_size / rate`` seconds (same mean rate, no randomness)."""
+    check_arrivals(num, rate, kind, burst_size)
     if math.isinf(rate):
         return [0.0] * num
     if kind == "burst":
