@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | generate."""
+"""The ``pagedkv`` command: serve | scheduler | executor | generate | bench | hash-key | health."""
 
 from __future__ import annotations
 
@@ -236,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
+    p = sub.add_parser("bench", help="load generator: synthetic requests against a running server, latency and "
+                       "throughput report")
+    from pagedkv.loadgen.command import add_args as add_bench_args
+
+    add_bench_args(p)
     p = sub.add_parser("hash-key", help="print the sha256:<hex> form of an API key for a tenants file")
     p.add_argument("key")
     p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
@@ -252,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     if args.command == "health":
         return health(args)
+    if args.command == "bench":
+        from pagedkv.loadgen.command import main as bench
+
+        return bench(args)
     if args.command == "hash-key":
         from scheduler_svc.tenancy import hash_key
 
