@@ -83,6 +83,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.log.info("scheduler_attached", peer=context.peer())
         plans = request_iterator.__aiter__()
         ended = asyncio.ensure_future(self.idle_drain.wait())
+        nxt = None
         try:
             while True:
                 nxt = asyncio.ensure_future(plans.__anext__())
@@ -108,6 +109,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 yield result
         finally:
             ended.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
             self.runner.reset()
             self.busy = False
             self.detached.set()
