@@ -23,8 +23,12 @@ namespace pkv {
 constexpr int kThreads = 128;
 constexpr float kNegBig = -1.0e30f;   // running max before any token: finite, so no inf - inf
 
+// Resident CTAs a multiprocessor should hold (caps registers at 65536 / (kThreads * n)): 4 for the small
+// tiles (<= 128 registers), 2 for the 8-head tile (<= 255).
+template <int G> struct MinCtas { static constexpr int value = G >= 8 ? 2 : 4; };
+
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads) paged_decode(
+__global__ void __launch_bounds__(kThreads, MinCtas<G>::value) paged_decode(
     T* __restrict__ out, long long out_tok_stride, long long out_head_stride,
     const T* __restrict__ q, long long q_tok_stride, long long q_head_stride,
     const long long* __restrict__ token_idx,

@@ -1,10 +1,11 @@
 """Compiles ``kernels_cuda/*.cu`` with NVRTC through CuPy and launches them on torch's current stream.
 
-* One ``cupy.RawModule`` per source file, with every template instantiation of ``specs.name_expressions``.
-  CuPy keeps the compiled binaries on disk, keyed by source text and options: a second run (or process)
-  loads them instead of compiling. The cache lives in ``$CUPY_CACHE_DIR``; when that is unset we point it at
-  ``<pagedkv cache dir>/cupy-kernels`` (``$PAGEDKV_CACHE_DIR``, default ``~/.cache/pagedkv``) before CuPy is
-  imported. Local ``#include "..."`` lines are expanded here, so the cache key covers the headers too.
+* One ``cupy.RawModule`` per kernel instantiation (a name expression of ``specs.name_expressions``),
+  compiled on first use. CuPy keeps the compiled binaries on disk, keyed by source text, options and name
+  expression: a second run (or process) loads them instead of compiling. The cache lives in
+  ``$CUPY_CACHE_DIR``; when that is unset we point it at ``<pagedkv cache dir>/cupy-kernels``
+  (``$PAGEDKV_CACHE_DIR``, default ``~/.cache/pagedkv``) before CuPy is imported. Local ``#include "..."``
+  lines are expanded first (``specs.source_text``), so the cache key covers the headers too.
 * Zero copy: kernels get torch tensors' device pointers (``tensor.data_ptr()``); nothing is converted.
 * Launches go on ``torch.cuda.current_stream()`` (wrapped as ``cupy.cuda.ExternalStream``), so they are
   ordered with the torch work around them.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -94,23 +96,18 @@ class KernelLibrary:
         self.streams: dict[int, object] = {}
         self.debug = debug_enabled()
 
-    def module(self, source: str):
-        mod = self.modules.get(source)
-        if mod is None:
-            with self.cupy.cuda.Device(self.index):
-                mod = self.cupy.RawModule(code=specs.source_text(source), options=specs.OPTIONS,
-                                          name_expressions=specs.name_expressions(source))
-                mod.compile()
-            self.modules[source] = mod
-        return mod
-
     def function(self, source: str, name: str):
+        """The kernel ``name`` of ``source``, compiled on first use. Each instantiation is a module of its
+        own: a process compiles (or loads from the cache) only the kernels it launches."""
         fn = self.functions.get(name)
         if fn is None:
             if name not in specs.name_expressions(source):
                 raise KeyError(f"kernel {name} is not instantiated for {source} (see kernels_cuda/specs.py)")
             with self.cupy.cuda.Device(self.index):
-                fn = self.module(source).get_function(name)
+                module = self.cupy.RawModule(code=specs.source_text(source), options=specs.OPTIONS,
+                                             name_expressions=[name])
+                fn = module.get_function(name)
+            self.modules[name] = module
             self.functions[name] = fn
         return fn
 
@@ -118,7 +115,9 @@ class KernelLibrary:
         handle = torch.cuda.current_stream(self.device).cuda_stream
         stream = self.streams.get(handle)
         if stream is None:
-            stream = self.cupy.cuda.ExternalStream(handle, self.index)
+            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external; same object
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self.cupy.cuda.ExternalStream(handle, self.index)
             self.streams[handle] = stream
         return stream
 

@@ -17,7 +17,8 @@ DTYPES = {"float16": "pkv::f16", "bfloat16": "pkv::bf16", "float32": "float"}
 HEAD_DIMS = (64, 128)
 GROUP_TILES = (1, 2, 4, 8)  # query heads per CTA; a model's group size is rounded up to one of these
 BLOCK_SIZES = (8, 16, 32)  # run-time (a shift) in the kernels; listed here for the tests and benchmarks
-OPTIONS = ("-std=c++17",)  # NVRTC and nvcc alike
+OPTIONS = ("-std=c++17",)  # NVRTC (CuPy adds -ftz=true to every build of its own)
+NVCC_OPTIONS = (*OPTIONS, "-ftz=true")  # the same code generation from nvcc
 
 
 def group_tile(group: int) -> int:

@@ -66,8 +66,8 @@ def parse_ptxas(log: str) -> dict[str, KernelReport]:
 def compile_source(source: str, out_dir: Path) -> Build:
     unit = out_dir / f"{source}.instantiations.cu"
     unit.write_text(specs.nvcc_unit(source))
-    cmd = [NVCC, *specs.OPTIONS, f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", "-o", str(out_dir / f"{source}.cubin"),
-           str(unit)]
+    cubin = out_dir / f"{source}.cubin"
+    cmd = [NVCC, *specs.NVCC_OPTIONS, f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(unit)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     log = f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
     report = out_dir / f"{source}.ptxas.txt"
