@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -123,18 +123,29 @@ class KernelLibrary:
 
     def launch(self, source: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
                args: Sequence[object]) -> None:
+        self.prepare(source, name, grid, block, args)()
+
+    def prepare(self, source: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+                args: Sequence[object]) -> Callable[[], None]:
+        """A launch with its arguments converted once; each call enqueues it on torch's current stream then.
+        The caller keeps the argument tensors alive while it may call it."""
         if min(grid) < 1:
-            return  # nothing to do (an empty batch)
+            return lambda: None  # nothing to do (an empty batch)
         fn = self.function(source, name)
-        stream = self._stream()
-        with self.cupy.cuda.Device(self.index), stream:
-            fn(grid, block, kernel_args(args))
-            if self.debug:
-                try:
-                    stream.synchronize()
-                    self.cupy.cuda.runtime.getLastError()
-                except Exception as err:
-                    raise RuntimeError(f"CUDA kernel {name} (grid {grid}, block {block}) failed: {err}") from err
+        c_args = kernel_args(args)
+
+        def run() -> None:
+            stream = self._stream()
+            with self.cupy.cuda.Device(self.index), stream:
+                fn(grid, block, c_args)
+                if self.debug:
+                    try:
+                        stream.synchronize()
+                        self.cupy.cuda.runtime.getLastError()
+                    except Exception as err:
+                        raise RuntimeError(f"CUDA kernel {name} (grid {grid}, block {block}) failed: {err}") from err
+
+        return run
 
 
 _libraries: dict[int, KernelLibrary] = {}
