@@ -2,6 +2,8 @@
 // see exactly the same text, and no include path to the toolkit is needed at run time.
 //
 // Element types are tag structs over their bits; conversions are single PTX instructions (sm_80+).
+// With PKV_HOST_EMULATION (only tests/cuda_emulator builds it) the few PTX helpers are plain C++ instead, so the
+// kernels' logic runs on a CPU under the emulator.
 #pragma once
 
 namespace pkv {
@@ -24,6 +26,12 @@ template <> struct Elem<float> {
     }
 };
 
+__device__ __forceinline__ void bf16x2_to_float2(unsigned int w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+
+#ifndef PKV_HOST_EMULATION
 __device__ __forceinline__ void f16x2_to_float2(unsigned int w, float& lo, float& hi) {
     asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
         : "=f"(lo), "=f"(hi) : "r"(w));
@@ -36,16 +44,27 @@ __device__ __forceinline__ unsigned int float2_to_f16x2(float lo, float hi) {
     return w;
 }
 
-__device__ __forceinline__ void bf16x2_to_float2(unsigned int w, float& lo, float& hi) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-
 __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     unsigned int w;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
     return w;
 }
+
+#else  // the CPU emulator of the tests (tests/cuda_emulator.py): the same functions in C++
+__device__ __forceinline__ void f16x2_to_float2(unsigned int w, float& lo, float& hi) {
+    lo = host_half_to_float((unsigned short)(w & 0xffffu));
+    hi = host_half_to_float((unsigned short)(w >> 16));
+}
+
+__device__ __forceinline__ unsigned int float2_to_f16x2(float lo, float hi) {
+    return (unsigned int)host_float_to_half(lo) | ((unsigned int)host_float_to_half(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
+    return (unsigned int)host_float_to_bf16(lo) | ((unsigned int)host_float_to_bf16(hi) << 16);
+}
+
+#endif
 
 template <> struct Elem<f16> {
     static constexpr int kVec = 8;
@@ -71,6 +90,10 @@ template <> struct Elem<bf16> {
     }
 };
 
+// One element from a float, as the storage type's bits.
+__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
+
+#ifndef PKV_HOST_EMULATION
 // 2^x, ~2 ulp (MUFU.EX2); -inf -> 0.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
@@ -82,12 +105,10 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
-// One element from a float, as the storage type's bits.
-__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store1(f16* p, float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -98,6 +119,12 @@ __device__ __forceinline__ void store1(bf16* p, float x) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
     p->bits = h;
 }
+#else
+__device__ __forceinline__ float exp2_approx(float x) { return exp2f(x); }
+__device__ __forceinline__ uint4 load_stream(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void store1(f16* p, float x) { p->bits = host_float_to_half(x); }
+__device__ __forceinline__ void store1(bf16* p, float x) { p->bits = host_float_to_bf16(x); }
+#endif
 
 // The context positions a decode query sees, as two ordered, disjoint ranges [a0, a1) (the request's
 // attention sink) and [b0, ctx) (its window). Position p is visible iff p < ctx and

@@ -92,7 +92,9 @@ class CudaPagedAttention:
     name = "cuda"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 partition_tokens: int = DEFAULT_PARTITION_TOKENS) -> None:
+                 partition_tokens: int = DEFAULT_PARTITION_TOKENS, library: object | None = None) -> None:
+        """``library``: where kernels come from (default: ``kernels_cuda.loader.library`` of the tensors'
+        device; the tests pass a CPU emulator of the same kernel source)."""
         if head_dim not in specs.HEAD_DIMS:
             raise ValueError(f"the cuda attention backend supports head_dim {specs.HEAD_DIMS}, got {head_dim}")
         if partition_tokens < 1:
@@ -106,6 +108,14 @@ class CudaPagedAttention:
         self.tile = specs.group_tile(self.group)
         self.chunks = -(-self.group // self.tile)
         self.partition_tokens = partition_tokens
+        self.library = library
+
+    def _library(self, device: torch.device):
+        if self.library is not None:
+            return self.library
+        from kernels_cuda.loader import library
+
+        return library(device)
 
     # ---- checks ----------------------------------------------------------------------------------
     def _pool_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, list[object]]:
@@ -115,7 +125,7 @@ class CudaPagedAttention:
         if dtype is None or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"cuda attention: K/V cache dtype {k_cache.dtype}/{v_cache.dtype} is not supported "
                             f"(supported: {', '.join(DTYPE_NAMES.values())})")
-        if not k_cache.is_cuda:
+        if not k_cache.is_cuda and not getattr(self.library, "emulated", False):
             raise ValueError(f"cuda attention: the page pool is on {k_cache.device}, not a CUDA device")
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError(f"cuda attention: K/V views need equal strides and unit stride along head_dim, got "
@@ -147,9 +157,7 @@ class CudaPagedAttention:
             raise TypeError(f"cuda attention: new K/V dtype {k.dtype}/{v.dtype} differs from the cache's "
                             f"{k_cache.dtype}")
         k, v = _rows_ready(k), _rows_ready(v)
-        from kernels_cuda.loader import library
-
-        library(k_cache.device).launch(
+        self._library(k_cache.device).launch(
             "cache.cu", specs.write_name(dtype), (n, 1, 1), (128, 1, 1),
             [k_cache, v_cache, *strides, k, _i64(k.stride(0)), _i64(k.stride(1)),
              v, _i64(v.stride(0)), _i64(v.stride(1)),
@@ -203,9 +211,9 @@ class CudaPagedAttention:
         ctx_lens = _index(group.ctx_lens, device)
         windows = _index(group.windows, device) if group.windows is not None else None
         sinks = _index(group.sinks, device) if windows is not None and group.sinks is not None else None
-        from kernels_cuda.loader import Pointer, library
+        from kernels_cuda.loader import Pointer
 
-        lib = library(device)
+        lib = self._library(device)
         launches = [lib.prepare(
             "decode.cu", specs.decode_name(dtype, self.head_dim, self.tile),
             (self.num_kv_heads * self.chunks, batch, parts), (DECODE_THREADS, 1, 1),
@@ -229,9 +237,7 @@ class CudaPagedAttention:
         k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
         v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
         vectors = self.num_kv_heads * ctx_len * self.head_dim * k.element_size() // 16
-        from kernels_cuda.loader import library
-
-        library(k_cache.device).launch(
+        self._library(k_cache.device).launch(
             "cache.cu", specs.gather_name(dtype), (-(-vectors // 256), 1, 1), (256, 1, 1),
             [k, v, k_cache, v_cache, *strides, _index(page_ids, k_cache.device), _i32(ctx_len),
              _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(k_cache))])
@@ -242,8 +248,7 @@ class CudaPagedAttention:
         k, v = self.gather(k_cache, v_cache, seg.page_ids, seg.ctx_len)
         return self.reference.prefill_attend(q, k, v, seg, window)
 
-    @staticmethod
-    def copy_pages(pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_pages(self, pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """pages[dst[i]] = pages[src[i]] for whole pages of the pool; the pairs must be independent (no page
         both a source and a destination, no repeated destination: DevicePagePool checks)."""
         page_bytes = pages[0].numel() * pages.element_size()
@@ -252,9 +257,7 @@ class CudaPagedAttention:
         vectors = page_bytes // 16
         chunks = min(-(-vectors // (256 * 4)), 4096)
         src, dst = _index(src, pages.device), _index(dst, pages.device)
-        from kernels_cuda.loader import library
-
-        lib = library(pages.device)
+        lib = self._library(pages.device)
         for start in range(0, src.numel(), 65535):  # grid.y limit
             n = min(65535, src.numel() - start)
             lib.launch("cache.cu", specs.COPY_NAME, (chunks, n, 1), (256, 1, 1),

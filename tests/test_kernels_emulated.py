@@ -1,0 +1,81 @@
+"""The CUDA kernels' own source, run on the CPU by tests/cuda_emulator (g++; fibers for threads), through the
+real CudaPagedAttention code, against the torch reference: the GPU checks of tests/cuda_attention_cases.py at
+CPU-sized shapes. This is what CI can say about the kernels' indexing, masking (unread pages hold NaN here),
+online softmax, merges and split-K without a GPU; timing and the PTX helpers are left to tests/gpu/.
+Skipped only without a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_cuda import specs
+from tests import cuda_attention_cases as cases
+from tests.cuda_attention_cases import SINK_WINDOW, SPLIT, Env, Request
+from tests.cuda_emulator import EmulatedLibrary, unavailable_reason
+
+SKIP = unavailable_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+SMALL = [Request(c) for c in (1, 5, 16, 17, 100, 300)]
+
+
+@pytest.fixture(scope="module")
+def emu() -> Env:
+    return Env("cpu", EmulatedLibrary())
+
+
+@pytest.mark.parametrize("block_size", specs.BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", specs.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_decode_split(emu, dtype, head_dim, block_size):
+    """Partitions of 64 tokens: up to 5 per request, merged by the reduce kernel."""
+    cases.run_decode(emu, SMALL, dtype=dtype, head_dim=head_dim, block_size=block_size, heads=8, kv_heads=2,
+                     partition_tokens=SPLIT["split64"], seed=block_size + head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_decode_one_partition(emu, dtype):
+    cases.run_decode(emu, SMALL, dtype=dtype, head_dim=128, block_size=16, heads=8, kv_heads=2,
+                     partition_tokens=SPLIT["nosplit"], seed=1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 8), (12, 4), (64, 8), (40, 4)])
+def test_decode_group_sizes(emu, heads, kv_heads):
+    """Query groups of 1, 2, 3 (a 4-tile with an idle head), 8, and 10 (two CTAs per KV head)."""
+    cases.run_decode(emu, SMALL[2:5], dtype=torch.float16, head_dim=64, block_size=16, heads=heads,
+                     kv_heads=kv_heads, partition_tokens=64, seed=heads)
+
+
+@pytest.mark.parametrize("split", ["split64", "nosplit"])
+@pytest.mark.parametrize("model_window", [0, 1000])
+def test_decode_sink_and_window(emu, model_window, split):
+    cases.run_decode(emu, SINK_WINDOW, dtype=torch.bfloat16, head_dim=64, block_size=8, heads=4, kv_heads=1,
+                     partition_tokens=SPLIT[split], model_window=model_window, seed=model_window)
+
+
+@pytest.mark.parametrize("head_dim", specs.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_write_cache_is_exact(emu, dtype, head_dim):
+    cases.write_cache_is_exact(emu, dtype, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_copy_pages_is_exact(emu, dtype):
+    cases.copy_pages_is_exact(emu, dtype)
+
+
+@pytest.mark.parametrize("block_size,model_window", [(8, 0), (32, 50)])
+def test_prefill_and_mixed_forward(emu, block_size, model_window):
+    cases.prefill_and_mixed_forward(emu, torch.float16, block_size, model_window)
+
+
+def test_a_read_of_a_dropped_page_would_be_caught(emu):
+    """The NaN page really poisons: the same request with its dropped pages handed to the reference as the
+    NaN page comes out non-finite, so a kernel that read them could not pass the checks above."""
+    pages = torch.randn(8, 4, 1, 64)
+    pages[7] = float("nan")
+    out = torch.full((1, 4, 64), float("nan"))
+    group = cases.DecodeGroup(torch.tensor([0]), torch.tensor([[7, 1]]), torch.tensor([16]))
+    emu.attention(4, 1, 64, 0.125).decode(torch.randn(1, 4, 64), out, pages, pages.clone(), group, None)
+    assert torch.isnan(out).all()
