@@ -73,7 +73,7 @@ def test_prefill_and_mixed_forward(emu, block_size, model_window):
 def test_a_read_of_a_dropped_page_would_be_caught(emu):
     """The NaN page really poisons: the same request with its dropped pages handed to the reference as the
     NaN page comes out non-finite, so a kernel that read them could not pass the checks above."""
-    pages = torch.randn(8, 4, 1, 64)
+    pages = torch.randn(8, 8, 1, 64)  # 8 pages of 8 tokens; the table below covers 16 tokens
     pages[7] = float("nan")
     out = torch.full((1, 4, 64), float("nan"))
     group = cases.DecodeGroup(torch.tensor([0]), torch.tensor([[7, 1]]), torch.tensor([16]))
