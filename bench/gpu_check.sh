@@ -10,12 +10,20 @@
 #        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
 #        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl structlog==26.1.0 grpcio==1.85.3
 #        grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 ; .whl/ is git-ignored)
-# then run on the device with carry [".whl"]:   bash bench/gpu_check.sh
+# then run on the device with carry [".whl"]:   bash bench/gpu_check.sh [--tests-only | --bench-only]
+# (the halves, for a second call when the first ran out of time).
 # Without .whl/ the end-to-end GPU tests skip (with that reason) and the e2e bench is skipped.
 # Results under ${OUT:-bench/results} (7 files: gpu_tests.txt, attention_kernels.{txt,json}, dma.txt, swap_dma.json,
 # e2e_vs_hf.{txt,json}).
 set -u
 cd "$(dirname "$0")/.."
+run_tests=1 run_bench=1
+case "${1:-}" in
+  --tests-only) run_bench=0 ;;
+  --bench-only) run_tests=0 ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_check.sh [--tests-only | --bench-only]" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUPY_CACHE_DIR=/tmp/pagedkv-cupy-cache PAGEDKV_CACHE_DIR=/tmp/pagedkv-cache  # shared by every process
 OUT_DIR="${OUT:-bench/results}"
@@ -35,22 +43,25 @@ fi
 python3 -c 'import structlog, grpc_health, grpc_reflection, pagedkv.grpc_common' 2>/dev/null || services=0
 [ "$services" = 1 ] || echo "NOTE: services not importable (no carried .whl/, see this script's header): e2e GPU tests skip, e2e bench skipped"
 
+tests_rc=0 attn_rc=0 dma_rc=0 e2e_rc=0
+if [ "$run_tests" = 1 ]; then
 echo "== GPU tests (PAGEDKV_CUDA_DEBUG=1: every kernel launch checked)"
-PAGEDKV_CUDA_DEBUG=1 timeout 210 python3 -m pytest -q -p no:cacheprovider --timeout 150 \
+PAGEDKV_CUDA_DEBUG=1 timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 \
   tests/gpu tests/test_page_dma.py tests/test_kernels_compile.py tests/test_cuda_backend_cpu.py 2>&1 \
   | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
+fi
 
+if [ "$run_bench" = 1 ]; then
 echo "== paged decode attention kernels (bench/attention_kernels.py)"
-timeout 75 python3 bench/attention_kernels.py --out "$OUT_DIR/attention_kernels.json" 2>&1 \
+timeout 70 python3 bench/attention_kernels.py --out "$OUT_DIR/attention_kernels.json" 2>&1 \
   | tee "$OUT_DIR/attention_kernels.txt"
 attn_rc=${PIPESTATUS[0]}
 
 echo "== page DMA (bench/swap.py --dma-only)"
-timeout 45 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
+timeout 40 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
 dma_rc=${PIPESTATUS[0]}
 
-e2e_rc=0
 left=$(( 450 - (SECONDS - start) ))
 if [ "$services" = 1 ] && [ "$left" -gt 60 ]; then
   echo "== end to end vs HF generate, random 1B Llama, fp16 (bench/e2e_vs_hf.py; ${left}s left)"
@@ -62,10 +73,11 @@ if [ "$services" = 1 ] && [ "$left" -gt 60 ]; then
 else
   echo "== end to end vs HF: skipped (services=$services, ${left}s left)"
 fi
+fi
 
 echo
 echo "== summary ($(( SECONDS - start ))s)"
-printf '%-22s %s\n' "GPU tests" "$(tail -1 "$OUT_DIR/gpu_tests.txt") (rc $tests_rc)"
+[ "$run_tests" = 1 ] && printf '%-22s %s\n' "GPU tests" "$(tail -1 "$OUT_DIR/gpu_tests.txt") (rc $tests_rc)"
 python3 - "$OUT_DIR" <<'PY'
 import json, sys
 from pathlib import Path
