@@ -137,12 +137,12 @@ class KernelLibrary:
         def run() -> None:
             stream = self._stream()
             with self.cupy.cuda.Device(self.index), stream:
-                fn(grid, block, c_args)
-                if self.debug:  # a bad launch raises in fn(); a fault while it runs, here
-                    try:
+                try:
+                    fn(grid, block, c_args)
+                    if self.debug:  # a bad launch raises in fn(); a fault while the kernel runs, here
                         stream.synchronize()
-                    except Exception as err:
-                        raise RuntimeError(f"CUDA kernel {name} (grid {grid}, block {block}) failed: {err}") from err
+                except Exception as err:
+                    raise RuntimeError(f"CUDA kernel {name} (grid {grid}, block {block}) failed: {err}") from err
 
         return run
 

@@ -134,3 +134,83 @@ def test_visible_ranges_equal_the_reference_mask():
             mask &= (pos < sink) | (pos > ctx - 1 - window)
         assert visible_positions(ctx, model_window, sink, window) == pos[mask].tolist(), (ctx, model_window,
                                                                                          sink, window)
+
+
+class _FakeCupy:
+    """Only the CuPy API the loader may use (each name checked to exist in cupy-cuda13x 14.2): RawModule(code,
+    options, name_expressions).get_function, cuda.Device (context), cuda.ExternalStream(ptr, device_id) (context,
+    synchronize). Records what the loader does with it."""
+
+    def __init__(self, fail_sync: bool = False) -> None:
+        fake = self
+        self.compiled, self.launches, self.syncs, self.streams = [], [], 0, []
+
+        class Kernel:
+            def __init__(self, name):
+                self.name = name
+
+            def __call__(self, grid, block, args):
+                fake.launches.append((self.name, grid, block, args))
+
+        class RawModule:
+            def __init__(self, *, code, options, name_expressions):
+                fake.compiled.append((tuple(name_expressions), options, "#include" in code))
+
+            def get_function(self, name):
+                return Kernel(name)
+
+        class Ctx:
+            def __init__(self, *args):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class ExternalStream(Ctx):
+            def __init__(self, ptr, device_id):
+                fake.streams.append((ptr, device_id))
+
+            def synchronize(self):
+                fake.syncs += 1
+                if fail_sync:
+                    raise RuntimeError("cudaErrorIllegalAddress")
+
+        self.RawModule = RawModule
+        self.cuda = SimpleNamespace(Device=Ctx, ExternalStream=ExternalStream)
+
+
+def _fake_library(monkeypatch, debug: bool, fail_sync: bool = False):
+    from kernels_cuda import loader
+
+    fake = _FakeCupy(fail_sync)
+    monkeypatch.setattr(loader, "_import_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=1234))
+    monkeypatch.setenv("PAGEDKV_CUDA_DEBUG", "1" if debug else "0")
+    return loader.KernelLibrary(torch.device("cuda", 0)), fake
+
+
+def test_loader_compiles_each_instantiation_once_and_launches_on_torchs_stream(monkeypatch):
+    lib, fake = _fake_library(monkeypatch, debug=False)
+    name = specs.write_name("float16")
+    t = torch.zeros(4)
+    for _ in range(3):
+        lib.launch("cache.cu", name, (2, 1, 1), (128, 1, 1), [t, np.int32(7)])
+    assert fake.compiled == [((name,), specs.OPTIONS, False)]  # one module, includes expanded
+    assert fake.streams == [(1234, 0)] and fake.syncs == 0
+    assert len(fake.launches) == 3 and fake.launches[0][3] == (np.uint64(t.data_ptr()), np.int32(7))
+    lib.launch("cache.cu", name, (0, 1, 1), (128, 1, 1), [t, np.int32(7)])  # an empty grid launches nothing
+    assert len(fake.launches) == 3
+    with pytest.raises(KeyError, match="not instantiated"):
+        lib.launch("cache.cu", "pkv::write_kv_cache<double>", (1, 1, 1), (1, 1, 1), [])
+
+
+def test_loader_debug_mode_synchronises_and_names_the_kernel(monkeypatch):
+    lib, fake = _fake_library(monkeypatch, debug=True)
+    lib.launch("cache.cu", specs.COPY_NAME, (1, 1, 1), (256, 1, 1), [np.int64(1)])
+    assert fake.syncs == 1
+    lib, fake = _fake_library(monkeypatch, debug=True, fail_sync=True)
+    with pytest.raises(RuntimeError, match=r"CUDA kernel pkv::copy_pages .* cudaErrorIllegalAddress"):
+        lib.launch("cache.cu", specs.COPY_NAME, (1, 1, 1), (256, 1, 1), [np.int64(1)])
