@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY pagedkv pagedkv
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
+COPY kernels_cuda kernels_cuda
 COPY proto proto
 RUN pip install --no-cache-dir ${TORCH_SPEC} && pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 ENV PAGEDKV_CACHE_DIR=/models

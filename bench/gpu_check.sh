@@ -1,27 +1,108 @@
 #!/usr/bin/env bash
-# The GPU check, in one device call (see the device tool's README): GPU tests, then GPU benchmarks, then a
-# short table. Installs nothing from the network; the device image has torch, cupy, transformers, pytest.
-# Needs no structlog/grpc extras (the GPU tests and the DMA bench import neither).
-#   run: bash bench/gpu_check.sh            (results under ${OUT:-bench/results})
+# The GPU check, in one device call of < 8 minutes (see the device tool's README): GPU tests, then GPU benchmarks,
+# then a short table. Installs nothing from the network.
+#
+# The device image has torch, cupy-cuda13x, transformers, pytest, uvloop, prometheus-client, but not structlog nor
+# grpcio-health-checking / grpcio-reflection (and maybe older grpcio/protobuf than our generated stubs need), which
+# the services (end-to-end GPU tests, e2e bench) import. Carry them as wheels: on the host, before the call,
+#     bash bench/fetch_gpu_wheels.sh
+#   (= python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+#        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl structlog==26.1.0 grpcio==1.85.3
+#        grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 ; .whl/ is git-ignored)
+# then run on the device with carry [".whl"]:   bash bench/gpu_check.sh [--tests-only | --bench-only]
+# (the halves, for a second call when the first ran out of time).
+# Without .whl/ the end-to-end GPU tests skip (with that reason) and the e2e bench is skipped.
+# Results under ${OUT:-bench/results} (7 files: gpu_tests.txt, attention_kernels.{txt,json}, dma.txt, swap_dma.json,
+# e2e_vs_hf.{txt,json}).
 set -u
 cd "$(dirname "$0")/.."
+run_tests=1 run_bench=1
+case "${1:-}" in
+  --tests-only) run_bench=0 ;;
+  --bench-only) run_tests=0 ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_check.sh [--tests-only | --bench-only]" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export CUPY_CACHE_DIR=/tmp/pagedkv-cupy-cache PAGEDKV_CACHE_DIR=/tmp/pagedkv-cache  # shared by every process
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
+start=$SECONDS
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print(torch.__version__, torch.cuda.get_device_name())' || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null
+python3 -c 'import cupy; print("cupy", cupy.__version__)' || echo "WARNING: CuPy missing: the cuda backend tests skip"
 
-echo "== GPU tests"
-python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_page_dma.py --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 \
+services=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pagedkv-site .whl/*.whl; then
+    export PYTHONPATH="$PWD:/tmp/pagedkv-site"
+    services=1
+  fi
+fi
+python3 -c 'import structlog, grpc_health, grpc_reflection, pagedkv.grpc_common' 2>/dev/null || services=0
+[ "$services" = 1 ] || echo "NOTE: services not importable (no carried .whl/, see this script's header): e2e GPU tests skip, e2e bench skipped"
+
+tests_rc=0 attn_rc=0 dma_rc=0 e2e_rc=0
+if [ "$run_tests" = 1 ]; then
+echo "== GPU tests (PAGEDKV_CUDA_DEBUG=1: every kernel launch checked)"
+PAGEDKV_CUDA_DEBUG=1 timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 \
+  tests/gpu tests/test_page_dma.py tests/test_kernels_compile.py tests/test_cuda_backend_cpu.py 2>&1 \
   | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
+fi
+
+if [ "$run_bench" = 1 ]; then
+echo "== paged decode attention kernels (bench/attention_kernels.py)"
+timeout 70 python3 bench/attention_kernels.py --out "$OUT_DIR/attention_kernels.json" 2>&1 \
+  | tee "$OUT_DIR/attention_kernels.txt"
+attn_rc=${PIPESTATUS[0]}
 
 echo "== page DMA (bench/swap.py --dma-only)"
-python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
+timeout 40 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
 dma_rc=${PIPESTATUS[0]}
 
+left=$(( 450 - (SECONDS - start) ))
+if [ "$services" = 1 ] && [ "$left" -gt 60 ]; then
+  echo "== end to end vs HF generate, random 1B Llama, fp16 (bench/e2e_vs_hf.py; ${left}s left)"
+  timeout "$left" python3 bench/e2e_vs_hf.py --random-model 1b --device cuda --dtype float16 \
+    --attention-backend cuda --hf-attn sdpa --wait-idle 0 --num-requests 64 \
+    --serve-arg=--kv-cache-gb=16 --serve-arg=--swap-space=0 --out "$OUT_DIR/e2e_vs_hf.json" 2>&1 \
+    | tee "$OUT_DIR/e2e_vs_hf.txt"
+  e2e_rc=${PIPESTATUS[0]}
+else
+  echo "== end to end vs HF: skipped (services=$services, ${left}s left)"
+fi
+fi
+
 echo
-echo "== summary"
-printf '%-28s %s\n' "GPU tests" "$(tail -1 "$OUT_DIR/gpu_tests.txt") (rc $tests_rc)"
-grep -E "device -> host|host -> device|round trip" "$OUT_DIR/dma.txt" | sed 's/^ */page DMA: /'
-exit $(( tests_rc || dma_rc ))
+echo "== summary ($(( SECONDS - start ))s)"
+[ "$run_tests" = 1 ] && printf '%-22s %s\n' "GPU tests" "$(tail -1 "$OUT_DIR/gpu_tests.txt") (rc $tests_rc)"
+python3 - "$OUT_DIR" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+try:
+    a = json.loads((out / "attention_kernels.json").read_text())
+    print(f"{'device copy':22s} {a['copy']['gb_per_s']:.0f} GB/s (read + write)")
+    for r in a["cases"]:
+        print(f"{'decode ' + str(r['batch']) + 'x' + str(r['context']):22s} paged {r['gb_per_s']['paged']:.0f} GB/s = "
+              f"{r['paged_share_of_copy']:.1%} of copy (target 85%), paged/contig {r['paged_over_contiguous']:.3f} "
+              f"(target 1.02), paged/sdpa {r['paged_over_sdpa']:.2f}, err {r['max_rel_err_vs_sdpa']:.1e}")
+except Exception as err:  # noqa: BLE001
+    print(f"{'decode kernels':22s} no result ({err})")
+try:
+    d = json.loads((out / "swap_dma.json").read_text())  # --dma-only writes it beside --out
+    for way in ("out", "in"):
+        print(f"{'page DMA ' + way:22s} {d['paged_' + way]['gb_per_s']:.1f} GB/s, {d['ratio_' + way]:.1%} of one "
+              f"pinned copy (target 90%)")
+except Exception as err:  # noqa: BLE001
+    print(f"{'page DMA':22s} no result ({err})")
+try:
+    e = json.loads((out / "e2e_vs_hf.json").read_text())
+    print(f"{'e2e 1B fp16 vs HF':22s} {e['pagedkv']['tokens_per_s']:.0f} vs {e['hf']['tokens_per_s']:.0f} tokens/s = "
+          f"{e['ratio_tokens_per_s']:.2f}x (target {e['target_ratio']:g}x)")
+except Exception as err:  # noqa: BLE001
+    print(f"{'e2e vs HF':22s} no result ({err})")
+PY
+exit $(( tests_rc || attn_rc || dma_rc || e2e_rc ))

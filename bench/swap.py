@@ -291,7 +291,7 @@ def page_dma(device: str | torch.device = "cuda", num_pages: int = 512, num_laye
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         return {"median_s": med, "best_s": min(times), "gb_per_s": nbytes / med / 1e9,
-                "best_gb_per_s": nbytes / min(times) / 1e9}
+                "best_gb_per_s": nbytes / min(times) / 1e9, "pages_per_s": num_pages / med}
 
     # correctness: the round trip through the host tier brings every page back to its own slot
     pool.pages.copy_(torch.randn(pool.pages.shape, dtype=torch.float32).to(dtype))
@@ -326,7 +326,8 @@ def print_dma(d: dict[str, Any]) -> None:
     print(f"page DMA ({d['device']}, {d['num_pages']} scattered pages of {mib:.3g} MiB, "
           f"{d['bytes'] / 1e6:,.1f} MB, median of {d['repeats']}):")
     for way, label in (("out", "device -> host"), ("in", "host -> device")):
-        print(f"  {label}: paged {d[f'paged_{way}']['gb_per_s']:.2f} GB/s, contiguous "
+        print(f"  {label}: paged {d[f'paged_{way}']['gb_per_s']:.2f} GB/s "
+              f"({d[f'paged_{way}']['pages_per_s']:,.0f} pages/s), contiguous "
               f"{d[f'contiguous_{way}']['gb_per_s']:.2f} GB/s, ratio {d[f'ratio_{way}']:.2%}")
     print(f"  round trip intact: {d['round_trip_ok']}; target paged >= {DMA_TARGET:.0%} of contiguous: "
           f"{'met' if d['target_met'] else 'NOT met'}")

@@ -12,6 +12,8 @@ tokens in order, and a token's heads are adjacent).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from executor_svc.model_config import ModelConfig
@@ -41,16 +43,24 @@ class DevicePagePool:
         self.pages = torch.zeros(shape, dtype=dtype, device=device)
         self.k_views = [self.pages[:, layer, 0] for layer in range(cfg.num_layers)]
         self.v_views = [self.pages[:, layer, 1] for layer in range(cfg.num_layers)]
+        # A kernel for copy-on-write (the cuda attention backend's), or None for plain tensor indexing.
+        self.copier: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_views[index], self.v_views[index]
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy-on-write: whole pages, all layers at once."""
-        if src:
-            self.pages[torch.tensor(dst, device=self.pages.device)] = self.pages[
-                torch.tensor(src, device=self.pages.device)
-            ]
+        """Copy-on-write: whole pages, all layers at once. The copier kernel runs the copies in parallel, so
+        it gets only independent pairs (no page both read and written, no page written twice); anything
+        else takes the indexing path (all reads, then all writes)."""
+        if not src:
+            return
+        src_t = torch.tensor(src, device=self.pages.device)
+        dst_t = torch.tensor(dst, device=self.pages.device)
+        if self.copier is not None and len(set(dst)) == len(dst) and not set(src) & set(dst):
+            self.copier(self.pages, src_t, dst_t)
+        else:
+            self.pages[dst_t] = self.pages[src_t]
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

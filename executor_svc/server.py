@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from executor_svc import metrics
-from executor_svc.attention import BACKENDS
+from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -48,7 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
-                   help="paged attention implementation (auto: torch until the CUDA kernels land)")
+                   help="paged attention implementation (auto: cuda on a CUDA device with CuPy installed and a "
+                   "supported dtype/head_dim, else torch)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
@@ -205,9 +206,10 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     path = resolve_model(args.model)
     cfg = ModelConfig.from_dir(path)
     model = load_model(cfg, device, dtype)
-    backend = "torch" if args.attention_backend == "auto" else args.attention_backend
+    backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device), args.block_size, dtype, device)
+    pool.copier = getattr(attention, "copy_pages", None)
     host_pool = HostPagePool(pool, _num_host_pages(args, pool.num_pages, pool.page_bytes, log))
     runner = ModelRunner(model, pool, attention, device, host_pool)
     costs = measure_costs(runner)
@@ -223,7 +225,8 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              block_size=args.block_size, num_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
-             page_bytes=pool.page_bytes, backend=backend, swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
+             page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
+             swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
              prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1))
     return runner, describe
 

@@ -52,6 +52,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
+                   help="executor paged attention (auto: cuda on a CUDA device with CuPy, else torch)")
     p.add_argument("--threads", type=int, default=0, help="executor torch CPU threads (0: torch's default)")
     p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -93,6 +95,7 @@ def serve(args) -> int:
     common = [sys.executable, "-m", "pagedkv"]
     exec_cmd = [*common, "executor", "--model", args.model, "--host", args.host, "--port", str(exec_port),
                 "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
+                "--attention-backend", args.attention_backend,
                 "--threads", str(args.threads), "--log-format", args.log_format]
     if args.metrics_port:
         exec_cmd += ["--metrics-port", str(args.metrics_port + 1)]

@@ -88,6 +88,12 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         k = self._gather(k_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]  # [1, H, ctx, D]
         v = self._gather(v_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]
+        return self.prefill_attend(q, k, v, seg, window)
+
+    def prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment,
+                       window: int | None) -> torch.Tensor:
+        """q [q_len, heads, D] over the segment's gathered context k, v [1, kv_heads, ctx, D] (causal, with
+        the model's window and the request's sink + window)."""
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if seg.ctx_len == seg.q_len and not window and not seg.window:
             out = self._attend(qh, k, v, None, causal=True)

@@ -1,0 +1,264 @@
+"""Paged attention with the CUDA kernels of ``kernels_cuda/`` (CuPy RawKernels, NVRTC-compiled).
+
+The same interface and page layout as ``TorchPagedAttention`` (the reference it is tested against):
+
+* ``write_cache``: one kernel writes the step's new K/V into their slots.
+* decodes: ``paged_decode`` reads each request's K/V through its page table, once per query group (GQA), and
+  only the positions its sink/window leaves visible; long contexts are split into partitions of
+  ``partition_tokens`` and merged by ``paged_decode_reduce``. Queries are read and outputs written in place
+  at the group's token rows (no gather/scatter copies).
+* prefill segments (tokens with cached context before them): ``gather_kv`` copies the segment's context
+  into contiguous [kv_heads, ctx, head_dim] K/V, then torch's SDPA with the reference's causal/sink/window
+  mask (a first version: a gather + SDPA, not a fused paged prefill kernel).
+* ``copy_pages``: copy-on-write of whole pages inside the pool (used by ``DevicePagePool.copy_pages``).
+
+Importing this module needs neither CUDA nor CuPy; the kernels compile (or load from CuPy's cache) on
+first use. ``unavailable_reason`` says why the backend cannot run somewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.attention.torch_backend import TorchPagedAttention
+from kernels_cuda import specs
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DEFAULT_PARTITION_TOKENS = 512
+DECODE_THREADS = 128  # kThreads in decode.cu
+LOG2E = 1.4426950408889634
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when the CUDA backend can serve this model here; otherwise the reason, for the user."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device (the executor runs on {device}; see --device)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch on this machine"
+    if dtype not in DTYPE_NAMES:
+        return f"dtype {dtype} is not supported (supported: {', '.join(DTYPE_NAMES.values())})"
+    if head_dim not in specs.HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported (supported: {', '.join(map(str, specs.HEAD_DIMS))})"
+    from kernels_cuda.loader import cupy_import_error
+
+    err = cupy_import_error()
+    if err is not None:
+        return f"CuPy is not importable ({err}); install it with pip install 'pagedkv[cuda]' (cupy-cuda13x)"
+    return None
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _index(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index tensor as the kernels read it: int64, contiguous, on the device (no copy when it already is)."""
+    return t.to(device=device, dtype=torch.int64).contiguous()
+
+
+def _rows_ready(t: torch.Tensor) -> torch.Tensor:
+    """[N, heads, D] with unit stride along D and 16-byte aligned rows (16-byte vector access); a copy only
+    when it is not."""
+    elem = t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * elem) % 16 == 0
+            and (t.stride(1) * elem) % 16 == 0):
+        return t
+    return t.contiguous()
+
+
+class _Launches:
+    """Prepared kernel launches, with the tensors their arguments point into (kept alive with them)."""
+
+    __slots__ = ("launches", "tensors")
+
+    def __init__(self, launches: list[Callable[[], None]], tensors: tuple[torch.Tensor | None, ...]) -> None:
+        self.launches = launches
+        self.tensors = tensors
+
+    def __call__(self) -> None:
+        for launch in self.launches:
+            launch()
+
+
+class CudaPagedAttention:
+    name = "cuda"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 partition_tokens: int = DEFAULT_PARTITION_TOKENS, library: object | None = None) -> None:
+        """``library``: where kernels come from (default: ``kernels_cuda.loader.library`` of the tensors'
+        device; the tests pass a CPU emulator of the same kernel source)."""
+        if head_dim not in specs.HEAD_DIMS:
+            raise ValueError(f"the cuda attention backend supports head_dim {specs.HEAD_DIMS}, got {head_dim}")
+        if partition_tokens < 1:
+            raise ValueError(f"partition_tokens must be >= 1, got {partition_tokens}")
+        self.reference = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)  # prefill after gather
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.group = num_heads // num_kv_heads
+        self.tile = specs.group_tile(self.group)
+        self.chunks = -(-self.group // self.tile)
+        self.partition_tokens = partition_tokens
+        self.library = library
+
+    def _library(self, device: torch.device):
+        if self.library is not None:
+            return self.library
+        from kernels_cuda.loader import library
+
+        return library(device)
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def _pool_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, list[object]]:
+        """The dtype name and (page, slot, head) strides of a layer's K/V views, after checking that the
+        kernels can address them."""
+        dtype = DTYPE_NAMES.get(k_cache.dtype)
+        if dtype is None or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"cuda attention: K/V cache dtype {k_cache.dtype}/{v_cache.dtype} is not supported "
+                            f"(supported: {', '.join(DTYPE_NAMES.values())})")
+        if not k_cache.is_cuda and not getattr(self.library, "emulated", False):
+            raise ValueError(f"cuda attention: the page pool is on {k_cache.device}, not a CUDA device")
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError(f"cuda attention: K/V views need equal strides and unit stride along head_dim, got "
+                             f"{k_cache.stride()} / {v_cache.stride()}")
+        elem = k_cache.element_size()
+        if any(p % 16 for p in (k_cache.data_ptr(), v_cache.data_ptr())) or any(
+                (s * elem) % 16 for s in k_cache.stride()[:3]):
+            raise ValueError("cuda attention: K/V pages must be 16-byte aligned (pointers and strides)")
+        return dtype, [_i64(k_cache.stride(0)), _i64(k_cache.stride(1)), _i64(k_cache.stride(2))]
+
+    @staticmethod
+    def _block_shift(k_cache: torch.Tensor) -> int:
+        block_size = k_cache.shape[1]
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"cuda attention: block_size must be a power of two, got {block_size}")
+        return block_size.bit_length() - 1
+
+    # ---- the interface ---------------------------------------------------------------------------
+    def write_cache(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots."""
+        n = k.shape[0]
+        if n == 0:
+            return
+        dtype, strides = self._pool_args(k_cache, v_cache)
+        if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+            raise TypeError(f"cuda attention: new K/V dtype {k.dtype}/{v.dtype} differs from the cache's "
+                            f"{k_cache.dtype}")
+        k, v = _rows_ready(k), _rows_ready(v)
+        self._library(k_cache.device).launch(
+            "cache.cu", specs.write_name(dtype), (n, 1, 1), (128, 1, 1),
+            [k_cache, v_cache, *strides, k, _i64(k.stride(0)), _i64(k.stride(1)),
+             v, _i64(v.stride(0)), _i64(v.stride(1)),
+             _index(meta.slot_pages, k_cache.device), _index(meta.slot_offsets, k_cache.device),
+             _i32(self.num_kv_heads), _i32(self.head_dim)])
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads, head_dim]; the step's K/V must already be written."""
+        q = _rows_ready(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        for group in meta.decodes:
+            self.decode(q, out, k_cache, v_cache, group, meta.sliding_window)
+        for seg in meta.prefills:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            out[rows] = self.prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
+        return out
+
+    def num_partitions(self, group: DecodeGroup, block_size: int, window: int | None) -> int:
+        """Partitions of the longest possible visible context of the group (known from shapes alone: no
+        device synchronisation); 1 means no split."""
+        longest = group.page_tables.shape[1] * block_size
+        if window:
+            longest = min(longest, window)
+        return max(1, -(-longest // self.partition_tokens))
+
+    def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               group: DecodeGroup, window: int | None) -> None:
+        """Writes out[token_idx] for the group's decodes, reading q[token_idx]."""
+        if group.page_tables.shape[0]:
+            self.prepare_decode(q, out, k_cache, v_cache, group, window)()
+
+    def prepare_decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       group: DecodeGroup, window: int | None) -> Callable[[], None]:
+        """The decode's kernel launches with every argument computed: calling the result launches them (again).
+        (The benchmarks time this, so that Python's per-call checks do not count as kernel time.)"""
+        batch = group.page_tables.shape[0]
+        dtype, strides = self._pool_args(k_cache, v_cache)
+        if q.dtype != k_cache.dtype:
+            raise TypeError(f"cuda attention: q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        device = k_cache.device
+        shift = self._block_shift(k_cache)
+        parts = self.num_partitions(group, k_cache.shape[1], window)
+        part_acc = part_ml = None
+        if parts > 1:
+            part_acc = torch.empty((batch, self.num_heads, parts, self.head_dim), dtype=torch.float32, device=device)
+            part_ml = torch.empty((batch, self.num_heads, parts, 2), dtype=torch.float32, device=device)
+        token_idx = _index(group.token_idx, device)
+        tables = _index(group.page_tables, device)
+        ctx_lens = _index(group.ctx_lens, device)
+        windows = _index(group.windows, device) if group.windows is not None else None
+        sinks = _index(group.sinks, device) if windows is not None and group.sinks is not None else None
+        from kernels_cuda.loader import Pointer
+
+        lib = self._library(device)
+        launches = [lib.prepare(
+            "decode.cu", specs.decode_name(dtype, self.head_dim, self.tile),
+            (self.num_kv_heads * self.chunks, batch, parts), (DECODE_THREADS, 1, 1),
+            [out, _i64(out.stride(0)), _i64(out.stride(1)), q, _i64(q.stride(0)), _i64(q.stride(1)), token_idx,
+             k_cache, v_cache, *strides, tables, _i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
+             _i32(window or 0), _i32(self.group), _i32(self.chunks), _i32(shift), np.float32(self.scale * LOG2E),
+             _i32(self.partition_tokens), _i32(parts), Pointer(part_acc), Pointer(part_ml)])]
+        if parts > 1:
+            launches.append(lib.prepare(
+                "decode.cu", specs.reduce_name(dtype, self.head_dim), (self.num_heads, batch, 1),
+                (self.head_dim, 1, 1),
+                [out, _i64(out.stride(0)), _i64(out.stride(1)), token_idx, ctx_lens, Pointer(sinks),
+                 Pointer(windows), _i32(window or 0), _i32(self.partition_tokens), _i32(parts), part_acc, part_ml]))
+        return _Launches(launches, (tables, token_idx, ctx_lens, sinks, windows, part_acc, part_ml))
+
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_ids: torch.Tensor,
+               ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, ctx_len) through page_ids as contiguous K, V [1, kv_heads, ctx_len, head_dim]."""
+        dtype, strides = self._pool_args(k_cache, v_cache)
+        shape = (1, self.num_kv_heads, ctx_len, self.head_dim)
+        k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+        v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+        vectors = self.num_kv_heads * ctx_len * self.head_dim * k.element_size() // 16
+        self._library(k_cache.device).launch(
+            "cache.cu", specs.gather_name(dtype), (-(-vectors // 256), 1, 1), (256, 1, 1),
+            [k, v, k_cache, v_cache, *strides, _index(page_ids, k_cache.device), _i32(ctx_len),
+             _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(k_cache))])
+        return k, v
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+                window: int | None) -> torch.Tensor:
+        k, v = self.gather(k_cache, v_cache, seg.page_ids, seg.ctx_len)
+        return self.reference.prefill_attend(q, k, v, seg, window)
+
+    def copy_pages(self, pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """pages[dst[i]] = pages[src[i]] for whole pages of the pool; the pairs must be independent (no page
+        both a source and a destination, no repeated destination: DevicePagePool checks)."""
+        page_bytes = pages[0].numel() * pages.element_size()
+        if page_bytes % 16 or pages.data_ptr() % 16 or not pages.is_contiguous():
+            raise ValueError(f"copy_pages: pages of {page_bytes} bytes in a contiguous, 16-byte aligned pool needed")
+        vectors = page_bytes // 16
+        chunks = min(-(-vectors // (256 * 4)), 4096)
+        src, dst = _index(src, pages.device), _index(dst, pages.device)
+        lib = self._library(pages.device)
+        for start in range(0, src.numel(), 65535):  # grid.y limit
+            n = min(65535, src.numel() - start)
+            lib.launch("cache.cu", specs.COPY_NAME, (chunks, n, 1), (256, 1, 1),
+                       [pages, src[start:start + n], dst[start:start + n], _i64(vectors)])

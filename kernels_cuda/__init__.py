@@ -1,0 +1,1 @@
+"""CUDA C++ kernels for the page layout (see bench/NOTES.md) and their NVRTC loader (CuPy)."""

@@ -1,0 +1,158 @@
+// Shared helpers of the pagedkv kernels. No CUDA headers are included: NVRTC (through CuPy) and nvcc
+// see exactly the same text, and no include path to the toolkit is needed at run time.
+//
+// Element types are tag structs over their bits; conversions are single PTX instructions (sm_80+).
+// With PKV_HOST_EMULATION (only tests/cuda_emulator builds it) the few PTX helpers are plain C++ instead, so the
+// kernels' logic runs on a CPU under the emulator.
+#pragma once
+
+namespace pkv {
+
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+// Elements per 16-byte vector, and how to turn one 32-bit word (two 16-bit elements) into floats.
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+    static constexpr int kVec = 4;
+    __device__ static __forceinline__ void unpack(const uint4& u, float* f) {
+        f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+        f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+    }
+    __device__ static __forceinline__ uint4 pack(const float* f) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                          __float_as_uint(f[3]));
+    }
+};
+
+__device__ __forceinline__ void bf16x2_to_float2(unsigned int w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+
+#ifndef PKV_HOST_EMULATION
+__device__ __forceinline__ void f16x2_to_float2(unsigned int w, float& lo, float& hi) {
+    asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ unsigned int float2_to_f16x2(float lo, float hi) {
+    unsigned int w;
+    // cvt.rn.f16x2.f32 d, a, b puts a in the upper half and b in the lower half.
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}
+
+__device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
+    unsigned int w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}
+
+#else  // the CPU emulator of the tests (tests/cuda_emulator.py): the same functions in C++
+__device__ __forceinline__ void f16x2_to_float2(unsigned int w, float& lo, float& hi) {
+    lo = host_half_to_float((unsigned short)(w & 0xffffu));
+    hi = host_half_to_float((unsigned short)(w >> 16));
+}
+
+__device__ __forceinline__ unsigned int float2_to_f16x2(float lo, float hi) {
+    return (unsigned int)host_float_to_half(lo) | ((unsigned int)host_float_to_half(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
+    return (unsigned int)host_float_to_bf16(lo) | ((unsigned int)host_float_to_bf16(hi) << 16);
+}
+
+#endif
+
+template <> struct Elem<f16> {
+    static constexpr int kVec = 8;
+    __device__ static __forceinline__ void unpack(const uint4& u, float* f) {
+        f16x2_to_float2(u.x, f[0], f[1]); f16x2_to_float2(u.y, f[2], f[3]);
+        f16x2_to_float2(u.z, f[4], f[5]); f16x2_to_float2(u.w, f[6], f[7]);
+    }
+    __device__ static __forceinline__ uint4 pack(const float* f) {
+        return make_uint4(float2_to_f16x2(f[0], f[1]), float2_to_f16x2(f[2], f[3]),
+                          float2_to_f16x2(f[4], f[5]), float2_to_f16x2(f[6], f[7]));
+    }
+};
+
+template <> struct Elem<bf16> {
+    static constexpr int kVec = 8;
+    __device__ static __forceinline__ void unpack(const uint4& u, float* f) {
+        bf16x2_to_float2(u.x, f[0], f[1]); bf16x2_to_float2(u.y, f[2], f[3]);
+        bf16x2_to_float2(u.z, f[4], f[5]); bf16x2_to_float2(u.w, f[6], f[7]);
+    }
+    __device__ static __forceinline__ uint4 pack(const float* f) {
+        return make_uint4(float2_to_bf16x2(f[0], f[1]), float2_to_bf16x2(f[2], f[3]),
+                          float2_to_bf16x2(f[4], f[5]), float2_to_bf16x2(f[6], f[7]));
+    }
+};
+
+// One element from a float, as the storage type's bits.
+__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
+
+#ifndef PKV_HOST_EMULATION
+// 2^x, ~2 ulp (MUFU.EX2); -inf -> 0.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A 16-byte load that bypasses L1 allocation (K/V are streamed once per query group).
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void store1(f16* p, float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    p->bits = h;
+}
+__device__ __forceinline__ void store1(bf16* p, float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    p->bits = h;
+}
+#else
+__device__ __forceinline__ float exp2_approx(float x) { return exp2f(x); }
+__device__ __forceinline__ uint4 load_stream(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void store1(f16* p, float x) { p->bits = host_float_to_half(x); }
+__device__ __forceinline__ void store1(bf16* p, float x) { p->bits = host_float_to_bf16(x); }
+#endif
+
+// The context positions a decode query sees, as two ordered, disjoint ranges [a0, a1) (the request's
+// attention sink) and [b0, ctx) (its window). Position p is visible iff p < ctx and
+//   (model_window == 0 or p > ctx - 1 - model_window) and (window == 0 or p < sink or p > ctx - 1 - window).
+// Iterating over these ranges only is what skips dropped pages (and the table padding) without reading them.
+struct Visible {
+    int a0, a1, b0, ctx;
+    __device__ __forceinline__ int count() const { return (a1 - a0) + (ctx - b0); }
+    // The i-th visible position, 0 <= i < count().
+    __device__ __forceinline__ int position(int i) const {
+        const int na = a1 - a0;
+        return i < na ? a0 + i : b0 + (i - na);
+    }
+};
+
+__device__ __forceinline__ Visible visible_positions(int ctx, int model_window, int sink, int window) {
+    const int lo = model_window > 0 ? max(0, ctx - model_window) : 0;
+    Visible v;
+    v.ctx = ctx;
+    v.a0 = lo;
+    if (window > 0) {
+        v.b0 = max(lo, ctx - window);
+        v.a1 = max(lo, min(sink, v.b0));
+    } else {
+        v.b0 = lo;
+        v.a1 = lo;
+    }
+    return v;
+}
+
+}  // namespace pkv

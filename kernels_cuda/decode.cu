@@ -1,0 +1,245 @@
+// Paged decode attention: one query token per request over its paged K/V.
+//
+// Layout (executor_svc/pages.py): K and V of one layer are views [num_pages, block_size, kv_heads, D] of the
+// page pool, contiguous inside a page but NOT across pages; element (page, slot, head, d) is at
+//   base + page * page_stride + slot * slot_stride + head * head_stride + d.
+//
+// Grid (num_kv_heads * num_chunks, batch, num_partitions), kThreads threads. One CTA takes one KV head of one
+// request and up to G of the query heads that share it (the "query group"; a group larger than G is split
+// into num_chunks CTAs). Every K/V row is loaded once per CTA, into registers, and used for all G heads.
+//
+// Inside the CTA a "thread group" of TPT = D / VEC threads owns one token row (16-byte vector loads, VEC
+// elements a thread, coalesced along head_dim); the CTA has NTG = kThreads / TPT thread groups, and each
+// runs its own online softmax (fp32, base 2) over the tokens i = tg, tg + NTG, ... of its partition, with
+// kUnroll tokens in flight per step. At the end the thread groups are merged through shared memory.
+//
+// Split-K: the visible positions of a request (see Visible) are cut into partitions of partition_tokens;
+// with max_parts > 1 each CTA writes its partition's (max, sum, unnormalised output) and
+// paged_decode_reduce merges them; with max_parts == 1 the CTA writes the normalised output itself.
+#include "common.cuh"
+
+namespace pkv {
+
+constexpr int kThreads = 128;
+constexpr float kNegBig = -1.0e30f;   // running max before any token: finite, so no inf - inf
+
+// Resident CTAs a multiprocessor should hold (caps registers at 65536 / (kThreads * n)): 4 for the small
+// tiles (<= 128 registers), 2 for the 8-head tile (<= 255).
+template <int G> struct MinCtas { static constexpr int value = G >= 8 ? 2 : 4; };
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads, MinCtas<G>::value) paged_decode(
+    T* __restrict__ out, long long out_tok_stride, long long out_head_stride,
+    const T* __restrict__ q, long long q_tok_stride, long long q_head_stride,
+    const long long* __restrict__ token_idx,
+    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    long long page_stride, long long slot_stride, long long head_stride,
+    const long long* __restrict__ page_tables, long long table_stride,
+    const long long* __restrict__ ctx_lens,
+    const long long* __restrict__ sinks, const long long* __restrict__ windows,
+    int model_window, int group, int num_chunks, int block_shift, float scale_log2,
+    int partition_tokens, int max_parts,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int VEC = Elem<T>::kVec;
+    constexpr int TPT = D / VEC;
+    constexpr int NTG = kThreads / TPT;
+    // Tokens in flight per thread group and step (fewer for the largest tile, which would spill otherwise).
+    constexpr int kUnroll = G >= 8 ? 2 : 4;
+    static_assert(D % VEC == 0 && TPT <= 32 && 32 % TPT == 0, "a token row must fit one warp");
+
+    const int kv_head = blockIdx.x / num_chunks;
+    const int chunk = blockIdx.x - kv_head * num_chunks;
+    const int b = blockIdx.y;
+    const int part = blockIdx.z;
+    const int num_heads = (gridDim.x / num_chunks) * group;
+    const int head0 = kv_head * group + chunk * G;
+    const int heads_here = min(G, group - chunk * G);
+
+    const int ctx = (int)ctx_lens[b];
+    const int sink = sinks != nullptr ? (int)sinks[b] : 0;
+    const int window = windows != nullptr ? (int)windows[b] : 0;
+    const Visible vis = visible_positions(ctx, model_window, sink, window);
+    const int v0 = part * partition_tokens;
+    const int v1 = min(vis.count(), v0 + partition_tokens);
+    if (v0 >= v1) return;  // the whole CTA: this partition is past the request's visible positions
+
+    const int tid = threadIdx.x;
+    const int tg = tid / TPT;
+    const int lane = tid - tg * TPT;
+
+    // The group's queries, this thread's slice, pre-multiplied by scale * log2(e).
+    float qv[G][VEC];
+    const long long row = token_idx[b];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g < heads_here) {
+            const uint4 u = *reinterpret_cast<const uint4*>(q + row * q_tok_stride + (head0 + g) * q_head_stride +
+                                                            lane * VEC);
+            Elem<T>::unpack(u, qv[g]);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) qv[g][e] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) qv[g][e] = 0.f;
+        }
+    }
+
+    float m[G], l[G], acc[G][VEC];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = kNegBig;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][e] = 0.f;
+    }
+
+    const T* k_head = k_cache + kv_head * head_stride + lane * VEC;
+    const T* v_head = v_cache + kv_head * head_stride + lane * VEC;
+    const long long* table = page_tables + b * table_stride;
+    const int slot_mask = (1 << block_shift) - 1;
+
+    for (int i0 = v0; i0 < v1; i0 += NTG * kUnroll) {  // the same trip count for every thread of the CTA
+        uint4 kr[kUnroll], vr[kUnroll];
+        bool ok[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * NTG + tg;
+            ok[u] = i < v1;
+            if (ok[u]) {
+                const int p = vis.position(i);
+                const long long off = table[p >> block_shift] * page_stride + (p & slot_mask) * slot_stride;
+                kr[u] = load_stream(k_head + off);
+                vr[u] = load_stream(v_head + off);
+            } else {
+                kr[u] = make_uint4(0u, 0u, 0u, 0u);
+                vr[u] = kr[u];
+            }
+        }
+        float s[G][kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            float kf[VEC];
+            Elem<T>::unpack(kr[u], kf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot = fmaf(qv[g][e], kf[e], dot);
+                s[g][u] = dot;
+            }
+        }
+#pragma unroll
+        for (int offset = TPT / 2; offset > 0; offset /= 2) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], offset);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                if (!ok[u]) s[g][u] = -__int_as_float(0x7f800000);  // -inf: weight 0
+                mx = fmaxf(mx, s[g][u]);
+            }
+            const float corr = exp2_approx(m[g] - mx);
+            m[g] = mx;
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                s[g][u] = exp2_approx(s[g][u] - mx);
+                l[g] += s[g][u];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            float vf[VEC];
+            Elem<T>::unpack(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[g][e] = fmaf(s[g][u], vf[e], acc[g][e]);
+            }
+        }
+    }
+
+    // Merge the NTG thread groups: a common max per head, then sums of the rescaled l and acc.
+    __shared__ float sm_m[NTG][G];
+    __shared__ float sm_l[NTG][G];
+    __shared__ __align__(16) float sm_acc[NTG][G][D];
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) sm_m[tg][g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = kNegBig;
+#pragma unroll
+        for (int t = 0; t < NTG; ++t) mx = fmaxf(mx, sm_m[t][g]);
+        const float f = exp2_approx(m[g] - mx);
+        if (lane == 0) sm_l[tg][g] = l[g] * f;
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+            *reinterpret_cast<float4*>(&sm_acc[tg][g][lane * VEC + e]) =
+                make_float4(acc[g][e] * f, acc[g][e + 1] * f, acc[g][e + 2] * f, acc[g][e + 3] * f);
+        }
+    }
+    __syncthreads();
+    for (int o = tid; o < heads_here * D; o += kThreads) {
+        const int g = o / D;
+        const int d = o - g * D;
+        float mx = kNegBig, sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int t = 0; t < NTG; ++t) {
+            mx = fmaxf(mx, sm_m[t][g]);
+            sum += sm_l[t][g];
+            a += sm_acc[t][g][d];
+        }
+        const int h = head0 + g;
+        if (max_parts == 1) {
+            store1(out + row * out_tok_stride + h * out_head_stride + d, a / sum);
+        } else {
+            const long long slot = ((long long)b * num_heads + h) * max_parts + part;
+            part_acc[slot * D + d] = a;
+            if (d == 0) {
+                part_ml[slot * 2] = mx;
+                part_ml[slot * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+// Merges the partitions of paged_decode. Grid (num_heads, batch), D threads: one output element a thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(D) paged_decode_reduce(
+    T* __restrict__ out, long long out_tok_stride, long long out_head_stride,
+    const long long* __restrict__ token_idx, const long long* __restrict__ ctx_lens,
+    const long long* __restrict__ sinks, const long long* __restrict__ windows,
+    int model_window, int partition_tokens, int max_parts,
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml) {
+    const int h = blockIdx.x;
+    const int b = blockIdx.y;
+    const int d = threadIdx.x;
+    const int ctx = (int)ctx_lens[b];
+    const int sink = sinks != nullptr ? (int)sinks[b] : 0;
+    const int window = windows != nullptr ? (int)windows[b] : 0;
+    const Visible vis = visible_positions(ctx, model_window, sink, window);
+    const int num_parts = min(max_parts, (vis.count() + partition_tokens - 1) / partition_tokens);
+    const long long base = ((long long)b * gridDim.x + h) * max_parts;
+    float mx = kNegBig;
+    for (int p = 0; p < num_parts; ++p) mx = fmaxf(mx, part_ml[(base + p) * 2]);
+    float sum = 0.f, a = 0.f;
+    for (int p = 0; p < num_parts; ++p) {
+        const float f = exp2_approx(part_ml[(base + p) * 2] - mx);
+        sum = fmaf(part_ml[(base + p) * 2 + 1], f, sum);
+        a = fmaf(part_acc[(base + p) * D + d], f, a);
+    }
+    store1(out + token_idx[b] * out_tok_stride + h * out_head_stride + d, a / sum);
+}
+
+}  // namespace pkv
