@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 COPY_TARGET = 0.85
 CONTIGUOUS_TARGET = 1.02
+MAX_REL_ERR = 1e-2  # fp16/bf16 against SDPA on the same inputs
 DEFAULT_CASES = ("64x4096", "1x32768", "256x1024")
 
 
@@ -178,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    wrong = [f"{r['batch']}x{r['context']}: {r['max_rel_err_vs_sdpa']:.2e}" for r in rows
+             if not r["max_rel_err_vs_sdpa"] <= MAX_REL_ERR]
+    if wrong:  # a fast wrong kernel is no result
+        print(f"ERROR: paged decode differs from SDPA by more than {MAX_REL_ERR:g} (max |diff| / max |ref|): "
+              + ", ".join(wrong), file=sys.stderr)
+        return 1
     return 0
 
 

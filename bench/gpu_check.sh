@@ -50,6 +50,10 @@ PAGEDKV_CUDA_DEBUG=1 timeout 240 python3 -m pytest -q -p no:cacheprovider --time
   tests/gpu tests/test_page_dma.py tests/test_kernels_compile.py tests/test_cuda_backend_cpu.py 2>&1 \
   | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
+echo "== decode kernels again without the debug synchronisation (ordering between launches as in serving)"
+timeout 60 python3 -m pytest -q -p no:cacheprovider --timeout 50 tests/gpu/test_cuda_attention_gpu.py -k "decode or forward" \
+  2>&1 | tail -3 | tee -a "$OUT_DIR/gpu_tests.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || tests_rc=1
 fi
 
 if [ "$run_bench" = 1 ]; then
@@ -57,6 +61,10 @@ echo "== paged decode attention kernels (bench/attention_kernels.py)"
 timeout 70 python3 bench/attention_kernels.py --out "$OUT_DIR/attention_kernels.json" 2>&1 \
   | tee "$OUT_DIR/attention_kernels.txt"
 attn_rc=${PIPESTATUS[0]}
+echo "== the same with 64 query / 8 KV heads (a group of 8: Llama-3-70B's shape)"
+timeout 30 python3 bench/attention_kernels.py --heads 64 --cases 64x4096 --out "$OUT_DIR/attention_kernels_g8.json" \
+  2>&1 | tail -4 | tee -a "$OUT_DIR/attention_kernels.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || attn_rc=1
 
 echo "== page DMA (bench/swap.py --dma-only)"
 timeout 40 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"

@@ -48,8 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
-                   help="paged attention implementation (auto: cuda on a CUDA device with CuPy installed and a "
-                   "supported dtype/head_dim, else torch)")
+                   help="paged attention implementation (auto: torch until the CUDA kernels are verified on a GPU; "
+                   "then cuda on a CUDA device with CuPy and a supported dtype/head_dim; cuda: opt in now)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "

@@ -105,15 +105,12 @@ __global__ void __launch_bounds__(kThreads, MinCtas<G>::value) paged_decode(
         for (int u = 0; u < kUnroll; ++u) {
             const int i = i0 + u * NTG + tg;
             ok[u] = i < v1;
-            if (ok[u]) {
-                const int p = vis.position(i);
-                const long long off = table[p >> block_shift] * page_stride + (p & slot_mask) * slot_stride;
-                kr[u] = load_stream(k_head + off);
-                vr[u] = load_stream(v_head + off);
-            } else {
-                kr[u] = make_uint4(0u, 0u, 0u, 0u);
-                vr[u] = kr[u];
-            }
+            // Past the end a lane re-reads the last visible row (cached; its score is masked to -inf below)
+            // instead of branching: the table loads of all kUnroll rows issue together, not one after another.
+            const int p = vis.position(min(i, v1 - 1));
+            const long long off = table[p >> block_shift] * page_stride + (p & slot_mask) * slot_stride;
+            kr[u] = load_stream(k_head + off);
+            vr[u] = load_stream(v_head + off);
         }
         float s[G][kUnroll];
 #pragma unroll

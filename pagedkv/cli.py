@@ -53,7 +53,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
-                   help="executor paged attention (auto: cuda on a CUDA device with CuPy, else torch)")
+                   help="executor paged attention (auto: torch until the CUDA kernels are verified on a GPU; "
+                   "cuda: opt in)")
     p.add_argument("--threads", type=int, default=0, help="executor torch CPU threads (0: torch's default)")
     p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -111,7 +111,8 @@ def decode_tables(reqs: list[Request], block_size: int, num_pages: int, model_wi
 
 
 def run_decode(env: Env, reqs: list[Request], *, dtype: torch.dtype, head_dim: int, block_size: int, heads: int,
-               kv_heads: int, partition_tokens: int, model_window: int = 0, seed: int = 0) -> None:
+               kv_heads: int, partition_tokens: int, model_window: int = 0, seed: int = 0,
+               q_scale: float = 1.0) -> None:
     """The decode kernel(s) on a group of requests whose queries sit at scattered rows of a larger flat batch;
     rows outside the group must stay untouched (NaN)."""
     g = torch.Generator(device=env.device).manual_seed(seed)
@@ -125,7 +126,8 @@ def run_decode(env: Env, reqs: list[Request], *, dtype: torch.dtype, head_dim: i
     batch = len(reqs)
     rows = 2 * batch + 3
     token_idx = torch.randperm(rows, generator=g, device=env.device)[:batch]
-    q = torch.randn((rows, heads, head_dim), generator=g, device=env.device).to(dtype)
+    # q_scale > 1: peaked softmax (scores of tens): big jumps of the running max, underflowing exponents
+    q = (torch.randn((rows, heads, head_dim), generator=g, device=env.device) * q_scale).to(dtype)
     ctx = torch.tensor([r.ctx for r in reqs], device=env.device)
     windowed = any(r.window for r in reqs)
     sinks = torch.tensor([r.sink for r in reqs], device=env.device) if windowed else None

@@ -40,6 +40,12 @@ def test_decode_one_partition(emu, dtype):
                      partition_tokens=SPLIT["nosplit"], seed=1)
 
 
+def test_decode_peaked_softmax(emu):
+    """Scores of tens (q x 25): the running max jumps between partitions; the merge must still agree."""
+    cases.run_decode(emu, cases.ragged()[:3], dtype=torch.float32, head_dim=64, block_size=16, heads=8, kv_heads=2,
+                     partition_tokens=32, seed=5, q_scale=25.0)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 8), (12, 4), (64, 8), (40, 4)])
 def test_decode_group_sizes(emu, heads, kv_heads):
     """Query groups of 1, 2, 3 (a 4-tile with an idle head), 8, and 10 (two CTAs per KV head)."""

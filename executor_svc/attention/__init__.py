@@ -10,11 +10,16 @@ from executor_svc.attention.torch_backend import TorchPagedAttention
 
 BACKENDS = {"torch": TorchPagedAttention, "cuda": CudaPagedAttention}
 
+# NOTE: the CUDA kernels pass nvcc, ptxas (no spills) and a CPU emulator of their source, but have not yet run
+# on a GPU. Until bench/gpu_check.sh has passed on one, ``auto`` keeps the torch reference and says so;
+# ``--attention-backend cuda`` opts in. The session that verifies them on a GPU sets this to True.
+CUDA_VERIFIED_ON_GPU = False
+
 
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     """The backend to run and why: ``auto`` is ``cuda`` where its kernels can run (a CUDA device, CuPy, a
-    supported dtype and head_dim), else ``torch``; an explicit ``cuda`` that cannot run is an error that
-    names the flag."""
+    supported dtype and head_dim) once they are verified on a GPU (CUDA_VERIFIED_ON_GPU), else ``torch``; an
+    explicit ``cuda`` that cannot run is an error that names the flag."""
     if requested == "torch":
         return "torch", "requested"
     reason = unavailable_reason(device, dtype, head_dim)
@@ -24,7 +29,12 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
         return "cuda", "requested"
     if requested != "auto":
         raise ValueError(f"--attention-backend {requested!r}: choose auto, {', '.join(BACKENDS)}")
-    return ("torch", f"auto: {reason}") if reason is not None else ("cuda", "auto: CUDA kernels available")
+    if reason is not None:
+        return "torch", f"auto: {reason}"
+    if not CUDA_VERIFIED_ON_GPU:
+        return "torch", ("auto: the CUDA kernels are not yet verified on a GPU (bench/gpu_check.sh); "
+                         "--attention-backend cuda uses them")
+    return "cuda", "auto: CUDA kernels available"
 
 
 __all__ = ["AttentionMetadata", "BACKENDS", "CudaPagedAttention", "TorchPagedAttention", "select_backend"]

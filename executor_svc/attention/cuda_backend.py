@@ -127,6 +127,9 @@ class CudaPagedAttention:
                             f"(supported: {', '.join(DTYPE_NAMES.values())})")
         if not k_cache.is_cuda and not getattr(self.library, "emulated", False):
             raise ValueError(f"cuda attention: the page pool is on {k_cache.device}, not a CUDA device")
+        if tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim) or v_cache.shape != k_cache.shape:
+            raise ValueError(f"cuda attention: K/V views {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not "
+                             f"hold [pages, block, {self.num_kv_heads} kv heads, {self.head_dim}]")
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError(f"cuda attention: K/V views need equal strides and unit stride along head_dim, got "
                              f"{k_cache.stride()} / {v_cache.stride()}")
@@ -183,7 +186,11 @@ class CudaPagedAttention:
         longest = group.page_tables.shape[1] * block_size
         if window:
             longest = min(longest, window)
-        return max(1, -(-longest // self.partition_tokens))
+        parts = max(1, -(-longest // self.partition_tokens))
+        if parts > 65535:
+            raise ValueError(f"cuda attention: {parts} partitions of {self.partition_tokens} tokens; the grid holds "
+                             "at most 65535 (raise partition_tokens)")
+        return parts
 
     def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                group: DecodeGroup, window: int | None) -> None:
@@ -199,9 +206,19 @@ class CudaPagedAttention:
         dtype, strides = self._pool_args(k_cache, v_cache)
         if q.dtype != k_cache.dtype:
             raise TypeError(f"cuda attention: q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        q = _rows_ready(q)  # 16-byte vector loads: a copy only when q's rows are not aligned
+        if _rows_ready(out) is not out:
+            raise ValueError("cuda attention: out needs unit stride along head_dim and 16-byte aligned rows")
+        for t, heads in ((q, self.num_heads), (out, self.num_heads)):
+            if tuple(t.shape[1:]) != (heads, self.head_dim):
+                raise ValueError(f"cuda attention: q/out {tuple(t.shape)} is not [tokens, {heads}, {self.head_dim}]")
+        if batch > 65535:
+            raise ValueError(f"cuda attention: {batch} decodes in one group; the grid holds at most 65535")
         device = k_cache.device
         shift = self._block_shift(k_cache)
         parts = self.num_partitions(group, k_cache.shape[1], window)
+        # no partition is longer than the table: keeps the kernels' int32 position arithmetic in range
+        part_tokens = min(self.partition_tokens, group.page_tables.shape[1] * k_cache.shape[1])
         part_acc = part_ml = None
         if parts > 1:
             part_acc = torch.empty((batch, self.num_heads, parts, self.head_dim), dtype=torch.float32, device=device)
@@ -220,13 +237,13 @@ class CudaPagedAttention:
             [out, _i64(out.stride(0)), _i64(out.stride(1)), q, _i64(q.stride(0)), _i64(q.stride(1)), token_idx,
              k_cache, v_cache, *strides, tables, _i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
              _i32(window or 0), _i32(self.group), _i32(self.chunks), _i32(shift), np.float32(self.scale * LOG2E),
-             _i32(self.partition_tokens), _i32(parts), Pointer(part_acc), Pointer(part_ml)])]
+             _i32(part_tokens), _i32(parts), Pointer(part_acc), Pointer(part_ml)])]
         if parts > 1:
             launches.append(lib.prepare(
                 "decode.cu", specs.reduce_name(dtype, self.head_dim), (self.num_heads, batch, 1),
                 (self.head_dim, 1, 1),
                 [out, _i64(out.stride(0)), _i64(out.stride(1)), token_idx, ctx_lens, Pointer(sinks),
-                 Pointer(windows), _i32(window or 0), _i32(self.partition_tokens), _i32(parts), part_acc, part_ml]))
+                 Pointer(windows), _i32(window or 0), _i32(part_tokens), _i32(parts), part_acc, part_ml]))
         return _Launches(launches, (tables, token_idx, ctx_lens, sinks, windows, part_acc, part_ml))
 
     def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_ids: torch.Tensor,

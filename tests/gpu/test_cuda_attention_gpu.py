@@ -64,6 +64,14 @@ def test_decode_fp32_and_small_partitions(dtype):
                      partition_tokens=64, seed=3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_peaked_softmax(dtype):
+    """q x 25: scores of tens, so the running max jumps between partitions and most exponents underflow
+    (flush-to-zero); the split merge must still agree with the reference."""
+    cases.run_decode(GPU, cases.ragged(), dtype=dtype, head_dim=128, block_size=16, heads=32, kv_heads=8,
+                     partition_tokens=64, seed=5, q_scale=25.0)
+
+
 @pytest.mark.parametrize("split", list(SPLIT))
 @pytest.mark.parametrize("model_window", [0, 1000])
 @pytest.mark.parametrize("block_size", specs.BLOCK_SIZES)
