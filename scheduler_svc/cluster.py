@@ -266,61 +266,51 @@ class Cluster:
         return out
 
     def update_gauges(self, force: bool = False) -> None:
-        """Gauges from every executor's state; at most every GAUGE_PERIOD seconds unless forced (the KV
-        utilization walks every page table)."""
-        now = time.monotonic()
-        if not force and now - self._gauges_at < GAUGE_PERIOD:
-            return
-        self._gauges_at = now
+        """Gauges from every executor's state: page and request counts on every call (cheap: per executor);
+        KV utilization and per-tenant figures, which walk the requests, at most every GAUGE_PERIOD seconds
+        unless forced."""
         states = {s: 0 for s in State}
         for e in self.engines.values():
             states[e.state] += 1
         for state, n in states.items():
             metrics.EXECUTORS.labels(state.value).set(n)
-        metrics.UNPLACED.set(len(self.unplaced))
-        schedulers = self.schedulers()
-        used = free = cached = capacity = running = waiting = swapped = filled = 0
-        host_capacity = host_used = host_cached = host_free = 0
-        tenants: dict[str, list[int]] = {}
+        live = []
         for address, e in self.engines.items():
             s = e.scheduler
             if s is None or e.state not in (State.UP, State.DRAINING):
                 metrics.EXECUTOR_PAGES_USED.labels(address).set(0)
                 metrics.EXECUTOR_RUNNING.labels(address).set(0)
                 continue
+            live.append(s)
             metrics.EXECUTOR_PAGES_USED.labels(address).set(s.pool.num_used)
             metrics.EXECUTOR_RUNNING.labels(address).set(len(s.running))
-            used += s.pool.num_used
-            free += s.pool.num_free
-            cached += s.pool.num_cached
-            capacity += s.pool.num_pages
-            running += len(s.running)
-            waiting += len(s.waiting)
-            swapped += len(s.swapped)
-            filled += s.kv_slots_filled()
-            if s.host is not None:
-                host_capacity += s.host.num_pages
-                host_used += s.host.num_used
-                host_cached += s.host.num_cached
-                host_free += s.host.num_free
+        hosts = [s.host for s in live if s.host is not None]
+        used = sum(s.pool.num_used for s in live)
+        metrics.PAGES_USED.set(used)
+        metrics.PAGES_FREE.set(sum(s.pool.num_free for s in live))
+        metrics.PAGES_CACHED.set(sum(s.pool.num_cached for s in live))
+        metrics.PAGES_CAPACITY.set(sum(s.pool.num_pages for s in live))
+        metrics.HOST_PAGES_CAPACITY.set(sum(h.num_pages for h in hosts))
+        metrics.HOST_PAGES_USED.set(sum(h.num_used for h in hosts))
+        metrics.HOST_PAGES_CACHED.set(sum(h.num_cached for h in hosts))
+        metrics.HOST_PAGES_FREE.set(sum(h.num_free for h in hosts))
+        metrics.RUNNING.set(sum(len(s.running) for s in live))
+        metrics.WAITING.set(sum(len(s.waiting) for s in live) + len(self.unplaced))
+        metrics.SWAPPED.set(sum(len(s.swapped) for s in live))
+        metrics.UNPLACED.set(len(self.unplaced))
+        now = time.monotonic()
+        if not force and now - self._gauges_at < GAUGE_PERIOD:
+            return
+        self._gauges_at = now
+        slots = used * (live[0].pool.block_size if live else 1)
+        metrics.KV_SLOT_UTILIZATION.set(sum(s.kv_slots_filled() for s in live) / slots if slots else 0.0)
+        schedulers = self.schedulers()
+        tenants: dict[str, list[int]] = {}
+        for s in live:
             for r in s.running:
                 tenants.setdefault(r.tenant, [0, 0])[0] += 1
             for tenant in s.tenant_stats:
-                row = tenants.setdefault(tenant, [0, 0])
-                row[1] += s.pool.used_by[tenant]
-        metrics.PAGES_USED.set(used)
-        metrics.PAGES_FREE.set(free)
-        metrics.PAGES_CACHED.set(cached)
-        metrics.PAGES_CAPACITY.set(capacity)
-        metrics.HOST_PAGES_CAPACITY.set(host_capacity)
-        metrics.HOST_PAGES_FREE.set(host_free)
-        metrics.RUNNING.set(running)
-        metrics.WAITING.set(waiting + len(self.unplaced))
-        metrics.SWAPPED.set(swapped)
-        metrics.HOST_PAGES_USED.set(host_used)
-        metrics.HOST_PAGES_CACHED.set(host_cached)
-        slots = used * (schedulers[0].pool.block_size if schedulers else 1)
-        metrics.KV_SLOT_UTILIZATION.set(filled / slots if slots else 0.0)
+                tenants.setdefault(tenant, [0, 0])[1] += s.pool.used_by[tenant]
         for tenant, (n_running, pages) in tenants.items():
             metrics.TENANT_PAGES.labels(tenant).set(pages)
             metrics.TENANT_RUNNING.labels(tenant).set(n_running)
