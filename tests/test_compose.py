@@ -18,6 +18,7 @@ import yaml
 from pagedkv.cli import free_port
 from pagedkv.client import Client
 from tests import procs
+from tests.test_cli import reflected_services
 
 COMPOSE = procs.ROOT / "docker-compose.yml"
 ALIAS = "executors"
@@ -102,7 +103,7 @@ def _local(command: list[str], ports: dict[str, int], aliases: dict[str, list[st
     return out
 
 
-def test_compose_services_run_locally_and_serve(model_cache, tmp_path):
+def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir):
     services = _services("cpu")
     executors = [n for n, s in services.items() if s["command"][0] == "executor"]
     assert set(services) == {"scheduler", *executors} and len(executors) == 2
@@ -129,10 +130,34 @@ def test_compose_services_run_locally_and_serve(model_cache, tmp_path):
             async with Client(address) as client:
                 outs = await asyncio.gather(*(client.complete(f"hello {i}", max_tokens=8, ignore_eos=True)
                                               for i in range(4)))
-                return outs, await client.model_info()
-        outs, info = asyncio.run(generate())
+                ids = await client.tokenize("héllo", add_special_tokens=True)
+                one = await client.complete("héllo wörld", max_tokens=24, ignore_eos=True)
+                return outs, ids, one, await client.model_info()
+        outs, ids, one, info = asyncio.run(generate())
         assert all(len(o.token_ids) == 8 for o in outs)
         assert sorted(e.state for e in info.executors) == ["up", "up"] and info.model == "tiny-llama"
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+        assert ids == tok("héllo")["input_ids"]
+        assert one.text == tok.decode(one.token_ids, skip_special_tokens=True)
+        assert one.prompt_tokens == len(tok("héllo wörld")["input_ids"])
+        # reflection on every server
+        assert "pagedkv.api.v1.Generation" in reflected_services(address)
+        assert "grpc.health.v1.Health" in reflected_services(address)
+        assert "pagedkv.executor.v1.Executor" in reflected_services(f"127.0.0.1:{ports[executors[0]]['--port']}")
+        # the CLI client: greedy, so the same text as above, then a newline; bad input named
+        r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "héllo wörld", "--address", address,
+                            "--max-tokens", "24", "--ignore-eos"], cwd=procs.ROOT, capture_output=True, timeout=120)
+        stdout, stderr = r.stdout.decode("utf-8"), r.stderr.decode("utf-8")  # bytes: keep \r as it is
+        assert r.returncode == 0, stderr
+        assert stdout == one.text + "\n"
+        assert "finish=length" in stderr and "completion_tokens=24" in stderr
+        r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "x", "--address", address,
+                            "--temperature", "-1"], cwd=procs.ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "sampling.temperature" in r.stderr
+        scheduler = started[-1]
+        assert scheduler.saw("scheduler_ready") and any(e.get("request_id") for e in scheduler.events)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['scheduler']['--metrics-port']}/metrics",
                                          timeout=10).read().decode()
         assert 'pagedkv_executors{state="up"} 2.0' in metrics

@@ -28,8 +28,10 @@ async def run_all(address: str, prompts, max_tokens) -> list:
         return await asyncio.gather(*[client.complete(p, max_tokens=n) for p, n in zip(prompts, max_tokens)])
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("model", ["tiny-llama", "qwen2"])
+# Every block size on tiny-llama; the Qwen2-style model (qkv bias, tied embeddings: the model code, not the
+# paging) at the default block size.
+@pytest.mark.parametrize("model,block_size", [("tiny-llama", 8), ("tiny-llama", 16), ("tiny-llama", 32),
+                                              ("qwen2", 16)])
 def test_greedy_matches_transformers(start_server, workloads, model, block_size):
     model_dir, prompts, expected = workloads[model]
     model_arg = "tiny-llama" if model == "tiny-llama" else str(model_dir)
