@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -12,6 +11,7 @@ import grpc
 import torch
 
 from executor_svc import metrics
+from executor_svc.args import BLOCK_SIZES, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
 from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
 from executor_svc.model import load_model
@@ -24,39 +24,7 @@ from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.models import resolve_model
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-BLOCK_SIZES = (8, 16, 32)
-MAX_SWAP_RATIO = 2.0  # the host tier is at most 2x the device KV (seeds, practice note 3)
 HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama) or a local HF directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-pages", type=int, help="number of device KV pages")
-    size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB (default: 1 on CPU, "
-                      "--gpu-memory-utilization of free memory after weights on CUDA)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    swap = p.add_mutually_exclusive_group()
-    swap.add_argument("--swap-space", type=float, metavar="GiB",
-                      help="host (pinned) memory for swapped-out and spilled KV pages; 0 turns the host tier "
-                      "off (default: as much as the device KV, capped to half the available host memory; "
-                      f"at most {MAX_SWAP_RATIO:g}x the device KV)")
-    swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages instead of GiB")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
-                   help="paged attention implementation (auto: torch until the CUDA kernels are verified on a GPU; "
-                   "then cuda on a CUDA device with CuPy and a supported dtype/head_dim; cuda: opt in now)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
-                   "before exiting anyway")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
-    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
-                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):

@@ -216,7 +216,7 @@ def _finish_name(value: int) -> str:
 
 # ---- main --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from executor_svc import server as executor_server
+    from executor_svc import args as executor_args
     from scheduler_svc import server as scheduler_server
 
     parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
     scheduler_server.add_args(p)
     p = sub.add_parser("executor", help="run the executor service alone (model + page pools)")
-    executor_server.add_args(p)
+    executor_args.add_args(p)
     p = sub.add_parser("generate", help="stream one completion from a running server to stdout")
     p.add_argument("prompt")
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"),

@@ -214,3 +214,9 @@ def test_loader_debug_mode_synchronises_and_names_the_kernel(monkeypatch):
     lib, fake = _fake_library(monkeypatch, debug=True, fail_sync=True)
     with pytest.raises(RuntimeError, match=r"CUDA kernel pkv::copy_pages .* cudaErrorIllegalAddress"):
         lib.launch("cache.cu", specs.COPY_NAME, (1, 1, 1), (256, 1, 1), [np.int64(1)])
+
+
+def test_cli_backend_names_match_the_backends():
+    from executor_svc.args import BACKEND_NAMES
+
+    assert set(BACKEND_NAMES) == set(BACKENDS)
