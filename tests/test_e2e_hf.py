@@ -60,9 +60,15 @@ def test_preemption_keeps_outputs_identical(start_server, workloads, mode):
     server = start_server("--block-size", "16", "--num-pages", "24", "--num-host-pages", "48",
                           "--preemption-mode", mode, "--max-model-len", "384",
                           "--max-num-batched-tokens", "256", "--check-integrity")
-    outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS))
-    assert [o.token_ids for o in outs] == expected
-    info = asyncio.run(_info(server.address))
+    # NOTE: whether the 18 requests ever overflow the pool depends on how their arrivals interleave with the
+    # first steps (seen once in CI: all fit in turn). The workload runs again, up to 3 times, until it did;
+    # every run must give transformers' outputs.
+    for _ in range(3):
+        outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS))
+        assert [o.token_ids for o in outs] == expected
+        info = asyncio.run(_info(server.address))
+        if info.num_preemptions:
+            break
     assert info.num_preemptions > 0, "the pool was meant to be too small: preemption must have happened"
     assert info.num_preemptions == info.num_swap_preemptions + info.num_recompute_preemptions
     if mode == "recompute":
