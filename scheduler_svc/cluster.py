@@ -128,6 +128,7 @@ class Cluster:
 
     def engine_up(self, engine: Engine) -> None:
         self.any_up.set()
+        self._last_scheduler = self.scheduler  # the limits the API validates by, should every engine go
         waiting, self.unplaced = self.unplaced, deque()
         for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, deadline=deadline)

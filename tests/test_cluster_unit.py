@@ -1,0 +1,257 @@
+"""The cluster's placement, migration and drain logic in one process: real Cluster, Engine and Scheduler
+objects drive FakeExecutors (which check that every step reads exactly the KV it wrote) through a stand-in
+for the gRPC client. Fast and deterministic; the real processes are in test_scaleout.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import structlog
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc import cluster as cluster_mod
+from scheduler_svc import engine as engine_mod
+from scheduler_svc.executor_client import ExecutorUnavailable
+from scheduler_svc.pages import PagePool
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from tests.fake_executor import FakeExecutor, make_request
+
+BS = 16
+_ids = itertools.count()
+
+
+class FakeCall:
+    def __init__(self) -> None:
+        self._done = False
+        self._callbacks = []
+
+    def done(self) -> bool:
+        return self._done
+
+    def add_done_callback(self, cb) -> None:
+        self._callbacks.append(cb)
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            for cb in self._callbacks:
+                cb(self)
+
+
+class Box:
+    """What runs at one address: an executor process (restart() gives a new one with empty pools)."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self.alive = True
+        self.draining = False
+        self.delay = 0.0
+        self.restart()
+
+    def restart(self) -> None:
+        self.executor = FakeExecutor(BS)
+        self.executor_id = f"x{next(_ids)}"
+
+
+class FakeClient:
+    boxes: dict[str, Box] = {}
+
+    def __init__(self, address: str, step_timeout: float) -> None:
+        self.address = address
+        self.call = None
+
+    @property
+    def box(self) -> Box:
+        return self.boxes[self.address]
+
+    async def connect(self, timeout: float):
+        await asyncio.sleep(0)
+        if not self.box.alive or self.box.draining:
+            await asyncio.sleep(timeout)
+            raise ExecutorUnavailable(f"{self.address} down")
+        self.call = FakeCall()
+        return pb.DescribeResponse(model="m", vocab_size=300, block_size=BS, max_position_embeddings=4096,
+                                   num_device_pages=self.box.pages, eos_token_ids=[2],
+                                   executor_id=self.box.executor_id)
+
+    async def step(self, plan):
+        await asyncio.sleep(self.box.delay)
+        if self.call is None or self.call.done() or not self.box.alive:
+            self.drop()
+            raise ExecutorUnavailable(f"{self.address} gone")
+        result = self.box.executor.step(plan)
+        result.draining = self.box.draining
+        return result
+
+    def drop(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+
+    async def close(self) -> None:
+        self.drop()
+
+
+@pytest.fixture
+def boxes(monkeypatch):
+    monkeypatch.setattr(cluster_mod, "ExecutorClient", FakeClient)
+    monkeypatch.setattr(engine_mod, "RECONNECT_POLL", 0.05)
+    FakeClient.boxes = {}
+    return FakeClient.boxes
+
+
+def new_cluster(**kw) -> cluster_mod.Cluster:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)
+
+    def make_scheduler(d) -> Scheduler:
+        return Scheduler(PagePool(d.num_device_pages, d.block_size), config, list(d.eos_token_ids))
+    reference = pb.DescribeResponse(model="m", vocab_size=300, block_size=BS, max_position_embeddings=4096)
+    kw.setdefault("step_timeout", 5)
+    return cluster_mod.Cluster(reference, make_scheduler, structlog.get_logger(), check_every_step=True, **kw)
+
+
+async def collect(req) -> tuple[list[int], str | None]:
+    tokens = []
+    while True:
+        out = await req.queue.get()
+        tokens += out.token_ids
+        if out.error:
+            return tokens, out.error
+        if out.finish is not None:
+            return tokens, None
+
+
+async def until(predicate, timeout: float = 3.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_executor_failure_moves_a_stream_with_no_token_lost_or_repeated(boxes):
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = new_cluster()
+        c.start()
+        c.set_addresses({"a:1", "b:1"})
+        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        boxes["a:1"].delay = boxes["b:1"].delay = 0.002
+        req = make_request(1, 40, 60)
+        c.add_request(req)
+        first = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.requests)
+        task = asyncio.create_task(collect(req))
+        await until(lambda: len(req.output_ids) >= 20)
+        boxes[first].alive = False
+        tokens, error = await asyncio.wait_for(task, 5)
+        other = c.engines[next(a for a in c.engines if a != first)]
+        await until(lambda: other.scheduler.pool.num_used == 0)
+        other.scheduler.check_integrity()
+        await c.stop()
+        return tokens, error, c.engines[first].num_migrated_out
+    tokens, error, migrated = asyncio.run(scenario())
+    assert error is None and len(tokens) == 60 and migrated == 1
+
+
+def test_a_drained_executor_that_comes_back_serves_no_stale_prefix(boxes):
+    """After a drain the scheduler forgets the executor's cached pages: a process restarted at the same
+    address (same pool size, new executor id) holds none of them. (The FakeExecutor would fail the step
+    that read stale KV.)"""
+    async def scenario():
+        boxes["a:1"] = Box(64)
+        c = new_cluster(drain_timeout=0.2)
+        c.start()
+        c.set_addresses({"a:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        engine = c.engines["a:1"]
+        prompt = list(range(3, 67))
+        first = make_request(1, 0, 4, prompt=prompt)
+        c.add_request(first)
+        assert (await collect(first))[1] is None
+        boxes["a:1"].draining = True
+        nudge = make_request(2, 20, 30)  # a step that reports the drain
+        c.add_request(nudge)
+        await until(lambda: engine.state is engine_mod.State.DOWN)
+        boxes["a:1"].draining = False
+        boxes["a:1"].restart()
+        await until(lambda: engine.state is engine_mod.State.UP)
+        again = make_request(3, 0, 4, prompt=prompt + [9])
+        c.add_request(again)
+        out = await asyncio.wait_for(collect(again), 3)
+        nudge_out = await asyncio.wait_for(collect(nudge), 3)
+        await c.stop()
+        return out, again.num_cached_tokens, nudge_out
+    (tokens, error), cached, (nudge_tokens, nudge_error) = asyncio.run(scenario())
+    assert error is None and len(tokens) == 4 and cached == 0
+    assert nudge_error is None and len(nudge_tokens) == 30  # waited for the executor to come back
+
+
+def test_a_moved_request_too_long_for_the_survivor_waits_then_ends_with_an_error(boxes):
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(8)})  # b holds 128 tokens
+        c = new_cluster(unplaced_timeout=0.5)
+        c.start()
+        c.set_addresses({"a:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        c.set_addresses({"a:1", "b:1"})
+        await until(lambda: c.engines["b:1"].state is engine_mod.State.UP)
+        boxes["a:1"].delay = 0.002
+        long = make_request(1, 100, 100)
+        c.add_request(long)
+        assert long.request_id in c.engines["a:1"].scheduler.requests
+        task = asyncio.create_task(collect(long))
+        await until(lambda: len(long.output_ids) >= 40)  # 140 tokens: more than b holds
+        boxes["a:1"].alive = False
+        tokens, error = await asyncio.wait_for(task, 5)
+        short = make_request(2, 10, 5)  # b still serves what fits
+        c.add_request(short)
+        short_out = await asyncio.wait_for(collect(short), 3)
+        await c.stop()
+        return tokens, error, short_out
+    tokens, error, (short_tokens, short_error) = asyncio.run(scenario())
+    assert error and "no executor that can hold this request" in error and len(tokens) >= 40
+    assert short_error is None and len(short_tokens) == 5
+
+
+def test_requests_moved_together_keep_their_order(boxes):
+    async def scenario():
+        boxes.update({"c:1": Box(64), "d:1": Box(64)})
+        c = new_cluster()
+        c.start()
+        c.set_addresses({"c:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        boxes["c:1"].delay = 10  # a long step keeps everything else queued on c
+        reqs = [make_request(i, 40, 5) for i in range(1, 5)]
+        for r in reqs:
+            c.add_request(r)
+        await asyncio.sleep(0.05)
+        c.set_addresses({"c:1", "d:1"})
+        await until(lambda: c.engines["d:1"].state is engine_mod.State.UP)
+        c.engines["c:1"]._executor_lost("test")
+        order = [r.request_id for r in c.engines["d:1"].scheduler.waiting]
+        await c.stop()
+        return order
+    assert asyncio.run(scenario()) == ["r1", "r2", "r3", "r4"]
+
+
+def test_the_api_keeps_its_limits_while_no_executor_is_connected(boxes):
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = new_cluster(drain_timeout=0.1)
+        c.start()
+        c.set_addresses({"a:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        boxes["b:1"].alive = False  # the replacement is still starting
+        for _ in range(100):
+            c.set_addresses({"b:1"})
+            if "a:1" not in c.engines:
+                break
+            await asyncio.sleep(0.02)
+        gone = "a:1" not in c.engines
+        scheduler, available = c.scheduler, c.available
+        await c.stop()
+        return gone, scheduler, available
+    gone, scheduler, available = asyncio.run(scenario())
+    assert gone and scheduler is not None and not available
