@@ -3,9 +3,8 @@ them), for the scale-out and compose tests."""
 
 from __future__ import annotations
 
-import time
-
 from pagedkv.local_server import ROOT, ServiceProcess
+from tests.conftest import wait_until as wait_for
 
 Proc = ServiceProcess
 __all__ = ["ROOT", "Proc", "executor", "scheduler", "wait_for"]
@@ -19,12 +18,3 @@ def executor(*args: str, port: int = 0, wait: bool = True) -> Proc:
 def scheduler(*executors: str, args: tuple[str, ...] = ()) -> Proc:
     flags = [f for a in executors for f in ("--executor", a)]
     return Proc("scheduler", *flags, *args)
-
-
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
