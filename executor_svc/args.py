@@ -28,6 +28,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages instead of GiB")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV page data type: auto (the model dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | int8 "
+                   "(8-bit: about half the bytes per token, so about twice the pages; scales kept in the page). "
+                   "int4/fp4/nf4 are refused")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKEND_NAMES],
                    help="paged attention implementation (auto: torch until the CUDA kernels are verified on a GPU; "
                    "then cuda on a CUDA device with CuPy and a supported dtype/head_dim; cuda: opt in now)")

@@ -8,6 +8,12 @@ so swapping or copying a page is a single copy of ``page_bytes``. Attention read
 ``pool[:, layer, 0]`` (K) and ``pool[:, layer, 1]`` (V) of shape [num_pages, block_size, kv_heads, head_dim]
 (the "NHD" order of vLLM's and FlashInfer's paged kernels: gathering a request's pages gives its
 tokens in order, and a token's heads are adjacent).
+
+With an 8-bit KV cache dtype (executor_svc.kv_quant) the pool is bytes,
+``pool[num_pages, num_layers, 2, block_size * kv_heads * head_dim + block_size * kv_heads * 2]``: each
+region holds the 8-bit data then its per-(token, head) bfloat16 scales, so a page with its scales is still
+one contiguous block of ``page_bytes`` and every page move (swap, spill, copy-on-write, DMA) is unchanged.
+``layer()`` then returns ``QuantizedCache`` views instead of tensors.
 """
 
 from __future__ import annotations
@@ -16,14 +22,18 @@ from collections.abc import Callable
 
 import torch
 
+from executor_svc.kv_quant import SCALE_BYTES, SCALE_DTYPE, KvFormat, QuantizedCache
 from executor_svc.model_config import ModelConfig
 
 GiB = 1 << 30
 
 
-def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv: KvFormat | None = None) -> int:
+    """Bytes of one page (all layers, K and V, scales included); ``kv`` None: unquantized ``dtype``."""
+    if kv is None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+    return block_size * kv.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
 
 def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
@@ -32,21 +42,45 @@ def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
 
 class DevicePagePool:
     def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv: KvFormat | None = None) -> None:
+        """``dtype``: the model's; ``kv``: the KV cache format (None or unquantized: pages of its dtype)."""
         if num_pages < 1:
             raise ValueError(f"the page pool needs at least 1 page, got {num_pages}")
+        if kv is not None and not kv.quantized:
+            dtype, kv = kv.storage, None
         self.num_pages = num_pages
         self.block_size = block_size
-        self.dtype = dtype
-        self.page_bytes = page_bytes(cfg, block_size, dtype)
-        shape = (num_pages, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_views = [self.pages[:, layer, 0] for layer in range(cfg.num_layers)]
-        self.v_views = [self.pages[:, layer, 1] for layer in range(cfg.num_layers)]
+        self.kv = kv
+        self.kv_dtype = kv.name if kv is not None else str(dtype).removeprefix("torch.")
+        self.compute_dtype = dtype  # what attention gets back from a quantized page
+        self.page_bytes = page_bytes(cfg, block_size, dtype, kv)
+        if kv is None:
+            self.dtype = dtype  # the element type of ``pages`` (host pool, copies)
+            shape = (num_pages, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.pages = torch.zeros(shape, dtype=dtype, device=device)
+            self.k_views = [self.pages[:, layer, 0] for layer in range(cfg.num_layers)]
+            self.v_views = [self.pages[:, layer, 1] for layer in range(cfg.num_layers)]
+        else:
+            self.dtype = torch.uint8
+            n_data = block_size * cfg.num_kv_heads * cfg.head_dim
+            n_scale = block_size * cfg.num_kv_heads * SCALE_BYTES
+            self.pages = torch.zeros((num_pages, cfg.num_layers, 2, n_data + n_scale), dtype=torch.uint8,
+                                     device=device)
+            assert self.pages[0].numel() == self.page_bytes
+
+            def view(layer: int, which: int) -> QuantizedCache:
+                region = self.pages[:, layer, which]
+                data = region[:, :n_data].view(kv.storage).view(num_pages, block_size, cfg.num_kv_heads,
+                                                                 cfg.head_dim)
+                scale = region[:, n_data:].view(SCALE_DTYPE).view(num_pages, block_size, cfg.num_kv_heads)
+                return QuantizedCache(data, scale, kv)
+
+            self.k_views = [view(layer, 0) for layer in range(cfg.num_layers)]
+            self.v_views = [view(layer, 1) for layer in range(cfg.num_layers)]
         # A kernel for copy-on-write (the cuda attention backend's), or None for plain tensor indexing.
         self.copier: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> tuple[torch.Tensor | QuantizedCache, torch.Tensor | QuantizedCache]:
         return self.k_views[index], self.v_views[index]
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

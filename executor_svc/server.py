@@ -14,6 +14,7 @@ from executor_svc import metrics
 from executor_svc.args import BLOCK_SIZES, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
 from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
+from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
@@ -103,8 +104,11 @@ def _device(name: str) -> torch.device:
     return dev
 
 
-def _num_pages(args, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    per_page = page_bytes(cfg, args.block_size, dtype)
+def _num_pages(args, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               kv: KvFormat | None = None) -> int:
+    if kv is not None and not kv.quantized:
+        dtype, kv = kv.storage, None
+    per_page = page_bytes(cfg, args.block_size, dtype, kv)
     if args.num_pages is not None:
         if args.num_pages < 1:
             raise ValueError(f"--num-pages must be >= 1, got {args.num_pages}")
@@ -171,12 +175,13 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
     dtype = parse_dtype(args.dtype)
+    kv = parse_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)  # before loading: refuse 4-bit early
     path = resolve_model(args.model)
     cfg = ModelConfig.from_dir(path)
     model = load_model(cfg, device, dtype)
-    backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim)
+    backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
-    pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device), args.block_size, dtype, device)
+    pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device, kv), args.block_size, dtype, device, kv)
     pool.copier = getattr(attention, "copy_pages", None)
     host_pool = HostPagePool(pool, _num_host_pages(args, pool.num_pages, pool.page_bytes, log))
     runner = ModelRunner(model, pool, attention, device, host_pool)
@@ -185,13 +190,15 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-        dtype=str(dtype).removeprefix("torch."), kv_dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."), kv_dtype=pool.kv_dtype,
+        kv_bytes_per_token=pool.page_bytes // args.block_size,
         block_size=args.block_size, num_device_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
         page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
+             kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
              block_size=args.block_size, num_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
              page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
              swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),

@@ -52,6 +52,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="executor KV pages: auto (model dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | int8 "
+                   "(int4/fp4/nf4 refused)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
                    help="executor paged attention (auto: torch until the CUDA kernels are verified on a GPU; "
                    "cuda: opt in)")
@@ -96,7 +99,7 @@ def serve(args) -> int:
     common = [sys.executable, "-m", "pagedkv"]
     exec_cmd = [*common, "executor", "--model", args.model, "--host", args.host, "--port", str(exec_port),
                 "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
-                "--attention-backend", args.attention_backend,
+                "--attention-backend", args.attention_backend, "--kv-cache-dtype", args.kv_cache_dtype,
                 "--threads", str(args.threads), "--log-format", args.log_format]
     if args.metrics_port:
         exec_cmd += ["--metrics-port", str(args.metrics_port + 1)]

@@ -118,7 +118,11 @@ class Cluster:
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
 
     def check_compatible(self, describe) -> str:
-        """Why an executor cannot join (another model, vocabulary or block size), or ''."""
+        """Why an executor cannot join (another model, vocabulary or block size), or ''.
+
+        Another KV cache dtype (--kv-cache-dtype) is no reason: pages never move between executors (a moved
+        request is recomputed on its new executor, whose page count already reflects its bytes per token),
+        so executors with fp8, int8 and full-precision pages serve side by side."""
         ref = self.reference
         for field in ("model", "vocab_size", "block_size", "max_position_embeddings"):
             if getattr(describe, field) != getattr(ref, field):
@@ -263,7 +267,8 @@ class Cluster:
                 num_pages=s.pool.num_pages if s else 0, num_used_pages=s.pool.num_used if s else 0,
                 num_cached_pages=s.pool.num_cached if s else 0, num_running=len(s.running) if s else 0,
                 num_waiting=(len(s.waiting) + len(s.swapped)) if s else 0, num_placed=e.num_placed,
-                num_migrated_out=e.num_migrated_out, num_computed_tokens=s.num_computed_tokens if s else 0))
+                num_migrated_out=e.num_migrated_out, num_computed_tokens=s.num_computed_tokens if s else 0,
+                kv_dtype=e.kv_dtype, kv_bytes_per_token=e.kv_bytes_per_token))
         return out
 
     def update_gauges(self, force: bool = False) -> None:

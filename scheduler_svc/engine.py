@@ -60,6 +60,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.state = State.CONNECTING
         self.executor_id = ""
+        self.kv_dtype, self.kv_bytes_per_token = "", 0  # the executor's KV cache format (Describe)
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -143,6 +144,7 @@ class Engine:
         self.executor.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
         self.state = State.UP
         self.executor_id = describe.executor_id
+        self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
                       num_host_pages=describe.num_host_pages)
         self.cluster.engine_up(self)

@@ -232,7 +232,8 @@ async def serve(args) -> None:
         return
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
-                vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend)
+                vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
+                kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token)
     server = grpc_common.new_server()
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts)
     api_grpc.add_GenerationServicer_to_server(service, server)

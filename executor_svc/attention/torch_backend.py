@@ -6,6 +6,10 @@ request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
 ``scaled_dot_product_attention`` with grouped-query heads. Positions past a request's context (table
 padding), outside the model's sliding window when there is one, and outside a request's own sink + window
 (its dropped pages among them) are masked.
+
+On a quantized pool (``QuantizedCache`` views, executor_svc.kv_quant) ``write_cache`` quantizes each new
+token's head vectors with their own scale, and the gather dequantizes the gathered pages (a copy that the
+gather makes anyway), so attention itself runs in the model dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.kv_quant import QuantizedCache
 
 
 class TorchPagedAttention:
@@ -33,6 +38,10 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
     ) -> None:
         """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots."""
+        if isinstance(k_cache, QuantizedCache):
+            k_cache.write(meta.slot_pages, meta.slot_offsets, k)
+            v_cache.write(meta.slot_pages, meta.slot_offsets, v)
+            return
         k_cache[meta.slot_pages, meta.slot_offsets] = k
         v_cache[meta.slot_pages, meta.slot_offsets] = v
 
@@ -48,10 +57,15 @@ class TorchPagedAttention:
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
-    def _gather(self, cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor | QuantizedCache, page_ids: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
         """Pages [B, n] -> [B, kv_heads, n * block_size, head_dim]: one copy, then a strided view."""
         batch, n = page_ids.shape
-        pages = cache.index_select(0, page_ids.reshape(-1))  # [B * n, bs, H, D]
+        if isinstance(cache, QuantizedCache):
+            pages = cache.gather(page_ids.reshape(-1), dtype)
+        else:
+            pages = cache.index_select(0, page_ids.reshape(-1)).to(dtype)  # [B * n, bs, H, D] (no-op cast
+            # unless --kv-cache-dtype is a float type other than the model's)
         return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -64,8 +78,8 @@ class TorchPagedAttention:
         window: int | None,
     ) -> torch.Tensor:
         batch = q.shape[0]
-        k = self._gather(k_cache, group.page_tables)  # [B, H, L, D]
-        v = self._gather(v_cache, group.page_tables)
+        k = self._gather(k_cache, group.page_tables, q.dtype)  # [B, H, L, D]
+        v = self._gather(v_cache, group.page_tables, q.dtype)
         if group.mask is None:  # the same for every layer of the step
             pos = torch.arange(k.shape[-2], device=q.device).view(1, -1)
             ctx = group.ctx_lens.view(batch, 1)
@@ -86,8 +100,8 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
         window: int | None,
     ) -> torch.Tensor:
-        k = self._gather(k_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]  # [1, H, ctx, D]
-        v = self._gather(v_cache, seg.page_ids.view(1, -1))[:, :, : seg.ctx_len]
+        k = self._gather(k_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]  # [1, H, ctx, D]
+        v = self._gather(v_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
         return self.prefill_attend(q, k, v, seg, window)
 
     def prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment,

@@ -1,0 +1,144 @@
+"""KV cache data types: full precision, or 8-bit (FP8 E4M3, INT8) with scales stored inside the page.
+
+The seeds' tiers: FP8 KV is the quality default (loss almost imperceptible, half the KV memory); INT8 KV
+for maximum concurrency (1-3% loss on some long maths/code tasks); INT4 KV: don't (poor kernel support and a
+clear loss in quality). Weight quantization and KV quantization are independent switches.
+
+Quantized page layout (one contiguous block of ``page_bytes`` across layers, DESIGN decision 3)::
+
+    page[num_layers, 2 (K, V), region] (uint8), region = data[block_size, kv_heads, head_dim] (1 byte each)
+                                                     ++ scales[block_size, kv_heads] (bfloat16)
+
+One scale per (token, KV head), computed when the token is written (no calibration): the head vector's
+absolute maximum over the format's largest value (127 for INT8, 448 for E4M3), rounded to bfloat16; the
+data is quantized with that rounded scale, so ``data * scale`` is the dequantized value. The granularity was
+chosen by measurement (bench/kv_quant.py, bench/NOTES.md "KV quantization"): per page and channel scales
+cost 2/block_size bytes per element (12.5% at 16-token pages, above the 0.53x byte target) and must
+requantize a page's earlier tokens when a new token exceeds the range.
+
+FP8 conversion saturates (values beyond +-448 become +-448, never NaN) and rounds to nearest even: the value
+is clamped to [-448, 448] first, then converted by torch's ``float8_e4m3fn`` cast, which rounds to nearest
+even (tests/test_kv_quant.py checks it bit for bit against ``fp8_e4m3_reference`` below on every
+representable value, every midpoint between neighbours and random values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
+FULL_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3",
+           "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3"}
+REFUSED = {
+    "int4": "INT4 KV cache is not supported",
+    "fp4": "FP4 KV cache is not supported",
+    "nf4": "NF4 KV cache is not supported",
+}
+REFUSAL_REASON = (
+    "4-bit KV has poor kernel support and a clear loss in quality (long-context attention drifts, >10% more "
+    "factual errors). Use fp8_e4m3 (the quality default: almost no loss, half the KV memory) or int8 (maximum "
+    "concurrency, 1-3% loss on some long maths/code tasks). Weight quantization (AWQ/GPTQ 4-bit) is a separate "
+    "switch: 4-bit weights do not need 4-bit KV"
+)
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+SCALE_DTYPE = torch.bfloat16
+SCALE_BYTES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class KvFormat:
+    """How a page pool stores K/V: ``name`` as reported (float32 ... fp8_e4m3, int8)."""
+
+    name: str
+    storage: torch.dtype  # element type of the data (the model dtype when not quantized)
+    quantized: bool
+    qmax: float = 0.0
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one token over all layers, scales included."""
+        elem = torch.empty((), dtype=self.storage).element_size()
+        per_head = head_dim * elem + (SCALE_BYTES if self.quantized else 0)
+        return num_layers * 2 * num_kv_heads * per_head
+
+
+def parse_kv_dtype(name: str, model_dtype: torch.dtype) -> KvFormat:
+    """``--kv-cache-dtype``: auto (the model dtype), a float dtype, fp8_e4m3 or int8; 4-bit is refused."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key in REFUSED:
+        raise ValueError(f"--kv-cache-dtype {name}: {REFUSED[key]}. {REFUSAL_REASON}")
+    if key == "auto":
+        return KvFormat(str(model_dtype).removeprefix("torch."), model_dtype, False)
+    if key in FULL_PRECISION:
+        return KvFormat(key, FULL_PRECISION[key], False)
+    if key == "fp8_e4m3":
+        return KvFormat("fp8_e4m3", torch.float8_e4m3fn, True, FP8_MAX)
+    if key == "int8":
+        return KvFormat("int8", torch.int8, True, INT8_MAX)
+    raise ValueError(f"--kv-cache-dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def to_fp8_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating, round-to-nearest-even conversion of a float tensor to float8_e4m3fn (NaN stays NaN)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize(x: torch.Tensor, fmt: KvFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (data [..., D] in fmt.storage, scale [...] bfloat16), one scale per vector."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = (amax / fmt.qmax).to(SCALE_DTYPE)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector: any scale
+    y = xf / scale.float().unsqueeze(-1)
+    if fmt.storage == torch.int8:
+        data = torch.round(y).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # torch.round: half to even
+    else:
+        data = to_fp8_e4m3(y)
+    return data, scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+class QuantizedCache:
+    """One layer's K (or V) of a quantized pool: ``data`` [num_pages, block_size, kv_heads, head_dim] and
+    ``scale`` [num_pages, block_size, kv_heads], both views into the pool's bytes (no copy)."""
+
+    __slots__ = ("data", "scale", "fmt")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, fmt: KvFormat) -> None:
+        self.data = data
+        self.scale = scale
+        self.fmt = fmt
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def write(self, pages: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+        data, scale = quantize(x, self.fmt)
+        self.data[pages, offsets] = data
+        self.scale[pages, offsets] = scale
+
+    def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Whole pages, dequantized: [len(page_ids), block_size, kv_heads, head_dim]."""
+        return dequantize(self.data.index_select(0, page_ids), self.scale.index_select(0, page_ids), dtype)
+
+
+def fp8_e4m3_reference(x: torch.Tensor) -> torch.Tensor:
+    """An independent E4M3 (fn variant: no inf, max 448) conversion in float64 arithmetic, saturating and
+    rounding to nearest even, returning the float value. For tests: torch's cast must agree bit for bit."""
+    x = x.double()
+    sign = torch.sign(x)
+    a = x.abs().clamp(max=FP8_MAX)
+    # exponent of the binade, at least -6 (below that: subnormals, spacing 2^-9)
+    e = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a)))).clamp(min=-6)
+    step = torch.pow(2.0, e - 3)  # 3 mantissa bits
+    q = torch.round(a / step) * step  # round half to even on the mantissa grid (ties: even multiple of step)
+    q = q.clamp(max=FP8_MAX)
+    out = sign * q
+    return torch.where(torch.isnan(x), x, out)
