@@ -273,8 +273,9 @@ def tenants_toml(config: str, args: argparse.Namespace) -> str:
         limits += [f"page_quota = {quota}", f"max_concurrent_requests = {args.flood_concurrency}"]
     if config == "fair+quota+budget":
         limits += [f"page_budget = {args.flood_page_budget}", 'overflow = "window"']
-    return "\n".join([f"[tenants.{FLOOD}]", f'keys = ["{hash_key(KEYS[FLOOD])}"]', *limits, "",
-                      f"[tenants.{QUIET}]", f'keys = ["{hash_key(KEYS[QUIET])}"]', ""])
+    # admin: the bench reads the server's own counts (running, pages, preemptions), which a tenant does not see
+    return "\n".join([f"[tenants.{FLOOD}]", f'keys = ["{hash_key(KEYS[FLOOD])}"]', "admin = true", *limits, "",
+                      f"[tenants.{QUIET}]", f'keys = ["{hash_key(KEYS[QUIET])}"]', "admin = true", ""])
 
 
 def common_args(args: argparse.Namespace, model: str, num_pages: int) -> list[str]:

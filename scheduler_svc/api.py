@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -24,7 +25,10 @@ from scheduler_svc.validation import (
     check_prompt_ids,
     check_request_id,
     check_sampling,
+    check_text_bytes,
 )
+
+METHODS = "/pagedkv.api.v1.Generation/"  # the full gRPC method names, as logs and interceptors give them
 
 FINISH_REASONS = {
     Finish.STOP: api.FINISH_REASON_STOP,
@@ -74,6 +78,25 @@ def tenant_info(schedulers: list, tenant: Tenant) -> api.TenantInfo:
     return info
 
 
+def add_cluster_counts(info: api.ModelInfoResponse, schedulers: list, live: set[int]) -> None:
+    """Adds every executor's counts to ``info`` (free and cached pages: those up or draining)."""
+    for s in schedulers:
+        pool = dict(num_free_pages=s.pool.num_free, num_cached_pages=s.pool.num_cached) if id(s) in live else {}
+        host = s.host if id(s) in live else None
+        add = dict(
+            **pool, num_used_pages=s.pool.num_used,
+            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+            peak_used_pages=s.peak_used_pages, num_computed_tokens=s.num_computed_tokens,
+            num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
+            num_used_host_pages=host.num_used if host is not None else 0, num_swapped=len(s.swapped),
+            num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
+            num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
+            num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
+            num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits)
+        for name, value in add.items():
+            setattr(info, name, getattr(info, name) + value)
+
+
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, engine: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False) -> None:
@@ -85,9 +108,37 @@ class GenerationService(api_grpc.GenerationServicer):
         self.live: set[str] = set()  # client request ids with an open stream
         self.closing = False  # shutting down: no new requests
         self.log_prompts = log_prompts  # prompt text (or ids) in the request_admitted line: off unless asked
+        # NOTE: tokenizing runs off the event loop (other streams keep streaming), one text at a time: a fast
+        # tokenizer is not safe to call from several threads at once, and each text is bounded in bytes.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    def _authenticate(self, context) -> Tenant:
-        return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
+    async def _tenant(self, context, method: str) -> Tenant:
+        """The caller's tenant; otherwise the call ends UNAUTHENTICATED and the refusal is logged (never the
+        key: the reason says only missing, malformed, unknown or revoked)."""
+        try:
+            return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
+        except Unauthenticated as err:
+            metrics.AUTH_FAILURES.labels(err.reason).inc()
+            self.log.warning("auth_failed", peer=context.peer(), method=method, reason=err.reason)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
+    async def _tokenize(self, text: str, add_special_tokens: bool, tokens: bool = False):
+        """Token ids of ``text`` (and with ``tokens``, their strings), computed on the tokenizer thread."""
+        def run():
+            ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
+
+    async def _prompt_ids(self, request: api.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise InvalidRequest("prompt.text: must not be empty")
+            check_text_bytes(request.text, "prompt.text", self.limits.prompt_bytes)  # before any tokenizing
+            return await self._tokenize(request.text, add_special_tokens=True)
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
 
     def _page_budget(self, request: api.GenerateRequest, tenant: Tenant, prompt_len: int) -> int:
         """The request's page budget: the tenant's, or lower if the request asks."""
@@ -117,16 +168,7 @@ class GenerationService(api_grpc.GenerationServicer):
                                      f"(the attention sink's pages plus two)")
         return budget
 
-    def _build_request(self, request: api.GenerateRequest, tenant: Tenant) -> Request:
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise InvalidRequest("prompt.text: must not be empty")
-            ids = self.tokenizer(request.text, add_special_tokens=True)["input_ids"]
-        elif which == "token_ids":
-            ids = list(request.token_ids.ids)
-        else:
-            raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
+    def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int]) -> Request:
         scheduler = self.engine.scheduler
         budget = self._page_budget(request, tenant, len(ids))
         sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
@@ -166,12 +208,9 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
+        tenant = await self._tenant(context, METHODS + "Generate")
         try:
-            tenant = self._authenticate(context)
-        except Unauthenticated as err:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
-        try:
-            req = self._build_request(request, tenant)
+            req = self._build_request(request, tenant, await self._prompt_ids(request))
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except KeyError as err:
@@ -225,44 +264,35 @@ class GenerationService(api_grpc.GenerationServicer):
                 log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
-        try:
-            tenant = self._authenticate(context)
-        except Unauthenticated as err:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+        """The model's facts and the pools' sizes for everyone; the caller's own figures in ``tenant``; the
+        cluster-wide counts and the executors only for a caller who may see them (tenancy: admin, or the one
+        tenant of a single-tenant server) -- for the others they stay 0 / empty."""
+        tenant = await self._tenant(context, METHODS + "ModelInfo")
         schedulers = self.engine.schedulers()
-        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching,
-                                     executors=self.engine.executor_infos())
+        sees_cluster = self.engine.scheduler.tenants.sees_cluster(tenant)
+        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching)
         live = {id(s) for s in self.engine.schedulers(live=True)}
-        for s in schedulers:  # every count adds up the executors' (pools: those up or draining)
-            host = s.host if id(s) in live else None
-            pool = dict(num_pages=s.pool.num_pages, num_free_pages=s.pool.num_free,
-                        num_cached_pages=s.pool.num_cached) if id(s) in live else {}
-            add = dict(
-                **pool, num_used_pages=s.pool.num_used,
-                num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
-                peak_used_pages=s.peak_used_pages, num_computed_tokens=s.num_computed_tokens,
-                num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
-                num_host_pages=host.num_pages if host is not None else 0,
-                num_used_host_pages=host.num_used if host is not None else 0, num_swapped=len(s.swapped),
-                num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
-                num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
-                num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
-                num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits)
-            for name, value in add.items():
-                setattr(info, name, getattr(info, name) + value)
-        info.num_waiting += len(self.engine.unplaced)
+        for s in schedulers:  # capacity: the pools of the executors up or draining
+            if id(s) in live:
+                info.num_pages += s.pool.num_pages
+                info.num_host_pages += s.host.num_pages if s.host is not None else 0
+        if sees_cluster:
+            info.executors.extend(self.engine.executor_infos())
+            add_cluster_counts(info, schedulers, live)
+            info.num_waiting += len(self.engine.unplaced)
         info.tenant.CopyFrom(tenant_info(schedulers, tenant))
         if request.reset_peak:
             for s in schedulers:
                 s.stats(tenant.id).peak_used_pages = s.pool.used_by[tenant.id]
-                s.peak_used_pages = s.pool.num_used
+                if sees_cluster:
+                    s.peak_used_pages = s.pool.num_used
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802
+        await self._tenant(context, METHODS + "Tokenize")
         try:
-            self._authenticate(context)
-        except Unauthenticated as err:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
-        ids = await asyncio.to_thread(self.tokenizer, request.text, add_special_tokens=request.add_special_tokens)
-        ids = ids["input_ids"]
-        return api.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+            check_text_bytes(request.text, "text", self.limits.prompt_bytes)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        ids, tokens = await self._tokenize(request.text, request.add_special_tokens, tokens=True)
+        return api.TokenizeResponse(token_ids=ids, tokens=tokens)

@@ -1,5 +1,8 @@
 """Prometheus metrics of the scheduler (a scheduler driving several executors adds theirs up; per-executor
-series carry an ``executor`` label)."""
+series carry an ``executor`` label).
+
+Tenant ids are labels (they are names from the tenants file, not secrets); API keys never are. /metrics
+has no authentication: bind it to an internal interface with ``--metrics-host`` when the API is public."""
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -59,3 +62,7 @@ EXECUTOR_RUNNING = Gauge("pagedkv_executor_requests_running", "Requests running 
 MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another executor, by cause (failure or drain)",
                      ["cause"])
 UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")
+AUTH_FAILURES = Counter("pagedkv_auth_failures_total", "Public API calls refused as unauthenticated, by reason "
+                        "(missing, malformed, unknown, revoked)", ["reason"])
+UNDECODABLE_REQUESTS = Counter("pagedkv_undecodable_requests_total",
+                               "Public API requests that were not a valid protobuf message (or not UTF-8)")

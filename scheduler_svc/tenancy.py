@@ -15,11 +15,19 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     max_concurrent_requests = 128   # 0: no limit
     sliding_window = 0              # attend to the sink plus the last N tokens (0: off)
     sink_tokens = 16
+    admin = false                   # true: ModelInfo shows this key the whole cluster (see below)
 
 Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
 constant time. Clients send ``authorization: Bearer <key>``. Without a tenants file the server is
 single-tenant: every caller is ``default`` and no key is asked for. The tenant decides the prefix
 cache's namespace (``prefix_cache.tenant_root``): a client never chooses it.
+
+What a tenant sees (``ModelInfo``): the model's facts (model, max_model_len, block size, vocabulary, dtypes,
+backend, prefix caching, pool sizes) and its own figures (``tenant``: settings, pages held, requests, budget
+hits). Cluster-wide counts (pages used and cached, running and waiting requests of everyone, tokens computed,
+prefix-cache hits, swaps, preemptions) and the executors' addresses and states stay 0 / empty: they would show
+one tenant another's activity. A tenant marked ``admin = true`` sees them (operators, dashboards, benchmarks).
+A single-tenant server (no tenants file) has one caller, who sees everything.
 """
 
 from __future__ import annotations
@@ -44,7 +52,12 @@ class InvalidTenant(ValueError):
 
 
 class Unauthenticated(Exception):
-    pass
+    """``reason`` is one of missing, malformed, unknown, revoked (a metrics label); the message says what to do.
+    Neither ever holds the key."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def hash_key(key: str) -> str:
@@ -62,6 +75,7 @@ class Tenant:
     overflow: str = "window"
     sliding_window: int = 0  # tokens; 0: off
     sink_tokens: int = 0
+    admin: bool = False  # ModelInfo shows this tenant the cluster-wide figures and the executors
     key_hashes: tuple[bytes, ...] = field(default=(), repr=False)
     revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
 
@@ -90,7 +104,7 @@ def _hashes(values, name: str) -> tuple[bytes, ...]:
 
 
 _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
-           "page_budget", "overflow", "sliding_window", "sink_tokens"}
+           "page_budget", "overflow", "sliding_window", "sink_tokens", "admin"}
 
 
 def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
@@ -120,7 +134,11 @@ def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
     overflow = raw.get("overflow", "window")
     if overflow not in OVERFLOW_POLICIES:
         raise InvalidTenant(f"{where}.overflow: {overflow!r}; must be one of {list(OVERFLOW_POLICIES)}")
+    admin = raw.get("admin", False)
+    if not isinstance(admin, bool):
+        raise InvalidTenant(f"{where}.admin: must be true or false, got {admin!r}")
     return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
+                  admin=admin,
                   key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
                   revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
 
@@ -175,10 +193,10 @@ class Tenants:
             if key == "authorization":
                 scheme, _, token = value.partition(" ")
                 if scheme.lower() != "bearer" or not token.strip():
-                    raise Unauthenticated("authorization metadata: expected 'Bearer <api key>'")
+                    raise Unauthenticated("authorization metadata: expected 'Bearer <api key>'", "malformed")
                 token = token.strip()
         if token is None:
-            raise Unauthenticated("missing API key: send 'authorization: Bearer <api key>' metadata")
+            raise Unauthenticated("missing API key: send 'authorization: Bearer <api key>' metadata", "missing")
         digest = hashlib.sha256(token.encode("utf-8")).digest()
         found, revoked = None, False
         for t in self.by_id.values():  # every hash is compared: the time does not depend on which matched
@@ -189,10 +207,14 @@ class Tenants:
                 if hmac.compare_digest(h, digest):
                     revoked = True
         if revoked:
-            raise Unauthenticated("API key revoked")
+            raise Unauthenticated("API key revoked", "revoked")
         if found is None:
-            raise Unauthenticated("unknown API key")
+            raise Unauthenticated("unknown API key", "unknown")
         return found
+
+    def sees_cluster(self, tenant: Tenant) -> bool:
+        """Whether ModelInfo shows this caller the cluster-wide figures: an admin tenant, or the only one."""
+        return tenant.admin or not self.multi
 
     def __iter__(self):
         return iter(self.by_id.values())

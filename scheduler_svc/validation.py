@@ -14,6 +14,13 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
 MAX_FORKS = 16
+PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
+MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
+MAX_PROMPT_BYTES = 1 << 30  # --max-prompt-bytes ceiling (gRPC message lengths are 32-bit)
+TOKEN_ID_WIRE_BYTES = 5  # a token id in a packed repeated int32: a varint of at most 5 bytes
+# Everything in a GenerateRequest other than the prompt, with room to spare: 16 stop strings of 256 characters
+# (4 UTF-8 bytes each), 64 stop token ids, the request id, the sampling numbers and the field tags.
+MESSAGE_SLACK_BYTES = 64 << 10
 
 
 class InvalidRequest(ValueError):
@@ -25,6 +32,34 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_len_name: str = "max_model_len"  # what sets max_model_len (a tenant's quota can lower it)
+    max_prompt_bytes: int = 0  # UTF-8 bytes of text taken before tokenizing (0: default_max_prompt_bytes)
+
+    @property
+    def prompt_bytes(self) -> int:
+        return self.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
+
+
+def default_max_prompt_bytes(max_model_len: int) -> int:
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)
+
+
+def max_message_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest public request the server reads (gRPC's max_receive_message_length): the longest text, or
+    a full context of token ids, plus everything else a request carries. Anything larger is refused by gRPC
+    with RESOURCE_EXHAUSTED as its length prefix arrives, before the message is read."""
+    return max(max_prompt_bytes, max_model_len * TOKEN_ID_WIRE_BYTES) + MESSAGE_SLACK_BYTES
+
+
+def check_text_bytes(text: str, field: str, limit: int) -> None:
+    """Refuses text of more than ``limit`` UTF-8 bytes, before any tokenizing (the one check that must be cheap:
+    a character is 1 to 4 bytes, so only text of limit/4 to limit characters is encoded to count)."""
+    if len(text) * 4 <= limit:
+        return
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        more = "at least " if len(text) > limit else ""
+        raise InvalidRequest(f"{field}: {more}{size} bytes of UTF-8; at most {limit} (--max-prompt-bytes; send "
+                             "a shorter text, or token ids)")
 
 
 def check_prompt_ids(ids: list[int], limits: Limits) -> None:

@@ -20,7 +20,8 @@ TENANTS = ("acme", "globex", "rag", "forks")
 @pytest.fixture(scope="module")
 def server(model_cache, tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    path.write_text("".join(f'[tenants.{t}]\nkeys = ["{hash_key("key-" + t)}"]\n' for t in TENANTS))
+    # admin: these tests read the cluster's counters (tokens computed, pages used), which a tenant does not see
+    path.write_text("".join(f'[tenants.{t}]\nkeys = ["{hash_key("key-" + t)}"]\nadmin = true\n' for t in TENANTS))
     s = Server("--num-pages", "1024", "--max-num-batched-tokens", "4096", "--check-integrity",
                "--tenants-file", str(path))
     yield s

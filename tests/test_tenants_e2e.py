@@ -40,6 +40,10 @@ overflow = "stop"
 keys = ["{hash_key('key-slide')}"]
 sliding_window = 40
 sink_tokens = 4
+
+[tenants.ops]                  # sees the cluster's figures in ModelInfo (tenants see only their own)
+keys = ["{hash_key('key-ops')}"]
+admin = true
 """
 
 
@@ -144,13 +148,15 @@ def test_quota_holds_while_the_other_tenant_gets_its_reserve_at_once(server):
             mid = await alpha.model_info()
             await asyncio.gather(*flood)
             end = await alpha.model_info()
-            return b, beta_s, mid, end
+            async with Client(server.address, api_key="key-ops") as ops:
+                cluster = await ops.model_info()
+            return b, beta_s, mid, end, cluster
 
-    b, beta_s, mid, end = asyncio.run(scenario())
+    b, beta_s, mid, end, cluster = asyncio.run(scenario())
     assert len(b.token_ids) == 8
     assert mid.tenant.num_waiting > 0, "alpha's flood was meant to be still queued when beta finished"
     assert end.tenant.peak_used_pages <= 48 and end.tenant.used_pages == 0
-    assert end.num_used_pages == 0
+    assert cluster.num_used_pages == 0 and cluster.num_running == 0
 
 
 NEIGHBOURS = f"""
