@@ -40,5 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
                    "before exiting anyway")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    p.add_argument("--metrics-host", default="", metavar="HOST",
+                   help="address /metrics listens on (default: --host), e.g. an internal interface")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")

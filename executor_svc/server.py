@@ -219,7 +219,7 @@ async def serve(args) -> None:
     if args.metrics_port:
         import prometheus_client
 
-        prometheus_client.start_http_server(args.metrics_port, addr=args.host)
+        prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("executor_ready", address=f"{args.host}:{port}", pid=os.getpid())

@@ -26,8 +26,13 @@ SERVER_KEEPALIVE_OPTIONS = [
 ]
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=[*CHANNEL_OPTIONS, *SERVER_KEEPALIVE_OPTIONS])
+def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, interceptors=()) -> grpc.aio.Server:
+    """A server; ``max_receive_bytes`` bounds one request (gRPC refuses a larger one with RESOURCE_EXHAUSTED
+    from its length prefix, before reading it)."""
+    options = [*CHANNEL_OPTIONS, *SERVER_KEEPALIVE_OPTIONS]
+    options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

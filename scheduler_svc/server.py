@@ -10,6 +10,8 @@ import signal
 from pagedkv import grpc_common, logs
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.grpc_guard import DecodeGuard
+from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, resolve
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
@@ -17,7 +19,14 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenancy import InvalidTenant, Tenants
-from scheduler_svc.validation import Limits
+from scheduler_svc.validation import (
+    MAX_PROMPT_BYTES,
+    MIN_PROMPT_BYTES,
+    PROMPT_BYTES_PER_TOKEN,
+    Limits,
+    default_max_prompt_bytes,
+    max_message_bytes,
+)
 
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -73,7 +82,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an executor may take for one step before it is considered failed")
     p.add_argument("--check-integrity", action="store_true",
                    help="check page accounting after every step (always checked when idle)")
+    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
+                   help="longest prompt text (Generate) or Tokenize text in UTF-8 bytes, refused with "
+                   "INVALID_ARGUMENT before it is tokenized (default: "
+                   f"{PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len, at least {MIN_PROMPT_BYTES}). "
+                   "A request message larger than this plus a full context of token ids and 64 KiB is refused "
+                   "by gRPC with RESOURCE_EXHAUSTED before it is read")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    p.add_argument("--metrics-host", default="", metavar="HOST",
+                   help="address /metrics listens on (default: --host); e.g. an internal interface while the "
+                   "API is public (/metrics has no authentication; it shows tenant ids, never keys)")
     p.add_argument("--log-prompts", action="store_true",
                    help="put each request's prompt (text, or token ids) in its request_admitted log line; off by "
                    "default: logs carry request ids, tenants and token counts, never prompt text")
@@ -230,11 +248,20 @@ async def serve(args) -> None:
         await cluster.stop()
         log.info("scheduler_stopped", during="start-up")
         return
-    limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size)
+    prompt_bytes = args.max_prompt_bytes or default_max_prompt_bytes(max_len)
+    if not 0 < prompt_bytes <= MAX_PROMPT_BYTES:
+        raise ValueError(f"--max-prompt-bytes {args.max_prompt_bytes}: must be in [1, {MAX_PROMPT_BYTES}]")
+    limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token)
-    server = grpc_common.new_server()
+
+    def undecodable(method: str, peer: str, reason: str) -> None:
+        metrics.UNDECODABLE_REQUESTS.inc()
+        log.info("request_undecodable", method=method, peer=peer, error=reason)
+
+    max_request = max_message_bytes(prompt_bytes, max_len)
+    server = grpc_common.new_server(max_receive_bytes=max_request, interceptors=[DecodeGuard(undecodable)])
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
@@ -242,13 +269,14 @@ async def serve(args) -> None:
     if args.metrics_port:
         import prometheus_client
 
-        prometheus_client.start_http_server(args.metrics_port, addr=args.host)
+        prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
-             preemption_mode=args.preemption_mode)
+             preemption_mode=args.preemption_mode, max_prompt_bytes=prompt_bytes, max_request_bytes=max_request,
+             metrics=f"{args.metrics_host or args.host}:{args.metrics_port}" if args.metrics_port else "off")
 
     async def refresh_executors() -> None:
         try:

@@ -150,3 +150,44 @@ def test_request_id_reused_right_after_cancel(server):
     again, other = asyncio.run(scenario())
     assert again.request_id == "same" and again.completion_tokens == 5 and again.finish_reason == "length"
     assert other.completion_tokens == 5
+
+
+UNDECODABLE = [
+    ("invalid UTF-8 in text", b"\x0a\x03\xff\xfe\xfd", "String field had bad UTF-8"),
+    ("truncated field", b"\x0a\x05ab", "Wire format was corrupt"),
+    ("bad wire type", b"\xff\xff\xff\xff", "Wire format was corrupt"),
+]
+
+
+@pytest.mark.parametrize("name,raw,why", UNDECODABLE, ids=[c[0] for c in UNDECODABLE])
+def test_undecodable_request_is_invalid_argument(server, name, raw, why):
+    """Bytes that are not the method's protobuf message (or hold a string that is not UTF-8) get INVALID_ARGUMENT
+    naming the method, not UNKNOWN with a server-side traceback."""
+
+    async def call():
+        errors = {}
+        async with grpc.aio.insecure_channel(server.address) as channel:  # no serializer: raw bytes on the wire
+            calls = {"Generate": channel.unary_stream("/pagedkv.api.v1.Generation/Generate"),
+                     "Tokenize": channel.unary_unary("/pagedkv.api.v1.Generation/Tokenize"),
+                     "ModelInfo": channel.unary_unary("/pagedkv.api.v1.Generation/ModelInfo")}
+            if name == "invalid UTF-8 in text":  # ModelInfoRequest's field 1 is a bool: an unknown field to it
+                del calls["ModelInfo"]
+            for method, rpc in calls.items():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    result = rpc(raw)
+                    if method == "Generate":
+                        async for _ in result:
+                            pass
+                    else:
+                        await result
+                errors[method] = err.value
+        async with Client(server.address) as client:
+            ok = await client.complete("still serving", max_tokens=3, ignore_eos=True)
+        return errors, ok
+
+    errors, ok = asyncio.run(call())
+    for method, err in errors.items():
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err)
+        assert f"not a valid protobuf message for /pagedkv.api.v1.Generation/{method}" in err.details()
+        assert why in err.details(), err.details()
+    assert ok.completion_tokens == 3
