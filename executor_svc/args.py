@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedkv.security import add_secret_arg, add_tls_server_args
+
 BLOCK_SIZES = (8, 16, 32)
 MAX_SWAP_RATIO = 2.0  # the host tier is at most 2x the device KV (seeds, practice note 3)
 BACKEND_NAMES = ("torch", "cuda")  # executor_svc.attention.BACKENDS (a test keeps the two in step)
@@ -44,3 +46,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="address /metrics listens on (default: --host), e.g. an internal interface")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
+    add_secret_arg(p, "executor")
+    p.add_argument("--insecure", action="store_true",
+                   help="development only: run without an executor secret, so that any process that reaches this "
+                   "port can drive the executor and read what its pages hold (logged loudly at start-up)")
+    add_tls_server_args(p)

@@ -19,7 +19,7 @@ from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
-from pagedkv import grpc_common, logs
+from pagedkv import grpc_common, logs, security
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.models import resolve_model
@@ -206,23 +206,46 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     return runner, describe
 
 
+def link_security(args, log) -> tuple[list, grpc.ServerCredentials | None]:
+    """The interceptors (the secret check) and TLS credentials of the executor's port, checked before the
+    model loads: an executor with no secret refuses to start unless --insecure."""
+    secret = security.load_executor_secret(args.executor_secret_file)
+    credentials = security.server_credentials(args.tls_cert, args.tls_key)
+    if secret:
+        return [security.SecretInterceptor(secret, log)], credentials
+    if not args.insecure:
+        raise ValueError(f"no executor secret: give {security.SECRET_FILE_FLAG} PATH (or set "
+                         f"${security.EXECUTOR_SECRET_ENV}) with the secret your scheduler holds, so that only it "
+                         "can drive this executor; --insecure runs without one (development only)")
+    exposed = not security.is_loopback(args.host)
+    (log.error if exposed else log.warning)(
+        "executor_unauthenticated", address=f"{args.host}:{args.port}", exposed_beyond_loopback=exposed,
+        risk="--insecure: any process that reaches this port can drive this executor and read what its pages "
+        "hold" + (", from other machines too" if exposed else " (local processes)"),
+        hint=f"development only; give {security.SECRET_FILE_FLAG} in production")
+    return [], credentials
+
+
 async def serve(args) -> None:
     log = logs.configure("executor", json=logs.wants_json(args.log_format))
+    interceptors, credentials = link_security(args, log)
     runner, describe = build(args, log)
-    server = grpc_common.new_server()
+    server = grpc_common.new_server(interceptors=interceptors)
     service = ExecutorService(runner, describe, log)
     metrics.DEVICE_PAGES.set(describe.num_device_pages)
     metrics.HOST_PAGES.set(describe.num_host_pages)
     pb_grpc.add_ExecutorServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
-    port = grpc_common.bind(server, args.host, args.port)
+    port = grpc_common.bind(server, args.host, args.port, credentials)
+    security.warn_if_exposed(log, "executor", args.host, port, tls=credentials is not None)
     if args.metrics_port:
         import prometheus_client
 
         prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
-    log.info("executor_ready", address=f"{args.host}:{port}", pid=os.getpid())
+    log.info("executor_ready", address=f"{args.host}:{port}", pid=os.getpid(), tls=credentials is not None,
+             authenticated=bool(interceptors))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

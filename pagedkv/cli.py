@@ -1,14 +1,17 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | generate | bench | hash-key | health."""
+"""The ``pagedkv`` command: serve | scheduler | executor | generate | bench | hash-key | health | gen-certs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 BLOCK_SIZES = (8, 16, 32)
@@ -129,6 +132,15 @@ def serve(args) -> int:
         sched_cmd.append("--no-fairness")
     if args.sliding_window:
         sched_cmd += ["--sliding-window", str(args.sliding_window), "--sink-tokens", str(args.sink_tokens)]
+    # A fresh executor secret for this run, in a 0600 file both children read (removed at exit): no other
+    # local process can drive the executor.
+    secret_dir = tempfile.mkdtemp(prefix="pagedkv-serve-")
+    secret_file = os.path.join(secret_dir, "executor.secret")
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secrets.token_hex(32).encode())
+    os.close(fd)
+    exec_cmd += ["--executor-secret-file", secret_file]
+    sched_cmd += ["--executor-secret-file", secret_file]
     children: list[subprocess.Popen] = []
     stopping = False
 
@@ -166,6 +178,7 @@ def serve(args) -> int:
             except subprocess.TimeoutExpired:
                 c.kill()
                 c.wait()
+        shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 # ---- generate ----------------------------------------------------------------------------------
@@ -174,7 +187,8 @@ async def _generate(args) -> int:
 
     from pagedkv.client import Client
 
-    async with Client(args.address, api_key=args.api_key) as client:
+    async with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca,
+                      tls_server_name=args.tls_server_name) as client:
         try:
             async for msg in client.generate(
                 args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -200,11 +214,18 @@ def health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from pagedkv.security import channel_credentials, server_name_options
+
+    if args.tls_ca:
+        channel = grpc.secure_channel(args.address, channel_credentials(args.tls_ca),
+                                      options=server_name_options(args.tls_server_name))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as err:
-            print(f"{args.address}: {err.code().name}", file=sys.stderr)
+            print(f"{args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     print(f"{args.address}: {status}")
@@ -220,6 +241,7 @@ def _finish_name(value: int) -> str:
 # ---- main --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from executor_svc import args as executor_args
+    from pagedkv.security import add_tls_client_args
     from scheduler_svc import server as scheduler_server
 
     parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
@@ -243,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
+    add_tls_client_args(p)
     p = sub.add_parser("bench", help="load generator: synthetic requests against a running server, latency and "
                        "throughput report")
     from pagedkv.loadgen.command import add_args as add_bench_args
@@ -253,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--timeout", type=float, default=3.0)
+    add_tls_client_args(p)
+    p = sub.add_parser("gen-certs", help="write a CA, a server certificate and key (and an executor secret) for TLS")
+    from pagedkv.certs import add_args as add_certs_args
+
+    add_certs_args(p)
     return parser
 
 
@@ -261,9 +289,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "generate":
-        return asyncio.run(_generate(args))
+        try:
+            return asyncio.run(_generate(args))
+        except ValueError as err:  # an unreadable --tls-ca, a bad --address list
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
     if args.command == "health":
-        return health(args)
+        try:
+            return health(args)
+        except ValueError as err:  # an unreadable --tls-ca
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
+    if args.command == "gen-certs":
+        from pagedkv.certs import main as gen_certs
+
+        try:
+            return gen_certs(args)
+        except (ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
     if args.command == "bench":
         from pagedkv.loadgen.command import main as bench
 

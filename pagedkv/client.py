@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_common import CHANNEL_OPTIONS
+from pagedkv.security import open_channel
 
 FINISH_NAMES = {
     api.FINISH_REASON_UNSPECIFIED: None,
@@ -60,15 +61,20 @@ def channel_target(address: str) -> str:
 
 
 class Client:
-    """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``"""
+    """``async with Client("127.0.0.1:50051") as c: async for chunk in c.generate("Hi"): ...``
 
-    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (), api_key: str = "") -> None:
+    ``tls_ca``: connect with TLS, trusting the CA certificate(s) in that PEM file (the server's ``--tls-cert``
+    is signed by it); ``tls_server_name``: the name the certificate must carry when it is not the address's
+    host. Without ``tls_ca`` the channel is plaintext."""
+
+    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (), api_key: str = "",
+                 tls_ca: str = "", tls_server_name: str = "") -> None:
         if api_key:
             metadata = (*metadata, ("authorization", f"Bearer {api_key}"))
         self.address = address
         self.metadata = tuple(metadata)
-        self.channel = grpc.aio.insecure_channel(channel_target(address), options=[
-            *CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")])
+        self.channel = open_channel(channel_target(address), [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")],
+                                    tls_ca, tls_server_name)
         self.stub = api_grpc.GenerationStub(self.channel)
 
     async def __aenter__(self) -> Client:
@@ -84,15 +90,17 @@ class Client:
         """Waits until the server's health check says SERVING."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         deadline = asyncio.get_running_loop().time() + timeout
+        last = ""
         while True:
             try:
                 r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.aio.AioRpcError:
-                pass
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            except grpc.aio.AioRpcError as err:
+                last = f"{err.code().name}: {err.details()}"  # e.g. refused, or a TLS handshake that failed
             if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{self.address} not serving after {timeout:.0f}s")
+                raise TimeoutError(f"{self.address} not serving after {timeout:.0f}s (last: {last})")
             await asyncio.sleep(0.1)
 
     @staticmethod

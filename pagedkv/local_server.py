@@ -13,8 +13,12 @@ from collections import deque
 from pathlib import Path
 
 from pagedkv.cli import free_port
+from pagedkv.security import EXECUTOR_SECRET_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
+# The executor secret every ServiceProcess gets unless its env says otherwise, so that the executors and
+# schedulers a test or benchmark starts one by one authenticate to each other. A test value, not a secret.
+TEST_EXECUTOR_SECRET = "pagedkv-test-executor-secret-0123456789abcdef"
 
 
 class LocalServer:
@@ -65,7 +69,8 @@ class LocalServer:
 
 
 class ServiceProcess:
-    """``pagedkv <role> --port <free> *args`` with JSON logs; waits for its ``<role>_ready`` line."""
+    """``pagedkv <role> --port <free> *args`` with JSON logs; waits for its ``<role>_ready`` line. The child's
+    environment has ``PAGEDKV_EXECUTOR_SECRET=TEST_EXECUTOR_SECRET`` unless ``env`` sets it ("" unsets it)."""
 
     def __init__(self, role: str, *args: str, port: int = 0, timeout: float = 120.0, wait: bool = True,
                  env: dict[str, str] | None = None) -> None:
@@ -73,7 +78,8 @@ class ServiceProcess:
         self.port = port or free_port()
         cmd = [sys.executable, "-m", "pagedkv", role, "--port", str(self.port), "--log-format", "json", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, EXECUTOR_SECRET_ENV: TEST_EXECUTOR_SECRET, **(env or {})},
+                                     start_new_session=True)
         self.lines: deque[str] = deque(maxlen=2000)
         self.events: list[dict] = []
         self.ready = threading.Event()

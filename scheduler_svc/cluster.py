@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from pagedkv.api.v1 import api_pb2 as api
 from scheduler_svc import metrics
 from scheduler_svc.engine import Engine, State, deliver
-from scheduler_svc.executor_client import ExecutorClient
+from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tenancy import Tenants
@@ -67,7 +67,7 @@ def read_executors_file(path: str) -> list[str]:
 class Cluster:
     def __init__(self, reference, make_scheduler: Callable[[object], Scheduler], log, *,
                  step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
-                 unplaced_timeout: float = 30.0) -> None:
+                 unplaced_timeout: float = 30.0, link: ExecutorLink | None = None) -> None:
         self.reference = reference  # the first executor's DescribeResponse: every other must serve the same
         self.make_scheduler = make_scheduler
         self.log = log
@@ -75,6 +75,7 @@ class Cluster:
         self.check_every_step = check_every_step
         self.drain_timeout = drain_timeout
         self.unplaced_timeout = unplaced_timeout
+        self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
         self.unplaced: deque[tuple[Request, float]] = deque()
         self.arrivals = 0
@@ -91,7 +92,7 @@ class Cluster:
     def set_addresses(self, addresses: set[str]) -> None:
         """Adds an engine per new address; drains and drops those no longer listed."""
         for address in sorted(addresses - self.engines.keys()):
-            engine = Engine(self, ExecutorClient(address, self.step_timeout), self.log,
+            engine = Engine(self, ExecutorClient(address, self.step_timeout, self.link), self.log,
                             check_every_step=self.check_every_step, drain_timeout=self.drain_timeout)
             self.engines[address] = engine
             engine.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -10,20 +11,38 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
+from pagedkv.security import SECRET_FILE_FLAG, bearer_metadata, open_channel
 
 
 class ExecutorUnavailable(Exception):
     pass
 
 
+class ExecutorAuthFailed(ExecutorUnavailable):
+    """The executor refused this scheduler's secret (UNAUTHENTICATED): retrying will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLink:
+    """How the scheduler reaches its executors: the shared secret it presents, and TLS (the CA that signed the
+    executors' certificates, and the name to check them against when it is not the address's host)."""
+
+    secret: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+
+
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 class ExecutorClient:
-    def __init__(self, address: str, step_timeout: float) -> None:
+    def __init__(self, address: str, step_timeout: float, link: ExecutorLink | None = None) -> None:
         self.address = address
         self.step_timeout = step_timeout
-        self.channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS])
+        self.link = link or ExecutorLink()
+        self.metadata = bearer_metadata(self.link.secret)  # on every RPC: Describe, Run and health
+        self.channel = open_channel(address, [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS], self.link.tls_ca,
+                                    self.link.tls_server_name, ca_flag="--executor-tls-ca")
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.call = None
@@ -32,21 +51,44 @@ class ExecutorClient:
     async def connect(self, timeout: float) -> pb.DescribeResponse:
         """Waits up to ``timeout`` seconds for the executor, reads its description, opens the Run stream."""
         await self.probe(timeout)
-        self.call = self.stub.Run()
+        self.call = self.stub.Run(metadata=self.metadata)
         return self.describe
 
     async def probe(self, timeout: float) -> pb.DescribeResponse:
         """Waits up to ``timeout`` seconds for a serving executor and reads its description."""
         try:
             await asyncio.wait_for(self.channel.channel_ready(), timeout)
-            health = await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout)
-            self.describe = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as err:
+        except asyncio.TimeoutError:
+            raise ExecutorUnavailable(f"executor {self.address} not reachable within {timeout:.0f}s"
+                                      f"{await self._why_not_ready()}") from None
+        try:
+            health = await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout,
+                                             metadata=self.metadata)
+            self.describe = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ExecutorAuthFailed(self._auth_failure(err)) from err
             raise ExecutorUnavailable(f"executor {self.address} not reachable within {timeout:.0f}s: {err}") from err
         if health.status != health_pb2.HealthCheckResponse.SERVING:  # starting up or draining
             raise ExecutorUnavailable(f"executor {self.address} is not serving (health: "
                                       f"{health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)})")
         return self.describe
+
+    def _auth_failure(self, err: grpc.aio.AioRpcError) -> str:
+        mine = ("this scheduler sent the secret from its --executor-secret-file / $PAGEDKV_EXECUTOR_SECRET, and the "
+                "executor's differs" if self.link.secret else
+                f"this scheduler has no executor secret: give it {SECRET_FILE_FLAG} with the executor's")
+        return f"executor {self.address} refused this scheduler: authentication failed ({mine}): {err.details()}"
+
+    async def _why_not_ready(self) -> str:
+        """The channel's last connection error (refused, TLS handshake or certificate name), if it has one."""
+        try:
+            await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=0.5,
+                                    metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                return f": {err.details()}"
+        return ""
 
     async def step(self, plan: pb.StepPlan) -> pb.StepResult:
         if self.call is None:

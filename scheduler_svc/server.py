@@ -7,14 +7,14 @@ import asyncio
 import os
 import signal
 
-from pagedkv import grpc_common, logs
+from pagedkv import grpc_common, logs, security
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
 from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, resolve
-from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -97,6 +97,41 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "default: logs carry request ids, tenants and token counts, never prompt text")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
+    add_tls_args(p)
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    """The public port's TLS, and how the scheduler authenticates to (and verifies) its executors."""
+    security.add_tls_server_args(p)
+    security.add_secret_arg(p, "scheduler")
+    p.add_argument("--executor-tls-ca", default="", metavar="PATH",
+                   help="connect to executors with TLS, trusting the CA certificate(s) in PATH (the executors' "
+                   "--tls-cert must be signed by it; default: plaintext)")
+    p.add_argument("--executor-tls-server-name", default="", metavar="NAME",
+                   help="check every executor's certificate against NAME instead of its address (executors "
+                   "reached by IP, e.g. a DNS name resolved to several containers: their certificate names NAME)")
+
+
+def _executor_link(args, log) -> ExecutorLink:
+    """The secret and TLS settings of every executor connection, checked before any executor is tried."""
+    secret = security.load_executor_secret(args.executor_secret_file)
+    if args.executor_tls_ca:
+        security.channel_credentials(args.executor_tls_ca, "--executor-tls-ca")  # readable and PEM, now
+    elif args.executor_tls_server_name:
+        raise ValueError("--executor-tls-server-name needs --executor-tls-ca (it names the certificate to verify)")
+    if not secret:
+        log.warning("executor_secret_missing", hint=f"executors refuse this scheduler unless they run with --insecure; "
+                    f"give {security.SECRET_FILE_FLAG} (or ${security.EXECUTOR_SECRET_ENV}) with their secret")
+    return ExecutorLink(secret, args.executor_tls_ca, args.executor_tls_server_name)
+
+
+def _warn_plaintext_executors(addresses: set[str], link: ExecutorLink, log) -> None:
+    remote = sorted(a for a in addresses if not security.is_loopback(a.rpartition(":")[0]))
+    if remote and not link.tls_ca:
+        log.warning("insecure_executor_link", executors=remote,
+                    risk="plaintext gRPC to executors beyond loopback: the executor secret, prompts' token ids and "
+                    "outputs cross the network in clear",
+                    hint="give the executors --tls-cert/--tls-key and this scheduler --executor-tls-ca")
 
 
 def _check_args(args, describe, log) -> int:
@@ -174,10 +209,11 @@ async def _resolve_until(targets: list[str], timeout: float, log) -> set[str]:
         await asyncio.sleep(1.0)
 
 
-async def _first_executor(addresses: set[str], timeout: float, step_timeout: float, log):
+async def _first_executor(addresses: set[str], timeout: float, step_timeout: float, log,
+                          link: ExecutorLink | None = None):
     """The description of the first executor that answers within ``timeout`` (the model the cluster
     serves; later executors must serve the same)."""
-    clients = [ExecutorClient(a, step_timeout) for a in sorted(addresses)]
+    clients = [ExecutorClient(a, step_timeout, link) for a in sorted(addresses)]
     try:
         probes = [asyncio.ensure_future(c.probe(timeout)) for c in clients]
         errors = []
@@ -200,14 +236,17 @@ async def serve(args) -> None:
     for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    link = _executor_link(args, log)
+    credentials = security.server_credentials(args.tls_cert, args.tls_key)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         addresses = await _unless_stopped(_resolve_until(_targets(args), args.connect_timeout, log), stop)
-        describe = await _unless_stopped(_first_executor(addresses, args.connect_timeout, args.step_timeout, log),
-                                         stop)
+        _warn_plaintext_executors(addresses, link, log)
+        describe = await _unless_stopped(_first_executor(addresses, args.connect_timeout, args.step_timeout, log,
+                                                         link), stop)
     except _Stopped:
         log.info("scheduler_stopped", during="start-up")
         return
@@ -236,7 +275,7 @@ async def serve(args) -> None:
 
     cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
                       check_every_step=args.check_integrity, drain_timeout=args.drain_timeout,
-                      unplaced_timeout=args.unplaced_timeout)
+                      unplaced_timeout=args.unplaced_timeout, link=link)
     cluster.start()
     cluster.set_addresses(addresses)
     try:
@@ -265,7 +304,8 @@ async def serve(args) -> None:
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
-    port = grpc_common.bind(server, args.host, args.port)
+    port = grpc_common.bind(server, args.host, args.port, credentials)
+    security.warn_if_exposed(log, "scheduler", args.host, port, tls=credentials is not None)
     if args.metrics_port:
         import prometheus_client
 
@@ -273,6 +313,7 @@ async def serve(args) -> None:
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
+             tls=credentials is not None, executor_tls=bool(link.tls_ca), executor_secret=bool(link.secret),
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
              preemption_mode=args.preemption_mode, max_prompt_bytes=prompt_bytes, max_request_bytes=max_request,

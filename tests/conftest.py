@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.local_server import ROOT, LocalServer
+from pagedkv.local_server import ROOT, TEST_EXECUTOR_SECRET, LocalServer
+from pagedkv.security import EXECUTOR_SECRET_ENV
 
 __all__ = ["ROOT", "Server", "wait_until"]
 
@@ -19,6 +20,14 @@ def model_cache(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("pagedkv-cache")
     os.environ["PAGEDKV_CACHE_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def executor_secret() -> str:
+    """Executors and schedulers that tests start as plain subprocesses share the test secret (ServiceProcess
+    sets it too; pagedkv serve makes its own per run)."""
+    os.environ.setdefault(EXECUTOR_SECRET_ENV, TEST_EXECUTOR_SECRET)
+    return os.environ[EXECUTOR_SECRET_ENV]
 
 
 @pytest.fixture(scope="session")

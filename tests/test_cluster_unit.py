@@ -58,7 +58,7 @@ class Box:
 class FakeClient:
     boxes: dict[str, Box] = {}
 
-    def __init__(self, address: str, step_timeout: float) -> None:
+    def __init__(self, address: str, step_timeout: float, link=None) -> None:
         self.address = address
         self.call = None
 

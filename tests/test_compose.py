@@ -1,5 +1,6 @@
 """docker-compose.yml: validated by Debian's docker-compose, and its services' commands run as local
-processes on loopback with the compose environment, so the wiring is exercised where no Docker engine runs."""
+processes on loopback with the compose environment (the certs init service first, its volume a temporary
+directory), so the wiring, TLS and the executor secret included, is exercised where no Docker engine runs."""
 
 from __future__ import annotations
 
@@ -15,13 +16,27 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagedkv import security
 from pagedkv.cli import free_port
 from pagedkv.client import Client
 from tests import procs
-from tests.test_cli import reflected_services
 
 COMPOSE = procs.ROOT / "docker-compose.yml"
 ALIAS = "executors"
+CERTS = "/certs"  # the certs volume's mount point
+
+
+def reflected_services(address: str, ca: str) -> list[str]:
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.secure_channel(address, security.channel_credentials(ca)) as channel:
+        return list(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+def _flag(command: list[str], flag: str) -> str:
+    assert flag in command, (flag, command)
+    return command[command.index(flag) + 1]
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +79,40 @@ def test_compose_file_is_valid(docker_compose, profiles):
         else:
             assert "--device" in svc["command"] and "cpu" in svc["command"]
     for name, svc in services.items():
-        if svc.get("image") == "pagedkv:latest":
+        if svc.get("image") == "pagedkv:latest" and name != "certs":
             assert "pagedkv" in svc["healthcheck"]["test"] and "health" in svc["healthcheck"]["test"], name
+            assert _flag(svc["healthcheck"]["test"], "--tls-ca") == f"{CERTS}/ca.pem", name
             assert any(":/models" in str(v) or "'/models'" in str(v) for v in svc["volumes"]), name
+            assert f"certs:{CERTS}:ro" in svc["volumes"], name  # read-only: only the init service writes
+            assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
     scheduler = services["scheduler"]["command"]
     assert scheduler[scheduler.index("--executor") + 1] == f"{ALIAS}:50061"
+    _check_links(services)
+
+
+def _check_links(services: dict) -> None:
+    """TLS on every port, the executor secret on both ends, certificates from the init service, and the
+    scheduler published on loopback only."""
+    certs = services["certs"]
+    assert certs["command"][0] == "gen-certs" and "--executor-secret" in certs["command"]
+    assert _flag(certs["command"], "--out") == CERTS and certs["restart"] == "no"
+    assert {"scheduler", ALIAS} <= set(_flag(certs["command"], "--hosts").split(","))
+    for name, svc in services.items():
+        command = svc.get("command", [None])
+        if command[0] not in ("scheduler", "executor"):
+            continue
+        assert _flag(command, "--tls-cert") == f"{CERTS}/server.pem", name
+        assert _flag(command, "--tls-key") == f"{CERTS}/server.key", name
+        assert _flag(command, "--executor-secret-file") == f"{CERTS}/executor.secret", name
+        assert "--insecure" not in command, name
+    scheduler = services["scheduler"]
+    assert _flag(scheduler["command"], "--executor-tls-ca") == f"{CERTS}/ca.pem"
+    assert _flag(scheduler["command"], "--executor-tls-server-name") == ALIAS
+    ports = scheduler["ports"]
+    assert len(ports) == 1
+    port = ports[0] if isinstance(ports[0], dict) else dict(zip(("host_ip", "published", "target"),
+                                                                 ports[0].split(":")))  # compose v1: short form
+    assert port["host_ip"] == "127.0.0.1" and str(port["published"]) == "50051"
 
 
 def _services(profile: str) -> dict[str, dict]:
@@ -82,11 +126,11 @@ def _expand(value: str) -> str:
     return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m.group(1), m.group(2)), value)
 
 
-def _local(command: list[str], ports: dict[str, int], aliases: dict[str, list[str]]) -> list[str]:
+def _local(command: list[str], ports: dict[str, int], aliases: dict[str, list[str]], certs: Path) -> list[str]:
     """A service's command for loopback: 0.0.0.0 -> 127.0.0.1, each port a free one, an alias -> the
-    addresses of the services behind it (one --executor each)."""
+    addresses of the services behind it (one --executor each), /certs -> a local directory."""
     out: list[str] = []
-    it = iter(_expand(str(c)) for c in command)
+    it = iter(_expand(str(c)).replace(CERTS, str(certs)) for c in command)
     for arg in it:
         if arg in ("--port", "--metrics-port"):
             out += [arg, str(ports[arg])]
@@ -103,31 +147,38 @@ def _local(command: list[str], ports: dict[str, int], aliases: dict[str, list[st
     return out
 
 
-def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir):
+def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp_path):
     services = _services("cpu")
+    init = services.pop("certs")
     executors = [n for n, s in services.items() if s["command"][0] == "executor"]
     assert set(services) == {"scheduler", *executors} and len(executors) == 2
+    certs = tmp_path / "certs"
+    r = subprocess.run([sys.executable, "-m", "pagedkv", *_local(init["command"], {}, {}, certs)], cwd=procs.ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ca = str(certs / "ca.pem")
     ports = {n: {"--port": free_port(), "--metrics-port": free_port()} for n in services}
     aliases = {ALIAS: [f"127.0.0.1:{ports[n]['--port']}" for n in executors]}
     env = {k: str(v).replace("/models", str(model_cache)) for k, v in services["scheduler"]["environment"].items()}
+    env[security.EXECUTOR_SECRET_ENV] = ""  # the secret comes from the certs volume, as in the containers
     started: list[procs.Proc] = []
     try:
         for name in [*executors, "scheduler"]:
-            cmd = _local(services[name]["command"], ports[name], aliases)
+            cmd = _local(services[name]["command"], ports[name], aliases, certs)
             role, args = cmd[0], cmd[1:]
             started.append(procs.Proc(role, *[a for a in args if a != "--log-format"], port=ports[name]["--port"],
                                       env=env, wait=False))
         for p in started:
             p.wait_ready(180)
         for name in services:  # the compose health checks, as docker would run them
-            test = [_expand(t) for t in services[name]["healthcheck"]["test"][1:]]
+            test = [_expand(t).replace(CERTS, str(certs)) for t in services[name]["healthcheck"]["test"][1:]]
             test[test.index("--address") + 1] = f"127.0.0.1:{ports[name]['--port']}"
             r = subprocess.run([sys.executable, "-m", *test], capture_output=True, text=True, timeout=60)
             assert r.returncode == 0 and "SERVING" in r.stdout, (name, r.stdout, r.stderr)
         address = f"127.0.0.1:{ports['scheduler']['--port']}"
 
         async def generate():
-            async with Client(address) as client:
+            async with Client(address, tls_ca=ca) as client:
                 outs = await asyncio.gather(*(client.complete(f"hello {i}", max_tokens=8, ignore_eos=True)
                                               for i in range(4)))
                 ids = await client.tokenize("héllo", add_special_tokens=True)
@@ -143,21 +194,26 @@ def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir):
         assert one.text == tok.decode(one.token_ids, skip_special_tokens=True)
         assert one.prompt_tokens == len(tok("héllo wörld")["input_ids"])
         # reflection on every server
-        assert "pagedkv.api.v1.Generation" in reflected_services(address)
-        assert "grpc.health.v1.Health" in reflected_services(address)
-        assert "pagedkv.executor.v1.Executor" in reflected_services(f"127.0.0.1:{ports[executors[0]]['--port']}")
+        assert "pagedkv.api.v1.Generation" in reflected_services(address, ca)
+        assert "grpc.health.v1.Health" in reflected_services(address, ca)
+        assert "pagedkv.executor.v1.Executor" in reflected_services(f"127.0.0.1:{ports[executors[0]]['--port']}", ca)
         # the CLI client: greedy, so the same text as above, then a newline; bad input named
         r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "héllo wörld", "--address", address,
-                            "--max-tokens", "24", "--ignore-eos"], cwd=procs.ROOT, capture_output=True, timeout=120)
+                            "--max-tokens", "24", "--ignore-eos", "--tls-ca", ca], cwd=procs.ROOT,
+                           capture_output=True, timeout=120)
         stdout, stderr = r.stdout.decode("utf-8"), r.stderr.decode("utf-8")  # bytes: keep \r as it is
         assert r.returncode == 0, stderr
         assert stdout == one.text + "\n"
         assert "finish=length" in stderr and "completion_tokens=24" in stderr
         r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "x", "--address", address,
-                            "--temperature", "-1"], cwd=procs.ROOT, capture_output=True, text=True, timeout=120)
+                            "--temperature", "-1", "--tls-ca", ca], cwd=procs.ROOT, capture_output=True, text=True,
+                           timeout=120)
         assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "sampling.temperature" in r.stderr
         scheduler = started[-1]
-        assert scheduler.saw("scheduler_ready") and any(e.get("request_id") for e in scheduler.events)
+        assert scheduler.saw("scheduler_ready", tls=True, executor_tls=True, executor_secret=True)
+        assert any(e.get("request_id") for e in scheduler.events)
+        for p in started[:-1]:
+            assert p.saw("executor_ready", tls=True, authenticated=True)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['scheduler']['--metrics-port']}/metrics",
                                          timeout=10).read().decode()
         assert 'pagedkv_executors{state="up"} 2.0' in metrics

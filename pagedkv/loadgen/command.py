@@ -31,6 +31,7 @@ from pagedkv.loadgen.workload import (
     default_token_space,
     make_workload,
 )
+from pagedkv.security import add_tls_client_args
 
 DESCRIPTION = """\
 Load generator: sends synthetic requests (token-id prompts, EOS ignored so outputs are as long as asked)
@@ -62,6 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="API key for every request (default: $PAGEDKV_API_KEY); --tenant replaces it with a mix")
+    add_tls_client_args(p)
     p.add_argument("--tenant", action="append", default=[], metavar="[NAME=]KEY[:WEIGHT]",
                    help="a tenant of a multi-tenant mix (repeatable): each request takes one key, chosen "
                         "with probability proportional to WEIGHT (default 1)")
@@ -141,11 +143,12 @@ def _token_space(spec: str, vocab_size: int, bos: tuple[int, ...]) -> TokenSpace
     return space
 
 
-async def _probe(address: str, keys: dict[str, str], timeout: float) -> tuple[Any, tuple[int, ...]]:
+async def _probe(address: str, keys: dict[str, str], timeout: float,
+                 tls: dict[str, str] | None = None) -> tuple[Any, tuple[int, ...]]:
     """ModelInfo and the BOS of text prompts, asked with the first key the server accepts."""
     last: grpc.aio.AioRpcError | None = None
     for key in dict.fromkeys(keys.values()):
-        async with Client(address, api_key=key) as client:
+        async with Client(address, api_key=key, **(tls or {})) as client:
             await client.wait_ready(timeout)
             try:
                 info = await client.model_info()
@@ -193,7 +196,8 @@ async def _bench(args: argparse.Namespace) -> int:
     spec.shared.validate()
     check_arrivals(spec.num_prompts, spec.request_rate, spec.arrival, spec.burst_size)
     keys = {t.name: t.key for t in tenants} or {"default": args.api_key}
-    info, bos = await _probe(args.address, keys, args.ready_timeout)
+    tls = {"tls_ca": args.tls_ca, "tls_server_name": args.tls_server_name}
+    info, bos = await _probe(args.address, keys, args.ready_timeout, tls)
     space = _token_space(args.token_id_range, info.vocab_size, () if args.no_bos else bos)
     plan = make_workload(spec, space, info.max_model_len)
     workload = _workload_summary(plan)
@@ -204,7 +208,8 @@ async def _bench(args: argparse.Namespace) -> int:
     scraper = MetricsScraper(args.metrics_url, args.metrics_interval) if args.metrics_url else None
     progress = Progress(len(plan), enabled=not args.no_progress and sys.stderr.isatty())
     opts = SamplingOptions(ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed)
-    results, wall = await run_requests(args.address, plan, keys, opts, args.max_concurrency, progress, scraper)
+    results, wall = await run_requests(args.address, plan, keys, opts, args.max_concurrency, progress, scraper,
+                                       tls)
 
     report: dict[str, Any] = {
         "version": 1, "config": _config(args, tenants, space),
@@ -245,6 +250,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_bench(args))
     except WorkloadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # an unreadable --tls-ca
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (TimeoutError, grpc.aio.AioRpcError) as err:

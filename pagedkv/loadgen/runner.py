@@ -108,11 +108,13 @@ async def _stream(client: Client, req: PlannedRequest, opts: SamplingOptions, re
 
 async def run_requests(address: str, plan: Sequence[PlannedRequest], keys: dict[str, str], opts: SamplingOptions,
                        max_concurrency: int = 0, progress: Progress | None = None,
-                       scraper: MetricsScraper | None = None) -> tuple[list[RequestResult], float]:
+                       scraper: MetricsScraper | None = None,
+                       tls: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
     """Runs the plan; returns the results (in plan order) and the wall time from the start to the end of
-    the last stream. ``keys`` maps tenant names to API keys ("" for none)."""
+    the last stream. ``keys`` maps tenant names to API keys ("" for none); ``tls``: Client's tls_ca and
+    tls_server_name."""
     progress = progress or Progress(len(plan), enabled=False)
-    clients = {name: Client(address, api_key=key) for name, key in keys.items()}
+    clients = {name: Client(address, api_key=key, **(tls or {})) for name, key in keys.items()}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     results = [RequestResult(r.index, r.tenant, r.prefix, len(r.prompt), r.max_tokens) for r in plan]
     stop = asyncio.Event()
