@@ -74,6 +74,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink-tokens", type=int, default=0, metavar="S", help="attention-sink tokens (with a window)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="Prometheus metrics: the scheduler's on port P, the executor's on P+1 (0: off)")
+    p.add_argument("--metrics-host", default="", metavar="HOST",
+                   help="address both /metrics listen on (default: --host), e.g. an internal interface")
+    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
+                   help="longest prompt text in UTF-8 bytes, refused before tokenizing (default: 16 bytes per "
+                   "token of max_model_len, at least 64 KiB)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
 
@@ -105,7 +110,7 @@ def serve(args) -> int:
                 "--attention-backend", args.attention_backend, "--kv-cache-dtype", args.kv_cache_dtype,
                 "--threads", str(args.threads), "--log-format", args.log_format]
     if args.metrics_port:
-        exec_cmd += ["--metrics-port", str(args.metrics_port + 1)]
+        exec_cmd += ["--metrics-port", str(args.metrics_port + 1), "--metrics-host", args.metrics_host or args.host]
     if args.num_pages is not None:
         exec_cmd += ["--num-pages", str(args.num_pages)]
     if args.kv_cache_gb is not None:
@@ -121,7 +126,9 @@ def serve(args) -> int:
                  "--preemption-mode", args.preemption_mode, "--hot-steps", str(args.hot_steps),
                  "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait)]
     if args.metrics_port:
-        sched_cmd += ["--metrics-port", str(args.metrics_port)]
+        sched_cmd += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host or args.host]
+    if args.max_prompt_bytes:
+        sched_cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
     if args.check_integrity:
         sched_cmd.append("--check-integrity")
     if not args.enable_prefix_caching:

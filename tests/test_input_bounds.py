@@ -136,3 +136,33 @@ def test_huge_requests_are_refused_by_grpc_while_other_streams_stream(pair):
     assert after - before < 50, f"scheduler RSS grew {after - before:.1f} MiB"
     assert count == 200, "the concurrent stream did not complete"
     assert max(gaps) < 5.0, f"the concurrent stream stalled {max(gaps):.2f}s"
+
+
+def test_serve_passes_the_prompt_limit_and_metrics_host_on(model_cache):
+    """``pagedkv serve --max-prompt-bytes N --metrics-host H``: the scheduler refuses text over N bytes, and both
+    children's /metrics listen on H only."""
+    import urllib.request
+
+    from pagedkv.cli import free_port
+    from tests.conftest import Server
+    from tests.test_tenant_visibility import METRICS_HOST, _can_bind
+
+    host = METRICS_HOST if _can_bind(METRICS_HOST) else "127.0.0.1"
+    metrics_port = free_port(host)
+    server = Server("--num-pages", "32", "--max-model-len", "256", "--max-prompt-bytes", "1000",
+                    "--metrics-port", str(metrics_port), "--metrics-host", host)
+    try:
+        async def scenario():
+            async with Client(server.address) as client:
+                err = await _refused(client.complete("q" * 1001, max_tokens=1))
+                ok = await client.complete("p" * 100, max_tokens=2, ignore_eos=True)
+                return err, ok
+
+        err, ok = asyncio.run(scenario())
+        pages = [urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+                 for port in (metrics_port, metrics_port + 1)]
+    finally:
+        server.stop()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in err.details(), err.details()
+    assert ok.completion_tokens == 2
+    assert "pagedkv_requests_running" in pages[0] and "pagedkv_executor" in pages[1]
