@@ -166,3 +166,51 @@ def test_serve_passes_the_prompt_limit_and_metrics_host_on(model_cache):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in err.details(), err.details()
     assert ok.completion_tokens == 2
     assert "pagedkv_requests_running" in pages[0] and "pagedkv_executor" in pages[1]
+
+
+class _SlowTokenizer:
+    """Records the thread it runs on; takes 0.3 s a call (a long prompt on a real tokenizer)."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        import threading
+
+        self.threads.append(threading.get_ident())
+        time.sleep(0.3)
+        return {"input_ids": [1] + list(text.encode())}
+
+
+def test_tokenizing_runs_off_the_event_loop_and_only_within_the_limit():
+    """While one prompt is tokenized the event loop keeps running (other streams keep streaming); text over
+    the limit never reaches the tokenizer."""
+    import threading
+
+    from scheduler_svc.api import GenerationService
+    from scheduler_svc.validation import InvalidRequest, Limits
+
+    tokenizer = _SlowTokenizer()
+    service = GenerationService(None, tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=259, max_prompt_bytes=100),
+                                {}, None)
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        ids = await service._prompt_ids(api.GenerateRequest(text="hello"))
+        task.cancel()
+        with pytest.raises(InvalidRequest, match="prompt.text: at least 101 bytes of UTF-8; at most 100 "):
+            await service._prompt_ids(api.GenerateRequest(text="x" * 101))
+        return ids, ticks, threading.get_ident()
+
+    ids, ticks, loop_thread = asyncio.run(scenario())
+    assert ids == [1, *b"hello"]
+    assert len(tokenizer.threads) == 1 and tokenizer.threads[0] != loop_thread
+    assert ticks >= 10, f"the event loop ran {ticks} times in 0.3 s of tokenizing"
