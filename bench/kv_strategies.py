@@ -19,6 +19,9 @@ at the same fixed KV budget (``--kv-budget-tokens`` token slots, default 32 x 20
   (512); pages wholly outside are freed (``drop_outside_window``), prefill is chunked so a request never
   holds more than its page limit (``window_chunk_limit``). This changes what the model sees (a different
   attention), unlike the other rows.
+* paged 16, fp8/int8 KV: plain paged block 16 at the same KV bytes with 8-bit pages (--kv-cache-dtype
+  fp8_e4m3 or int8: 1 byte per element plus scales; int8's, the larger, are used): the budget in token slots
+  grows by fp16 bytes / 8-bit bytes per token (1.92x on a Llama-3-8B shape).
 
 The simulation is saturated: all requests wait at t=0 and are admitted first come, first served whenever
 the strategy has room (paged rows keep 1% of the pages free at admission, like the scheduler's watermark).
@@ -80,7 +83,15 @@ SEED_CLAIMS: dict[str, dict[str, str]] = {
     "paged": {"utilization": "85-95%", "concurrency": "128-256 (2-4x contiguous)"},
     "paged+sliding-window": {"utilization": "90-98%", "concurrency": "192-384"},
     "paged+share-prefix": {"utilization": "92-98% (with swap)", "concurrency": "192-320; -15..30% KV"},
+    "paged+8bit-kv": {"utilization": "85-95%", "concurrency": "fp8: KV x2, 4x contiguous fp16; int8: +30-50%"},
 }
+# KV bytes per token for the 8-bit row, scales included (executor_svc.kv_quant: 1 byte per element; V and fp8 K a
+# 2-byte scale per token and KV head; int8 K a 1-byte exponent per page, head and channel, head_dim/16 bytes a
+# token at 16-token pages: int8 is the larger, and the row uses it), on a Llama-3-8B shape (32 layers, 8 KV heads,
+# head_dim 128); the budget is the same bytes as the fp16 rows, so the row gets budget * fp16 / 8-bit token slots.
+KV_SHAPE = (32, 8, 128)
+FP16_BYTES_PER_TOKEN = KV_SHAPE[0] * 2 * KV_SHAPE[1] * KV_SHAPE[2] * 2
+Q8_BYTES_PER_TOKEN = KV_SHAPE[0] * KV_SHAPE[1] * ((KV_SHAPE[2] + KV_SHAPE[2] // 16) + (KV_SHAPE[2] + 2))
 TARGETS = {"paged16_utilization": 0.98, "paged16_concurrency_vs_contiguous": 4.0}
 
 
@@ -353,6 +364,10 @@ def run_all(cfg: RunConfig, trace: list[TraceRequest]) -> list[RowResult]:
     rows.append(run_paged(trace, f"paged 16 + sliding window ({cfg.sink}+{cfg.window})", "paged+sliding-window",
                           PagedConfig(16, window=cfg.window, sink=cfg.sink), budget, cfg.check_integrity,
                           t.vocab_size))
+    q8_budget = budget * FP16_BYTES_PER_TOKEN // Q8_BYTES_PER_TOKEN  # the same bytes, 8-bit KV
+    # fp8 and int8 pages are within 2% of each other (1 byte + the scales): one row, at int8's size
+    rows.append(run_paged(trace, "paged 16, fp8/int8 KV (same bytes)", "paged+8bit-kv", PagedConfig(16),
+                          q8_budget, cfg.check_integrity, t.vocab_size))
     return rows
 
 
@@ -509,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
         saving = 1 - per_req[1] / per_req[0]
         print(f"Share-Prefix: {per_req[1]:.0f} KV slots per running request vs {per_req[0]:.0f} for paged 16 "
               f"({100 * saving:.0f}% less; seeds: 15-30%, 20-50% in RAG/agent traffic)")
+    q8 = next((x for x in summaries if x["kind"] == "paged+8bit-kv"), None)
+    if q8 and p16 and q8["mean_saturated_concurrency"] and p16["mean_saturated_concurrency"]:
+        ratio = q8["mean_saturated_concurrency"] / p16["mean_saturated_concurrency"]
+        print(f"8-bit KV: {Q8_BYTES_PER_TOKEN} bytes per token vs {FP16_BYTES_PER_TOKEN} fp16 "
+              f"({Q8_BYTES_PER_TOKEN / FP16_BYTES_PER_TOKEN:.3f}x, target <= 0.53x); concurrency at the same bytes "
+              f"{ratio:.2f}x paged 16 fp16 (target >= 1.9x): {'met' if ratio >= 1.9 else 'NOT met'}")
     held = stats["time_weighted_tokens_held"]
     estimate = tcfg.max_model_len * (p16["utilization"] if p16 else 1.0) / held
     print(f"note: a request holds {held:.0f} tokens on average over its life (weighted by how long it runs); at "

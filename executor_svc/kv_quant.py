@@ -6,15 +6,26 @@ clear loss in quality). Weight quantization and KV quantization are independent 
 
 Quantized page layout (one contiguous block of ``page_bytes`` across layers, DESIGN decision 3)::
 
-    page[num_layers, 2 (K, V), region] (uint8), region = data[block_size, kv_heads, head_dim] (1 byte each)
-                                                     ++ scales[block_size, kv_heads] (bfloat16)
+    page[num_layers, K region ++ V region] (uint8)
+    V region (both formats), K region (fp8):  data[block_size, kv_heads, head_dim] (1 byte each)
+                                              ++ scales[block_size, kv_heads] (bfloat16)
+    K region (int8):                          data[block_size, kv_heads, head_dim]
+                                              ++ scale exponents[kv_heads, head_dim] (uint8)
 
-One scale per (token, KV head), computed when the token is written (no calibration): the head vector's
-absolute maximum over the format's largest value (127 for INT8, 448 for E4M3), rounded to bfloat16; the
-data is quantized with that rounded scale, so ``data * scale`` is the dequantized value. The granularity was
-chosen by measurement (bench/kv_quant.py, bench/NOTES.md "KV quantization"): per page and channel scales
-cost 2/block_size bytes per element (12.5% at 16-token pages, above the 0.53x byte target) and must
-requantize a page's earlier tokens when a new token exceeds the range.
+Scales are computed when a token is written (no calibration step). The granularity was chosen by measurement
+(bench/kv_quant.py; bench/NOTES.md "KV quantization"), on K/V with outlier channels:
+
+- Per (token, KV head), bfloat16: the head vector's absolute maximum over the format's largest value (448
+  for E4M3, 127 for INT8), rounded to bfloat16; the data is quantized with the rounded scale, so
+  ``data * scale`` is the dequantized value. FP8 K and V, and INT8 V, use it: a float format keeps its
+  relative precision across a vector's outlier channels, and V's outliers are per token.
+- INT8 K: per (page, KV head, channel) (as KIVI; the seeds' per-channel symmetric INT8), a power-of-two
+  scale kept as its exponent byte (2^(e - 127); 0: nothing written yet). Integer steps would otherwise be
+  set by K's outlier channels for every channel of a token (3x the attention error measured). When a new
+  token exceeds a channel's range, the exponent grows and the page's earlier tokens are requantized (an exact
+  power-of-two division, rounded); a token written at offset 0 starts a fresh page. One byte per channel
+  and page: 1/block_size bytes per element (bfloat16 would take 2/16 at 16-token pages, above the 0.53x fp16
+  byte target at head_dim 128).
 
 FP8 conversion saturates (values beyond +-448 become +-448, never NaN) and rounds to nearest even: the value
 is clamped to [-448, 448] first, then converted by torch's ``float8_e4m3fn`` cast, which rounds to nearest
@@ -58,11 +69,28 @@ class KvFormat:
     quantized: bool
     qmax: float = 0.0
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """K and V of one token over all layers, scales included."""
-        elem = torch.empty((), dtype=self.storage).element_size()
-        per_head = head_dim * elem + (SCALE_BYTES if self.quantized else 0)
-        return num_layers * 2 * num_kv_heads * per_head
+    @property
+    def k_channel_scales(self) -> bool:
+        """K scaled per (page, head, channel) with exponent bytes (int8), not per (token, head)."""
+        return self.storage == torch.int8
+
+    def region_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+        """(K, V) bytes of one layer of one quantized page."""
+        data = block_size * num_kv_heads * head_dim
+        token_scales = block_size * num_kv_heads * SCALE_BYTES
+        k = data + (num_kv_heads * head_dim if self.k_channel_scales else token_scales)
+        return k, data + token_scales
+
+    def page_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+        if not self.quantized:
+            elem = torch.empty((), dtype=self.storage).element_size()
+            return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+        return num_layers * sum(self.region_bytes(block_size, num_kv_heads, head_dim))
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16) -> float:
+        """K and V of one token over all layers, scales included (int8: K's per-page scales shared by
+        block_size tokens)."""
+        return self.page_bytes(num_layers, num_kv_heads, head_dim, block_size) / block_size
 
 
 def parse_kv_dtype(name: str, model_dtype: torch.dtype) -> KvFormat:
@@ -100,8 +128,19 @@ def quantize(x: torch.Tensor, fmt: KvFormat) -> tuple[torch.Tensor, torch.Tensor
     return data, scale
 
 
+# Every float8_e4m3fn bit pattern's value: on the CPU a table lookup is ~14x faster than torch's cast.
+_FP8_TABLE = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _to_float(data: torch.Tensor) -> torch.Tensor:
+    if data.dtype == torch.float8_e4m3fn and data.device.type == "cpu":
+        idx = data.view(torch.uint8).reshape(-1).int()
+        return _FP8_TABLE.index_select(0, idx).view(data.shape)
+    return data.float()
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale.float().unsqueeze(-1)).to(dtype)
+    return (_to_float(data) * scale.float().unsqueeze(-1)).to(dtype)
 
 
 class QuantizedCache:
@@ -127,6 +166,48 @@ class QuantizedCache:
     def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Whole pages, dequantized: [len(page_ids), block_size, kv_heads, head_dim]."""
         return dequantize(self.data.index_select(0, page_ids), self.scale.index_select(0, page_ids), dtype)
+
+
+class ChannelScaledCache:
+    """One layer's K of an int8 pool: ``data`` [num_pages, block_size, kv_heads, head_dim] (int8) and ``exp``
+    [num_pages, kv_heads, head_dim] (uint8): the page's power-of-two scale per (head, channel), 2^(exp - 127),
+    0 before any token. Views into the pool's bytes."""
+
+    __slots__ = ("data", "exp", "fmt")
+
+    def __init__(self, data: torch.Tensor, exp: torch.Tensor, fmt: KvFormat) -> None:
+        self.data = data
+        self.exp = exp
+        self.fmt = fmt
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def write(self, pages: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+        xf = x.float()
+        touched, inv = torch.unique(pages, return_inverse=True)
+        amax = torch.zeros(touched.numel(), *x.shape[1:], device=x.device)
+        amax.scatter_reduce_(0, inv.view(-1, 1, 1).expand_as(xf), xf.abs(), "amax")
+        need = torch.where(amax > 0, torch.ceil(torch.log2(amax / INT8_MAX)).clamp(-126, 127) + 127,
+                           torch.zeros_like(amax)).to(torch.int16)
+        fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=x.device)
+        fresh[inv[offsets == 0]] = True  # a page's first token: the previous owner's scales do not count
+        old = torch.where(fresh.view(-1, 1, 1), 0, self.exp[touched].to(torch.int16))
+        new = torch.maximum(old, need)
+        grown = ((new > old) & (old > 0)).flatten(1).any(1)
+        if bool(grown.any()):  # requantize the earlier tokens of those pages to the larger scales
+            rows = touched[grown]
+            shift = torch.pow(2.0, (old[grown] - new[grown]).float()).unsqueeze(1)  # [R, 1, H, D]
+            self.data[rows] = torch.round(self.data[rows].float() * shift).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        self.exp[touched] = new.to(torch.uint8)
+        scale = torch.pow(2.0, new[inv].float() - 127)
+        self.data[pages, offsets] = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+    def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        data = self.data.index_select(0, page_ids).float()
+        scale = torch.pow(2.0, self.exp.index_select(0, page_ids).float() - 127).unsqueeze(1)
+        return (data * scale).to(dtype)
 
 
 def fp8_e4m3_reference(x: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,10 @@ so swapping or copying a page is a single copy of ``page_bytes``. Attention read
 (the "NHD" order of vLLM's and FlashInfer's paged kernels: gathering a request's pages gives its
 tokens in order, and a token's heads are adjacent).
 
-With an 8-bit KV cache dtype (executor_svc.kv_quant) the pool is bytes,
-``pool[num_pages, num_layers, 2, block_size * kv_heads * head_dim + block_size * kv_heads * 2]``: each
-region holds the 8-bit data then its per-(token, head) bfloat16 scales, so a page with its scales is still
+With an 8-bit KV cache dtype (executor_svc.kv_quant) the pool is bytes, ``pool[num_pages, num_layers,
+K region ++ V region]``: each region holds the 8-bit data then its scales, so a page with its scales is still
 one contiguous block of ``page_bytes`` and every page move (swap, spill, copy-on-write, DMA) is unchanged.
-``layer()`` then returns ``QuantizedCache`` views instead of tensors.
+``layer()`` then returns ``QuantizedCache`` / ``ChannelScaledCache`` views instead of tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from executor_svc.kv_quant import SCALE_BYTES, SCALE_DTYPE, KvFormat, QuantizedCache
+from executor_svc.kv_quant import SCALE_DTYPE, ChannelScaledCache, KvFormat, QuantizedCache
 from executor_svc.model_config import ModelConfig
 
 GiB = 1 << 30
@@ -33,7 +32,7 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv: KvForm
     if kv is None:
         elem = torch.empty((), dtype=dtype).element_size()
         return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
-    return block_size * kv.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return kv.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
 
 
 def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
@@ -62,26 +61,34 @@ class DevicePagePool:
             self.v_views = [self.pages[:, layer, 1] for layer in range(cfg.num_layers)]
         else:
             self.dtype = torch.uint8
-            n_data = block_size * cfg.num_kv_heads * cfg.head_dim
-            n_scale = block_size * cfg.num_kv_heads * SCALE_BYTES
-            self.pages = torch.zeros((num_pages, cfg.num_layers, 2, n_data + n_scale), dtype=torch.uint8,
+            heads, dim = cfg.num_kv_heads, cfg.head_dim
+            n_data = block_size * heads * dim
+            k_bytes, v_bytes = kv.region_bytes(block_size, heads, dim)
+            self.pages = torch.zeros((num_pages, cfg.num_layers, k_bytes + v_bytes), dtype=torch.uint8,
                                      device=device)
             assert self.pages[0].numel() == self.page_bytes
 
-            def view(layer: int, which: int) -> QuantizedCache:
-                region = self.pages[:, layer, which]
-                data = region[:, :n_data].view(kv.storage).view(num_pages, block_size, cfg.num_kv_heads,
-                                                                 cfg.head_dim)
-                scale = region[:, n_data:].view(SCALE_DTYPE).view(num_pages, block_size, cfg.num_kv_heads)
+            def view(layer: int, start: int, end: int, channel_scales: bool) -> QuantizedCache | ChannelScaledCache:
+                region = self.pages[:, layer, start:end]
+                data = region[:, :n_data].view(kv.storage).view(num_pages, block_size, heads, dim)
+                if channel_scales:
+                    return ChannelScaledCache(data, region[:, n_data:].view(num_pages, heads, dim), kv)
+                scale = region[:, n_data:].view(SCALE_DTYPE).view(num_pages, block_size, heads)
                 return QuantizedCache(data, scale, kv)
 
-            self.k_views = [view(layer, 0) for layer in range(cfg.num_layers)]
-            self.v_views = [view(layer, 1) for layer in range(cfg.num_layers)]
+            self.k_views = [view(layer, 0, k_bytes, kv.k_channel_scales) for layer in range(cfg.num_layers)]
+            self.v_views = [view(layer, k_bytes, k_bytes + v_bytes, False) for layer in range(cfg.num_layers)]
         # A kernel for copy-on-write (the cuda attention backend's), or None for plain tensor indexing.
         self.copier: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
-    def layer(self, index: int) -> tuple[torch.Tensor | QuantizedCache, torch.Tensor | QuantizedCache]:
+    def layer(self, index: int) -> tuple[object, object]:
+        """(K, V) of one layer: tensors [num_pages, block_size, kv_heads, head_dim], or quantized views."""
         return self.k_views[index], self.v_views[index]
+
+    def wipe(self) -> None:
+        """Zeroes every page (with its scales when quantized): a new Run-stream session reads none of an
+        earlier session's KV."""
+        self.pages.zero_()
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy-on-write: whole pages, all layers at once. The copier kernel runs the copies in parallel, so
@@ -124,6 +131,13 @@ class HostPagePool:
         self.registered = False
         if device_pool.pages.is_cuda and num_pages:
             self._pin()
+
+    def wipe(self, page_ids: list[int] | None = None) -> None:
+        """Zeroes the given pages (every page when None)."""
+        if page_ids is None:
+            self.pages.zero_()
+        elif page_ids:
+            self.pages[torch.tensor(page_ids, dtype=torch.long)] = 0
 
     def _pin(self) -> None:
         """Page-locks exactly the pool's bytes. (``torch.empty(pin_memory=True)`` goes through torch's caching

@@ -12,6 +12,7 @@ from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, Pref
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.kv_quant import (
     FP8_MAX,
+    ChannelScaledCache,
     QuantizedCache,
     dequantize,
     fp8_e4m3_reference,
@@ -95,12 +96,19 @@ def quant_pools(name: str, num_pages: int = 12, num_host: int = 8, head_dim: int
 def test_page_bytes_hold_data_and_scales_and_half_of_fp16(name):
     cfg, dev, host = quant_pools(name)
     fp16 = DevicePagePool(cfg, 4, 16, torch.float16, torch.device("cpu"))
-    assert dev.page_bytes == 16 * 3 * 2 * 2 * (64 + 2)  # 1 byte per element + a 2-byte scale per head
+    # 1 byte per element, a 2-byte scale per token and head (int8 K: a 1-byte exponent per page, head, channel)
+    v_bytes = 16 * 2 * 64 + 16 * 2 * 2
+    k_bytes = 16 * 2 * 64 + (2 * 64 if name == "int8" else 16 * 2 * 2)
+    assert dev.page_bytes == 3 * (k_bytes + v_bytes)
     assert dev.page_bytes <= 0.53 * fp16.page_bytes
     assert dev.pages[0].numel() * dev.pages.element_size() == dev.page_bytes
-    assert host.pages.shape == dev.pages.shape[:0] + (8, *dev.pages.shape[1:]) and host.page_bytes == dev.page_bytes
+    assert host.pages.shape == (8, *dev.pages.shape[1:]) and host.page_bytes == dev.page_bytes
     k, v = dev.layer(1)
-    assert isinstance(k, QuantizedCache) and k.data.shape == (12, 16, 2, 64) and k.scale.shape == (12, 16, 2)
+    assert isinstance(v, QuantizedCache) and v.data.shape == (12, 16, 2, 64) and v.scale.shape == (12, 16, 2)
+    if name == "int8":
+        assert isinstance(k, ChannelScaledCache) and k.exp.shape == (12, 2, 64) and k.data.dtype == torch.int8
+    else:
+        assert isinstance(k, QuantizedCache) and k.data.dtype == torch.float8_e4m3fn
     # the views are the pool's bytes: writing through them changes the page, inside its own block
     before = dev.pages.clone()
     k.write(torch.tensor([5]), torch.tensor([3]), torch.full((1, 2, 64), 2.0))
@@ -196,10 +204,10 @@ def test_torch_backend_on_quantized_pages_matches_dense(name, window):
     q = torch.randn(start, heads, head_dim)
     attn.write_cache(kc, vc, torch.cat(new_k), torch.cat(new_v), meta)
     out = attn.forward(q, kc, vc, meta)
-    fmt = parse_kv_dtype(name, torch.float32)
     start = 0
-    for (ctx, n), k, v in zip(reqs, ks, vs):
-        kq, vq = (dequantize(*quantize(x, fmt), torch.float32) for x in (k, v))
+    for (ctx, n), t, k, v in zip(reqs, tables, ks, vs):
+        kq, vq = (c.gather(torch.tensor(t), torch.float32).reshape(-1, kv_heads, head_dim)[:ctx] for c in (kc, vc))
+        assert (kq - k).abs().max() < 0.5 and (vq - v).abs().max() < 0.5  # what the pool holds is the input
         rows = q[start:start + n]
         if n > 1 and window:  # the sink + window of the segment: dense over the visible positions only
             exp = torch.stack([_dense_visible(rows[i], kq, vq, ctx - n + i, window, 4, 20, head_dim)
@@ -221,3 +229,54 @@ def _dense_visible(q, k, v, qpos, window, sink, req_window, head_dim):
     vv = v[: qpos + 1][vis].repeat_interleave(group, 1).transpose(0, 1)
     s = (q.unsqueeze(1) @ kk.transpose(1, 2)) * head_dim ** -0.5
     return (torch.softmax(s, -1) @ vv).squeeze(1)
+
+
+def test_fp8_table_lookup_equals_the_cast():
+    from executor_svc.kv_quant import _to_float
+
+    bits = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).view(4, 64)
+    assert torch.allclose(_to_float(bits), bits.float(), rtol=0, atol=0, equal_nan=True)  # all 256, NaNs too
+
+
+def channel_pool(num_pages: int = 6):
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=64)
+    pool = DevicePagePool(cfg, num_pages, 16, torch.float32, torch.device("cpu"), parse_kv_dtype("int8", torch.float32))
+    return pool, pool.layer(0)[0]
+
+
+def test_int8_k_channel_scales_streamed_writes_rescale_the_page():
+    """Tokens written one at a time (decode), then a chunk (prefill): the page's scale per channel grows to
+    cover its largest value and earlier tokens are requantized; every token stays within one final step of
+    its value; a page reused from offset 0 forgets the previous owner's scales; outlier channels do not
+    coarsen the other channels."""
+    pool, k = channel_pool()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, 64, generator=g) * torch.linspace(0.1, 3, 16).view(16, 1, 1)  # growing magnitudes
+    x[:, :, 3] *= 20  # an outlier channel
+    for i in range(10):  # decode: one token a step into page 2
+        k.write(torch.tensor([2]), torch.tensor([i]), x[i:i + 1])
+    k.write(torch.full((6,), 2), torch.arange(10, 16), x[10:])  # a prefill chunk finishes the page
+    got = k.gather(torch.tensor([2]), torch.float32)[0]
+    step = torch.pow(2.0, k.exp[2].float() - 127)  # [H, D] the final scales
+    amax = x.abs().amax(0)
+    assert (step <= 2 * amax / 127 + 1e-12).all() and (step >= amax / 127).all()
+    assert ((got - x).abs() <= step + 1e-7).all()  # half a step for the last write, at most as much again from
+    # the requantizations (each exact power-of-two division rounds once: 1/4 + 1/8 + ... of the final step)
+    normal = [c for c in range(64) if c != 3]
+    assert step[:, normal].max() * 4 <= step[:, 3].min()  # the outlier channel (20x) has its own, coarser scale
+    # the page is freed and reused by another request: small values from offset 0
+    small = torch.randn(3, 2, 64, generator=g) * 0.01
+    k.write(torch.tensor([2, 2, 2]), torch.arange(3), small)
+    again = k.gather(torch.tensor([2]), torch.float32)[0, :3]
+    assert (again - small).abs().max() < 0.01 / 127 * 4 + 1e-6
+
+
+def test_int8_k_pages_written_together_match_one_by_one_writes_up_to_requantization():
+    pool, k = channel_pool()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 2, 64, generator=g)
+    k.write(torch.tensor([0] * 16 + [4] * 16), torch.arange(32) % 16, x)  # two pages in one step
+    both = k.gather(torch.tensor([0, 4]), torch.float32).reshape(32, 2, 64)
+    ideal_step = torch.pow(2.0, torch.ceil(torch.log2(x.view(2, 16, 2, 64).abs().amax(1) / 127)))
+    assert torch.equal(torch.pow(2.0, k.exp[[0, 4]].float() - 127), ideal_step)  # written at once: no rescale
+    assert ((both - x).view(2, 16, 2, 64).abs() <= ideal_step.unsqueeze(1) / 2 + 1e-7).all()

@@ -7,9 +7,9 @@ request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
 padding), outside the model's sliding window when there is one, and outside a request's own sink + window
 (its dropped pages among them) are masked.
 
-On a quantized pool (``QuantizedCache`` views, executor_svc.kv_quant) ``write_cache`` quantizes each new
-token's head vectors with their own scale, and the gather dequantizes the gathered pages (a copy that the
-gather makes anyway), so attention itself runs in the model dtype.
+On a quantized pool (``QuantizedCache`` / ``ChannelScaledCache`` views, executor_svc.kv_quant)
+``write_cache`` quantizes the new tokens (computing their scales), and the gather dequantizes the gathered
+pages (a copy that the gather makes anyway), so attention itself runs in the model dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
-from executor_svc.kv_quant import QuantizedCache
+from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
+
+QUANTIZED = (QuantizedCache, ChannelScaledCache)
 
 
 class TorchPagedAttention:
@@ -38,12 +40,12 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
     ) -> None:
         """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots."""
-        if isinstance(k_cache, QuantizedCache):
+        if isinstance(k_cache, QUANTIZED):
             k_cache.write(meta.slot_pages, meta.slot_offsets, k)
             v_cache.write(meta.slot_pages, meta.slot_offsets, v)
             return
-        k_cache[meta.slot_pages, meta.slot_offsets] = k
-        v_cache[meta.slot_pages, meta.slot_offsets] = v
+        k_cache[meta.slot_pages, meta.slot_offsets] = k.to(k_cache.dtype)  # no-op unless --kv-cache-dtype is
+        v_cache[meta.slot_pages, meta.slot_offsets] = v.to(v_cache.dtype)  # another float type than the model's
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -57,11 +59,11 @@ class TorchPagedAttention:
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
-    def _gather(self, cache: torch.Tensor | QuantizedCache, page_ids: torch.Tensor,
+    def _gather(self, cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
         """Pages [B, n] -> [B, kv_heads, n * block_size, head_dim]: one copy, then a strided view."""
         batch, n = page_ids.shape
-        if isinstance(cache, QuantizedCache):
+        if isinstance(cache, QUANTIZED):
             pages = cache.gather(page_ids.reshape(-1), dtype)
         else:
             pages = cache.index_select(0, page_ids.reshape(-1)).to(dtype)  # [B * n, bs, H, D] (no-op cast
