@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
-from pagedkv.grpc_common import CHANNEL_OPTIONS
+from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
 from pagedkv.security import open_channel
 
 FINISH_NAMES = {
@@ -73,8 +73,8 @@ class Client:
             metadata = (*metadata, ("authorization", f"Bearer {api_key}"))
         self.address = address
         self.metadata = tuple(metadata)
-        self.channel = open_channel(channel_target(address), [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")],
-                                    tls_ca, tls_server_name)
+        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+        self.channel = open_channel(channel_target(address), options, tls_ca, tls_server_name)
         self.stub = api_grpc.GenerationStub(self.channel)
 
     async def __aenter__(self) -> Client:

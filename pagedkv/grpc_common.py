@@ -12,16 +12,37 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
-# An executor that vanishes without closing its connection (host down, network cut) is noticed by pings
-# within ~15 s, even while no step is in flight; servers accept pings that often.
+# ---- keepalive: one ping policy for every link (grpc's doc/keepalive.md) ------------------------------------
+# Clients (the scheduler's executor links, pagedkv.client.Client) ping a connection that has been silent for
+# PING_INTERVAL_MS, with or without a call in flight, and close it when no ack comes within PING_TIMEOUT_MS:
+# a peer that vanished without closing its connection (host down, network cut, SIGSTOP) is noticed within
+# DEAD_PEER_BOUND_S of the last bytes it sent. The scheduler then logs executor_failed and moves the requests.
+# Every ping obeys that timeout, not only keepalive ones. While data flows, grpc also sends flow-control
+# (BDP) pings, one at a time; an unanswered one held the keepalive ping back until grpc's own 1-minute ping
+# timeout (measured: 60 s to notice a stopped executor mid-stream; 5 s with this). Pings are answered by
+# grpc's threads, so a long step on a busy executor is not silence.
+# Servers accept a ping every MIN_PING_INTERVAL_MS on any connection (permit_without_calls: the 2-hour rule
+# for idle connections does not apply). That is half the clients' interval, so timer slack never makes a
+# strike. A client pinging faster gets MAX_PING_STRIKES strikes, then GOAWAY too_many_pings. grpc then
+# doubles that client's interval for good, so the two ends must agree: tests/test_links_keepalive.py checks.
+# Beware: grpc ignores unknown option names silently. The server's is min_ping_interval_without_data_ms
+# (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS), not "min_recv_...". Spelt that way it kept the
+# 5-minute default, and every idle link died after ~30 s.
+PING_INTERVAL_MS = 10_000
+PING_TIMEOUT_MS = 5_000
+DEAD_PEER_BOUND_S = (PING_INTERVAL_MS + PING_TIMEOUT_MS) / 1000
+MIN_PING_INTERVAL_MS = PING_INTERVAL_MS // 2
+MAX_PING_STRIKES = 2
 KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", PING_INTERVAL_MS),
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # default 2: pings would stop on a quiet stream
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),  # default 1 minute
 ]
 SERVER_KEEPALIVE_OPTIONS = [
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
