@@ -13,8 +13,8 @@
 # then run on the device with carry [".whl"]:   bash bench/gpu_check.sh [--tests-only | --bench-only]
 # (the halves, for a second call when the first ran out of time).
 # Without .whl/ the end-to-end GPU tests skip (with that reason) and the e2e bench is skipped.
-# Results under ${OUT:-bench/results} (7 files: gpu_tests.txt, attention_kernels.{txt,json}, dma.txt, swap_dma.json,
-# e2e_vs_hf.{txt,json}).
+# Results under ${OUT:-bench/results} (9 files: gpu_tests.txt, attention_kernels.{txt,json}, kv_quant_gpu.{txt,json},
+# dma.txt, swap_dma.json, e2e_vs_hf.{txt,json}).
 set -u
 cd "$(dirname "$0")/.."
 run_tests=1 run_bench=1
@@ -66,6 +66,10 @@ timeout 30 python3 bench/attention_kernels.py --heads 64 --cases 64x4096 --out "
   2>&1 | tail -4 | tee -a "$OUT_DIR/attention_kernels.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || attn_rc=1
 
+echo "== 8-bit KV pages: decode attention 64x4096 through the torch backend (bench/kv_quant.py --gpu)"
+timeout 40 python3 bench/kv_quant.py --gpu --out "$OUT_DIR/kv_quant_gpu.json" 2>&1 | tee "$OUT_DIR/kv_quant_gpu.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || attn_rc=1
+
 echo "== page DMA (bench/swap.py --dma-only)"
 timeout 40 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
 dma_rc=${PIPESTATUS[0]}
@@ -99,6 +103,12 @@ try:
               f"(target 1.02), paged/sdpa {r['paged_over_sdpa']:.2f}, err {r['max_rel_err_vs_sdpa']:.1e}")
 except Exception as err:  # noqa: BLE001
     print(f"{'decode kernels':22s} no result ({err})")
+try:
+    k = json.loads((out / "kv_quant_gpu.json").read_text())["decode"]
+    print(f"{'8-bit KV decode (torch)':22s} " + ", ".join(f"{n} {r['tokens_per_s']:.0f} tok/s ({r['vs_fp16']:.2f}x)"
+                                                        for n, r in k.items()) + " (unfused: no CUDA kernel yet)")
+except Exception as err:  # noqa: BLE001
+    print(f"{'8-bit KV decode':22s} no result ({err})")
 try:
     d = json.loads((out / "swap_dma.json").read_text())  # --dma-only writes it beside --out
     for way in ("out", "in"):

@@ -22,6 +22,10 @@
 
     python bench/kv_quant.py            # full run -> bench/results/kv_quant.json
     python bench/kv_quant.py --quick    # fewer sequences and steps (a smoke test)
+    python bench/kv_quant.py --gpu --out bench/results/kv_quant_gpu.json   # 5. only (bench/gpu_check.sh)
+
+5. (--gpu) One layer's decode attention, 64 requests x 4096 tokens, through the torch backend on the GPU, per
+   KV dtype: the unfused path (gather, dequantize, SDPA) that 8-bit pages take until the CUDA kernels read them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -296,6 +301,48 @@ def decode_speed(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
     return out
 
 
+# ---- 5. GPU: the torch backend's decode attention over 8-bit pages (the CUDA kernels do not read them yet) ----
+def attention_decode(device: str, batch: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int = 8,
+                     dim: int = 128, repeats: int = 5) -> dict:
+    """One layer's paged decode (torch backend: gather + dequantize + SDPA), fp16 model, per KV dtype:
+    time per call and the pool bytes it reads (data and scales of the visible pages) per second."""
+    dev = torch.device(device)
+    block = 16
+    n_pages = -(-ctx // block)
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=kv_heads, head_dim=dim)
+    attn = TorchPagedAttention(heads, kv_heads, dim, dim ** -0.5)
+    tables = torch.arange(batch * n_pages, device=dev).view(batch, n_pages)
+    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.float16)
+    out = {}
+    for name in ("float16", "fp8_e4m3", "int8"):
+        pool = DevicePagePool(cfg, batch * n_pages, block, torch.float16, dev, parse_kv_dtype(name, torch.float16))
+        kc, vc = pool.layer(0)
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(batch * n_pages * block, kv_heads, dim, device=dev, generator=g, dtype=torch.float16)
+        slots = torch.arange(x.shape[0], device=dev)
+        meta = AttentionMetadata(slots // block, slots % block, [], [])
+        attn.write_cache(kc, vc, x, x, meta)
+        group = DecodeGroup(torch.arange(batch, device=dev), tables, torch.full((batch,), ctx, device=dev))
+        meta = AttentionMetadata(slots[:batch], slots[:batch], [group], [])
+
+        attn.forward(q, kc, vc, meta)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            attn.forward(q, kc, vc, meta)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        read = batch * n_pages * pool.page_bytes
+        out[name] = dict(ms=best * 1e3, gb_per_s=read / best / 1e9, tokens_per_s=batch / best, pool_bytes_read=read)
+    base = out["float16"]["tokens_per_s"]
+    for r in out.values():
+        r["vs_fp16"] = r["tokens_per_s"] / base
+    return out
+
+
 # ---- report ----------------------------------------------------------------------------------------------
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -308,8 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_quant.json")
+    ap.add_argument("--gpu", action="store_true", help="only the GPU decode attention table (bench/gpu_check.sh)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gpu:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shape = dict(batch=64, ctx=4096) if device == "cuda" else dict(batch=4, ctx=256, repeats=1)
+        res = attention_decode(device, **shape)
+        print(f"decode attention, torch backend on {device} ({shape}), fp16 model, one layer, 32/8 heads, d128\n")
+        print(_table(("kv dtype", "ms", "pool GB/s read", "tokens/s", "vs fp16"),
+                     [(n, f"{r['ms']:.2f}", f"{r['gb_per_s']:.0f}", f"{r['tokens_per_s']:.0f}",
+                       f"{r['vs_fp16']:.2f}x") for n, r in res.items()]))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": device, "shape": shape, "decode": res}, indent=1))
+        return 0
     t0 = time.perf_counter()
     report: dict = {"threads": args.threads, "torch": torch.__version__}
 

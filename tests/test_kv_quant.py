@@ -280,3 +280,12 @@ def test_int8_k_pages_written_together_match_one_by_one_writes_up_to_requantizat
     ideal_step = torch.pow(2.0, torch.ceil(torch.log2(x.view(2, 16, 2, 64).abs().amax(1) / 127)))
     assert torch.equal(torch.pow(2.0, k.exp[[0, 4]].float() - 127), ideal_step)  # written at once: no rescale
     assert ((both - x).view(2, 16, 2, 64).abs() <= ideal_step.unsqueeze(1) / 2 + 1e-7).all()
+
+
+def test_cuda_backend_refuses_8_bit_pages_and_auto_keeps_torch():
+    from executor_svc.attention import select_backend
+
+    with pytest.raises(ValueError, match="--attention-backend cuda: 8-bit KV pages .* torch backend only"):
+        select_backend("cuda", torch.device("cpu"), torch.float16, 128, kv_quantized=True)
+    name, why = select_backend("auto", torch.device("cpu"), torch.float16, 128, kv_quantized=True)
+    assert name == "torch" and "8-bit KV pages" in why

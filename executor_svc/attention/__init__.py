@@ -24,10 +24,9 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
     flag."""
     if requested == "torch":
         return "torch", "requested"
-    reason = unavailable_reason(device, dtype, head_dim)
-    if reason is None and kv_quantized:
-        # NOTE: the 8-bit page layout (executor_svc.kv_quant) is not yet in the CUDA kernels.
-        reason = "8-bit KV pages (--kv-cache-dtype fp8_e4m3/int8) run on the torch backend only for now"
+    # NOTE: the 8-bit page layout (executor_svc.kv_quant) is not yet in the CUDA kernels.
+    reason = ("8-bit KV pages (--kv-cache-dtype fp8_e4m3/int8) run on the torch backend only for now"
+              if kv_quantized else unavailable_reason(device, dtype, head_dim))
     if requested == "cuda":
         if reason is not None:
             raise ValueError(f"--attention-backend cuda: {reason}. Use --attention-backend torch (or auto)")
