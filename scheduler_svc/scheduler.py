@@ -160,7 +160,10 @@ class Scheduler:
 
     def _make_room_for_fair_share(self, stats: StepStats) -> None:
         """The request fairness would admit next cannot get a seat (max_num_seqs) or pages, and its tenant
-        holds less than its fair share of them: tenants above theirs give one back (preemption) until it fits."""
+        holds less than its fair share of them: tenants above theirs give one back (preemption) until it fits.
+        The victims are chosen first, on paper, and preempted only if together they make the room: a
+        preemption that leaves the request still unable to start frees nothing for it, and its victims would
+        come straight back (a livelock the page-accounting state machine found)."""
         if not self.config.fairness or not self.tenants.multi or not self.waiting:
             return
         req = self.waiting.head()
@@ -178,19 +181,64 @@ class Scheduler:
         if self._over_quota(tenant, need):
             return
         now = self.step_id + 1
-        self._make_seat_for(req, now)
-        shares = self.fair_shares()
-        if self.pool.used_by[req.tenant] >= shares.get(req.tenant, 0):
-            return
-        need += self.watermark_pages if self.running else 0
-        while not self._can_take(req.tenant, need):
-            over = {t for t, share in shares.items() if t != req.tenant and self.pool.used_by[t] > share}
-            victims = [r for r in self.running if r.tenant in over]
-            if not victims:
-                return
-            victim = self.policy.pick_victim(victims, now)
+        victims = self._seat_victims(req, now)
+        if victims is not None:
+            victims = self._page_victims(req, need, victims, now)
+        for victim in victims or ():
             self._preempt(victim, now)  # (not counted in stats.preempted: admission goes on this step)
             self.stats(victim.tenant).fair_share_preemptions += 1
+
+    def _page_victims(self, req: Request, need: int, victims: list[Request], now: int) -> list[Request] | None:
+        """victims (those giving up a seat) plus the requests of tenants above their fair share of pages that
+        must give theirs back for req to start, while its tenant holds less than its share; None when even
+        that would not make room."""
+        shares = self.fair_shares()
+        used = self.pool.used_by.copy()
+        free = self.pool.num_free
+        holders: dict[int, int] = {}
+
+        def give_back(victim: Request) -> None:
+            nonlocal free
+            for p in held(victim.page_table):
+                holders[p] = holders.get(p, 0) + 1
+                if holders[p] == self.pool.refcount(p):  # (pages other requests hold stay used)
+                    free += 1
+                    used[self.pool.owner[p]] -= 1
+
+        def fits() -> bool:
+            slack = self.watermark_pages if len(self.running) > len(victims) else 0
+            reserved = sum(max(0, t.reserved_pages - used[t.id]) for t in self.tenants if t.id != req.tenant)
+            return need + slack + reserved <= free
+
+        for victim in victims:
+            give_back(victim)
+        if fits():
+            return victims
+        if self.pool.used_by[req.tenant] >= shares.get(req.tenant, 0):
+            return None
+        while not fits():
+            over = {t for t, share in shares.items() if t != req.tenant and used[t] > share}
+            candidates = [r for r in self.running
+                          if r.tenant in over and r not in victims and not self._requeued_first(r, req)]
+            if not candidates:
+                return None
+            victim = self.policy.pick_victim(candidates, now)
+            victims.append(victim)
+            give_back(victim)
+        return victims
+
+    def _requeued_first(self, victim: Request, req: Request) -> bool:
+        """Whether fair order would admit victim, preempted and back at the front of its tenant's queue, before
+        req. Taking its seat or pages for req would only bring it straight back, step after step (a livelock
+        the page-accounting state machine found: a recompute victim re-admitted from its cached prefix each
+        step, its last prompt token never computed)."""
+        q = self.waiting
+        service = q.service(victim.tenant)
+        if not q.tenant_len(victim.tenant):  # it would return from idle: lifted to the least backlogged service
+            others = [q.service(t) for t, w in q.queues.items() if w and t != victim.tenant]
+            if others:
+                service = max(service, min(others))
+        return (service, victim.arrival) <= (q.service(req.tenant), req.arrival)
 
     def _seats_of(self, tenant: str) -> int:
         return sum(r.n for r in self.running if r.tenant == tenant)
@@ -206,27 +254,31 @@ class Scheduler:
             n = min(n, (limit - len(hits)) * self.pool.block_size)
         return hits, n
 
-    def _make_seat_for(self, req: Request, now: int) -> None:
+    def _seat_victims(self, req: Request, now: int) -> list[Request] | None:
+        """Requests of tenants above their share of seats (max_num_seqs, split by weight) that must give theirs
+        up for req to start: [] when a seat is free, None when none can be made for it."""
         seats: dict[str, int] = {}
         for r in self.running:
             seats[r.tenant] = seats.get(r.tenant, 0) + r.n
         limit = self.config.max_num_seqs
         if sum(seats.values()) + req.n <= limit:
-            return
+            return []
         active = set(seats) | {req.tenant}
         total = sum(self.tenants.get(t).weight for t in active)
         share = {t: limit * self.tenants.get(t).weight / total for t in active}
         if seats.get(req.tenant, 0) + req.n > share[req.tenant]:
-            return  # its tenant already has its share of seats
+            return None  # its tenant already has its share of seats
+        victims: list[Request] = []
         while sum(seats.values()) + req.n > limit:
             over = {t for t in seats if t != req.tenant and seats[t] > share[t]}
-            victims = [r for r in self.running if r.tenant in over]
-            if not victims:
-                return
-            victim = self.policy.pick_victim(victims, now)
-            self._preempt(victim, now)
+            candidates = [r for r in self.running
+                          if r.tenant in over and r not in victims and not self._requeued_first(r, req)]
+            if not candidates:
+                return None
+            victim = self.policy.pick_victim(candidates, now)
+            victims.append(victim)
             seats[victim.tenant] -= victim.n
-            self.stats(victim.tenant).fair_share_preemptions += 1
+        return victims
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request, front: bool = False) -> None:

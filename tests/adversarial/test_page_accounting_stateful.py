@@ -1,0 +1,279 @@
+"""A hypothesis state machine against the scheduler's page accounting (issue 13, the adversarial suite).
+
+A real Scheduler drives a FakeExecutor (tests/fake_executor.py: it checks that every scheduled request reads
+back exactly the KV it wrote, through swaps, spills and copies). Rules admit requests (random lengths, shared
+prefixes, tenants with quotas, reserves and concurrency limits, n > 1 forks, page budgets with the window and
+stop policies, sliding windows), plan and complete steps (separately, so cancels and failures land while a plan
+is in flight), cancel, reject a plan (a desync), and fail the executor (evacuate, then the requests come back on
+a fresh executor, as the cluster re-places them). Small pools make preemption (swap and recompute), spills to the
+host tier and copy-on-write happen all the time.
+
+After every rule: ``check_integrity()`` (refcounts equal the tables holding each page, on both tiers), every page
+in exactly one of used / free-and-cached / free, per-tenant counts, quotas and page budgets. At the end the
+machine drains: every client stream ends exactly once with every token it was owed, and no page is left used.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.api import GenerationService, InvalidRequest, attention_window
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.pages import PagePool
+from scheduler_svc.policy import Costs, Mode, PreemptionConfig
+from scheduler_svc.prefix_cache import tenant_root
+from scheduler_svc.request import Finish, Request, Sampling, Status
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tenancy import Tenant, Tenants
+from tests.adversarial.profiles import LONG, profile
+from tests.fake_executor import FakeExecutor, NullTokenizer
+
+BS = 4
+MAX_MODEL_LEN = 64
+CHEAP_SWAP = Costs(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6)
+PREFIXES = [[(11 * k + j) % 200 + 3 for j in range(9)] for k in range(3)]  # shared prompt starts (2+ pages)
+TENANTS = [
+    Tenant("a", weight=2.0),
+    Tenant("b", page_quota=8),
+    Tenant("c", page_budget=4, overflow="stop", reserved_pages=2),
+    Tenant("d", sliding_window=6, sink_tokens=3, max_concurrent_requests=2),
+    Tenant("e", page_budget=5, overflow="window", page_quota=12),
+]
+DRAIN_STEPS = 5000
+
+
+class PageAccounting(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s: Scheduler | None = None
+
+    @initialize(pages=st.integers(8, 24), host_pages=st.sampled_from([0, 6, 16]),
+                token_budget=st.sampled_from([4, 8, 16, 64]), seqs=st.sampled_from([2, 3, 8]),
+                mode=st.sampled_from(list(Mode)), caching=st.booleans(), multi=st.booleans(),
+                hot=st.sampled_from([0, 2, 64]), max_wait=st.sampled_from([0, 3, 64]),
+                watermark=st.sampled_from([0.0, 0.1]), sliding=st.sampled_from([0, 0, 7]))
+    def setup(self, pages, host_pages, token_budget, seqs, mode, caching, multi, hot, max_wait, watermark, sliding):
+        cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=token_budget, max_model_len=MAX_MODEL_LEN,
+                              watermark=watermark, enable_prefix_caching=caching, sliding_window=sliding,
+                              sink_tokens=2 if sliding else 0,
+                              preemption=PreemptionConfig(mode=mode, hot_steps=hot, cold_steps=max(hot, 4),
+                                                          swap_in_max_wait=max_wait))
+        host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
+        tenants = Tenants(list(TENANTS)) if multi else Tenants()
+        self.s = Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=CHEAP_SWAP, tenants=tenants)
+        self.api = SimpleNamespace(engine=SimpleNamespace(scheduler=self.s))  # for the API's own validation
+        self.ex = FakeExecutor(BS)
+        self.pending: pb.StepPlan | None = None
+        self.next_id = 0
+        self.groups: dict[str, Request] = {}  # client requests (the first Request object of each)
+        self.cancelled: set[str] = set()
+        self.finals: Counter[tuple[str, int]] = Counter()  # (group, index) -> final outputs seen
+        self.tokens: Counter[tuple[str, int]] = Counter()  # (group, index) -> tokens streamed
+        self.final_outputs: dict[tuple[str, int], object] = {}
+        self.events: Counter[str] = Counter()
+
+    # ---- outputs as a client would see them ----------------------------------------------------
+    def _deliver(self, outputs) -> None:
+        for req, out in outputs:
+            key = (req.group, out.index)
+            assert self.finals[key] == 0, f"{key}: output after its stream ended"
+            self.tokens[key] += len(out.token_ids)
+            if out.finish is not None:
+                self.finals[key] += 1
+                self.final_outputs[key] = out
+                assert out.completion_tokens == self.tokens[key], (
+                    f"{key}: {self.tokens[key]} tokens streamed, final says {out.completion_tokens}")
+
+    # ---- rules ---------------------------------------------------------------------------------
+    @rule(tenant=st.sampled_from([t.id for t in TENANTS]), prefix=st.sampled_from([None, 0, 1, 2]),
+          own=st.lists(st.integers(3, 250), min_size=0, max_size=36), max_tokens=st.integers(1, 30),
+          n=st.sampled_from([1, 1, 1, 2, 3]), asked_budget=st.sampled_from([0, 0, 3, 4, 6]),
+          priority=st.integers(0, 2))
+    def admit(self, tenant, prefix, own, max_tokens, n, asked_budget, priority):
+        s = self.s
+        t = s.tenants.get(tenant if s.tenants.multi else "default")
+        prompt = (PREFIXES[prefix] if prefix is not None else []) + own
+        if not prompt:
+            prompt = [5]
+        # Only what the public API would accept (its own checks, called on this scheduler).
+        try:
+            budget = GenerationService._page_budget(self.api, api.GenerateRequest(page_budget=asked_budget), t,
+                                                    len(prompt))
+        except InvalidRequest:
+            self.events["refused"] += 1
+            return
+        sink, window = attention_window(t, s.config, budget, BS)
+        if window and not budget and not s.window_page_limit(t.id, sink, window):
+            return
+        if n > s.config.max_num_seqs or (t.max_concurrent_requests and n > t.max_concurrent_requests):
+            return
+        if not window and len(prompt) >= min(MAX_MODEL_LEN, s.tenant_capacity(t.id) * BS):
+            return
+        root = tenant_root(t.id) if not window else tenant_root(f"{t.id}\x00window:{sink}:{window}")
+        rid = f"q{self.next_id}"
+        req = Request(request_id=rid, prompt_ids=prompt, sampling=Sampling(max_tokens=max_tokens), arrival=self.next_id,
+                      detokenizer=IncrementalDetokenizer(NullTokenizer(), prompt, [], False), n=n, tenant=t.id,
+                      hash_root=root, priority=priority, page_budget=budget, overflow=t.overflow, sink_tokens=sink,
+                      window_tokens=window)
+        self.next_id += 1
+        self.groups[rid] = req
+        s.add(req)
+        self.events["admitted"] += 1
+
+    @precondition(lambda self: self.pending is None)
+    @rule()
+    def plan(self) -> None:
+        plan, outputs = self.s.schedule()
+        self._deliver(outputs)
+        self.pending = plan
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def complete(self) -> None:
+        plan, self.pending = self.pending, None
+        self._note(plan)
+        self._deliver(self.s.process(self.ex.step(plan)))
+
+    @rule(steps=st.integers(1, 12))
+    def run_steps(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.pending is None:
+                self.plan()
+            if self.pending is None:
+                return
+            self.complete()
+
+    @precondition(lambda self: self.pending is not None and not self.s.resending)
+    @rule(name_them=st.booleans(), odds=st.integers(0, 3))
+    def reject(self, name_them: bool, odds: int) -> None:
+        """The executor disagreed with the plan and ran nothing of it (a desync)."""
+        if odds:
+            return
+        plan, self.pending = self.pending, None
+        named = [r.request_id for r in plan.new_requests][:1] if name_them else []
+        self._deliver(self.s.process(pb.StepResult(step_id=plan.step_id, error="injected desync",
+                                                   desynced_request_ids=named)))
+        self.events["rejected"] += 1
+
+    @precondition(lambda self: self.s is not None and self.s.requests)
+    @rule(data=st.data(), odds=st.integers(0, 3))
+    def cancel(self, data, odds: int) -> None:
+        if odds:  # (hypothesis has no rule weights: most draws of a rare rule do nothing)
+            return
+        live = sorted({r.group for r in self.s.requests.values()})
+        group = data.draw(st.sampled_from(live))
+        self.s.abort(group)
+        self.cancelled.add(group)
+        self.events["cancelled"] += 1
+
+    @rule(odds=st.integers(0, 7))
+    def executor_fails(self, odds: int) -> None:
+        """The executor dies (with a plan in flight or not): its requests leave with no page held, and come
+        back, oldest first, on a fresh executor with empty pools."""
+        if odds:
+            return
+        s = self.s
+        moved, ended = s.evacuate()
+        self.pending = None
+        self._deliver(ended)
+        s.check_integrity()
+        assert s.pool.num_used == 0 and not s.requests, "pages or requests left on a failed executor"
+        if s.host is not None:
+            assert s.host.num_used == 0, "host pages left on a failed executor"
+        assert s.pool.num_cached == 0, "the prefix cache still points at the dead executor's pages"
+        self.ex = FakeExecutor(BS)
+        for req in reversed(moved):
+            s.add(req, front=True)
+        self.events["failures"] += 1
+
+    def _note(self, plan: pb.StepPlan) -> None:
+        ops = plan.page_ops
+        self.events["swap_out"] += len(ops.swap_out)
+        self.events["swap_in"] += len(ops.swap_in)
+        self.events["copies"] += len(ops.copy)
+        self.events["dropped"] += sum(len(c.dropped_page_indices) for c in plan.continuing)
+        self.events["forks"] += sum(1 for r in plan.new_requests if "/" in r.request_id)
+
+    # ---- invariants ----------------------------------------------------------------------------
+    @invariant()
+    def accounting_holds(self) -> None:
+        s = self.s
+        if s is None:
+            return
+        s.check_integrity()
+        for pool in (s.pool, s.host):
+            if pool is None:
+                continue
+            used = sum(1 for rc in pool.refcounts if rc > 0)
+            cached_free = sum(1 for p in pool.free_queue if pool.hash_of(p) is not None)
+            plain_free = sum(1 for p in pool.free_queue if pool.hash_of(p) is None)
+            assert used + cached_free + plain_free == pool.num_pages
+            assert used == pool.num_used and sum(pool.used_by.values()) == used
+            assert min(pool.refcounts) >= 0
+        for t in s.tenants:
+            if t.page_quota:
+                assert s.pool.used_by[t.id] <= t.page_quota, f"tenant {t.id} holds more than its quota"
+        for r in s.running:
+            limit = r.page_budget or r.page_limit
+            held = sum(1 for p in r.page_table if p >= 0)
+            assert not limit or held <= limit, f"{r.request_id} holds {held} pages, limit {limit}"
+        for r in s.swapped:
+            limit = r.page_budget or r.page_limit
+            held = sum(1 for p in r.host_table if p >= 0)
+            assert not limit or held <= limit, f"swapped {r.request_id} holds {held} host pages, limit {limit}"
+
+    def _describe(self) -> str:
+        s = self.s
+        live = [(r.request_id, r.tenant, r.status.value, r.num_computed, r.compute_target, r.n, r.page_budget,
+                 r.window_tokens, len(r.page_table), len(r.host_table)) for r in s.requests.values()]
+        host = s.host.num_free if s.host is not None else None
+        return (f"live (id, tenant, status, computed, target, n, budget, window, pages, host pages): {live}; "
+                f"free pages {s.pool.num_free}/{s.pool.num_pages}, host free {host}, used by {dict(s.pool.used_by)}, "
+                f"config {s.config}")
+
+    # ---- the end: drain, nothing leaked, every stream ended once ---------------------------------
+    def teardown(self) -> None:
+        s = self.s
+        if s is None:
+            return
+        if self.pending is not None:
+            self.complete()
+        for _ in range(DRAIN_STEPS):
+            self.plan()
+            if self.pending is None and not s.has_work:
+                break
+            if self.pending is not None:
+                self.complete()
+            self.accounting_holds()
+        assert not s.has_work, f"not drained after {DRAIN_STEPS} steps: {self._describe()}"
+        s.check_integrity()
+        assert s.pool.num_used == 0, f"{s.pool.num_used} device pages leaked"
+        assert s.host is None or s.host.num_used == 0, f"{s.host.num_used} host pages leaked"
+        assert not s.kv.inflight, "in-flight prefix claims left"
+        for group, req in self.groups.items():
+            ended = {i for (g, i), k in self.finals.items() if g == group and k}
+            assert ended, f"{group}: stream never ended"
+            assert all(self.finals[(group, i)] == 1 for i in ended)
+            if group in self.cancelled:
+                continue
+            outs = [self.final_outputs[(group, i)] for i in sorted(ended)]
+            if any(o.error for o in outs):  # e.g. a request rejected 3 times by the executor
+                continue
+            assert ended == set(range(req.n)), f"{group}: forks {sorted(ended)} of {req.n} ended"
+            for o in outs:
+                assert o.finish in (Finish.LENGTH, Finish.STOP), f"{group}: ended {o.finish}"
+                assert 1 <= o.completion_tokens <= req.sampling.max_tokens
+                if o.finish is Finish.LENGTH and not o.stop_reason and o.completion_tokens < req.sampling.max_tokens:
+                    assert o.prompt_tokens + o.completion_tokens >= req.max_len, f"{group}: ended early"
+        assert all(r.status is Status.FINISHED for r in self.groups.values() if r.n == 1)
+
+
+TestPageAccounting = PageAccounting.TestCase
+TestPageAccounting.settings = profile(ci_examples=60, long_examples=2000,
+                                      stateful_step_count=80 if LONG else 40)
