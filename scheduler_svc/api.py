@@ -270,7 +270,8 @@ class GenerationService(api_grpc.GenerationServicer):
         tenant = await self._tenant(context, METHODS + "ModelInfo")
         schedulers = self.engine.schedulers()
         sees_cluster = self.engine.scheduler.tenants.sees_cluster(tenant)
-        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching)
+        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching,
+                                     cluster_view=sees_cluster)
         live = {id(s) for s in self.engine.schedulers(live=True)}
         for s in schedulers:  # capacity: the pools of the executors up or draining
             if id(s) in live:

@@ -94,6 +94,7 @@ def test_cancel_mid_stream_frees_pages(server):
 
     during = asyncio.run(scenario())
     assert during.num_used_pages > 0, "the request should hold pages while it streams"
+    assert during.cluster_view, "a single-tenant server's one caller sees the cluster's figures"
 
     async def used():
         async with Client(server.address) as client:

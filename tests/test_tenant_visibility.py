@@ -99,11 +99,11 @@ def test_a_tenant_sees_its_own_figures_and_an_admin_the_cluster(cluster):
     for view in (beta_before, beta, alpha):  # no tenant sees cluster figures, its own activity included
         assert _cluster_view(view) == zero, _cluster_view(view)
         assert view.model == "tiny-llama" and view.block_size == 16 and view.vocab_size == 259
-        assert view.max_model_len > 0 and view.num_pages == 64 and view.dtype
+        assert view.max_model_len > 0 and view.num_pages == 64 and view.dtype and not view.cluster_view
     assert beta.tenant.id == "beta" and beta.tenant.used_pages == 0 and beta.tenant.num_running == 0
     assert alpha.tenant.id == "alpha" and alpha.tenant.used_pages > 0 and alpha.tenant.num_running == 1
     # the admin sees the cluster: alpha's cache hit, its pages, the executor
-    assert ops.tenant.id == "ops" and ops.tenant.used_pages == 0
+    assert ops.tenant.id == "ops" and ops.tenant.used_pages == 0 and ops.cluster_view
     assert ops_hit.num_cached_prompt_tokens - ops_before.num_cached_prompt_tokens == again.cached_tokens
     assert ops.num_used_pages == alpha.tenant.used_pages and ops.num_running == 1
     assert [(e.address, e.state) for e in ops.executors] == [(executor.address, "up")]
