@@ -146,12 +146,14 @@ class Engine:
         self.executor_id = describe.executor_id
         self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
-                      num_host_pages=describe.num_host_pages)
+                      num_host_pages=describe.num_host_pages, cached_pages=self.scheduler.pool.num_cached)
         self.cluster.engine_up(self)
 
     def _adopt(self, describe) -> None:
         """A new Scheduler, or the old one (with a new pool geometry if it changed). Another executor id is
-        another process: its pools are empty, so the prefix cache forgets every page."""
+        another process: its pools are empty, so the prefix cache forgets every page. The same id is the same
+        process after a dropped Run stream: it kept its pages for this link's session (x-pagedkv-session), so
+        the prefix cache keeps them too."""
         if self.scheduler is None:
             self.scheduler = self.cluster.make_scheduler(describe)
             return
@@ -256,13 +258,15 @@ class Engine:
         self.cluster.update_gauges(force=True)
 
     def _executor_lost(self, error: str) -> None:
-        """The executor is gone with its pages: its requests move to the other executors."""
+        """The Run stream is lost: the requests move to the other executors (recomputed there: their state on
+        the executor went with the stream). Published pages stay findable, but only once the executor is up
+        again (nothing is placed here meanwhile): _adopt forgets them if another process answers."""
         self.executor.drop()
         was = self.state
         self.state = State.DOWN
         if self.scheduler is None:
             return
-        moved, ended = self.scheduler.evacuate()
+        moved, ended = self.scheduler.evacuate(keep_cache=True)
         deliver(ended)
         try:
             self.scheduler.check_integrity()

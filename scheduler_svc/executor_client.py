@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +34,9 @@ class ExecutorLink:
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+# Run-stream metadata: the executor keeps its page contents (our prefix cache) when the same session
+# re-attaches after a dropped stream, and starts any other session from zeroed pages.
+SESSION_HEADER = "x-pagedkv-session"
 
 
 class ExecutorClient:
@@ -45,13 +49,14 @@ class ExecutorClient:
                                     self.link.tls_server_name, ca_flag="--executor-tls-ca")
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.session = secrets.token_hex(16)  # one per scheduler process and executor link: a reconnect resumes
         self.call = None
         self.describe: pb.DescribeResponse | None = None
 
     async def connect(self, timeout: float) -> pb.DescribeResponse:
         """Waits up to ``timeout`` seconds for the executor, reads its description, opens the Run stream."""
         await self.probe(timeout)
-        self.call = self.stub.Run(metadata=self.metadata)
+        self.call = self.stub.Run(metadata=(*self.metadata, (SESSION_HEADER, self.session)))
         return self.describe
 
     async def probe(self, timeout: float) -> pb.DescribeResponse:

@@ -118,6 +118,13 @@ class PagePool:
         self.hash_of_page[page] = page_hash
         return True
 
+    def unpublish(self, pages: Iterable[int]) -> None:
+        """These pages' contents are uncertain (a page operation that may not have run): not findable any more."""
+        for p in pages:
+            h = self.hash_of_page.pop(p, None)
+            if h is not None:
+                del self.page_of_hash[h]
+
     def forget_hashes(self) -> None:
         """Nothing is findable any more (the executor that held the contents is gone)."""
         self.hash_of_page.clear()

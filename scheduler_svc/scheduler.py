@@ -753,18 +753,42 @@ class Scheduler:
         self._forget_executor_state()
         return outputs
 
-    def evacuate(self) -> tuple[list[Request], list[tuple[Request, Output]]]:
+    def evacuate(self, keep_cache: bool = False) -> tuple[list[Request], list[tuple[Request, Output]]]:
         """The executor is gone, and its pages with it: its live requests come back ready to be placed on
         another executor (oldest first), aborted ones end; all pages return and the prefix cache forgets
-        every page. A request's sampler continues there: draws are numbered by output position."""
+        every page. A request's sampler continues there: draws are numbered by output position.
+
+        keep_cache: only the Run stream was lost, and the same executor process may come back with its pages
+        as they were (the engine forgets them all if another process answers). Published pages stay findable,
+        except those that unconfirmed page operations were filling: whether those ran is unknown."""
+        unsure = self._unconfirmed_pages() if keep_cache else None
         self._drop_inflight()
         ended = self._reap_aborted() + self.deferred_outputs
         self.deferred_outputs = []
         moved = sorted(self.requests.values(), key=lambda r: r.arrival)
         for req in moved:
             self.detach(req)
-        self._forget_executor_state()
+        if unsure is None:
+            self._forget_executor_state()
+        else:
+            self.kv.take_ops()
+            self.to_forget = []
+            self.plan_failures = 0
+            self.kv.inflight.clear()
+            self.pool.unpublish(unsure[0])
+            if self.host is not None:
+                self.host.unpublish(unsure[1])
         return moved, ended
+
+    def _unconfirmed_pages(self) -> tuple[set[int], set[int]]:
+        """(device, host) pages that page operations not yet confirmed by the executor write into."""
+        device, host = set(), set()
+        for ops in (self.inflight_ops, self.resend_ops, self.kv.ops):
+            if ops is not None:
+                device.update(dst for _, dst in ops.swap_in)
+                device.update(dst for _, dst in ops.copy)
+                host.update(dst for _, dst in ops.swap_out)
+        return device, host
 
     def _drop_inflight(self) -> None:
         self.inflight = []
