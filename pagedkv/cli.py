@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 
 BLOCK_SIZES = (8, 16, 32)
+EXECUTOR_DRAIN_TIMEOUT = 30.0  # serve's executor: seconds it waits for its scheduler to detach on SIGTERM
+EXECUTOR_HOST = "127.0.0.1"  # serve's executor answers only its own scheduler, on this machine
+STOP_MARGIN = 10.0  # seconds past a child's own drain bound before serve SIGKILLs it
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,11 +27,19 @@ def _run_async(coro) -> None:
 
 
 # ---- serve -------------------------------------------------------------------------------------
+SERVE_DESCRIPTION = """Start an executor, then a scheduler, on this machine, and supervise them. A crashed child is
+restarted (after 1 s, doubling to 30 s; back to 1 s once it stayed up a minute); while the executor is down its
+requests wait (up to --unplaced-timeout) and then continue where they were. SIGHUP is passed to the scheduler
+(it reloads --tenants-file). Ctrl-C or SIGTERM: the scheduler finishes in-flight streams (up to
+--shutdown-timeout), then the executor stops; a second Ctrl-C stops at once. The children never outlive serve,
+even a SIGKILLed one (Linux: parent-death signal)."""
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama) or a local HF directory")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address of the public API (the executor listens on 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="public API port of the scheduler")
-    p.add_argument("--executor-port", type=int, default=0, help="executor port (0: a free one)")
+    p.add_argument("--executor-port", type=int, default=0, help="executor port on 127.0.0.1 (0: a free one)")
     p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--num-pages", type=int, help="number of device KV pages")
@@ -81,34 +86,27 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "token of max_model_len, at least 64 KiB)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
-
-
-def _wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its log above)")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise RuntimeError(f"{name} at {address} not serving after {timeout:.0f}s")
+    p.add_argument("--tls-cert", default="", metavar="PATH",
+                   help="PEM certificate (chain) for TLS on the public API (with --tls-key; pagedkv gen-certs makes "
+                   "one; clients then pass --tls-ca). The executor listens on 127.0.0.1 only and takes a fresh "
+                   "secret per run")
+    p.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM: seconds the scheduler lets in-flight streams finish (then the executor "
+                   "stops; a second Ctrl-C stops at once)")
+    p.add_argument("--unplaced-timeout", type=float, default=30.0,
+                   help="seconds a request waits while the executor is down (e.g. being restarted after a crash) "
+                   "before it ends with an error")
 
 
 def serve(args) -> int:
-    exec_port = args.executor_port or free_port(args.host)
+    exec_port = args.executor_port or free_port(EXECUTOR_HOST)
     common = [sys.executable, "-m", "pagedkv"]
-    exec_cmd = [*common, "executor", "--model", args.model, "--host", args.host, "--port", str(exec_port),
+    exec_cmd = [*common, "executor", "--model", args.model, "--host", EXECUTOR_HOST, "--port", str(exec_port),
                 "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
                 "--attention-backend", args.attention_backend, "--kv-cache-dtype", args.kv_cache_dtype,
-                "--threads", str(args.threads), "--log-format", args.log_format]
+                "--threads", str(args.threads), "--log-format", args.log_format,
+                "--drain-timeout", str(EXECUTOR_DRAIN_TIMEOUT)]
     if args.metrics_port:
         exec_cmd += ["--metrics-port", str(args.metrics_port + 1), "--metrics-host", args.metrics_host or args.host]
     if args.num_pages is not None:
@@ -119,16 +117,19 @@ def serve(args) -> int:
         exec_cmd += ["--swap-space", str(args.swap_space)]
     if args.num_host_pages is not None:
         exec_cmd += ["--num-host-pages", str(args.num_host_pages)]
-    sched_cmd = [*common, "scheduler", "--executor", f"{args.host}:{exec_port}", "--host", args.host,
+    sched_cmd = [*common, "scheduler", "--executor", f"{EXECUTOR_HOST}:{exec_port}", "--host", args.host,
                  "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--max-model-len", str(args.max_model_len), "--log-format", args.log_format,
                  "--preemption-mode", args.preemption_mode, "--hot-steps", str(args.hot_steps),
-                 "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait)]
+                 "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait),
+                 "--shutdown-timeout", str(args.shutdown_timeout), "--unplaced-timeout", str(args.unplaced_timeout)]
     if args.metrics_port:
         sched_cmd += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host or args.host]
     if args.max_prompt_bytes:
         sched_cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
+    if args.tls_cert or args.tls_key:
+        sched_cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
     if args.check_integrity:
         sched_cmd.append("--check-integrity")
     if not args.enable_prefix_caching:
@@ -139,53 +140,34 @@ def serve(args) -> int:
         sched_cmd.append("--no-fairness")
     if args.sliding_window:
         sched_cmd += ["--sliding-window", str(args.sliding_window), "--sink-tokens", str(args.sink_tokens)]
-    # A fresh executor secret for this run, in a 0600 file both children read (removed at exit): no other
-    # local process can drive the executor.
-    secret_dir = tempfile.mkdtemp(prefix="pagedkv-serve-")
-    secret_file = os.path.join(secret_dir, "executor.secret")
-    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, secrets.token_hex(32).encode())
-    os.close(fd)
-    exec_cmd += ["--executor-secret-file", secret_file]
-    sched_cmd += ["--executor-secret-file", secret_file]
-    children: list[subprocess.Popen] = []
-    stopping = False
+    return _supervise(args, exec_port, exec_cmd, sched_cmd)
 
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        children.append(subprocess.Popen(exec_cmd))
-        _wait_serving(f"{args.host}:{exec_port}", children[0], "executor", 600)
-        children.append(subprocess.Popen(sched_cmd))
-        _wait_serving(f"{args.host}:{args.port}", children[1], "scheduler", 300)
-        print(f"pagedkv ready: model {args.model} at {args.host}:{args.port} "
-              f"(executor {args.host}:{exec_port}); Ctrl-C stops", flush=True)
-        while not stopping:
-            for c in children:
-                if c.poll() is not None:
-                    print(f"error: child {' '.join(c.args[2:4])} exited with code {c.returncode}",
-                          file=sys.stderr, flush=True)
-                    return 1
-            time.sleep(0.2)
-        return 0
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for c in reversed(children):
-            if c.poll() is None:
-                c.send_signal(signal.SIGTERM)
-        for c in reversed(children):
-            try:
-                c.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                c.kill()
-                c.wait()
-        shutil.rmtree(secret_dir, ignore_errors=True)
+def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) -> int:
+    """Runs the two children under pagedkv.supervisor (signals, restarts, ordered shutdown)."""
+    from pagedkv import logs
+    from pagedkv.supervisor import ChildSpec, HealthProbe, ListeningProbe, Supervisor, executor_secret_file
+
+    log = logs.configure("serve", json=logs.wants_json(args.log_format))
+    env = dict(os.environ)
+    env.pop("PAGEDKV_EXECUTOR_SECRET", None)  # this run's own secret, from the file, is the one that counts
+    exec_address, sched_address = f"{EXECUTOR_HOST}:{exec_port}", f"{args.host}:{args.port}"
+    with executor_secret_file() as secret:
+        exec_cmd += ["--executor-secret-file", secret]
+        sched_cmd += ["--executor-secret-file", secret]
+        # With TLS on the public API, serve (which holds no CA) waits for the scheduler's port to listen: the
+        # scheduler starts listening just before it reports SERVING.
+        probes = HealthProbe(exec_address), (ListeningProbe if args.tls_cert else HealthProbe)(sched_address)
+        children = [
+            ChildSpec("executor", exec_cmd, probes[0], ready_timeout=600, close=probes[0].close,
+                      stop_timeout=EXECUTOR_DRAIN_TIMEOUT + STOP_MARGIN),
+            ChildSpec("scheduler", sched_cmd, probes[1], ready_timeout=300, close=probes[1].close,
+                      stop_timeout=args.shutdown_timeout + STOP_MARGIN),
+        ]
+        supervisor = Supervisor(children, log, reload="scheduler", env=env)
+        return supervisor.run(lambda: print(
+            f"pagedkv ready: model {args.model} at {sched_address} (executor {exec_address}); Ctrl-C stops",
+            flush=True))
 
 
 # ---- generate ----------------------------------------------------------------------------------
@@ -253,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine")
+    p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine",
+                       description=SERVE_DESCRIPTION)
     _add_serve_args(p)
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
     scheduler_server.add_args(p)

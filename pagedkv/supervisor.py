@@ -1,0 +1,315 @@
+"""``pagedkv serve``'s supervisor: starts its children in order, keeps them running, and stops them in reverse.
+
+- Start: each child in list order (the executor, then the scheduler), each waited for until ``ready()``.
+- Children never outlive the supervisor: on Linux each gets ``PR_SET_PDEATHSIG`` (SIGTERM), so even a
+  SIGKILLed supervisor takes them down (gracefully: the scheduler drains, the executor detaches). Every child
+  is forked from the main thread, because the death signal fires when the *thread* that forked exits.
+- Each child runs in a process group of its own: a terminal's Ctrl-C reaches only the supervisor, which stops
+  the children in order (reaching all three at once, it would make the executor drain while the scheduler
+  still finishes streams). Children start with SIGHUP ignored until they install a handler of their own, so
+  a SIGHUP forwarded while one is starting cannot kill it.
+- SIGHUP: forwarded to the ``reload`` child (the scheduler re-reads its tenants file, re-resolves executors);
+  the supervisor keeps running.
+- A child that exits on its own is restarted after a backoff: ``backoff_start`` seconds, doubling to
+  ``backoff_max``, back to the start once a child has stayed up ``stable_after`` seconds.
+- SIGINT/SIGTERM: SIGTERM to each child in reverse order (the scheduler first), each given its ``stop_timeout``
+  (its own graceful drain plus a margin) before SIGKILL. A second SIGINT/SIGTERM stops at once: the children
+  get a second SIGTERM (their own stop-now path) and ``NOW_GRACE`` seconds.
+
+No grpc at import: the unit tests drive this module with small stand-in children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL = 0.1  # seconds between looks at the children
+NOW_GRACE = 5.0  # seconds children get after a second stop signal before SIGKILL
+
+
+class StartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    cmd: list[str]
+    ready: Callable[[], bool]  # polled after the first start until True (e.g. grpc health SERVING)
+    ready_timeout: float  # seconds the first start may take
+    stop_timeout: float  # seconds from SIGTERM to SIGKILL: the child's own graceful drain plus a margin
+    close: Callable[[], None] = field(default=lambda: None)  # releases what ``ready`` holds
+
+
+def _child_setup(parent: int) -> Callable[[], None]:
+    """Runs in the forked child before exec: own process group, SIGHUP ignored, death signal on Linux."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited through exec, until the child handles it
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # the supervisor died before the death signal was armed
+                os._exit(1)
+
+    return setup
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Child:
+    def __init__(self, spec: ChildSpec, env: dict[str, str], backoff_start: float) -> None:
+        self.spec = spec
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.restarts = 0
+        self.backoff = backoff_start
+        self.restart_at: float | None = None  # a restart is due then (the child exited on its own)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.spec.cmd, stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=_child_setup(os.getpid()))
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def signal(self, sig: int) -> None:
+        if self.running():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+
+class Supervisor:
+    def __init__(self, specs: list[ChildSpec], log, *, reload: str = "", env: dict[str, str] | None = None,
+                 backoff_start: float = 1.0, backoff_max: float = 30.0, stable_after: float = 60.0) -> None:
+        env = dict(os.environ if env is None else env)
+        self.children = [Child(s, env, backoff_start) for s in specs]
+        self.log = log
+        self.reload = reload
+        self.backoff_start, self.backoff_max, self.stable_after = backoff_start, backoff_max, stable_after
+        self.stopping = False  # the first SIGINT/SIGTERM
+        self.now = False  # the second one: stop at once
+        self.hup = False  # a SIGHUP to forward
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def run(self, on_ready: Callable[[], None] = lambda: None) -> int:
+        """Until SIGINT/SIGTERM (or a failed start): 0 when every child started and stopped cleanly."""
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        ok = False
+        try:
+            if self._start_all():
+                on_ready()
+                self._supervise()
+            ok = True
+        except StartError as err:
+            self.log.error("serve_start_failed", error=str(err))
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        finally:
+            clean = self._shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0 if ok and clean else 1
+
+    # ---- signals -----------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame) -> None:
+        if signum == signal.SIGHUP:
+            self.hup = True
+            return
+        if self.stopping:
+            self.now = True
+        self.stopping = True
+
+    def _forward_hup(self) -> None:
+        self.hup = False
+        if not self.reload:
+            return
+        target = self.child(self.reload)
+        if target.running():
+            assert target.proc is not None
+            target.signal(signal.SIGHUP)
+            self.log.info("sighup_forwarded", child=target.name, pid=target.proc.pid)
+        else:
+            self.log.warning("sighup_not_forwarded", child=target.name,
+                             reason="not running (it reads its configuration when it restarts)")
+
+    # ---- start and supervise -----------------------------------------------------------------------
+    def _start_all(self) -> bool:
+        """Each child in order, until ready; False when a stop signal came first."""
+        for child in self.children:
+            if self.stopping:
+                return False
+            child.start()
+            assert child.proc is not None
+            self.log.info("child_started", child=child.name, pid=child.proc.pid)
+            deadline = time.monotonic() + child.spec.ready_timeout
+            try:
+                while not child.spec.ready():
+                    if self.stopping:
+                        return False
+                    if child.proc.poll() is not None:
+                        raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
+                                         "(see its log above)")
+                    if time.monotonic() > deadline:
+                        raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
+                    time.sleep(POLL)
+            finally:
+                child.spec.close()
+        return True
+
+    def _supervise(self) -> None:
+        while not self.stopping:
+            if self.hup:
+                self._forward_hup()
+            now = time.monotonic()
+            for child in self.children:
+                self._look_after(child, now)
+            time.sleep(POLL)
+
+    def _look_after(self, child: Child, now: float) -> None:
+        if child.proc is not None and child.proc.poll() is not None:
+            up_for = now - child.started_at
+            if up_for >= self.stable_after:
+                child.backoff = self.backoff_start
+            delay = child.backoff
+            child.backoff = min(child.backoff * 2, self.backoff_max)
+            child.restart_at = now + delay
+            self.log.error("child_exited", child=child.name, pid=child.proc.pid,
+                           status=describe_exit(child.proc.returncode), up_for_s=round(up_for, 1),
+                           restart_in_s=round(delay, 2), restarts=child.restarts)
+            child.proc = None
+        if child.proc is None and child.restart_at is not None and now >= child.restart_at:
+            child.restarts += 1
+            child.start()
+            assert child.proc is not None
+            self.log.info("child_restarted", child=child.name, pid=child.proc.pid, restarts=child.restarts)
+
+    # ---- stop --------------------------------------------------------------------------------------
+    def _shutdown(self) -> bool:
+        """Every running child, in reverse order; True when each exited 0 within its bound."""
+        clean = True
+        for child in reversed(self.children):
+            child.restart_at = None
+            if child.proc is not None:
+                clean = self._stop(child) and clean
+        return clean
+
+    def _stop(self, child: Child) -> bool:
+        proc = child.proc
+        assert proc is not None
+        signalled = time.monotonic()
+        if proc.poll() is not None:  # it had exited on its own (a restart was due): not part of this stop
+            self.log.warning("child_exited", child=child.name, pid=proc.pid, status=describe_exit(proc.returncode))
+            return True
+        self.log.info("child_stopping", child=child.name, pid=proc.pid, timeout_s=child.spec.stop_timeout)
+        child.signal(signal.SIGTERM)
+        deadline = signalled + child.spec.stop_timeout
+        urged = False
+        while proc.poll() is None:
+            now = time.monotonic()
+            if self.now and not urged and now - signalled > 0.3:  # its own second signal: stop now
+                urged = True
+                child.signal(signal.SIGTERM)
+                deadline = min(deadline, now + NOW_GRACE)
+                self.log.warning("child_stopping_now", child=child.name, pid=proc.pid, timeout_s=NOW_GRACE)
+            if now >= deadline:
+                self.log.error("child_killed", child=child.name, pid=proc.pid,
+                               reason=f"not stopped {deadline - signalled:.0f}s after SIGTERM")
+                proc.kill()
+                proc.wait()
+                return False
+            time.sleep(0.05)
+        self.log.info("child_stopped", child=child.name, pid=proc.pid, status=describe_exit(proc.returncode),
+                      seconds=round(time.monotonic() - signalled, 1))
+        return proc.returncode in (0, -signal.SIGTERM)  # -SIGTERM: it was still starting (no handler yet)
+
+
+@contextlib.contextmanager
+def executor_secret_file() -> Iterator[str]:
+    """A fresh secret for this run in a 0600 file inside a private (0700) temporary directory, removed at
+    exit. (A SIGKILLed ``serve`` leaves the directory behind; the secret in it is never used again.)"""
+    folder = tempfile.mkdtemp(prefix="pagedkv-serve-")
+    try:
+        path = os.path.join(folder, "executor-secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class ListeningProbe:
+    """``probe()`` is True once something accepts TCP connections at ``address`` (HOST:PORT)."""
+
+    def __init__(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.target = (host.strip("[]"), int(port))
+
+    def __call__(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(self.target, timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        pass
+
+
+class HealthProbe:
+    """``probe()`` is True once the grpc health service at ``address`` answers SERVING."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = None
+
+    def __call__(self) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        if self.channel is None:  # reconnect quickly: a server that is still loading is not yet listening
+            self.channel = grpc.insecure_channel(self.address, options=[
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)])
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

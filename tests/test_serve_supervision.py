@@ -1,0 +1,391 @@
+"""``pagedkv serve`` supervises its children (pagedkv/supervisor.py).
+
+First the supervisor alone, with small stand-in children (fast): SIGHUP forwarding, shutdown order and bounds,
+a second signal, restarts with backoff, death signal, the secret file. Then through a real ``pagedkv serve``:
+SIGHUP reloads the scheduler, a SIGKILLed executor is restarted and an in-flight stream completes identically,
+a SIGKILLed scheduler is restarted, SIGTERM drains an in-flight stream, and a SIGKILLed serve takes its
+children down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedkv.client import Client, Completion, accumulate
+from pagedkv.local_server import TEST_EXECUTOR_SECRET, LocalServer
+from pagedkv.supervisor import executor_secret_file
+from scheduler_svc.tenancy import hash_key
+from tests.conftest import ROOT, wait_until
+
+# ---- stand-in children -------------------------------------------------------------------------
+# argv: name, notes file, drain seconds (on the first SIGTERM), crash-after seconds (<0: never).
+FAKE_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    name, notes, drain, crash_after = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+    def note(what):
+        with open(notes, "a") as f:
+            f.write(f"{time.monotonic():.4f} {name} {os.getpid()} {what}\\n")
+    ends = None
+    def on_term(*_):
+        global ends
+        if ends is not None:
+            note("term-now")
+            sys.exit(0)
+        note("term")
+        ends = time.monotonic() + drain
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, lambda *_: note("hup"))
+    note("start")
+    started = time.monotonic()
+    while ends is None or time.monotonic() < ends:
+        if 0 <= crash_after <= time.monotonic() - started:
+            note("crash")
+            sys.exit(3)
+        time.sleep(0.01)
+    note("exit")
+""")
+
+# argv: a JSON config: {"children": [{name, drain, crash_after, stop_timeout}], "reload", backoff settings}.
+RUNNER = textwrap.dedent("""
+    import json, sys
+    from pagedkv import logs
+    from pagedkv.supervisor import ChildSpec, Supervisor
+    cfg = json.loads(sys.argv[1])
+    notes = cfg["notes"]
+    def started(name):
+        try:
+            return any(line.split()[1:2] == [name] for line in open(notes))
+        except FileNotFoundError:
+            return False
+    specs = [ChildSpec(c["name"], c.get("cmd") or [sys.executable, cfg["child"], c["name"], notes,
+                                                   str(c.get("drain", 0)), str(c.get("crash_after", -1))],
+                       ready=lambda n=c["name"]: started(n), ready_timeout=20, stop_timeout=c.get("stop_timeout", 20))
+             for c in cfg["children"]]
+    sup = Supervisor(specs, logs.configure("serve", json=True), reload=cfg.get("reload", ""),
+                     **cfg.get("backoff", {}))
+    sys.exit(sup.run(lambda: print("ready", flush=True)))
+""")
+
+
+class Runner:
+    """A Supervisor in a process of its own, driving stand-in children that note what happens to them. Output
+    goes to files (a surviving child holding a pipe open would hang the test instead of failing it)."""
+
+    def __init__(self, tmp_path: Path, children: list[dict], wait_ready: bool = True, **cfg) -> None:
+        (tmp_path / "child.py").write_text(FAKE_CHILD)
+        (tmp_path / "runner.py").write_text(RUNNER)
+        self.notes, self.out, self.err = tmp_path / "notes", tmp_path / "out", tmp_path / "err"
+        config = {"children": children, "notes": str(self.notes), "child": str(tmp_path / "child.py"), **cfg}
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), json.dumps(config)],
+                                         cwd=ROOT, stdout=out, stderr=err)
+        RUNNERS.append(self)
+        if wait_ready:
+            assert wait_until(lambda: "ready" in self.out.read_text() or self.proc.poll() is not None, 30)
+            assert "ready" in self.out.read_text(), self.err.read_text()
+
+    def events(self) -> list[tuple[float, str, int, str]]:
+        if not self.notes.exists():
+            return []
+        rows = [line.split() for line in self.notes.read_text().splitlines()]
+        return [(float(t), name, int(pid), what) for t, name, pid, what in rows]
+
+    def saw(self, name: str, what: str) -> list[tuple[float, int]]:
+        return [(t, pid) for t, n, pid, w in self.events() if n == name and w == what]
+
+    def finish(self, timeout: float = 30) -> tuple[int, list[dict]]:
+        code = self.proc.wait(timeout=timeout)
+        return code, [json.loads(line) for line in self.err.read_text().splitlines() if line.startswith("{")]
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in {pid for _, _, pid, _ in self.events()}:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+RUNNERS: list[Runner] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_children():
+    yield
+    while RUNNERS:
+        RUNNERS.pop().kill_all()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for its reaper counts as gone: it runs no code and holds no port)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_sighup_goes_to_the_scheduler_and_shutdown_drains_it_before_the_executor(tmp_path):
+    run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler", "drain": 1.5}], reload="scheduler")
+    run.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: run.saw("scheduler", "hup"), 10)
+    time.sleep(0.3)
+    assert run.proc.poll() is None, "a SIGHUP must not stop the supervisor"
+    assert not run.saw("executor", "hup") and len(run.saw("scheduler", "start")) == 1
+    for name in ("executor", "scheduler"):  # each leads a process group of its own: Ctrl-C reaches serve only
+        pid = run.saw(name, "start")[0][1]
+        assert os.getpgid(pid) == pid != os.getpgid(run.proc.pid)
+    run.proc.send_signal(signal.SIGTERM)
+    code, logs = run.finish()
+    assert code == 0, logs
+    (sched_term, _), = run.saw("scheduler", "term")
+    (sched_exit, _), = run.saw("scheduler", "exit")
+    (exec_term, _), = run.saw("executor", "term")
+    assert sched_exit - sched_term >= 1.4, "the scheduler's drain was cut short"
+    assert exec_term >= sched_exit, "the executor was stopped before the scheduler finished draining"
+    assert run.saw("executor", "exit") and not any(e["event"] == "child_killed" for e in logs)
+    assert [e["child"] for e in logs if e["event"] == "child_stopped"] == ["scheduler", "executor"]
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler", "drain": 60, "stop_timeout": 90}],
+                 reload="scheduler")
+    run.proc.send_signal(signal.SIGINT)
+    assert wait_until(lambda: run.saw("scheduler", "term"), 10)
+    t0 = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    code, logs = run.finish(timeout=20)
+    assert time.monotonic() - t0 < 8, "a second Ctrl-C must stop within seconds, not after the drain"
+    assert run.saw("scheduler", "term-now"), "the scheduler gets its own stop-now signal"
+    assert code == 0 and run.saw("executor", "exit"), logs
+
+
+def test_crashed_children_restart_with_backoff_and_others_keep_running(tmp_path):
+    backoff = {"backoff_start": 0.2, "backoff_max": 0.8, "stable_after": 0.5}
+    run = Runner(tmp_path, [{"name": "steady"}, {"name": "flaky", "crash_after": 0.05},
+                            {"name": "slow", "crash_after": 0.7}], backoff=backoff)
+    assert wait_until(lambda: len(run.saw("flaky", "start")) >= 6, 20)
+    assert wait_until(lambda: len(run.saw("slow", "start")) >= 3, 20)
+    run.proc.send_signal(signal.SIGTERM)
+    code, logs = run.finish()
+    assert code == 0, logs
+    assert len(run.saw("steady", "start")) == 1 and run.saw("steady", "exit")
+
+    def delays(name: str) -> list[float]:  # from each crash to the next start
+        crashes, starts = run.saw(name, "crash"), run.saw(name, "start")[1:]
+        return [s[0] - c[0] for c, s in zip(crashes, starts)]
+
+    flaky = delays("flaky")  # up for 0.05 s each time: 0.2, 0.4, 0.8, 0.8 (capped), ...
+    for got, want in zip(flaky, (0.2, 0.4, 0.8, 0.8, 0.8)):
+        assert want <= got < want + 0.5, flaky
+    slow = delays("slow")  # up for 0.7 s >= stable_after each time: always back to 0.2
+    assert all(0.2 <= d < 0.7 for d in slow), slow
+    exits = [e for e in logs if e["event"] == "child_exited" and e["child"] == "flaky"]
+    assert exits and exits[0]["status"] == "exited with code 3" and exits[0]["restart_in_s"] == 0.2
+
+
+def test_children_die_with_a_sigkilled_supervisor(tmp_path):
+    run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler"}])
+    pids = [run.saw(name, "start")[0][1] for name in ("executor", "scheduler")]
+    run.proc.kill()
+    run.proc.wait()
+    assert wait_until(lambda: all(_gone(p) for p in pids), 5), "children outlived their supervisor"
+    assert run.saw("executor", "term") and run.saw("scheduler", "term"), "the death signal is SIGTERM"
+
+
+def test_failed_start_exits_1_and_stops_the_started_children(tmp_path):
+    failing = [sys.executable, "-c", "raise SystemExit(2)"]
+    run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler", "cmd": failing}], wait_ready=False)
+    code, logs = run.finish()
+    assert code == 1
+    failed = [e for e in logs if e["event"] == "serve_start_failed"]
+    assert failed and "scheduler exited with code 2 during start-up" in failed[0]["error"], logs
+    assert run.saw("executor", "term") and run.saw("executor", "exit"), "the started executor is stopped"
+
+
+def test_executor_secret_file_is_private_and_removed():
+    with executor_secret_file() as path:
+        secret = Path(path).read_text()
+        assert len(secret) == 64 and int(secret, 16) >= 0
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        with executor_secret_file() as other:
+            assert Path(other).read_text() != secret
+    assert not os.path.exists(os.path.dirname(path))
+
+
+# ---- through a real pagedkv serve --------------------------------------------------------------
+PROMPT = "Supervision keeps the stream going:"
+STREAM = dict(max_tokens=400, ignore_eos=True)
+
+
+def children(server: LocalServer) -> dict[str, int]:
+    """serve's children by role, from /proc (not the ready lines: restarted children have new pids)."""
+    found: dict[str, int] = {}
+    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+        try:
+            pids = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for pid in pids:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            role = next((a.decode() for a in argv if a in (b"executor", b"scheduler")), None)
+            if role and not _gone(int(pid)):
+                found[role] = int(pid)
+    return found
+
+
+async def _stream(address: str, on_first_token=None) -> Completion:
+    out = Completion()
+    async with Client(address, api_key="key-sup") as client:
+        async for msg in client.generate(PROMPT, **STREAM):
+            first = not out.token_ids
+            accumulate(out, msg)
+            if first and on_first_token is not None and not msg.finish_reason:
+                on_first_token()
+    return out
+
+
+def _complete(address: str) -> Completion:
+    return asyncio.run(_stream(address))
+
+
+def _serve(tmp_path_factory) -> LocalServer:
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(f'[tenants.sup]\nkeys = ["{hash_key("key-sup")}"]\n')
+    return LocalServer("--num-pages", "256", "--threads", "1", "--tenants-file", str(tenants), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = _serve(tmp_path_factory)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(server) -> Completion:
+    out = _complete(server.address)
+    assert out.finish_reason == "length" and len(out.token_ids) == STREAM["max_tokens"]
+    return out
+
+
+def test_sighup_reloads_the_scheduler_and_serve_keeps_serving(server, undisturbed):
+    before = children(server)
+    assert set(before) == {"executor", "scheduler"}
+    reloads = server.log().count("tenants_reloaded")
+    server.proc.send_signal(signal.SIGHUP)
+    assert wait_until(lambda: server.log().count("tenants_reloaded") > reloads, 20), server.log()
+    assert server.proc.poll() is None and children(server) == before
+    assert _complete(server.address).token_ids == undisturbed.token_ids
+
+
+def test_killed_executor_restarts_and_the_stream_in_flight_completes(server, undisturbed):
+    before = children(server)
+    failures = server.log().count("executor_failed")
+    out = asyncio.run(_stream(server.address, lambda: os.kill(before["executor"], signal.SIGKILL)))
+    # The scheduler moved the request off the dead executor (to the unplaced queue) and, once serve had
+    # restarted the executor at the same address, recomputed it there: the client saw no error and no change.
+    assert "requests_moved=1" in "\n".join(server.log().splitlines()[-400:])
+    assert server.log().count("executor_failed") > failures
+    assert out.finish_reason == "length" and out.token_ids == undisturbed.token_ids
+    after = children(server)
+    assert server.proc.poll() is None and after["scheduler"] == before["scheduler"]
+    assert after["executor"] != before["executor"] and "child_restarted" in server.log()
+    assert _complete(server.address).token_ids == undisturbed.token_ids
+
+
+def test_killed_scheduler_restarts(server, undisturbed):
+    before = children(server)
+    os.kill(before["scheduler"], signal.SIGKILL)
+    assert wait_until(lambda: children(server).get("scheduler", before["scheduler"]) != before["scheduler"], 20)
+
+    def serving() -> bool:
+        try:
+            return _complete(server.address).token_ids == undisturbed.token_ids
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    assert wait_until(serving, 120, interval=1.0), server.log()
+    after = children(server)
+    assert server.proc.poll() is None and after["executor"] == before["executor"]
+
+
+def test_sigterm_lets_the_stream_in_flight_finish(server, undisturbed):
+    pids = children(server)
+    out = asyncio.run(_stream(server.address, lambda: server.proc.send_signal(signal.SIGTERM)))
+    assert out.finish_reason == "length" and out.token_ids == undisturbed.token_ids
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    assert wait_until(lambda: all(_gone(p) for p in pids.values()), 10)
+    stopped = [line for line in server.log().splitlines() if "child_stopped" in line]
+    assert len(stopped) == 2 and "scheduler" in stopped[0] and "executor" in stopped[1], stopped
+    assert all("exited with code 0" in line for line in stopped), stopped
+    assert "child_killed" not in server.log()
+
+
+def _argv(pid: int) -> list[str]:
+    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+
+
+def _describe_executor(address: str, secret: str = "") -> grpc.StatusCode:
+    from pagedkv.executor.v1 import executor_pb2 as pb
+    from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+    metadata = [("authorization", f"Bearer {secret}")] if secret else []
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest(), metadata=metadata, timeout=30)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_tls_serve_with_its_own_secret_and_a_sigkill_that_takes_the_children_down(tmp_path_factory):
+    from pagedkv import certs
+
+    files = certs.generate(tmp_path_factory.mktemp("certs"))
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(f'[tenants.sup]\nkeys = ["{hash_key("key-sup")}"]\n')
+    s = LocalServer("--num-pages", "64", "--threads", "1", "--tenants-file", str(tenants), "--tls-cert",
+                    str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), timeout=300)
+    try:
+        async def over_tls() -> Completion:
+            async with Client(s.address, api_key="key-sup", tls_ca=str(files[certs.CA_FILE])) as client:
+                return await client.complete(PROMPT, max_tokens=4)
+
+        assert asyncio.run(over_tls()).completion_tokens == 4  # serve passed --tls-cert/--tls-key on
+        pids = children(s)
+        assert set(pids) == {"executor", "scheduler"}
+        # The executor listens on loopback and takes only this run's secret, from a private file.
+        argv = _argv(pids["executor"])
+        secret_file = Path(argv[argv.index("--executor-secret-file") + 1])
+        assert argv[argv.index("--host") + 1] == "127.0.0.1"
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600 and len(secret_file.read_text().strip()) == 64
+        assert secret_file in [Path(p) for p in _argv(pids["scheduler"])]
+        address = f"127.0.0.1:{argv[argv.index('--port') + 1]}"
+        assert _describe_executor(address) == grpc.StatusCode.UNAUTHENTICATED
+        assert _describe_executor(address, TEST_EXECUTOR_SECRET) == grpc.StatusCode.UNAUTHENTICATED
+        assert _describe_executor(address, secret_file.read_text().strip()) == grpc.StatusCode.OK
+
+        s.proc.kill()
+        s.proc.wait()
+        assert wait_until(lambda: all(_gone(p) for p in pids.values()), 15), "children outlived serve"
+        shutil.rmtree(secret_file.parent)  # a SIGKILLed serve cannot remove it
+    finally:
+        s.stop()
