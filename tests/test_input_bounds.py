@@ -102,7 +102,12 @@ async def _send_raw(channel: grpc.aio.Channel, payload: bytes) -> tuple[grpc.aio
 
 def test_huge_requests_are_refused_by_grpc_while_other_streams_stream(pair):
     """5 MB and 50 MB Generate requests (serialized beforehand, so the client's own encoding is not timed) end
-    RESOURCE_EXHAUSTED at once; the scheduler's memory does not grow; a concurrent stream keeps streaming."""
+    RESOURCE_EXHAUSTED at once; the scheduler's memory does not grow; a concurrent stream keeps streaming.
+
+    NOTE: gRPC decides from the length prefix within ~1 ms of the first bytes (a GRPC_TRACE=http,api trace
+    shows the server's CANCEL then), but grpcio 1.85 writes the RST_STREAM/trailers from an EventEngine
+    callback ~100 ms later, for a 300 KiB message as for a 500 MB one, with the aio or the sync server alike:
+    the client sees the status after ~0.1-0.2 s on an idle machine."""
     payloads = {mb: api.GenerateRequest(text="a" * (mb << 20)).SerializeToString() for mb in (5, 50)}
     pid = pair.proc.pid
 
@@ -132,7 +137,7 @@ def test_huge_requests_are_refused_by_grpc_while_other_streams_stream(pair):
     for mb, (err, secs) in results.items():
         assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (mb, err)
         assert f"vs. {limit})" in err.details(), err.details()  # gRPC's words: "larger than max (N vs. LIMIT)"
-        assert secs < 2.0, f"{mb} MB took {secs:.2f}s to refuse"
+        assert secs < 5.0, f"{mb} MB took {secs:.2f}s to refuse"  # ~0.1-0.2 s on an idle machine; see below
     assert after - before < 50, f"scheduler RSS grew {after - before:.1f} MiB"
     assert count == 200, "the concurrent stream did not complete"
     assert max(gaps) < 5.0, f"the concurrent stream stalled {max(gaps):.2f}s"
