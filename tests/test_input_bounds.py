@@ -137,7 +137,7 @@ def test_huge_requests_are_refused_by_grpc_while_other_streams_stream(pair):
     for mb, (err, secs) in results.items():
         assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (mb, err)
         assert f"vs. {limit})" in err.details(), err.details()  # gRPC's words: "larger than max (N vs. LIMIT)"
-        assert secs < 5.0, f"{mb} MB took {secs:.2f}s to refuse"  # ~0.1-0.2 s on an idle machine; see below
+        assert secs < 5.0, f"{mb} MB took {secs:.2f}s to refuse"  # ~0.1-0.2 s idle: see the docstring
     assert after - before < 50, f"scheduler RSS grew {after - before:.1f} MiB"
     assert count == 200, "the concurrent stream did not complete"
     assert max(gaps) < 5.0, f"the concurrent stream stalled {max(gaps):.2f}s"
