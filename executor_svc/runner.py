@@ -6,6 +6,7 @@ the whole step otherwise (the scheduler then resends those requests in full).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,20 @@ def _group_by_length(num_pages: list[int], slack: float = 1.25) -> list[tuple[li
     return groups
 
 
+def _sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
+    """The plan's sampling values, refused unless finite and in range (NaN fails every comparison)."""
+    top_p = s.top_p or 1.0  # 0: unset
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        bad = f"sampling.temperature = {s.temperature} (must be finite and >= 0)"
+    elif not 0.0 < top_p <= 1.0:
+        bad = f"sampling.top_p = {s.top_p} (must be in (0, 1])"
+    elif s.top_k < 0:
+        bad = f"sampling.top_k = {s.top_k} (must be >= 0)"
+    else:
+        return SamplingParams(s.temperature, top_p, s.top_k, s.seed, s.logprobs)
+    raise PlanError(f"request {rid}: {bad}", [rid])
+
+
 class ModelRunner:
     def __init__(self, model, pool: DevicePagePool, attention, device: torch.device,
                  host_pool: HostPagePool | None = None) -> None:
@@ -67,9 +82,28 @@ class ModelRunner:
         self.device = device
         self.block_size = pool.block_size
         self.requests: dict[str, RequestState] = {}
+        cfg = getattr(model, "cfg", None)  # None: a stand-in model in tests (no token or position limits)
+        self.vocab_size: int | None = cfg.vocab_size if cfg is not None else None
+        self.max_positions: int | None = cfg.max_position_embeddings if cfg is not None else None
+        self.device_written = False  # a page was written since the last wipe
+        self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
 
     def reset(self) -> None:
         self.requests.clear()
+
+    def wipe_pages(self) -> bool:
+        """Forgets every request and zeroes every page written since the last wipe; returns whether anything
+        was zeroed. A new Run-stream session starts here, so it can read none of an earlier session's KV."""
+        self.requests.clear()
+        wiped = self.device_written or bool(self.host_written)
+        if self.mover is not None:
+            self.mover.synchronize()
+        if self.device_written:
+            self.pool.wipe()
+        if self.host_written and self.host_pool is not None:
+            self.host_pool.wipe(sorted(self.host_written))
+        self.device_written, self.host_written = False, set()
+        return wiped
 
     # ---- plan -> state -------------------------------------------------------------------------
     def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:
@@ -89,36 +123,86 @@ class ModelRunner:
                 if not (0 <= c.src < src_n and 0 <= c.dst < dst_n):
                     raise PlanError(f"page_ops.{name}: {c.src} -> {c.dst} outside [0, {src_n}) -> [0, {dst_n})", [])
 
+    def _new_state(self, new: pb.NewRequest) -> RequestState:
+        """A NewRequest checked field by field (nothing of the runner changes)."""
+        rid = new.request_id
+        self._check_pages(rid, new.page_ids, dropped_ok=new.window_tokens > 0)
+        tokens = list(new.token_ids)
+        if tokens and self.vocab_size is not None and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            bad = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
+            raise PlanError(f"request {rid}: token_ids[{bad}] = {tokens[bad]} outside the vocabulary "
+                            f"[0, {self.vocab_size})", [rid])
+        for name in ("num_computed_tokens", "num_output_tokens", "sink_tokens", "window_tokens"):
+            if getattr(new, name) < 0:
+                raise PlanError(f"request {rid}: {name} = {getattr(new, name)} is negative", [rid])
+        return RequestState(
+            token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
+            sampling=_sampling(rid, new.sampling), num_output=new.num_output_tokens, sink=new.sink_tokens,
+            window=new.window_tokens,
+        )
+
+    def _check_fit(self, rid: str, st: RequestState, n: int, page_at, table: int) -> None:
+        """``n`` tokens from position ``st.num_computed`` must be known, have pages (none dropped among those
+        written) and positions the model has."""
+        start = st.num_computed
+        end = start + n
+        if n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > table:
+            raise PlanError(f"request {rid}: num_scheduled_tokens {n} from position {start} does not fit "
+                            f"{len(st.token_ids)} known tokens / {table} pages", [rid])
+        if self.max_positions is not None and end > self.max_positions:
+            raise PlanError(f"request {rid}: positions up to {end - 1} reach past the model's "
+                            f"max_position_embeddings {self.max_positions}", [rid])
+        for i in range(start // self.block_size, -(-end // self.block_size)):
+            if page_at(i) == -1:
+                raise PlanError(f"request {rid}: page {i} of its table is dropped but this step writes it", [rid])
+
     def _apply(self, plan: pb.StepPlan) -> list[_Scheduled]:
+        """Checks the whole plan against what this executor holds, then commits it. A plan that fails a check
+        changes nothing (the scheduler then resends every request of it in full)."""
         self._check_page_ops(plan.page_ops)
-        for rid in plan.forget:
-            self.requests.pop(rid, None)
+        scheduled: set[str] = set()
+
+        def once(rid: str) -> None:
+            if rid in scheduled:
+                raise PlanError(f"request {rid} is scheduled twice in step {plan.step_id}", [rid])
+            scheduled.add(rid)
+
         staged: list[tuple[str, RequestState, int]] = []
         for new in plan.new_requests:
-            self._check_pages(new.request_id, new.page_ids, dropped_ok=new.window_tokens > 0)
-            s = new.sampling
-            state = RequestState(
-                token_ids=list(new.token_ids), num_computed=new.num_computed_tokens,
-                page_ids=list(new.page_ids),
-                sampling=SamplingParams(s.temperature, s.top_p or 1.0, s.top_k, s.seed, s.logprobs),
-                num_output=new.num_output_tokens, sink=new.sink_tokens, window=new.window_tokens,
-            )
+            once(new.request_id)
+            state = self._new_state(new)
+            self._check_fit(new.request_id, state, new.num_scheduled_tokens, state.page_ids.__getitem__,
+                            len(state.page_ids))
             staged.append((new.request_id, state, new.num_scheduled_tokens))
-        missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests]
-        missing += [rid for rid in plan.decodes if rid not in self.requests]
+        forget = set(plan.forget)
+        missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests or c.request_id in forget]
+        missing += [rid for rid in plan.decodes if rid not in self.requests or rid in forget]
         if missing:
             raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
         for c in plan.continuing:
+            once(c.request_id)
             self._check_pages(c.request_id, c.new_page_ids)
             st = self.requests[c.request_id]
-            table = len(st.page_ids) + len(c.new_page_ids)
-            if c.dropped_page_indices and not st.window:
+            old, added, dropped = len(st.page_ids), c.new_page_ids, set(c.dropped_page_indices)
+            table = old + len(added)
+            if dropped and not st.window:
                 raise PlanError(f"request {c.request_id}: pages dropped but it has no attention window",
                                 [c.request_id])
-            if any(not 0 <= i < table for i in c.dropped_page_indices):
+            if any(not 0 <= i < table for i in dropped):
                 raise PlanError(f"request {c.request_id}: dropped page index outside its table of {table}",
                                 [c.request_id])
+
+            def page_at(i: int, st=st, old=old, added=added, dropped=dropped) -> int:
+                return -1 if i in dropped else st.page_ids[i] if i < old else added[i - old]
+
+            self._check_fit(c.request_id, st, c.num_scheduled_tokens, page_at, table)
+        for rid in plan.decodes:
+            once(rid)
+            st = self.requests[rid]
+            self._check_fit(rid, st, 1, st.page_ids.__getitem__, len(st.page_ids))
         # The plan is consistent: commit.
+        for rid in forget:
+            self.requests.pop(rid, None)
         for rid, state, _ in staged:
             self.requests[rid] = state
         for c in plan.continuing:
@@ -126,21 +210,13 @@ class ModelRunner:
             st.page_ids.extend(c.new_page_ids)
             for i in c.dropped_page_indices:
                 st.page_ids[i] = -1
-        scheduled = [(rid, n) for rid, _, n in staged] + [(c.request_id, c.num_scheduled_tokens)
-                                                           for c in plan.continuing]
-        scheduled += [(rid, 1) for rid in plan.decodes]
-        out = []
-        for rid, n in scheduled:
+        out = [_Scheduled(rid, state, state.num_computed, n) for rid, state, n in staged]
+        for c in plan.continuing:
+            st = self.requests[c.request_id]
+            out.append(_Scheduled(c.request_id, st, st.num_computed, c.num_scheduled_tokens))
+        for rid in plan.decodes:
             st = self.requests[rid]
-            end = st.num_computed + n
-            writes = st.page_ids[st.num_computed // self.block_size: -(-end // self.block_size)]
-            if (n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > len(st.page_ids)
-                    or -1 in writes):
-                self.requests.pop(rid, None)
-                raise PlanError(
-                    f"request {rid}: {n} tokens from position {st.num_computed} do not fit "
-                    f"{len(st.token_ids)} known tokens / {len(st.page_ids)} pages", [rid])
-            out.append(_Scheduled(rid, st, st.num_computed, n))
+            out.append(_Scheduled(rid, st, st.num_computed, 1))
         return out
 
     # ---- state -> tensors ----------------------------------------------------------------------
@@ -203,6 +279,10 @@ class ModelRunner:
             return result
         t1 = time.perf_counter()
         ops = plan.page_ops
+        if ops.swap_out:
+            self.host_written.update(c.dst for c in ops.swap_out)
+        if scheduled or ops.swap_in or ops.copy:
+            self.device_written = True
         if self.mover is not None:  # order: swap-out, swap-in, copy-on-write, then the forward
             self.mover.run([(c.src, c.dst) for c in ops.swap_out], [(c.src, c.dst) for c in ops.swap_in])
         if plan.page_ops.copy:

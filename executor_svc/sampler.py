@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this sample greedily (as vLLM does): dividing logits by a tiny temperature overflows to
+# inf, softmax turns inf - inf into NaN, and the draw then always picks token 0.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return not self.temperature >= GREEDY_TEMPERATURE  # NaN too (the executor refuses it before this)
 
 
 def draw_seed(seed: int, draw: int) -> int:
