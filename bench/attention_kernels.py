@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
     p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int8"],
+                   help="8-bit pages (executor_svc.kv_quant): paged_decode_q8; bandwidth counts the bytes read "
+                   "(data and scales); SDPA runs on the dequantized K/V")
     p.add_argument("--partition-tokens", type=int, default=512)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20, help="launches per timed block")
@@ -92,8 +95,27 @@ def run_case(batch: int, ctx: int, args: argparse.Namespace, copy_gbps: float) -
     pages_per_req = -(-ctx // bs)
     num_pages = batch * pages_per_req
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
-    pool = torch.randn((num_pages, 2, 2, bs, hkv, d), generator=g, device="cuda").to(dtype)
-    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    if args.kv_cache_dtype == "auto":
+        pool = torch.randn((num_pages, 2, 2, bs, hkv, d), generator=g, device="cuda").to(dtype)
+        k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+        read_per_token = 2 * hkv * d * pool.element_size()
+    else:  # an 8-bit pool, filled through the torch reference's quantizing write
+        from types import SimpleNamespace
+
+        from executor_svc.attention.metadata import AttentionMetadata
+        from executor_svc.attention.torch_backend import TorchPagedAttention
+        from executor_svc.kv_quant import parse_kv_dtype
+        from executor_svc.pages import DevicePagePool
+
+        qpool = DevicePagePool(SimpleNamespace(num_layers=1, num_kv_heads=hkv, head_dim=d), num_pages, bs, dtype,
+                               torch.device("cuda"), parse_kv_dtype(args.kv_cache_dtype, dtype))
+        k_cache, v_cache = qpool.layer(0)
+        writer = TorchPagedAttention(hq, hkv, d, d ** -0.5)
+        for start in range(0, num_pages * bs, 1 << 20):
+            part = torch.arange(start, min(start + (1 << 20), num_pages * bs), device="cuda")
+            kv = torch.randn((2, part.numel(), hkv, d), generator=g, device="cuda").to(dtype)
+            writer.write_cache(k_cache, v_cache, kv[0], kv[1], AttentionMetadata(part // bs, part % bs, [], []))
+        read_per_token = qpool.page_bytes / bs  # data and scales
     q = torch.randn((batch, hq, d), generator=g, device="cuda").to(dtype)
     ctx_lens = torch.full((batch,), ctx, device="cuda")
     token_idx = torch.arange(batch, device="cuda")
@@ -106,8 +128,10 @@ def run_case(batch: int, ctx: int, args: argparse.Namespace, copy_gbps: float) -
         return attn.prepare_decode(q, out, k_cache, v_cache, DecodeGroup(token_idx, table, ctx_lens), None)
 
     # dense K/V in request order for SDPA: [B, kv_heads, L, D], contiguous
-    def dense(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        return cache[table.reshape(-1)].view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    def dense(cache, table: torch.Tensor) -> torch.Tensor:
+        quantized = not isinstance(cache, torch.Tensor)  # an 8-bit view: dequantized rows
+        rows = cache.gather(table.reshape(-1), dtype) if quantized else cache[table.reshape(-1)]
+        return rows.view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
 
     k_dense, v_dense = dense(k_cache, scattered), dense(v_cache, scattered)
     q_rows = q.view(batch, hkv, hq // hkv, d)
@@ -122,10 +146,11 @@ def run_case(batch: int, ctx: int, args: argparse.Namespace, copy_gbps: float) -
     contiguous = prepared(in_order)
     times = {name: time_ms(fn, args.warmup, args.iters, args.repeats)
              for name, fn in (("paged", paged), ("contiguous", contiguous), ("sdpa", sdpa))}
-    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
+    kv_bytes = int(batch * ctx * read_per_token)
     gbps = {name: kv_bytes / ms / 1e6 for name, ms in times.items()}
     parts = attn.num_partitions(DecodeGroup(token_idx, scattered, ctx_lens), bs, None)
-    return {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "partitions": parts, "max_rel_err_vs_sdpa": err,
+    return {"batch": batch, "context": ctx, "kv_dtype": args.kv_cache_dtype, "kv_bytes": kv_bytes,
+            "tokens_per_s": batch / times["paged"] * 1e3, "partitions": parts, "max_rel_err_vs_sdpa": err,
             "ms": times, "gb_per_s": gbps, "paged_share_of_copy": gbps["paged"] / copy_gbps,
             "paged_over_contiguous": times["paged"] / times["contiguous"],
             "paged_over_sdpa": times["paged"] / times["sdpa"]}

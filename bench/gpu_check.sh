@@ -13,8 +13,8 @@
 # then run on the device with carry [".whl"]:   bash bench/gpu_check.sh [--tests-only | --bench-only]
 # (the halves, for a second call when the first ran out of time).
 # Without .whl/ the end-to-end GPU tests skip (with that reason) and the e2e bench is skipped.
-# Results under ${OUT:-bench/results} (9 files: gpu_tests.txt, attention_kernels.{txt,json}, kv_quant_gpu.{txt,json},
-# dma.txt, swap_dma.json, e2e_vs_hf.{txt,json}).
+# Results under ${OUT:-bench/results} (11 files: gpu_tests.txt, attention_kernels.{txt,json},
+# attention_kernels_{fp8_e4m3,int8}.json, kv_quant_gpu.{txt,json}, dma.txt, swap_dma.json, e2e_vs_hf.{txt,json}).
 set -u
 cd "$(dirname "$0")/.."
 run_tests=1 run_bench=1
@@ -65,6 +65,12 @@ echo "== the same with 64 query / 8 KV heads (a group of 8: Llama-3-70B's shape)
 timeout 30 python3 bench/attention_kernels.py --heads 64 --cases 64x4096 --out "$OUT_DIR/attention_kernels_g8.json" \
   2>&1 | tail -4 | tee -a "$OUT_DIR/attention_kernels.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || attn_rc=1
+for kv in fp8_e4m3 int8; do
+  echo "== paged_decode_q8 over $kv pages, 64x4096 (bytes read: data + scales)"
+  timeout 40 python3 bench/attention_kernels.py --kv-cache-dtype $kv --cases 64x4096 \
+    --out "$OUT_DIR/attention_kernels_$kv.json" 2>&1 | tail -4 | tee -a "$OUT_DIR/attention_kernels.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || attn_rc=1
+done
 
 echo "== 8-bit KV pages: decode attention 64x4096 through the torch backend (bench/kv_quant.py --gpu)"
 timeout 40 python3 bench/kv_quant.py --gpu --out "$OUT_DIR/kv_quant_gpu.json" 2>&1 | tee "$OUT_DIR/kv_quant_gpu.txt"
@@ -104,9 +110,18 @@ try:
 except Exception as err:  # noqa: BLE001
     print(f"{'decode kernels':22s} no result ({err})")
 try:
+    base = next(r for r in a["cases"] if (r["batch"], r["context"]) == (64, 4096))
+    for kv in ("fp8_e4m3", "int8"):
+        r = json.loads((out / f"attention_kernels_{kv}.json").read_text())["cases"][0]
+        print(f"{kv + ' decode 64x4096':22s} {r['gb_per_s']['paged']:.0f} GB/s read = {r['paged_share_of_copy']:.1%} "
+              f"of copy (target 85%), {r['tokens_per_s'] / (64 / base['ms']['paged'] * 1e3):.2f}x fp16 tokens/s "
+              f"(target ~1.9x), err {r['max_rel_err_vs_sdpa']:.1e}")
+except Exception as err:  # noqa: BLE001
+    print(f"{'8-bit decode kernels':22s} no result ({err})")
+try:
     k = json.loads((out / "kv_quant_gpu.json").read_text())["decode"]
     print(f"{'8-bit KV decode (torch)':22s} " + ", ".join(f"{n} {r['tokens_per_s']:.0f} tok/s ({r['vs_fp16']:.2f}x)"
-                                                        for n, r in k.items()) + " (unfused: no CUDA kernel yet)")
+                                                        for n, r in k.items()) + " (torch backend, unfused)")
 except Exception as err:  # noqa: BLE001
     print(f"{'8-bit KV decode':22s} no result ({err})")
 try:

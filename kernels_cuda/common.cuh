@@ -90,6 +90,50 @@ template <> struct Elem<bf16> {
     }
 };
 
+// 8-bit KV elements (executor_svc/kv_quant.py). Eight of them per 8-byte load; ``unpack8`` gives floats that
+// still need the scales: FP8 E4M3 bytes become exact f16 values 2^-8 times theirs (sign, exponent and mantissa
+// bits moved into an f16, subnormals included; kUnit = 256 restores the factor, folded into the scales), INT8
+// bytes their integers (kUnit = 1).
+struct fp8e4m3 { unsigned char bits; };
+struct i8 { signed char value; };
+
+template <typename Q> struct Q8;
+
+__device__ __forceinline__ unsigned int fp8x2_to_f16x2(unsigned int two_bytes_apart) {
+    // bytes at bits 0-7 and 16-23 -> f16 halves: sign to bit 15, exponent and mantissa to bits 7-14
+    return ((two_bytes_apart & 0x00800080u) << 8) | ((two_bytes_apart & 0x007f007fu) << 7);
+}
+
+template <> struct Q8<fp8e4m3> {
+    static constexpr float kUnit = 256.f;
+    static constexpr bool kChannelK = false;  // K: one scale per (token, head)
+    __device__ static __forceinline__ void unpack4(unsigned int w, float* f) {
+        f16x2_to_float2(fp8x2_to_f16x2((w & 0xffu) | ((w & 0xff00u) << 8)), f[0], f[1]);
+        f16x2_to_float2(fp8x2_to_f16x2(((w >> 16) & 0xffu) | ((w >> 8) & 0xff0000u)), f[2], f[3]);
+    }
+};
+
+template <> struct Q8<i8> {
+    static constexpr float kUnit = 1.f;
+    static constexpr bool kChannelK = true;  // K: one power-of-two scale per (page, head, channel)
+    __device__ static __forceinline__ void unpack4(unsigned int w, float* f) {
+        f[0] = (float)(int)(signed char)(w & 0xffu);
+        f[1] = (float)(int)(signed char)((w >> 8) & 0xffu);
+        f[2] = (float)(int)(signed char)((w >> 16) & 0xffu);
+        f[3] = (float)(int)(signed char)(w >> 24);
+    }
+};
+
+// 2^(e - 127) for each exponent byte of w (0 -> 0.0: no token written yet).
+__device__ __forceinline__ void exp_bytes_to_scales(unsigned int w, float* f) {
+    f[0] = __uint_as_float((w & 0xffu) << 23);
+    f[1] = __uint_as_float(((w >> 8) & 0xffu) << 23);
+    f[2] = __uint_as_float(((w >> 16) & 0xffu) << 23);
+    f[3] = __uint_as_float((w >> 24) << 23);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+
 // One element from a float, as the storage type's bits.
 __device__ __forceinline__ void store1(float* p, float x) { *p = x; }
 
@@ -109,6 +153,13 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
     return v;
 }
 
+// An 8-byte load, likewise streamed.
+__device__ __forceinline__ uint2 load_stream8(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ void store1(f16* p, float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -122,6 +173,7 @@ __device__ __forceinline__ void store1(bf16* p, float x) {
 #else
 __device__ __forceinline__ float exp2_approx(float x) { return exp2f(x); }
 __device__ __forceinline__ uint4 load_stream(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint2 load_stream8(const void* p) { return *reinterpret_cast<const uint2*>(p); }
 __device__ __forceinline__ void store1(f16* p, float x) { p->bits = host_float_to_half(x); }
 __device__ __forceinline__ void store1(bf16* p, float x) { p->bits = host_float_to_bf16(x); }
 #endif

@@ -211,6 +211,219 @@ __global__ void __launch_bounds__(kThreads, MinCtas<G>::value) paged_decode(
     }
 }
 
+// paged_decode over 8-bit pages (executor_svc/kv_quant.py): the same tiling, online softmax and split-K, with
+// K/V read as 8 bytes a thread and dequantized in registers, never into a copy of the pool. Byte layout of a
+// page's layer: K data [block, kv_heads, D] then K scales, V data then V scales (V and FP8 K: bf16 per (slot,
+// head); INT8 K: an exponent byte per (head, channel), the page's power-of-two scale). A token-scaled K folds its
+// scale into the score (s = scale * q.k), V's into the softmax weight (acc += p * scale * v).
+template <typename T, typename Q, int D, int G>
+__global__ void __launch_bounds__(kThreads, MinCtas<G>::value) paged_decode_q8(
+    T* __restrict__ out, long long out_tok_stride, long long out_head_stride,
+    const T* __restrict__ q, long long q_tok_stride, long long q_head_stride,
+    const long long* __restrict__ token_idx,
+    const unsigned char* __restrict__ k_data, const unsigned char* __restrict__ k_scale,
+    const unsigned char* __restrict__ v_data, const unsigned char* __restrict__ v_scale,
+    long long page_stride, long long slot_stride, long long head_stride,
+    const long long* __restrict__ page_tables, long long table_stride,
+    const long long* __restrict__ ctx_lens,
+    const long long* __restrict__ sinks, const long long* __restrict__ windows,
+    int model_window, int group, int num_chunks, int block_shift, float scale_log2,
+    int partition_tokens, int max_parts,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int VEC = 8;  // bytes (elements) a thread loads per row
+    constexpr int TPT = D / VEC;
+    constexpr int NTG = kThreads / TPT;
+    constexpr int kUnroll = G >= 8 ? 2 : 4;
+    constexpr float kUnit = Q8<Q>::kUnit;
+    static_assert(D % VEC == 0 && TPT <= 32 && 32 % TPT == 0, "a token row must fit one warp");
+
+    const int kv_head = blockIdx.x / num_chunks;
+    const int chunk = blockIdx.x - kv_head * num_chunks;
+    const int num_kv_heads = gridDim.x / num_chunks;
+    const int b = blockIdx.y;
+    const int part = blockIdx.z;
+    const int num_heads = num_kv_heads * group;
+    const int head0 = kv_head * group + chunk * G;
+    const int heads_here = min(G, group - chunk * G);
+
+    const int ctx = (int)ctx_lens[b];
+    const int sink = sinks != nullptr ? (int)sinks[b] : 0;
+    const int window = windows != nullptr ? (int)windows[b] : 0;
+    const Visible vis = visible_positions(ctx, model_window, sink, window);
+    const int v0 = part * partition_tokens;
+    const int v1 = min(vis.count(), v0 + partition_tokens);
+    if (v0 >= v1) return;
+
+    const int tid = threadIdx.x;
+    const int tg = tid / TPT;
+    const int lane = tid - tg * TPT;
+
+    float qv[G][VEC];
+    const long long row = token_idx[b];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g < heads_here) {
+            const T* qp = q + row * q_tok_stride + (head0 + g) * q_head_stride + lane * VEC;
+            constexpr int QV = Elem<T>::kVec;  // 4 (fp32) or 8 (16-bit) elements per 16-byte load
+#pragma unroll
+            for (int c = 0; c < VEC; c += QV) Elem<T>::unpack(*reinterpret_cast<const uint4*>(qp + c), qv[g] + c);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) qv[g][e] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) qv[g][e] = 0.f;
+        }
+    }
+
+    float m[G], l[G], acc[G][VEC];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = kNegBig;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][e] = 0.f;
+    }
+
+    const unsigned char* k_head = k_data + kv_head * head_stride + lane * VEC;
+    const unsigned char* v_head = v_data + kv_head * head_stride + lane * VEC;
+    const long long scale_slot = 2LL * num_kv_heads;  // bytes between two slots' bf16 scales
+    const unsigned char* ks_head = k_scale + (Q8<Q>::kChannelK ? kv_head * D + lane * VEC : 2 * kv_head);
+    const unsigned char* vs_head = v_scale + 2 * kv_head;
+    const long long* table = page_tables + b * table_stride;
+    const int slot_mask = (1 << block_shift) - 1;
+
+    for (int i0 = v0; i0 < v1; i0 += NTG * kUnroll) {
+        uint2 kr[kUnroll], vr[kUnroll], kx[kUnroll];
+        float ks[kUnroll], vs[kUnroll];
+        bool ok[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + u * NTG + tg;
+            ok[u] = i < v1;
+            const int p = vis.position(min(i, v1 - 1));
+            const long long page = table[p >> block_shift] * page_stride;
+            const int slot = p & slot_mask;
+            kr[u] = load_stream8(k_head + page + slot * slot_stride);
+            vr[u] = load_stream8(v_head + page + slot * slot_stride);
+            vs[u] = kUnit * bf16_bits_to_float(*reinterpret_cast<const unsigned short*>(vs_head + page +
+                                                                                        slot * scale_slot));
+            if (Q8<Q>::kChannelK) {
+                kx[u] = load_stream8(ks_head + page);
+                ks[u] = kUnit;
+            } else {
+                kx[u] = make_uint2(0u, 0u);
+                ks[u] = kUnit * bf16_bits_to_float(*reinterpret_cast<const unsigned short*>(ks_head + page +
+                                                                                            slot * scale_slot));
+            }
+        }
+        float s[G][kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            float kf[VEC];
+            Q8<Q>::unpack4(kr[u].x, kf);
+            Q8<Q>::unpack4(kr[u].y, kf + 4);
+            if (Q8<Q>::kChannelK) {
+                float cs[VEC];
+                exp_bytes_to_scales(kx[u].x, cs);
+                exp_bytes_to_scales(kx[u].y, cs + 4);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) kf[e] *= cs[e];
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot = fmaf(qv[g][e], kf[e], dot);
+                s[g][u] = dot * ks[u];
+            }
+        }
+#pragma unroll
+        for (int offset = TPT / 2; offset > 0; offset /= 2) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], offset);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                if (!ok[u]) s[g][u] = -__int_as_float(0x7f800000);
+                mx = fmaxf(mx, s[g][u]);
+            }
+            const float corr = exp2_approx(m[g] - mx);
+            m[g] = mx;
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                s[g][u] = exp2_approx(s[g][u] - mx);
+                l[g] += s[g][u];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            float vf[VEC];
+            Q8<Q>::unpack4(vr[u].x, vf);
+            Q8<Q>::unpack4(vr[u].y, vf + 4);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float w = s[g][u] * vs[u];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+            }
+        }
+    }
+
+    __shared__ float sm_m[NTG][G];
+    __shared__ float sm_l[NTG][G];
+    __shared__ __align__(16) float sm_acc[NTG][G][D];
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) sm_m[tg][g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = kNegBig;
+#pragma unroll
+        for (int t = 0; t < NTG; ++t) mx = fmaxf(mx, sm_m[t][g]);
+        const float f = exp2_approx(m[g] - mx);
+        if (lane == 0) sm_l[tg][g] = l[g] * f;
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+            *reinterpret_cast<float4*>(&sm_acc[tg][g][lane * VEC + e]) =
+                make_float4(acc[g][e] * f, acc[g][e + 1] * f, acc[g][e + 2] * f, acc[g][e + 3] * f);
+        }
+    }
+    __syncthreads();
+    for (int o = tid; o < heads_here * D; o += kThreads) {
+        const int g = o / D;
+        const int d = o - g * D;
+        float mx = kNegBig, sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int t = 0; t < NTG; ++t) {
+            mx = fmaxf(mx, sm_m[t][g]);
+            sum += sm_l[t][g];
+            a += sm_acc[t][g][d];
+        }
+        const int h = head0 + g;
+        if (max_parts == 1) {
+            store1(out + row * out_tok_stride + h * out_head_stride + d, a / sum);
+        } else {
+            const long long slot = ((long long)b * num_heads + h) * max_parts + part;
+            part_acc[slot * D + d] = a;
+            if (d == 0) {
+                part_ml[slot * 2] = mx;
+                part_ml[slot * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
 // Merges the partitions of paged_decode. Grid (num_heads, batch), D threads: one output element a thread.
 template <typename T, int D>
 __global__ void __launch_bounds__(D) paged_decode_reduce(

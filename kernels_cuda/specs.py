@@ -30,6 +30,13 @@ def decode_name(dtype: str, head_dim: int, tile: int) -> str:
     return f"pkv::paged_decode<{DTYPES[dtype]}, {head_dim}, {tile}>"
 
 
+KV8 = {"fp8_e4m3": "pkv::fp8e4m3", "int8": "pkv::i8"}  # 8-bit KV page formats (executor_svc/kv_quant.py)
+
+
+def decode_q8_name(dtype: str, kv_dtype: str, head_dim: int, tile: int) -> str:
+    return f"pkv::paged_decode_q8<{DTYPES[dtype]}, {KV8[kv_dtype]}, {head_dim}, {tile}>"
+
+
 def reduce_name(dtype: str, head_dim: int) -> str:
     return f"pkv::paged_decode_reduce<{DTYPES[dtype]}, {head_dim}>"
 
@@ -50,6 +57,7 @@ def name_expressions(source: str) -> list[str]:
     """Every kernel of ``source`` the loader may ask for."""
     if source == "decode.cu":
         names = [decode_name(dt, d, t) for dt in DTYPES for d in HEAD_DIMS for t in GROUP_TILES]
+        names += [decode_q8_name(dt, kv, d, t) for dt in DTYPES for kv in KV8 for d in HEAD_DIMS for t in GROUP_TILES]
         return names + [reduce_name(dt, d) for dt in DTYPES for d in HEAD_DIMS]
     if source == "cache.cu":
         return [write_name(dt) for dt in DTYPES] + [gather_name(dt) for dt in DTYPES] + [COPY_NAME]

@@ -150,6 +150,55 @@ def run_decode(env: Env, reqs: list[Request], *, dtype: torch.dtype, head_dim: i
     assert_close(out[token_idx], ref, dtype, f"decode B={batch} ctx<={max(r.ctx for r in reqs)}")
 
 
+def run_decode_q8(env: Env, reqs: list[Request], *, kv_dtype: str, dtype: torch.dtype, head_dim: int,
+                  block_size: int, heads: int, kv_heads: int, partition_tokens: int, model_window: int = 0,
+                  seed: int = 0) -> None:
+    """paged_decode_q8 over an 8-bit pool (executor_svc.kv_quant; layer 1 of 2) against the torch reference over
+    the same pages (which dequantizes them), at the same tolerances as the 16/32-bit decode: the kernel must
+    dequantize exactly as the reference does. Unread pages are bad ids (GPU) or all-0xff bytes (the emulator:
+    NaN fp8 data and bf16 scales, infinite int8 exponents)."""
+    from executor_svc.kv_quant import parse_kv_dtype
+
+    g = torch.Generator(device=env.device).manual_seed(seed)
+    num_pages = sum(-(-r.ctx // block_size) for r in reqs) + 8
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim)
+    pool = DevicePagePool(cfg, num_pages, block_size, dtype, torch.device(env.device),
+                          parse_kv_dtype(kv_dtype, dtype))
+    k_cache, v_cache = pool.layer(1)
+    n = num_pages * block_size
+    slots = torch.arange(n, device=env.device)
+    fill = AttentionMetadata(slots // block_size, slots % block_size, [], [])
+    x = torch.randn((2, n, kv_heads, head_dim), generator=g, device=env.device)
+    x[0, :, :, 1] *= 12  # an outlier channel in K
+    ref_attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    ref_attn.write_cache(k_cache, v_cache, x[0].to(dtype), x[1].to(dtype), fill)
+    bad_page = FAR_PAGE
+    if env.poison_with_nan:
+        bad_page = num_pages - 1
+        pool.pages[bad_page] = 255
+    ref_table, ker_table = decode_tables(reqs, block_size, num_pages, model_window, seed, bad_page, env.device)
+    batch = len(reqs)
+    rows = 2 * batch + 3
+    token_idx = torch.randperm(rows, generator=g, device=env.device)[:batch]
+    q = torch.randn((rows, heads, head_dim), generator=g, device=env.device).to(dtype)
+    ctx = torch.tensor([r.ctx for r in reqs], device=env.device)
+    windowed = any(r.window for r in reqs)
+    sinks = torch.tensor([r.sink for r in reqs], device=env.device) if windowed else None
+    windows = torch.tensor([r.window for r in reqs], device=env.device) if windowed else None
+    attn = env.attention(heads, kv_heads, head_dim, head_dim ** -0.5, partition_tokens)
+    out = torch.full_like(q, float("nan"))
+    attn.decode(q, out, k_cache, v_cache, DecodeGroup(token_idx, ker_table, ctx, sinks, windows), model_window)
+    env.sync()
+    ref_group = DecodeGroup(torch.arange(batch, device=env.device), ref_table, ctx, sinks, windows)
+    empty = torch.zeros(0, dtype=torch.long)
+    ref_meta = AttentionMetadata(empty, empty, [ref_group], [], sliding_window=model_window or None)
+    ref = ref_attn.forward(q[token_idx].float(), k_cache, v_cache, ref_meta)
+    untouched = torch.ones(rows, dtype=torch.bool, device=env.device)
+    untouched[token_idx] = False
+    assert torch.isnan(out[untouched]).all(), "rows outside the group's token_idx were written"
+    assert_close(out[token_idx], ref, dtype, f"{kv_dtype} decode B={batch} ctx<={max(r.ctx for r in reqs)}")
+
+
 def ragged() -> list[Request]:
     return [Request(c) for c in (1, 5, 16, 17, 100, 513, 1024, 2049)]
 

@@ -81,7 +81,8 @@ def test_sources_expand_includes_and_list_every_kernel():
         unit = specs.nvcc_unit(source)
         assert all(f"&{name}," in unit for name in specs.name_expressions(source))
     names = specs.name_expressions("decode.cu")
-    assert len(names) == len(specs.DTYPES) * len(specs.HEAD_DIMS) * (len(specs.GROUP_TILES) + 1)
+    # paged_decode and paged_decode_q8 (per 8-bit KV format) per tile, and one reduce, per dtype and head_dim
+    assert len(names) == len(specs.DTYPES) * len(specs.HEAD_DIMS) * (len(specs.GROUP_TILES) * (1 + len(specs.KV8)) + 1)
     assert [specs.group_tile(g) for g in (1, 2, 3, 4, 5, 8, 10)] == [1, 2, 4, 4, 8, 8, 8]
 
 

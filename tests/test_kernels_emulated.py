@@ -145,3 +145,22 @@ def test_runner_greedy_matches_torch_backend(emu, tmp_path):
             assert abs(got[1][rid][1] - logprob) < 1e-3
     assert torch.equal(runners[0].pool.pages[60], runners[1].pool.pages[60])
     assert sum(len(p.continuing) for p in plans) and runners[1].requests["w"].page_ids[1] == -1
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("dtype,head_dim,block_size,split", [
+    (torch.float16, 128, 16, "split64"), (torch.bfloat16, 64, 8, "nosplit"), (torch.float32, 64, 32, "split64")],
+    ids=str)
+def test_decode_8_bit_pages(emu, kv_dtype, dtype, head_dim, block_size, split):
+    """paged_decode_q8: 8-bit K/V and scales dequantized in registers (K with an outlier channel)."""
+    cases.run_decode_q8(emu, SMALL, kv_dtype=kv_dtype, dtype=dtype, head_dim=head_dim, block_size=block_size,
+                        heads=8, kv_heads=2, partition_tokens=SPLIT[split], seed=head_dim + block_size)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_decode_8_bit_pages_groups_and_windows(emu, kv_dtype):
+    """A group of 10 (two CTAs per KV head) and sinks + windows with unread (poisoned) pages."""
+    cases.run_decode_q8(emu, SMALL[2:5], kv_dtype=kv_dtype, dtype=torch.float16, head_dim=64, block_size=16,
+                        heads=40, kv_heads=4, partition_tokens=64, seed=3)
+    cases.run_decode_q8(emu, SINK_WINDOW, kv_dtype=kv_dtype, dtype=torch.bfloat16, head_dim=64, block_size=8,
+                        heads=4, kv_heads=1, partition_tokens=64, model_window=1000, seed=4)

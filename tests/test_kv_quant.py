@@ -282,10 +282,9 @@ def test_int8_k_pages_written_together_match_one_by_one_writes_up_to_requantizat
     assert ((both - x).view(2, 16, 2, 64).abs() <= ideal_step.unsqueeze(1) / 2 + 1e-7).all()
 
 
-def test_cuda_backend_refuses_8_bit_pages_and_auto_keeps_torch():
+def test_backend_choice_with_8_bit_pages():
     from executor_svc.attention import select_backend
 
-    with pytest.raises(ValueError, match="--attention-backend cuda: 8-bit KV pages .* torch backend only"):
+    assert select_backend("torch", torch.device("cpu"), torch.float16, 128, kv_quantized=True)[0] == "torch"
+    with pytest.raises(ValueError, match="--attention-backend cuda: it needs a CUDA device"):
         select_backend("cuda", torch.device("cpu"), torch.float16, 128, kv_quantized=True)
-    name, why = select_backend("auto", torch.device("cpu"), torch.float16, 128, kv_quantized=True)
-    assert name == "torch" and "8-bit KV pages" in why

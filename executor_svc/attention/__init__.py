@@ -19,14 +19,12 @@ CUDA_VERIFIED_ON_GPU = False
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                    kv_quantized: bool = False) -> tuple[str, str]:
     """The backend to run and why: ``auto`` is ``cuda`` where its kernels can run (a CUDA device, CuPy, a
-    supported dtype and head_dim, an unquantized KV cache) once they are verified on a GPU
-    (CUDA_VERIFIED_ON_GPU), else ``torch``; an explicit ``cuda`` that cannot run is an error that names the
-    flag."""
+    supported dtype and head_dim) once they are verified on a GPU (CUDA_VERIFIED_ON_GPU), else ``torch``; an
+    explicit ``cuda`` that cannot run is an error that names the flag. ``kv_quantized`` (8-bit pages) changes
+    nothing: the cuda backend decodes them with its own kernel (the write and prefill gather in torch ops)."""
     if requested == "torch":
         return "torch", "requested"
-    # NOTE: the 8-bit page layout (executor_svc.kv_quant) is not yet in the CUDA kernels.
-    reason = ("8-bit KV pages (--kv-cache-dtype fp8_e4m3/int8) run on the torch backend only for now"
-              if kv_quantized else unavailable_reason(device, dtype, head_dim))
+    reason = unavailable_reason(device, dtype, head_dim)
     if requested == "cuda":
         if reason is not None:
             raise ValueError(f"--attention-backend cuda: {reason}. Use --attention-backend torch (or auto)")

@@ -11,6 +11,10 @@ The same interface and page layout as ``TorchPagedAttention`` (the reference it 
   into contiguous [kv_heads, ctx, head_dim] K/V, then torch's SDPA with the reference's causal/sink/window
   mask (a first version: a gather + SDPA, not a fused paged prefill kernel).
 * ``copy_pages``: copy-on-write of whole pages inside the pool (used by ``DevicePagePool.copy_pages``).
+* 8-bit pages (``--kv-cache-dtype fp8_e4m3|int8``, executor_svc.kv_quant): decodes run ``paged_decode_q8``,
+  which reads the 8-bit K/V and their scales and dequantizes in registers (no dequantized copy of the pool);
+  the cache write (quantization) and the prefill gather (dequantization) are still the torch reference's
+  tensor operations on the device, not kernels of ours.
 
 Importing this module needs neither CUDA nor CuPy; the kernels compile (or load from CuPy's cache) on
 first use. ``unavailable_reason`` says why the backend cannot run somewhere.
@@ -24,7 +28,8 @@ import numpy as np
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
-from executor_svc.attention.torch_backend import TorchPagedAttention
+from executor_svc.attention.torch_backend import QUANTIZED, TorchPagedAttention
+from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 from kernels_cuda import specs
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -146,12 +151,37 @@ class CudaPagedAttention:
             raise ValueError(f"cuda attention: block_size must be a power of two, got {block_size}")
         return block_size.bit_length() - 1
 
+    def _q8_args(self, k_cache, v_cache) -> tuple[str, list[object]]:
+        """8-bit pages (executor_svc.kv_quant): the format and the decode kernel's pool arguments (the four
+        region pointers, then page / slot / head strides in bytes), after checking the layout it reads."""
+        kind = "int8" if isinstance(k_cache, ChannelScaledCache) else "fp8_e4m3"
+        want_k = ChannelScaledCache if kind == "int8" else QuantizedCache
+        if not isinstance(k_cache, want_k) or not isinstance(v_cache, QuantizedCache):
+            raise TypeError(f"cuda attention: 8-bit K/V views {type(k_cache).__name__}/{type(v_cache).__name__} do "
+                            "not match one format")
+        k, v = k_cache.data, v_cache.data
+        if not k.is_cuda and not getattr(self.library, "emulated", False):
+            raise ValueError(f"cuda attention: the page pool is on {k.device}, not a CUDA device")
+        if tuple(k.shape[2:]) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"cuda attention: K/V views {tuple(k.shape)} / {tuple(v.shape)} do not hold "
+                             f"[pages, block, {self.num_kv_heads} kv heads, {self.head_dim}]")
+        if k.stride() != v.stride() or k.stride()[1:] != (self.num_kv_heads * self.head_dim, self.head_dim, 1):
+            raise ValueError(f"cuda attention: 8-bit K/V views need packed slots, got {k.stride()} / {v.stride()}")
+        ks = k_cache.exp if kind == "int8" else k_cache.scale
+        if any(t.data_ptr() % 8 for t in (k, v, ks)) or k.stride(0) % 8:
+            raise ValueError("cuda attention: 8-bit K/V pages must be 8-byte aligned")
+        return kind, [k, ks, v, v_cache.scale, _i64(k.stride(0)), _i64(k.stride(1)), _i64(k.stride(2))]
+
     # ---- the interface ---------------------------------------------------------------------------
     def write_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots."""
+        """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots. 8-bit pages: quantized by the
+        torch reference's tensor operations on the device (no kernel of ours yet)."""
+        if isinstance(k_cache, QUANTIZED):
+            self.reference.write_cache(k_cache, v_cache, k, v, meta)
+            return
         n = k.shape[0]
         if n == 0:
             return
@@ -203,9 +233,19 @@ class CudaPagedAttention:
         """The decode's kernel launches with every argument computed: calling the result launches them (again).
         (The benchmarks time this, so that Python's per-call checks do not count as kernel time.)"""
         batch = group.page_tables.shape[0]
-        dtype, strides = self._pool_args(k_cache, v_cache)
-        if q.dtype != k_cache.dtype:
-            raise TypeError(f"cuda attention: q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+        if isinstance(k_cache, QUANTIZED):  # 8-bit pages: read and dequantized in registers by paged_decode_q8
+            kv8, pool = self._q8_args(k_cache, v_cache)
+            dtype = DTYPE_NAMES.get(q.dtype)
+            if dtype is None:
+                raise TypeError(f"cuda attention: q dtype {q.dtype} is not supported")
+            name = specs.decode_q8_name(dtype, kv8, self.head_dim, self.tile)
+            k_cache = k_cache.data  # for the shapes below
+        else:
+            dtype, strides = self._pool_args(k_cache, v_cache)
+            if q.dtype != k_cache.dtype:
+                raise TypeError(f"cuda attention: q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+            name = specs.decode_name(dtype, self.head_dim, self.tile)
+            pool = [k_cache, v_cache, *strides]
         q = _rows_ready(q)  # 16-byte vector loads: a copy only when q's rows are not aligned
         if _rows_ready(out) is not out:
             raise ValueError("cuda attention: out needs unit stride along head_dim and 16-byte aligned rows")
@@ -232,10 +272,9 @@ class CudaPagedAttention:
 
         lib = self._library(device)
         launches = [lib.prepare(
-            "decode.cu", specs.decode_name(dtype, self.head_dim, self.tile),
-            (self.num_kv_heads * self.chunks, batch, parts), (DECODE_THREADS, 1, 1),
+            "decode.cu", name, (self.num_kv_heads * self.chunks, batch, parts), (DECODE_THREADS, 1, 1),
             [out, _i64(out.stride(0)), _i64(out.stride(1)), q, _i64(q.stride(0)), _i64(q.stride(1)), token_idx,
-             k_cache, v_cache, *strides, tables, _i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
+             *pool, tables, _i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
              _i32(window or 0), _i32(self.group), _i32(self.chunks), _i32(shift), np.float32(self.scale * LOG2E),
              _i32(part_tokens), _i32(parts), Pointer(part_acc), Pointer(part_ml)])]
         if parts > 1:
@@ -262,6 +301,8 @@ class CudaPagedAttention:
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
                 window: int | None) -> torch.Tensor:
+        if isinstance(k_cache, QUANTIZED):  # 8-bit pages: the torch gather dequantizes (no kernel of ours yet)
+            return self.reference._prefill(q, k_cache, v_cache, seg, window)
         k, v = self.gather(k_cache, v_cache, seg.page_ids, seg.ctx_len)
         return self.reference.prefill_attend(q, k, v, seg, window)
 

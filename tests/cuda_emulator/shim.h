@@ -21,10 +21,12 @@
 
 struct uint4 { unsigned int x, y, z, w; } __attribute__((aligned(16)));
 struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
+struct uint2 { unsigned int x, y; } __attribute__((aligned(8)));
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
 
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return {x, y}; }
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }

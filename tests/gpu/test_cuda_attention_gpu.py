@@ -108,3 +108,19 @@ def test_debug_mode_checks_each_launch(monkeypatch):
     lib = loader.KernelLibrary(torch.device("cuda"))
     assert lib.debug
     cases.write_cache_is_exact(Env("cuda", lib), torch.float16, 64, tokens=8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("head_dim", specs.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_8_bit_pages(dtype, head_dim, shape, kv_dtype):
+    """paged_decode_q8 (8-bit K/V dequantized in registers) against the torch reference on the same pages."""
+    cases.run_decode_q8(GPU, SHAPES[shape](), kv_dtype=kv_dtype, dtype=dtype, head_dim=head_dim, block_size=16,
+                        heads=32, kv_heads=8, partition_tokens=SPLIT["split"], seed=head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_decode_8_bit_pages_sink_and_window(kv_dtype):
+    cases.run_decode_q8(GPU, SINK_WINDOW, kv_dtype=kv_dtype, dtype=torch.bfloat16, head_dim=128, block_size=8,
+                        heads=40, kv_heads=4, partition_tokens=SPLIT["split64"], model_window=1000, seed=9)
