@@ -87,13 +87,16 @@ def test_a_read_of_a_dropped_page_would_be_caught(emu):
     assert torch.isnan(out).all()
 
 
-def test_runner_greedy_matches_torch_backend(emu, tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "int8"])
+def test_runner_greedy_matches_torch_backend(emu, tmp_path, kv_dtype):
     """Two executors' runners on the same random model (head_dim 64, fp32), one with the torch backend, one
     with the CUDA backend on emulated kernels: the same plans (chunked prefill with context, decodes of
     different lengths in one group, a request with sink + window whose early pages get dropped, a
-    copy-on-write page copy) give the same greedy tokens and close logprobs, step by step."""
+    copy-on-write page copy) give the same greedy tokens and close logprobs, step by step; also with 8-bit
+    pages (the CUDA backend's decode kernel against the torch backend's dequantizing gather)."""
     from executor_svc.attention.cuda_backend import CudaPagedAttention
     from executor_svc.attention.torch_backend import TorchPagedAttention
+    from executor_svc.kv_quant import parse_kv_dtype
     from executor_svc.model import load_model
     from executor_svc.model_config import ModelConfig
     from executor_svc.pages import DevicePagePool
@@ -111,7 +114,7 @@ def test_runner_greedy_matches_torch_backend(emu, tmp_path):
     for backend in (TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale),
                     CudaPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale, partition_tokens=32,
                                        library=emu.library)):
-        pool = DevicePagePool(cfg, 64, 8, torch.float32, cpu)
+        pool = DevicePagePool(cfg, 64, 8, torch.float32, cpu, parse_kv_dtype(kv_dtype, torch.float32))
         pool.copier = getattr(backend, "copy_pages", None)
         runners.append(ModelRunner(model, pool, backend, cpu))
     g = torch.Generator().manual_seed(0)
