@@ -15,6 +15,7 @@ machine drains: every client stream ends exactly once with every token it was ow
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from types import SimpleNamespace
 
@@ -46,6 +47,7 @@ TENANTS = [
     Tenant("e", page_budget=5, overflow="window", page_quota=12),
 ]
 DRAIN_STEPS = 5000
+KEEP_CACHE = "keep_cache" in inspect.signature(Scheduler.evacuate).parameters  # a lost Run stream, same process
 
 
 class PageAccounting(RuleBasedStateMachine):
@@ -161,6 +163,16 @@ class PageAccounting(RuleBasedStateMachine):
                                                    desynced_request_ids=named)))
         self.events["rejected"] += 1
 
+    @precondition(lambda self: self.s is not None and self.pending is None and self.s.running)
+    @rule(data=st.data())
+    def preempt(self, data) -> None:
+        """A running request gives its pages back between steps (swapped or recomputed, as the policy picks),
+        as the fair-share rules do it."""
+        s = self.s
+        victim = data.draw(st.sampled_from(sorted(s.running, key=lambda r: r.request_id)))
+        s._preempt(victim, s.step_id + 1)
+        self.events["forced_preemptions"] += 1
+
     @precondition(lambda self: self.s is not None and self.s.requests)
     @rule(data=st.data(), odds=st.integers(0, 3))
     def cancel(self, data, odds: int) -> None:
@@ -172,22 +184,30 @@ class PageAccounting(RuleBasedStateMachine):
         self.cancelled.add(group)
         self.events["cancelled"] += 1
 
-    @rule(odds=st.integers(0, 7))
-    def executor_fails(self, odds: int) -> None:
+    @rule(odds=st.integers(0, 7), how=st.sampled_from(["restart", "stream_lost", "stream_lost_after_run"]))
+    def executor_fails(self, odds: int, how: str) -> None:
         """The executor dies (with a plan in flight or not): its requests leave with no page held, and come
-        back, oldest first, on a fresh executor with empty pools."""
+        back, oldest first, on a fresh executor with empty pools. Or (where the scheduler supports it) only the
+        Run stream was lost and the same process comes back with its pages as they were, the plan in flight
+        run or not: the prefix cache may keep what it knows for sure, and every later read must find it."""
         if odds:
             return
         s = self.s
-        moved, ended = s.evacuate()
+        keep = how != "restart" and KEEP_CACHE
+        if keep and how == "stream_lost_after_run" and self.pending is not None:
+            self.ex.step(self.pending)  # it ran; the result never arrived
+        moved, ended = s.evacuate(keep_cache=True) if keep else s.evacuate()
         self.pending = None
         self._deliver(ended)
         s.check_integrity()
         assert s.pool.num_used == 0 and not s.requests, "pages or requests left on a failed executor"
         if s.host is not None:
             assert s.host.num_used == 0, "host pages left on a failed executor"
-        assert s.pool.num_cached == 0, "the prefix cache still points at the dead executor's pages"
-        self.ex = FakeExecutor(BS)
+        old, self.ex = self.ex, FakeExecutor(BS)
+        if keep:
+            self.ex.device, self.ex.host = old.device, old.host
+        else:
+            assert s.pool.num_cached == 0, "the prefix cache still points at the dead executor's pages"
         for req in reversed(moved):
             s.add(req, front=True)
         self.events["failures"] += 1
@@ -275,5 +295,5 @@ class PageAccounting(RuleBasedStateMachine):
 
 
 TestPageAccounting = PageAccounting.TestCase
-TestPageAccounting.settings = profile(ci_examples=60, long_examples=2000,
-                                      stateful_step_count=80 if LONG else 40)
+TestPageAccounting.settings = profile(ci_examples=200, long_examples=3000,
+                                      stateful_step_count=80 if LONG else 50)

@@ -1,0 +1,71 @@
+"""The two livelocks the page-accounting state machine found, as fixed scenarios (they need a rare mix: a
+request with a page budget and a window, which takes at most budget - 1 pages from the prefix cache, so a
+recompute-preempted one starts over each time; and fair share making room for another tenant).
+
+1. A victim that fair order re-admits first: preempted for a seat, it was re-admitted at once (ahead of the
+   request the seat was for), computed one chunk, and was preempted again, step after step.
+2. Preemption that could not make enough room (another tenant's reserved pages): the victim gave its pages
+   back, the request still did not fit, and the victim came back, step after step.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.pages import PagePool
+from scheduler_svc.policy import PreemptionConfig
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tenancy import Tenant, Tenants
+from tests.fake_executor import drive, make_request
+
+BS = 4
+
+
+def scheduler(pages: int, tenants: list[Tenant], seqs: int, token_budget: int) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=token_budget, max_model_len=64, watermark=0,
+                          preemption=PreemptionConfig(hot_steps=0, cold_steps=4))
+    return Scheduler(PagePool(pages, BS), cfg, [2], tenants=Tenants(tenants))
+
+
+def windowed(i: int, tenant: str, prompt_len: int, budget: int, **kw):
+    """A page budget with the 'window' policy, as the API builds it: the first page is the sink, the window
+    what the rest of the budget holds, less one page."""
+    prompt = [(5 * i + j) % 200 + 3 for j in range(prompt_len)]
+    return make_request(i, 0, 6, prompt=prompt, tenant=tenant, page_budget=budget, sink_tokens=BS,
+                        window_tokens=(budget - 2) * BS, **kw)
+
+
+def assert_all_finish(s: Scheduler, reqs, steps: int = 400) -> None:
+    drive(s, max_steps=steps)
+    stuck = [(r.request_id, r.status.value, r.num_computed, r.compute_target) for r in reqs if r.finish is None]
+    assert not stuck, f"not finished after {steps} steps (preempted {s.num_preemptions} times): {stuck}"
+    assert s.pool.num_used == 0
+
+
+def test_a_seat_is_not_taken_from_a_request_fair_order_brings_straight_back():
+    s = scheduler(pages=32, tenants=[Tenant("x"), Tenant("y")], seqs=2, token_budget=4)
+    forks = windowed(0, "x", 14, budget=3, n=2)  # needs both seats; its prompt takes 4 chunks
+    s.add(forks)
+    drive(s, max_steps=2)
+    other = make_request(1, 6, 4, tenant="y")  # y comes back from idle with x's service: a tie, x is older
+    s.add(other)
+    assert_all_finish(s, [other])
+    assert forks.num_preemptions == 0
+
+
+def test_no_preemption_that_cannot_make_room():
+    """10 pages; c reserves 2. d's windowed request holds 2 or 3, a's 5 (above a's fair share of 10/3). b's
+    request needs 7: even with a's 5 back, 7 + c's 2 > 8 free while d runs. Taking a's pages would not let b start; it
+    only made a start over (it can take at most 4 of its pages from the cache) every step."""
+    s = scheduler(pages=10, tenants=[Tenant("a"), Tenant("b"), Tenant("c", reserved_pages=2), Tenant("d")], seqs=4,
+                  token_budget=64)
+    steady = windowed(0, "d", 6, budget=3)
+    steady.sampling.max_tokens = 40
+    hog = windowed(1, "a", 30, budget=5)
+    s.add(steady)
+    s.add(hog)
+    drive(s, max_steps=2)
+    big = make_request(2, 26, 1, tenant="b")
+    s.add(big)
+    s.waiting.counters["b"] = s.waiting.counters["a"] - 1  # b has had less service: fair order puts b first
+    drive(s, max_steps=10)
+    assert hog.num_preemptions == 0, "a's pages taken although b could not start with them"
+    assert_all_finish(s, [steady, hog, big])
