@@ -146,18 +146,20 @@ class Engine:
         self.executor_id = describe.executor_id
         self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
-                      num_host_pages=describe.num_host_pages, cached_pages=self.scheduler.pool.num_cached)
+                      num_host_pages=describe.num_host_pages, pages="kept" if self.executor.pages_kept else "fresh",
+                      cached_pages=self.scheduler.pool.num_cached)
         self.cluster.engine_up(self)
 
     def _adopt(self, describe) -> None:
         """A new Scheduler, or the old one (with a new pool geometry if it changed). Another executor id is
         another process: its pools are empty, so the prefix cache forgets every page. The same id is the same
         process after a dropped Run stream: it kept its pages for this link's session (x-pagedkv-session), so
-        the prefix cache keeps them too."""
+        the prefix cache keeps them too, unless the executor says it zeroed them (another session attached
+        meanwhile: a desync)."""
         if self.scheduler is None:
             self.scheduler = self.cluster.make_scheduler(describe)
             return
-        if describe.executor_id != self.executor_id:
+        if describe.executor_id != self.executor_id or not self.executor.pages_kept:
             self.scheduler.forget_cached_pages()
         pool = self.scheduler.pool
         host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0

@@ -37,6 +37,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 # Run-stream metadata: the executor keeps its page contents (our prefix cache) when the same session
 # re-attaches after a dropped stream, and starts any other session from zeroed pages.
 SESSION_HEADER = "x-pagedkv-session"
+# The executor's answer, in Run's initial metadata: "kept" (this session's pages as they were) or "fresh" (zeroed:
+# another session attached meanwhile). Anything else counts as fresh: forgetting the prefix cache is always safe.
+PAGES_HEADER = "x-pagedkv-pages"
+ATTACH_TIMEOUT = 10.0  # seconds to wait for that answer (an executor waits up to 5 s for its previous stream)
 
 
 class ExecutorClient:
@@ -50,13 +54,20 @@ class ExecutorClient:
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.session = secrets.token_hex(16)  # one per scheduler process and executor link: a reconnect resumes
+        self.pages_kept = False  # the executor's answer on the current Run stream
         self.call = None
         self.describe: pb.DescribeResponse | None = None
 
     async def connect(self, timeout: float) -> pb.DescribeResponse:
-        """Waits up to ``timeout`` seconds for the executor, reads its description, opens the Run stream."""
+        """Waits up to ``timeout`` seconds for the executor, reads its description, opens the Run stream and
+        reads whether the executor kept this session's pages (``pages_kept``)."""
         await self.probe(timeout)
         self.call = self.stub.Run(metadata=(*self.metadata, (SESSION_HEADER, self.session)))
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(self.call.initial_metadata()), ATTACH_TIMEOUT)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            answer = None  # refused, or no answer: a failed stream is noticed by the engine
+        self.pages_kept = answer is not None and dict(answer).get(PAGES_HEADER) == "kept"
         return self.describe
 
     async def probe(self, timeout: float) -> pb.DescribeResponse:

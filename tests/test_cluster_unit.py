@@ -57,6 +57,7 @@ class Box:
 
 class FakeClient:
     boxes: dict[str, Box] = {}
+    pages_kept = True  # the executor's answer on Run (x-pagedkv-pages); a restarted Box has a new executor id
 
     def __init__(self, address: str, step_timeout: float, link=None) -> None:
         self.address = address

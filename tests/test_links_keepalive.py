@@ -37,7 +37,7 @@ from pagedkv.client import Client, Completion, accumulate
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import engine as engine_mod
-from scheduler_svc.executor_client import SERVICE, SESSION_HEADER, ExecutorClient
+from scheduler_svc.executor_client import PAGES_HEADER, SERVICE, SESSION_HEADER, ExecutorClient
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Costs, Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -89,7 +89,10 @@ class RecordingExecutor(pb_grpc.ExecutorServicer):
         return pb.DescribeResponse(executor_id="x")
 
     async def Run(self, request_iterator, context):  # noqa: N802
-        self.sessions.append(dict(context.invocation_metadata()).get(SESSION_HEADER, ""))
+        session = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
+        kept = bool(self.sessions) and session == self.sessions[-1]
+        self.sessions.append(session)
+        await context.send_initial_metadata(((PAGES_HEADER, "kept" if kept else "fresh"),))
         async for plan in request_iterator:
             yield pb.StepResult(step_id=plan.step_id)
 
@@ -104,18 +107,21 @@ def test_one_session_per_link_the_same_on_every_reconnect():
         port = grpc_common.bind(server, "127.0.0.1", 0)
         await server.start()
         first, second = ExecutorClient(f"127.0.0.1:{port}", 5.0), ExecutorClient(f"127.0.0.1:{port}", 5.0)
+        kept = []
         try:
             for client in (first, first, second):  # first reconnects once; second is another scheduler
                 await client.connect(5.0)
+                kept.append(client.pages_kept)
                 assert (await client.step(pb.StepPlan(step_id=1))).step_id == 1
                 client.drop()
         finally:
             await first.close()
             await second.close()
             await server.stop(0)
-        return recorder.sessions
-    a, a_again, b = asyncio.run(scenario())
+        return recorder.sessions, kept
+    (a, a_again, b), kept = asyncio.run(scenario())
     assert len(a) == 32 and a == a_again and b != a
+    assert kept == [False, True, False]  # the executor's answer (x-pagedkv-pages), as the engine reads it
 
 
 # ---- the prefix cache across a lost stream (one process) ------------------------------------------
@@ -194,10 +200,11 @@ def test_evacuate_without_keep_cache_forgets_everything():
     assert findable(s, first.page_hashes[:7]) == ["-"] * 7
 
 
-@pytest.mark.parametrize("restarted", [False, True], ids=["same-executor", "new-executor"])
-def test_a_reconnect_keeps_the_cache_only_for_the_same_executor(boxes, restarted):  # noqa: F811
-    """The Run stream drops (idle); the engine reconnects to the same address. Same executor id: the repeated
-    prompt hits (and the FakeExecutor checks the KV read); another id (a restarted process): no hit."""
+@pytest.mark.parametrize("how", ["same", "restarted", "wiped"])
+def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxes, how):  # noqa: F811
+    """The Run stream drops (idle); the engine reconnects to the same address. Same executor, pages kept: the
+    repeated prompt hits (and the FakeExecutor checks the KV it reads). Another executor id (a restarted
+    process), or the same one answering that it zeroed its pages (x-pagedkv-pages: fresh): no hit."""
     async def scenario():
         boxes["a:1"] = Box(64)
         c = new_cluster()
@@ -210,8 +217,11 @@ def test_a_reconnect_keeps_the_cache_only_for_the_same_executor(boxes, restarted
         c.add_request(first)
         assert (await collect(first))[1] is None
         old_id, old_call = engine.executor_id, engine.executor.call
-        if restarted:
+        if how == "restarted":
             boxes["a:1"].restart()
+        elif how == "wiped":  # another scheduler's session attached meanwhile: same process, zeroed pages
+            boxes["a:1"].executor = FakeExecutor(16)
+            engine.executor.pages_kept = False
         old_call.cancel()  # the stream ends: noticed while idle
         await until(lambda: engine.state is engine_mod.State.UP and engine.executor.call is not old_call)
         again = make_request(2, 0, 4, prompt=prompt + [9])
@@ -220,8 +230,8 @@ def test_a_reconnect_keeps_the_cache_only_for_the_same_executor(boxes, restarted
         await c.stop()
         return out, again.num_cached_tokens, engine.executor_id != old_id
     (tokens, error), cached, new_id = asyncio.run(scenario())
-    assert error is None and len(tokens) == 4 and new_id == restarted
-    assert cached == (0 if restarted else 64)
+    assert error is None and len(tokens) == 4 and new_id == (how == "restarted")
+    assert cached == (64 if how == "same" else 0)
 
 
 # ---- real processes --------------------------------------------------------------------------------
