@@ -189,8 +189,9 @@ class ChannelScaledCache:
         touched, inv = torch.unique(pages, return_inverse=True)
         amax = torch.zeros(touched.numel(), *x.shape[1:], device=x.device)
         amax.scatter_reduce_(0, inv.view(-1, 1, 1).expand_as(xf), xf.abs(), "amax")
-        need = torch.where(amax > 0, torch.ceil(torch.log2(amax / INT8_MAX)).clamp(-126, 127) + 127,
-                           torch.zeros_like(amax)).to(torch.int16)
+        # ceil(log2(amax / 127)) from the float's own exponent (exact; the CUDA write kernel does the same)
+        mant, ex = torch.frexp(amax / INT8_MAX)
+        need = torch.where(amax > 0, (ex - (mant == 0.5).int() + 127).clamp(1, 254), 0).to(torch.int16)
         fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=x.device)
         fresh[inv[offsets == 0]] = True  # a page's first token: the previous owner's scales do not count
         old = torch.where(fresh.view(-1, 1, 1), 0, self.exp[touched].to(torch.int16))

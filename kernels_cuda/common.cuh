@@ -160,6 +160,13 @@ __device__ __forceinline__ uint2 load_stream8(const void* p) {
     return v;
 }
 
+// float -> FP8 E4M3 bits, saturating to +-448, round to nearest even (NaN stays NaN); sm_89+.
+__device__ __forceinline__ unsigned char float_to_fp8(float x) {
+    unsigned short two;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.f), "f"(x));
+    return (unsigned char)(two & 0xffu);
+}
+
 __device__ __forceinline__ void store1(f16* p, float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -174,9 +181,38 @@ __device__ __forceinline__ void store1(bf16* p, float x) {
 __device__ __forceinline__ float exp2_approx(float x) { return exp2f(x); }
 __device__ __forceinline__ uint4 load_stream(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ uint2 load_stream8(const void* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ unsigned char float_to_fp8(float x) {  // as cvt.rn.satfinite.e4m3x2.f32
+    if (x != x) return 0x7f;
+    const unsigned char sign = std::signbit(x) ? 0x80 : 0;
+    float a = std::fabs(x);
+    if (a >= 448.f) return sign | 0x7e;
+    if (a < 0.015625f) return sign | (unsigned char)std::nearbyint(a * 512.f);  // subnormals: steps of 2^-9
+    int e;
+    const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    int mant = (int)std::nearbyint((m * 2.f - 1.f) * 8.f);  // round to nearest even (default rounding mode)
+    int exp = e - 1 + 7;
+    if (mant == 8) { mant = 0; ++exp; }
+    if (exp > 15 || (exp == 15 && mant > 6)) return sign | 0x7e;
+    return sign | (unsigned char)((exp << 3) | mant);
+}
 __device__ __forceinline__ void store1(f16* p, float x) { p->bits = host_float_to_half(x); }
 __device__ __forceinline__ void store1(bf16* p, float x) { p->bits = host_float_to_bf16(x); }
 #endif
+
+// One element as a float, and a float (already divided by its scale) as an 8-bit element's byte.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(f16 x) {
+    float lo, hi;
+    f16x2_to_float2((unsigned int)x.bits, lo, hi);
+    return lo;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return bf16_bits_to_float(x.bits); }
+
+template <typename Q> __device__ __forceinline__ unsigned char quantize_q8(float y);
+template <> __device__ __forceinline__ unsigned char quantize_q8<fp8e4m3>(float y) { return float_to_fp8(y); }
+template <> __device__ __forceinline__ unsigned char quantize_q8<i8>(float y) {
+    return (unsigned char)(signed char)(int)fminf(fmaxf(rintf(y), -127.f), 127.f);
+}
 
 // The context positions a decode query sees, as two ordered, disjoint ranges [a0, a1) (the request's
 // attention sink) and [b0, ctx) (its window). Position p is visible iff p < ctx and

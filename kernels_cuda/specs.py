@@ -45,6 +45,14 @@ def write_name(dtype: str) -> str:
     return f"pkv::write_kv_cache<{DTYPES[dtype]}>"
 
 
+def write_q8_token_name(dtype: str, kv_dtype: str) -> str:
+    return f"pkv::write_kv_q8_token<{DTYPES[dtype]}, {KV8[kv_dtype]}>"
+
+
+def write_k_i8_channel_name(dtype: str) -> str:
+    return f"pkv::write_k_i8_channel<{DTYPES[dtype]}>"
+
+
 def gather_name(dtype: str) -> str:
     return f"pkv::gather_kv<{DTYPES[dtype]}>"
 
@@ -60,7 +68,9 @@ def name_expressions(source: str) -> list[str]:
         names += [decode_q8_name(dt, kv, d, t) for dt in DTYPES for kv in KV8 for d in HEAD_DIMS for t in GROUP_TILES]
         return names + [reduce_name(dt, d) for dt in DTYPES for d in HEAD_DIMS]
     if source == "cache.cu":
-        return [write_name(dt) for dt in DTYPES] + [gather_name(dt) for dt in DTYPES] + [COPY_NAME]
+        return ([write_name(dt) for dt in DTYPES] + [gather_name(dt) for dt in DTYPES] + [COPY_NAME]
+                + [write_q8_token_name(dt, kv) for dt in DTYPES for kv in KV8]
+                + [write_k_i8_channel_name(dt) for dt in DTYPES])
     raise ValueError(f"unknown kernel source {source!r}; known: {', '.join(SOURCES)}")
 
 

@@ -199,6 +199,52 @@ def run_decode_q8(env: Env, reqs: list[Request], *, kv_dtype: str, dtype: torch.
     assert_close(out[token_idx], ref, dtype, f"{kv_dtype} decode B={batch} ctx<={max(r.ctx for r in reqs)}")
 
 
+def write_q8_matches_reference(env: Env, kv_dtype: str, dtype: torch.dtype, head_dim: int) -> None:
+    """The CUDA backend's quantizing cache write against the torch reference's, step by step on pools that start
+    with the same stale bytes: prefill runs over several pages, decodes, a chunk that continues a page with
+    larger values (INT8 K: its channel exponents grow and the page's earlier tokens are requantized). Every
+    written slot's bytes, its scales and the pages' exponents must be identical."""
+    from executor_svc.kv_quant import parse_kv_dtype
+
+    block, heads, kv_heads = 16, 8, 4
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim)
+    fmt = parse_kv_dtype(kv_dtype, dtype)
+    pools = [DevicePagePool(cfg, 12, block, dtype, torch.device(env.device), fmt) for _ in range(2)]
+    g = torch.Generator(device=env.device).manual_seed(head_dim)
+    stale = torch.randint(0, 256, pools[0].pages.shape, generator=g, device=env.device, dtype=torch.int32)
+    for p in pools:
+        p.pages.copy_(stale.to(torch.uint8))
+    ref = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    ker = env.attention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    # (page, offset) of each token, per step; requests A (pages 3, 7, 1) and B (pages 9, 2)
+    steps = [[(3, o) for o in range(16)] + [(7, o) for o in range(16)] + [(1, o) for o in range(5)]
+             + [(9, o) for o in range(5)],
+             [(1, 5), (9, 5)],
+             [(9, o) for o in range(6, 16)] + [(2, o) for o in range(10)]]
+    written: set[tuple[int, int]] = set()
+    for i, step in enumerate(steps):
+        pages = torch.tensor([p for p, _ in step], device=env.device)
+        offs = torch.tensor([o for _, o in step], device=env.device)
+        x = torch.randn((2, len(step), kv_heads, head_dim), generator=g, device=env.device) * (1 + 3 * i)
+        x[0, :, :, 2] *= 10  # an outlier channel in K
+        x = x.to(dtype)
+        meta = AttentionMetadata(pages, offs, [], [])
+        for attn, pool in ((ref, pools[0]), (ker, pools[1])):
+            attn.write_cache(*pool.layer(1), x[0], x[1], meta)
+        env.sync()
+        written |= set(step)
+        for which in range(2):  # K, V
+            a, b = pools[0].layer(1)[which], pools[1].layer(1)[which]
+            for p, o in sorted(written):
+                assert torch.equal(a.data[p, o].view(torch.uint8), b.data[p, o].view(torch.uint8)), \
+                    f"step {i}: {'KV'[which]} data of page {p} slot {o} differs"
+                if hasattr(a, "scale"):
+                    assert torch.equal(a.scale[p, o], b.scale[p, o]), f"step {i}: {'KV'[which]} scale {p}/{o}"
+                else:
+                    assert torch.equal(a.exp[p], b.exp[p]), f"step {i}: K exponents of page {p} differ"
+    assert not torch.equal(pools[1].pages[3], stale[3].to(torch.uint8))  # the kernel did write
+
+
 def ragged() -> list[Request]:
     return [Request(c) for c in (1, 5, 16, 17, 100, 513, 1024, 2049)]
 

@@ -11,10 +11,10 @@ The same interface and page layout as ``TorchPagedAttention`` (the reference it 
   into contiguous [kv_heads, ctx, head_dim] K/V, then torch's SDPA with the reference's causal/sink/window
   mask (a first version: a gather + SDPA, not a fused paged prefill kernel).
 * ``copy_pages``: copy-on-write of whole pages inside the pool (used by ``DevicePagePool.copy_pages``).
-* 8-bit pages (``--kv-cache-dtype fp8_e4m3|int8``, executor_svc.kv_quant): decodes run ``paged_decode_q8``,
-  which reads the 8-bit K/V and their scales and dequantizes in registers (no dequantized copy of the pool);
-  the cache write (quantization) and the prefill gather (dequantization) are still the torch reference's
-  tensor operations on the device, not kernels of ours.
+* 8-bit pages (``--kv-cache-dtype fp8_e4m3|int8``, executor_svc.kv_quant): ``write_kv_q8_token`` and
+  ``write_k_i8_channel`` quantize the step's K/V into the pages (the torch reference's arithmetic, the same
+  bytes); decodes run ``paged_decode_q8``, which reads the 8-bit K/V and their scales and dequantizes in
+  registers (no dequantized copy of the pool); the prefill gather still dequantizes with torch ops.
 
 Importing this module needs neither CUDA nor CuPy; the kernels compile (or load from CuPy's cache) on
 first use. ``unavailable_reason`` says why the backend cannot run somewhere.
@@ -177,13 +177,13 @@ class CudaPagedAttention:
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots. 8-bit pages: quantized by the
-        torch reference's tensor operations on the device (no kernel of ours yet)."""
-        if isinstance(k_cache, QUANTIZED):
-            self.reference.write_cache(k_cache, v_cache, k, v, meta)
-            return
+        """Stores the step's new K/V ([T, kv_heads, head_dim]) into their slots (8-bit pages: quantized, with the
+        same arithmetic and bytes as the torch reference)."""
         n = k.shape[0]
         if n == 0:
+            return
+        if isinstance(k_cache, QUANTIZED):
+            self._write_q8(k_cache, v_cache, k, v, meta)
             return
         dtype, strides = self._pool_args(k_cache, v_cache)
         if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
@@ -196,6 +196,31 @@ class CudaPagedAttention:
              v, _i64(v.stride(0)), _i64(v.stride(1)),
              _index(meta.slot_pages, k_cache.device), _index(meta.slot_offsets, k_cache.device),
              _i32(self.num_kv_heads), _i32(self.head_dim)])
+
+    def _write_q8(self, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        kind, (kd, ks, vd, vs, page_stride, slot_stride, _) = self._q8_args(k_cache, v_cache)
+        dtype = DTYPE_NAMES.get(k.dtype)
+        if dtype is None or v.dtype != k.dtype:
+            raise TypeError(f"cuda attention: new K/V dtype {k.dtype}/{v.dtype} is not supported")
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        device = kd.device
+        pages, offsets = _index(meta.slot_pages, device), _index(meta.slot_offsets, device)
+        lib = self._library(device)
+        n = k.shape[0]
+        common = [_i32(self.num_kv_heads), _i32(self.head_dim)]
+        if kind == "int8":  # K: per-channel exponents, one CTA per (page run, head)
+            lib.launch("cache.cu", specs.write_k_i8_channel_name(dtype), (n, self.num_kv_heads, 1),
+                       (self.head_dim, 1, 1),
+                       [kd, ks, page_stride, slot_stride, k, _i64(k.stride(0)), _i64(k.stride(1)), pages, offsets,
+                        _i32(n), *common])
+        else:
+            lib.launch("cache.cu", specs.write_q8_token_name(dtype, kind), (n, 1, 1), (128, 1, 1),
+                       [kd, ks, page_stride, slot_stride, k, _i64(k.stride(0)), _i64(k.stride(1)), pages, offsets,
+                        *common])
+        lib.launch("cache.cu", specs.write_q8_token_name(dtype, kind), (n, 1, 1), (128, 1, 1),
+                   [vd, vs, page_stride, slot_stride, v, _i64(v.stride(0)), _i64(v.stride(1)), pages, offsets,
+                    *common])
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata

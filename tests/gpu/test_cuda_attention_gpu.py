@@ -124,3 +124,11 @@ def test_decode_8_bit_pages(dtype, head_dim, shape, kv_dtype):
 def test_decode_8_bit_pages_sink_and_window(kv_dtype):
     cases.run_decode_q8(GPU, SINK_WINDOW, kv_dtype=kv_dtype, dtype=torch.bfloat16, head_dim=128, block_size=8,
                         heads=40, kv_heads=4, partition_tokens=SPLIT["split64"], model_window=1000, seed=9)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("head_dim", specs.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantizing_write_matches_the_torch_bytes(dtype, head_dim, kv_dtype):
+    """write_kv_q8_token / write_k_i8_channel (PTX cvt.rn.satfinite.e4m3x2 here) give the torch reference's bytes."""
+    cases.write_q8_matches_reference(GPU, kv_dtype, dtype, head_dim)
