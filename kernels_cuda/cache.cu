@@ -151,4 +151,51 @@ __global__ void __launch_bounds__(256) gather_kv(
     *reinterpret_cast<uint4*>(out_v + row * head_dim + c) = load_stream(v_cache + from);
 }
 
+// gather_kv over 8-bit pages: positions [0, ctx) of one request into contiguous out_k/out_v [kv_heads, ctx, D] of
+// the model dtype, dequantized (data * scale in fp32, then rounded to T once: the torch reference's values).
+// 8 elements a thread. Grid (ceil(kv_heads * ctx * D / 8 / 256)), 256 threads.
+template <typename T, typename Q>
+__global__ void __launch_bounds__(256) gather_kv_q8(
+    T* __restrict__ out_k, T* __restrict__ out_v,
+    const unsigned char* __restrict__ k_data, const unsigned char* __restrict__ k_scale,
+    const unsigned char* __restrict__ v_data, const unsigned char* __restrict__ v_scale,
+    long long page_stride, long long slot_stride,
+    const long long* __restrict__ page_ids, int ctx, int num_kv_heads, int head_dim, int block_shift) {
+    constexpr float kUnit = Q8<Q>::kUnit;
+    const int groups = head_dim / 8;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)num_kv_heads * ctx * groups) return;
+    const int c = (int)(i % groups) * 8;
+    const long long row = i / groups;  // = h * ctx + p
+    const int p = (int)(row % ctx);
+    const int h = (int)(row / ctx);
+    const long long page = page_ids[p >> block_shift] * page_stride;
+    const int slot = p & ((1 << block_shift) - 1);
+    const long long at = page + slot * slot_stride + h * head_dim + c;
+    const long long scale_at = page + (slot * num_kv_heads + h) * 2;
+    float kf[8], vf[8], ks[8];
+    const uint2 kd = load_stream8(k_data + at), vd = load_stream8(v_data + at);
+    Q8<Q>::unpack4(kd.x, kf);
+    Q8<Q>::unpack4(kd.y, kf + 4);
+    Q8<Q>::unpack4(vd.x, vf);
+    Q8<Q>::unpack4(vd.y, vf + 4);
+    if (Q8<Q>::kChannelK) {
+        const uint2 ex = load_stream8(k_scale + page + h * head_dim + c);
+        exp_bytes_to_scales(ex.x, ks);
+        exp_bytes_to_scales(ex.y, ks + 4);
+    } else {
+        const float s = kUnit * bf16_bits_to_float(*reinterpret_cast<const unsigned short*>(k_scale + scale_at));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ks[e] = s;
+    }
+    const float vs = kUnit * bf16_bits_to_float(*reinterpret_cast<const unsigned short*>(v_scale + scale_at));
+    T* ok = out_k + row * head_dim + c;
+    T* ov = out_v + row * head_dim + c;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        store1(ok + e, kf[e] * ks[e]);
+        store1(ov + e, vf[e] * vs);
+    }
+}
+
 }  // namespace pkv

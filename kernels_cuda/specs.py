@@ -53,6 +53,10 @@ def write_k_i8_channel_name(dtype: str) -> str:
     return f"pkv::write_k_i8_channel<{DTYPES[dtype]}>"
 
 
+def gather_q8_name(dtype: str, kv_dtype: str) -> str:
+    return f"pkv::gather_kv_q8<{DTYPES[dtype]}, {KV8[kv_dtype]}>"
+
+
 def gather_name(dtype: str) -> str:
     return f"pkv::gather_kv<{DTYPES[dtype]}>"
 
@@ -70,7 +74,8 @@ def name_expressions(source: str) -> list[str]:
     if source == "cache.cu":
         return ([write_name(dt) for dt in DTYPES] + [gather_name(dt) for dt in DTYPES] + [COPY_NAME]
                 + [write_q8_token_name(dt, kv) for dt in DTYPES for kv in KV8]
-                + [write_k_i8_channel_name(dt) for dt in DTYPES])
+                + [write_k_i8_channel_name(dt) for dt in DTYPES]
+                + [gather_q8_name(dt, kv) for dt in DTYPES for kv in KV8])
     raise ValueError(f"unknown kernel source {source!r}; known: {', '.join(SOURCES)}")
 
 

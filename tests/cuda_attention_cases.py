@@ -245,6 +245,28 @@ def write_q8_matches_reference(env: Env, kv_dtype: str, dtype: torch.dtype, head
     assert not torch.equal(pools[1].pages[3], stale[3].to(torch.uint8))  # the kernel did write
 
 
+def gather_q8_matches_reference(env: Env, kv_dtype: str, dtype: torch.dtype, head_dim: int) -> None:
+    """gather_kv_q8 (the prefill gather over 8-bit pages) gives exactly the torch reference's dequantized K/V."""
+    from executor_svc.kv_quant import parse_kv_dtype
+
+    block, kv_heads = 8, 2
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim)
+    pool = DevicePagePool(cfg, 10, block, dtype, torch.device(env.device), parse_kv_dtype(kv_dtype, dtype))
+    kc, vc = pool.layer(1)
+    g = torch.Generator(device=env.device).manual_seed(7)
+    slots = torch.arange(10 * block, device=env.device)
+    x = (torch.randn((2, slots.numel(), kv_heads, head_dim), generator=g, device=env.device) * 5).to(dtype)
+    ref = TorchPagedAttention(4, kv_heads, head_dim, 1.0)
+    ref.write_cache(kc, vc, x[0], x[1], AttentionMetadata(slots // block, slots % block, [], []))
+    page_ids = torch.tensor([6, 2, 9, 0, 4], device=env.device)
+    ctx = 35
+    k, v = env.attention(4, kv_heads, head_dim, 1.0).gather_q8(kc, vc, page_ids, ctx, dtype)
+    env.sync()
+    want_k = ref._gather(kc, page_ids.view(1, -1), dtype)[:, :, :ctx]
+    want_v = ref._gather(vc, page_ids.view(1, -1), dtype)[:, :, :ctx]
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 def ragged() -> list[Request]:
     return [Request(c) for c in (1, 5, 16, 17, 100, 513, 1024, 2049)]
 

@@ -168,6 +168,13 @@ def test_quantizing_write_matches_the_torch_bytes(emu, kv_dtype, dtype, head_dim
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 128), (torch.float32, 64), (torch.bfloat16, 64)],
+                         ids=str)
+def test_prefill_gather_of_8_bit_pages_is_exact(emu, kv_dtype, dtype, head_dim):
+    cases.gather_q8_matches_reference(emu, kv_dtype, dtype, head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
 def test_decode_8_bit_pages_groups_and_windows(emu, kv_dtype):
     """A group of 10 (two CTAs per KV head) and sinks + windows with unread (poisoned) pages."""
     cases.run_decode_q8(emu, SMALL[2:5], kv_dtype=kv_dtype, dtype=torch.float16, head_dim=64, block_size=16,

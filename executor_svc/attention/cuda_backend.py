@@ -14,7 +14,8 @@ The same interface and page layout as ``TorchPagedAttention`` (the reference it 
 * 8-bit pages (``--kv-cache-dtype fp8_e4m3|int8``, executor_svc.kv_quant): ``write_kv_q8_token`` and
   ``write_k_i8_channel`` quantize the step's K/V into the pages (the torch reference's arithmetic, the same
   bytes); decodes run ``paged_decode_q8``, which reads the 8-bit K/V and their scales and dequantizes in
-  registers (no dequantized copy of the pool); the prefill gather still dequantizes with torch ops.
+  registers (no dequantized copy of the pool); prefill segments gather their context with ``gather_kv_q8``,
+  which dequantizes into the model dtype for SDPA (the torch reference's exact values).
 
 Importing this module needs neither CUDA nor CuPy; the kernels compile (or load from CuPy's cache) on
 first use. ``unavailable_reason`` says why the backend cannot run somewhere.
@@ -324,11 +325,29 @@ class CudaPagedAttention:
              _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(k_cache))])
         return k, v
 
+    def gather_q8(self, k_cache, v_cache, page_ids: torch.Tensor, ctx_len: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """8-bit pages: positions [0, ctx_len) dequantized into contiguous K, V [1, kv_heads, ctx_len, head_dim]."""
+        kind, (kd, ks, vd, vs, page_stride, slot_stride, _) = self._q8_args(k_cache, v_cache)
+        name = DTYPE_NAMES.get(dtype)
+        if name is None:
+            raise TypeError(f"cuda attention: dtype {dtype} is not supported")
+        shape = (1, self.num_kv_heads, ctx_len, self.head_dim)
+        k = torch.empty(shape, dtype=dtype, device=kd.device)
+        v = torch.empty(shape, dtype=dtype, device=kd.device)
+        threads = self.num_kv_heads * ctx_len * self.head_dim // 8
+        self._library(kd.device).launch(
+            "cache.cu", specs.gather_q8_name(name, kind), (-(-threads // 256), 1, 1), (256, 1, 1),
+            [k, v, kd, ks, vd, vs, page_stride, slot_stride, _index(page_ids, kd.device), _i32(ctx_len),
+             _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(kd))])
+        return k, v
+
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
                 window: int | None) -> torch.Tensor:
-        if isinstance(k_cache, QUANTIZED):  # 8-bit pages: the torch gather dequantizes (no kernel of ours yet)
-            return self.reference._prefill(q, k_cache, v_cache, seg, window)
-        k, v = self.gather(k_cache, v_cache, seg.page_ids, seg.ctx_len)
+        if isinstance(k_cache, QUANTIZED):
+            k, v = self.gather_q8(k_cache, v_cache, seg.page_ids, seg.ctx_len, q.dtype)
+        else:
+            k, v = self.gather(k_cache, v_cache, seg.page_ids, seg.ctx_len)
         return self.reference.prefill_attend(q, k, v, seg, window)
 
     def copy_pages(self, pages: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -132,3 +132,9 @@ def test_decode_8_bit_pages_sink_and_window(kv_dtype):
 def test_quantizing_write_matches_the_torch_bytes(dtype, head_dim, kv_dtype):
     """write_kv_q8_token / write_k_i8_channel (PTX cvt.rn.satfinite.e4m3x2 here) give the torch reference's bytes."""
     cases.write_q8_matches_reference(GPU, kv_dtype, dtype, head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_gather_of_8_bit_pages_is_exact(dtype, kv_dtype):
+    cases.gather_q8_matches_reference(GPU, kv_dtype, dtype, 128)
