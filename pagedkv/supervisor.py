@@ -166,7 +166,7 @@ class Supervisor:
     # ---- start and supervise -----------------------------------------------------------------------
     def _start_all(self) -> bool:
         """Each child in order, until ready; False when a stop signal came first."""
-        for child in self.children:
+        for i, child in enumerate(self.children):
             if self.stopping:
                 return False
             child.start()
@@ -182,6 +182,8 @@ class Supervisor:
                                          "(see its log above)")
                     if time.monotonic() > deadline:
                         raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
+                    for started in self.children[:i]:  # one that crashed meanwhile is restarted as usual
+                        self._look_after(started, time.monotonic())
                     time.sleep(POLL)
             finally:
                 child.spec.close()
