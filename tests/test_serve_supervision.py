@@ -360,20 +360,29 @@ def _describe_executor(address: str, secret: str = "") -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_tls_serve_with_its_own_secret_and_a_sigkill_that_takes_the_children_down(tmp_path_factory):
+def test_tls_serve_with_its_own_secret_a_short_unplaced_timeout_and_a_sigkill(tmp_path_factory):
+    """TLS and the per-run secret; an executor that is back only after --unplaced-timeout: the stream in flight
+    ends with the documented error, later requests succeed; a SIGKILLed serve takes its children down."""
     from pagedkv import certs
 
     files = certs.generate(tmp_path_factory.mktemp("certs"))
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     tenants.write_text(f'[tenants.sup]\nkeys = ["{hash_key("key-sup")}"]\n')
     s = LocalServer("--num-pages", "64", "--threads", "1", "--tenants-file", str(tenants), "--tls-cert",
-                    str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), timeout=300)
+                    str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), "--unplaced-timeout", "1",
+                    timeout=300)
     try:
-        async def over_tls() -> Completion:
+        async def over_tls(on_first_token=None) -> Completion:
+            out = Completion()
             async with Client(s.address, api_key="key-sup", tls_ca=str(files[certs.CA_FILE])) as client:
-                return await client.complete(PROMPT, max_tokens=4)
+                async for msg in client.generate(PROMPT, **STREAM):
+                    first = not out.token_ids
+                    accumulate(out, msg)
+                    if first and on_first_token is not None and not msg.finish_reason:
+                        on_first_token()
+            return out
 
-        assert asyncio.run(over_tls()).completion_tokens == 4  # serve passed --tls-cert/--tls-key on
+        assert asyncio.run(over_tls()).completion_tokens == STREAM["max_tokens"]  # serve passed on --tls-cert/key
         pids = children(s)
         assert set(pids) == {"executor", "scheduler"}
         # The executor listens on loopback and takes only this run's secret, from a private file.
@@ -387,6 +396,14 @@ def test_tls_serve_with_its_own_secret_and_a_sigkill_that_takes_the_children_dow
         assert _describe_executor(address, TEST_EXECUTOR_SECRET) == grpc.StatusCode.UNAUTHENTICATED
         assert _describe_executor(address, secret_file.read_text().strip()) == grpc.StatusCode.OK
 
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the executor is back only after >= 1 s of backoff
+            asyncio.run(over_tls(lambda: os.kill(pids["executor"], signal.SIGKILL)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no executor that can hold this request was available for 1s" in err.value.details()
+        assert wait_until(lambda: "executor_up" in s.log().rsplit("child_restarted", 1)[-1], 120), s.log()
+        assert asyncio.run(over_tls()).completion_tokens == STREAM["max_tokens"]
+        pids = children(s)
+        assert set(pids) == {"executor", "scheduler"}
         s.proc.kill()
         s.proc.wait()
         assert wait_until(lambda: all(_gone(p) for p in pids.values()), 15), "children outlived serve"
