@@ -148,8 +148,9 @@ CASES = [
     ("seed uint64 max", gen(seed=U64_MAX, temperature=0.8), OK),
     # ---- n (int32)
     ("n 0 (one)", gen(n=0, max_tokens=8), GREEDY),
-    ("n -1", gen(n=-1), (OK, (IA, "sampling.n"))),
-    ("n int32 min", gen(n=I32_MIN), (OK, (IA, "sampling.n"))),
+    ("n -1", gen(n=-1), (IA, "sampling.n")),
+    ("n int32 min", gen(n=I32_MIN), (IA, "sampling.n")),
+    ("n 17", gen(n=17), (IA, "sampling.n")),
     ("n int32 max", gen(n=I32_MAX), (IA, "sampling.n")),
     # ---- stop_token_ids, stop
     ("stop token -1", gen(stop_token_ids=[-1]), (IA, "sampling.stop_token_ids")),
