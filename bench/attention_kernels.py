@@ -148,12 +148,24 @@ def run_case(batch: int, ctx: int, args: argparse.Namespace, copy_gbps: float) -
              for name, fn in (("paged", paged), ("contiguous", contiguous), ("sdpa", sdpa))}
     kv_bytes = int(batch * ctx * read_per_token)
     gbps = {name: kv_bytes / ms / 1e6 for name, ms in times.items()}
+    # cache write: one layer's K/V of a prefill chunk of 8192 tokens into scattered slots (8-bit: quantized)
+    from executor_svc.attention.metadata import AttentionMetadata
+
+    n_new = min(8192, num_pages * bs)
+    slots = torch.randperm(num_pages * bs, generator=g, device="cuda")[:n_new].sort().values
+    new_kv = torch.randn((2, n_new, hkv, d), generator=g, device="cuda").to(dtype)
+    write_meta = AttentionMetadata(slots // bs, slots % bs, [], [])
+    write_ms = time_ms(lambda: attn.write_cache(k_cache, v_cache, new_kv[0], new_kv[1], write_meta), args.warmup,
+                       args.iters, args.repeats)
+    write_bytes = n_new * (read_per_token + 2 * hkv * d * new_kv.element_size())  # pool bytes written + input read
     parts = attn.num_partitions(DecodeGroup(token_idx, scattered, ctx_lens), bs, None)
     return {"batch": batch, "context": ctx, "kv_dtype": args.kv_cache_dtype, "kv_bytes": kv_bytes,
             "tokens_per_s": batch / times["paged"] * 1e3, "partitions": parts, "max_rel_err_vs_sdpa": err,
             "ms": times, "gb_per_s": gbps, "paged_share_of_copy": gbps["paged"] / copy_gbps,
             "paged_over_contiguous": times["paged"] / times["contiguous"],
-            "paged_over_sdpa": times["paged"] / times["sdpa"]}
+            "paged_over_sdpa": times["paged"] / times["sdpa"],
+            "write": {"tokens": n_new, "ms": write_ms, "gb_per_s": write_bytes / write_ms / 1e6,
+                      "tokens_per_s": n_new / write_ms * 1e3}}
 
 
 def print_table(device: str, copy: dict[str, float], rows: list[dict[str, Any]]) -> None:

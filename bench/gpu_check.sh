@@ -116,6 +116,10 @@ try:
         print(f"{kv + ' decode 64x4096':22s} {r['gb_per_s']['paged']:.0f} GB/s read = {r['paged_share_of_copy']:.1%} "
               f"of copy (target 85%), {r['tokens_per_s'] / (64 / base['ms']['paged'] * 1e3):.2f}x fp16 tokens/s "
               f"(target ~1.9x), err {r['max_rel_err_vs_sdpa']:.1e}")
+        for name, w in ((("fp16", base.get("write")),) if kv == "fp8_e4m3" else ()) + ((kv, r.get("write")),):
+            if w:
+                print(f"{'cache write ' + name:22s} {w['tokens_per_s'] / 1e6:.1f} M tokens/s per layer, "
+                      f"{w['gb_per_s']:.0f} GB/s (8192 scattered slots)")
 except Exception as err:  # noqa: BLE001
     print(f"{'8-bit decode kernels':22s} no result ({err})")
 try:
