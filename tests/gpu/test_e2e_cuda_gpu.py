@@ -14,6 +14,7 @@ What is compared, and why it is sound:
   flip a near-tie late in a long generation; so the first 16 tokens of every request must agree exactly,
   and at least 90% of all requests must agree on every token.
 * sliding window (per-request sink + window, dropped pages): cuda against torch in float32, token-exact.
+* fp8 KV pages (--kv-cache-dtype fp8_e4m3): cuda against torch in float16, judged as float16.
 
 Contexts reach ~800 tokens, so the decode kernel's split-K path (partitions of 512) runs too.
 """
@@ -97,3 +98,15 @@ def test_sliding_window_matches_torch_backend(start_server, model_dirs):
     cuda = _serve(start_server, model_dirs["d64"], "cuda", "float32", *extra)
     ref = _serve(start_server, model_dirs["d64"], "torch", "float32", *extra)
     assert cuda == ref
+
+
+def test_fp8_kv_cuda_agrees_with_torch_backend(start_server, model_dirs):
+    """--kv-cache-dtype fp8_e4m3 through pagedkv serve on both backends: the same bytes are written (the kernels
+    reproduce the torch quantizer), read by paged_decode_q8 vs the torch gather; judged like fp16 above."""
+    extra = ("--kv-cache-dtype", "fp8_e4m3")
+    cuda = _serve(start_server, model_dirs["d128"], "cuda", "float16", *extra)
+    ref = _serve(start_server, model_dirs["d128"], "torch", "float16", *extra)
+    for i, (a, b) in enumerate(zip(cuda, ref)):
+        assert a[:16] == b[:16], f"request {i}: the first 16 tokens differ between the backends on fp8 pages"
+    identical = sum(a == b for a, b in zip(cuda, ref))
+    assert identical >= 0.9 * len(ref), f"only {identical}/{len(ref)} requests identical between the backends"
