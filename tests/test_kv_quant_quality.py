@@ -3,8 +3,9 @@ on Python's stdlib source; built into the user cache the first time, a few minut
 model, page pool and torch backend: held-out perplexity and top-1 agreement against float32 KV.
 
 The targets are the issue's (fp8: perplexity within +0.5%, top-1 >= 99%; int8: +1%, >= 98.5%), on a smaller
-slice than bench/kv_quant.py measures, except fp8's top-1, which misses (see the note below). The same check with the KV left unquantized would pass trivially, so
-it also checks that the quantized runs differ from float32 at all (the quantizer is really in the path)."""
+slice than bench/kv_quant.py measures, except fp8's top-1, which misses (see the note below). The same check
+with the KV left unquantized would pass trivially, so it also checks that the quantized runs differ from
+float32 at all (the quantizer is really in the path)."""
 
 from __future__ import annotations
 
