@@ -1,12 +1,13 @@
 # make serve   - install into .venv (first time) and serve the built-in tiny-llama on 127.0.0.1:50051
 # make test    - install into .venv (first time) and run the test suite
+# make test-unit - the fast tier only (no process started; pytest -m unit)
 # make bench   - the benchmarks under bench/ (tables on stdout, JSON under bench/results/)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install serve test lint bench proto clean
+.PHONY: install serve test test-unit lint bench proto clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +24,9 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q -m unit $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

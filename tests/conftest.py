@@ -13,6 +13,29 @@ from pagedkv.security import EXECUTOR_SECRET_ENV
 
 __all__ = ["ROOT", "Server", "wait_until"]
 
+# Tiers: `pytest -m unit` is the fast one (no process started); `e2e` tests start real services on loopback;
+# `gpu` tests need CUDA (they skip without it). A module may set its tier itself with `pytestmark`; otherwise a
+# module that starts processes is e2e.
+TIERS = ("unit", "e2e", "gpu")
+_STARTS_PROCESSES = ("LocalServer", "ServiceProcess", "Server(", "start_server", "procs", "Proc(", "subprocess")
+_module_tier: dict[Path, str] = {}
+
+
+def _tier(path: Path) -> str:
+    if path not in _module_tier:
+        if "gpu" in path.parts:
+            _module_tier[path] = "gpu"
+        else:
+            text = path.read_text()
+            _module_tier[path] = "e2e" if any(m in text for m in _STARTS_PROCESSES) else "unit"
+    return _module_tier[path]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, _tier(Path(str(item.fspath)))))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory) -> Path:

@@ -16,6 +16,9 @@ import torch
 
 from tests.conftest import ROOT
 
+# Trains the tiny model on first use (about 4 minutes; then cached): not the fast tier.
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def quality():
