@@ -831,7 +831,8 @@ class Scheduler:
 
     def set_tenants(self, tenants: Tenants) -> list[tuple[Request, Output]]:
         """New tenant settings (a reload): live requests get their limits again; those that no longer fit
-        their tenant (a quota lowered below what they hold or need) end with an error."""
+        their tenant (a quota lowered below what they hold or need, or n above its concurrency limit) end with
+        an error."""
         self.tenants = tenants
         ended = []
         for req in list(self.requests.values()):
@@ -840,10 +841,17 @@ class Scheduler:
                 req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
             too_long = req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget
                                                          and not req.page_limit)
-            if too_long and not req.aborted:
+            seats = tenants.get(req.tenant).max_concurrent_requests
+            if req.aborted:
+                continue
+            if too_long:
                 ended.append((req, self.finish(req, Finish.ABORT, error=(
                     f"tenant {req.tenant}'s new limits hold {self.tenant_capacity(req.tenant)} pages; this "
                     "request needs more"))))
+            elif seats and req.n > seats:  # (a parent not yet forked: it could never be admitted again)
+                ended.append((req, self.finish(req, Finish.ABORT, error=(
+                    f"tenant {req.tenant}'s new limits allow {seats} concurrent sequences; this request asked "
+                    f"for n={req.n}"))))
         return ended
 
     def set_costs(self, costs: Costs) -> None:

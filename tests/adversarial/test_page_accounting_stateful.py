@@ -46,6 +46,14 @@ TENANTS = [
     Tenant("d", sliding_window=6, sink_tokens=3, max_concurrent_requests=2),
     Tenant("e", page_budget=5, overflow="window", page_quota=12),
 ]
+# A reload (SIGHUP) swaps between these and TENANTS: quotas, reserves and concurrency lowered, a window narrowed.
+RELOADED = [
+    Tenant("a", weight=1.0),
+    Tenant("b", page_quota=5),
+    Tenant("c", page_budget=4, overflow="stop", reserved_pages=3),
+    Tenant("d", sliding_window=5, sink_tokens=3, max_concurrent_requests=1),
+    Tenant("e", page_budget=5, overflow="window", page_quota=7),
+]
 DRAIN_STEPS = 5000
 KEEP_CACHE = "keep_cache" in inspect.signature(Scheduler.evacuate).parameters  # a lost Run stream, same process
 
@@ -78,7 +86,11 @@ class PageAccounting(RuleBasedStateMachine):
         self.finals: Counter[tuple[str, int]] = Counter()  # (group, index) -> final outputs seen
         self.tokens: Counter[tuple[str, int]] = Counter()  # (group, index) -> tokens streamed
         self.final_outputs: dict[tuple[str, int], object] = {}
+        self.max_len_at_end: dict[tuple[str, int], int] = {}
         self.events: Counter[str] = Counter()
+        # After a reload lowered a limit, what a tenant or request held above it may only go down.
+        self.above_quota: dict[str, int] = {}
+        self.above_limit: dict[str, int] = {}
 
     # ---- outputs as a client would see them ----------------------------------------------------
     def _deliver(self, outputs) -> None:
@@ -89,6 +101,7 @@ class PageAccounting(RuleBasedStateMachine):
             if out.finish is not None:
                 self.finals[key] += 1
                 self.final_outputs[key] = out
+                self.max_len_at_end[key] = req.max_len  # (a reload may change it later)
                 assert out.completion_tokens == self.tokens[key], (
                     f"{key}: {self.tokens[key]} tokens streamed, final says {out.completion_tokens}")
 
@@ -173,6 +186,30 @@ class PageAccounting(RuleBasedStateMachine):
         s._preempt(victim, s.step_id + 1)
         self.events["forced_preemptions"] += 1
 
+    @precondition(lambda self: self.s is not None and self.s.tenants.multi)
+    @rule(odds=st.integers(0, 5))
+    def reload_tenants(self, odds: int) -> None:
+        """SIGHUP with another tenants file, possibly while a plan is in flight: requests that no longer fit
+        end with an error; the others keep their pages but may not grow past the new limits."""
+        if odds:
+            return
+        s = self.s
+        reloaded = s.tenants.get("b").page_quota == 8
+        self._deliver(s.set_tenants(Tenants(list(RELOADED if reloaded else TENANTS))))
+        for t in s.tenants:
+            if t.page_quota and s.pool.used_by[t.id] > t.page_quota:
+                self.above_quota[t.id] = s.pool.used_by[t.id]
+        for r, pages in self._held():
+            limit = r.page_budget or r.page_limit
+            if limit and pages > limit:
+                self.above_limit[r.request_id] = pages
+        self.events["reloads"] += 1
+
+    def _held(self):
+        s = self.s
+        yield from ((r, sum(1 for p in r.page_table if p >= 0)) for r in s.running)
+        yield from ((r, sum(1 for p in r.host_table if p >= 0)) for r in s.swapped)
+
     @precondition(lambda self: self.s is not None and self.s.requests)
     @rule(data=st.data(), odds=st.integers(0, 3))
     def cancel(self, data, odds: int) -> None:
@@ -238,15 +275,15 @@ class PageAccounting(RuleBasedStateMachine):
             assert min(pool.refcounts) >= 0
         for t in s.tenants:
             if t.page_quota:
-                assert s.pool.used_by[t.id] <= t.page_quota, f"tenant {t.id} holds more than its quota"
-        for r in s.running:
+                used, cap = s.pool.used_by[t.id], max(t.page_quota, self.above_quota.get(t.id, 0))
+                assert used <= cap, f"tenant {t.id} holds {used} pages, quota {t.page_quota}"
+                self.above_quota[t.id] = used if used > t.page_quota else 0
+        for r, held in self._held():
             limit = r.page_budget or r.page_limit
-            held = sum(1 for p in r.page_table if p >= 0)
-            assert not limit or held <= limit, f"{r.request_id} holds {held} pages, limit {limit}"
-        for r in s.swapped:
-            limit = r.page_budget or r.page_limit
-            held = sum(1 for p in r.host_table if p >= 0)
-            assert not limit or held <= limit, f"swapped {r.request_id} holds {held} host pages, limit {limit}"
+            if limit:
+                cap = max(limit, self.above_limit.get(r.request_id, 0))
+                assert held <= cap, f"{r.request_id} ({r.status.value}) holds {held} pages, limit {limit}"
+                self.above_limit[r.request_id] = held if held > limit else 0
 
     def _describe(self) -> str:
         s = self.s
@@ -286,11 +323,12 @@ class PageAccounting(RuleBasedStateMachine):
             if any(o.error for o in outs):  # e.g. a request rejected 3 times by the executor
                 continue
             assert ended == set(range(req.n)), f"{group}: forks {sorted(ended)} of {req.n} ended"
-            for o in outs:
+            for i, o in enumerate(outs):
                 assert o.finish in (Finish.LENGTH, Finish.STOP), f"{group}: ended {o.finish}"
                 assert 1 <= o.completion_tokens <= req.sampling.max_tokens
                 if o.finish is Finish.LENGTH and not o.stop_reason and o.completion_tokens < req.sampling.max_tokens:
-                    assert o.prompt_tokens + o.completion_tokens >= req.max_len, f"{group}: ended early"
+                    max_len = self.max_len_at_end[(group, i)]
+                    assert o.prompt_tokens + o.completion_tokens >= max_len, f"{group}: ended early"
         assert all(r.status is Status.FINISHED for r in self.groups.values() if r.n == 1)
 
 

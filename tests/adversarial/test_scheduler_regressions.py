@@ -1,4 +1,6 @@
-"""The two livelocks the page-accounting state machine found, as fixed scenarios (they need a rare mix: a
+"""Scheduler bugs the page-accounting state machine found, as fixed scenarios.
+
+Two livelocks (they need a rare mix: a
 request with a page budget and a window, which takes at most budget - 1 pages from the prefix cache, so a
 recompute-preempted one starts over each time; and fair share making room for another tenant).
 
@@ -6,6 +8,9 @@ recompute-preempted one starts over each time; and fair share making room for an
    request the seat was for), computed one chunk, and was preempted again, step after step.
 2. Preemption that could not make enough room (another tenant's reserved pages): the victim gave its pages
    back, the request still did not fit, and the victim came back, step after step.
+
+And a hang: a reload that lowered a tenant's max_concurrent_requests below a waiting request's n left that
+request waiting forever (the API refuses such an n up front; a reload must end it the same way).
 """
 
 from __future__ import annotations
@@ -69,3 +74,17 @@ def test_no_preemption_that_cannot_make_room():
     drive(s, max_steps=10)
     assert hog.num_preemptions == 0, "a's pages taken although b could not start with them"
     assert_all_finish(s, [steady, hog, big])
+
+
+def test_reload_ends_a_request_wider_than_the_new_concurrency_limit():
+    s = scheduler(pages=32, tenants=[Tenant("a"), Tenant("d", max_concurrent_requests=2)], seqs=4, token_budget=8)
+    blocker = make_request(0, 4, 30, tenant="d", n=2)  # takes d's two seats
+    wide = make_request(1, 6, 4, tenant="d", n=2)  # waits for them
+    s.add(blocker)
+    s.add(wide)
+    drive(s, max_steps=2)
+    ended = s.set_tenants(Tenants([Tenant("a"), Tenant("d", max_concurrent_requests=1)]))
+    assert [(r, o.error) for r, o in ended] == [(wide, "tenant d's new limits allow 1 concurrent sequences; this "
+                                                 "request asked for n=2")]
+    assert_all_finish(s, [])
+    assert not s.requests
