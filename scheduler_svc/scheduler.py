@@ -831,8 +831,8 @@ class Scheduler:
 
     def set_tenants(self, tenants: Tenants) -> list[tuple[Request, Output]]:
         """New tenant settings (a reload): live requests get their limits again; those that no longer fit
-        their tenant (a quota lowered below what they hold or need, or n above its concurrency limit) end with
-        an error."""
+        their tenant (a quota lowered below what they hold or need, or below their page budget, or n above its
+        concurrency limit) end with an error."""
         self.tenants = tenants
         ended = []
         for req in list(self.requests.values()):
@@ -841,6 +841,7 @@ class Scheduler:
                 req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
             too_long = req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget
                                                          and not req.page_limit)
+            too_long = too_long or req.page_budget > self.tenant_capacity(req.tenant)  # (it could never grow)
             seats = tenants.get(req.tenant).max_concurrent_requests
             if req.aborted:
                 continue

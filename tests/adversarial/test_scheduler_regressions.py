@@ -9,8 +9,9 @@ recompute-preempted one starts over each time; and fair share making room for an
 2. Preemption that could not make enough room (another tenant's reserved pages): the victim gave its pages
    back, the request still did not fit, and the victim came back, step after step.
 
-And a hang: a reload that lowered a tenant's max_concurrent_requests below a waiting request's n left that
-request waiting forever (the API refuses such an n up front; a reload must end it the same way).
+And two hangs after a reload: one that lowered a tenant's max_concurrent_requests below a waiting request's n,
+and one that lowered its quota below a request's page budget, left that request (and every request of its
+tenant queued behind it) waiting forever. The API refuses both up front; a reload ends them the same way.
 """
 
 from __future__ import annotations
@@ -88,3 +89,16 @@ def test_reload_ends_a_request_wider_than_the_new_concurrency_limit():
                                                  "request asked for n=2")]
     assert_all_finish(s, [])
     assert not s.requests
+
+
+def test_reload_ends_a_request_whose_budget_the_new_quota_cannot_hold():
+    s = scheduler(pages=32, tenants=[Tenant("a"), Tenant("b", page_quota=8)], seqs=4, token_budget=4)
+    running = windowed(0, "b", 20, budget=6)
+    queued = make_request(1, 5, 4, tenant="b")  # fits the new quota: it must not wait behind the other for ever
+    s.add(running)
+    s.add(queued)
+    drive(s, max_steps=2)
+    ended = s.set_tenants(Tenants([Tenant("a"), Tenant("b", page_quota=5)]))
+    assert [(r, o.error) for r, o in ended] == [(running, "tenant b's new limits hold 5 pages; this request needs "
+                                                          "more")]
+    assert_all_finish(s, [queued])
