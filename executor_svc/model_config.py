@@ -1,13 +1,102 @@
-"""The model shape read from a Hugging Face config.json."""
+"""The model read from a Hugging Face directory: config.json and generation_config.json, honoured or refused.
+
+Every field of the supported families' configs (transformers' LlamaConfig, MistralConfig, Qwen2Config) is
+classified in FIELDS below: ``handled`` (the model code implements it; where it changes the math a test
+compares with transformers), ``refused`` (start-up stops with a ValueError naming the field and its value
+whenever it is set to anything but its "off" value), or ``irrelevant`` (it does not change inference math;
+the reason is given). tests/test_model_config.py walks transformers' config classes and fails on a field
+that is in none of the three, so a new transformers field has to be classified before it is silently
+ignored. Some handled fields accept only some values (CHECKS below); others are refused.
+
+A field in a checkpoint's config.json that no supported family defines is ignored by transformers too (its
+Llama/Mistral/Qwen2 code never reads it), so ignoring it keeps pagedkv equal to transformers; such fields
+are listed in ``ModelConfig.unknown_fields`` and logged at start-up. Fields of other families that change
+their math (FOREIGN_MATH) are refused instead: a config that sets them is almost surely not one of ours.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+# model_type -> the causal-LM class transformers builds for it
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = set(FAMILIES.values())
+# hidden_act values the MLP implements, each the same torch function transformers' ACT2FN uses
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+# rope types whose tables are position-independent (computed once, as transformers computes them);
+# "dynamic" and "longrope" change the tables with the sequence length and are refused
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+HANDLED, REFUSED, IRRELEVANT = "handled", "refused", "irrelevant"
+
+# field -> (class, what pagedkv does with it / why it does not matter)
+FIELDS: dict[str, tuple[str, str]] = {
+    # shapes
+    "vocab_size": (HANDLED, "embedding and lm_head rows; token ids are checked against it"),
+    "hidden_size": (HANDLED, "model width"),
+    "intermediate_size": (HANDLED, "MLP width"),
+    "num_hidden_layers": (HANDLED, "layer count"),
+    "num_attention_heads": (HANDLED, "query heads"),
+    "num_key_value_heads": (HANDLED, "KV heads (GQA/MQA); pages are sized by it"),
+    "head_dim": (HANDLED, "per-head width, may differ from hidden_size / heads (tested against HF)"),
+    "max_position_embeddings": (HANDLED, "the longest position served; rope scaling reads it"),
+    # math
+    "hidden_act": (HANDLED, f"MLP activation: {', '.join(ACTIVATIONS)} (tested against HF); others refused"),
+    "rms_norm_eps": (HANDLED, "RMSNorm epsilon (tested against HF)"),
+    "rope_parameters": (HANDLED, f"rope theta and type: {', '.join(ROPE_TYPES)}; dynamic, longrope and "
+                                 "partial_rotary_factor != 1 refused"),
+    "rope_scaling": (HANDLED, "old name of rope_parameters (transformers converts it)"),
+    "rope_theta": (HANDLED, "old top-level rope base (transformers moves it into rope_parameters)"),
+    "tie_word_embeddings": (HANDLED, "lm_head shares the embedding; untied needs lm_head.weight"),
+    "attention_bias": (HANDLED, "Llama: q/k/v/o biases (tested against HF); Qwen2 always has q/k/v biases; "
+                                "Mistral has none"),
+    "mlp_bias": (HANDLED, "Llama: gate/up/down biases (tested against HF)"),
+    "sliding_window": (HANDLED, "Mistral: every layer's window (tested against HF); Qwen2: see layer_types"),
+    "use_sliding_window": (HANDLED, "Qwen2: false is served; windows that would apply to a layer are refused"),
+    "max_window_layers": (HANDLED, "Qwen2: which layers get the window (only with use_sliding_window)"),
+    "layer_types": (HANDLED, "all full_attention is served; any sliding_attention layer is refused "
+                             "(per-layer windows are not implemented)"),
+    "eos_token_id": (HANDLED, "stop ids, merged with generation_config.json's and sent in Describe"),
+    "quantization_config": (REFUSED, "quantized weights (AWQ/GPTQ/bitsandbytes/fp8) are not loaded yet"),
+    "attn_logit_softcapping": (REFUSED, "attention logit soft-capping is not implemented"),
+    "final_logit_softcapping": (REFUSED, "final logit soft-capping is not implemented"),
+    # no effect on inference math
+    "pretraining_tp": (IRRELEVANT, "transformers' Llama no longer reads it; it only split the same matmuls"),
+    "bos_token_id": (IRRELEVANT, "the tokenizer adds it to the prompt; the model does nothing special with it"),
+    "pad_token_id": (IRRELEVANT, "nothing is padded: each request is its own sequence"),
+    "attention_dropout": (IRRELEVANT, "dropout is off at inference (transformers' eval mode)"),
+    "initializer_range": (IRRELEVANT, "random initialisation for training; weights are loaded"),
+    "use_cache": (IRRELEVANT, "transformers' own KV cache switch; pagedkv always pages KV"),
+    "dtype": (IRRELEVANT, "the checkpoint's dtype; --dtype chooses the compute dtype"),
+    "torch_dtype": (IRRELEVANT, "old name of dtype"),
+    "model_type": (HANDLED, f"selects the family: {', '.join(FAMILIES)}; others refused"),
+    "architectures": (HANDLED, "must be the family's causal-LM class; others refused"),
+    "is_encoder_decoder": (IRRELEVANT, "false for every decoder-only family (the model_type check covers it)"),
+    "chunk_size_feed_forward": (IRRELEVANT, "these families' transformers code never chunks the MLP"),
+    "output_attentions": (IRRELEVANT, "what transformers returns, not what it computes"),
+    "output_hidden_states": (IRRELEVANT, "what transformers returns, not what it computes"),
+    "return_dict": (IRRELEVANT, "what transformers returns, not what it computes"),
+    "id2label": (IRRELEVANT, "classification heads only"),
+    "label2id": (IRRELEVANT, "classification heads only"),
+    "problem_type": (IRRELEVANT, "classification heads only"),
+    "transformers_version": (IRRELEVANT, "bookkeeping"),
+    "_name_or_path": (IRRELEVANT, "bookkeeping"),
+    "tokenizer_class": (IRRELEVANT, "the scheduler loads the tokenizer itself"),
+}
+
+# Fields of other families that change their math. transformers' Llama/Mistral/Qwen2 would ignore them, but a
+# config that sets them is another family's checkpoint under a borrowed model_type, so it is refused.
+FOREIGN_MATH = (
+    "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "embedding_multiplier", "logits_scaling", "residual_multiplier",
+    "attention_multiplier", "partial_rotary_factor", "use_mrope", "alibi", "use_parallel_residual",
+)
+REFUSED_FIELDS = tuple(name for name, (kind, _) in FIELDS.items() if kind == REFUSED) + FOREIGN_MATH
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
@@ -17,6 +106,81 @@ def parse_dtype(name: str) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"--dtype {name!r}: must be one of {', '.join(DTYPES)} (or fp32/bf16/fp16)")
     return DTYPES[key]
+
+
+def _off(value) -> bool:
+    """A refused field may be present when it asks for nothing."""
+    return value is None or value is False or value == {} or value == []
+
+
+def _token_ids(value, where: str) -> list[int]:
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{where}: eos_token_id = {value!r} must be a token id or a list of them")
+    return ids
+
+
+def read_generation_config(path: Path) -> dict:
+    """generation_config.json as a dict ({} when the checkpoint has none)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model {path}: generation_config.json is unreadable: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"model {path}: generation_config.json must hold a JSON object")
+    return data
+
+
+def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
+    """Refuses what the model code does not implement; returns the family and the unknown fields."""
+    where = f"model {path}"
+    d = hf.to_dict()
+    family = d.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"{where}: model_type = {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    archs = list(d.get("architectures") or [])
+    if archs and archs != [FAMILIES[family]]:
+        raise ValueError(f"{where}: architectures = {archs} is not supported for model_type {family!r} "
+                         f"(expected [{FAMILIES[family]!r}])")
+    for name in REFUSED_FIELDS:
+        if name in d and not _off(d[name]) and not (name == "partial_rotary_factor" and d[name] == 1.0):
+            raise ValueError(f"{where}: {name} = {d[name]!r} is not supported ({_why(name)})")
+    act = d.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: hidden_act = {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    rope = d.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope_parameters.rope_type = {rope_type!r} is not supported "
+                         f"(it changes with the sequence length); supported: {', '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: rope_parameters.partial_rotary_factor = {rope['partial_rotary_factor']!r} "
+                         "is not supported (rotary embedding over the whole head only)")
+    layer_types = list(d.get("layer_types") or [])
+    if any(t != "full_attention" for t in layer_types):
+        windowed = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        applies = family != "qwen2" or d.get("sliding_window") is not None
+        if applies or any(layer_types[i] != "sliding_attention" for i in windowed):
+            extra = (f" (from use_sliding_window = {d.get('use_sliding_window')!r}, max_window_layers = "
+                     f"{d.get('max_window_layers')!r}, sliding_window = {d.get('sliding_window')!r})"
+                     if family == "qwen2" else "")
+            raise ValueError(f"{where}: layer_types = {_short(layer_types)} puts a window on layers {windowed}"
+                             f"{extra}; per-layer attention windows are not supported yet")
+    unknown = sorted(k for k in d if k not in FIELDS and k not in FOREIGN_MATH)
+    return family, unknown
+
+
+def _why(name: str) -> str:
+    if name in FIELDS:
+        return FIELDS[name][1]
+    return "a field of another model family that changes its math"
+
+
+def _short(values: list) -> str:
+    return repr(values) if len(values) <= 8 else repr(values[:8])[:-1] + f", ... ({len(values)} layers)]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,33 +198,50 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v biases
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    family: str = "llama"
+    hidden_act: str = "silu"
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # generation_config.json's sampling values (temperature, top_p, top_k, ...), not applied yet
+    generation_defaults: dict = field(default_factory=dict)
+    unknown_fields: tuple[str, ...] = ()
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         from transformers import AutoConfig
 
+        path = Path(path)
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model {path}: config.json is unreadable: {err}") from err
+        family = raw.get("model_type") if isinstance(raw, dict) else None
+        if family not in FAMILIES:  # before AutoConfig, which knows families we do not serve (or none)
+            raise ValueError(f"model {path}: model_type = {family!r} is not supported; "
+                             f"supported: {', '.join(FAMILIES)}")
         hf = AutoConfig.from_pretrained(str(path))
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model {path}: architecture {arch or '(none)'} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+        family, unknown = check_fields(hf, path)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        bias = bool(getattr(hf, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
-        window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+        vocab = hf.vocab_size
+        gen = read_generation_config(path)
+        eos: list[int] = []
+        for i in (_token_ids(getattr(hf, "eos_token_id", None), f"model {path}: config.json")
+                  + _token_ids(gen.get("eos_token_id"), f"model {path}: generation_config.json")):
+            if i >= vocab:
+                raise ValueError(f"model {path}: eos_token_id {i} is outside the vocabulary ({vocab} tokens)")
+            if i not in eos:
+                eos.append(i)
+        window = getattr(hf, "sliding_window", None) if family == "mistral" else None
+        llama = family == "llama"
         return cls(
             path=path,
-            architecture=arch,
+            architecture=FAMILIES[family],
             hf_config=hf,
-            vocab_size=hf.vocab_size,
+            vocab_size=vocab,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
@@ -70,7 +251,14 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bias,
-            sliding_window=window if arch == "MistralForCausalLM" else None,
-            eos_token_ids=eos_ids,
+            attention_bias=family == "qwen2" or (llama and bool(getattr(hf, "attention_bias", False))),
+            sliding_window=window,
+            eos_token_ids=tuple(eos),
+            family=family,
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            o_proj_bias=llama and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=llama and bool(getattr(hf, "mlp_bias", False)),
+            generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
+                                                      "repetition_penalty") if k in gen},
+            unknown_fields=tuple(unknown),
         )

@@ -249,6 +249,8 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     kv = parse_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)  # before loading: refuse 4-bit early
     path = resolve_model(args.model)
     cfg = ModelConfig.from_dir(path)
+    if cfg.unknown_fields:  # no supported family defines them: transformers ignores them too
+        log.warning("config_fields_ignored", fields=list(cfg.unknown_fields), model=str(path))
     model = load_model(cfg, device, dtype)
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)

@@ -106,11 +106,16 @@ def build_random_model(
     initializer_range: float = 0.1,
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
+    config_overrides: dict | None = None,
+    generation_eos: list[int] | None = None,
 ) -> Path:
     """Builds a random Llama- or Qwen2-style model with the byte tokenizer and saves it as HF files.
 
     ``initializer_range`` is larger than usual so that greedy choices are not near-ties: token-exact
-    comparisons against transformers must not hinge on the last bit of a float.
+    comparisons against transformers must not hinge on the last bit of a float. ``config_overrides`` go
+    into the transformers config as given (``hidden_act``, ``mlp_bias``, ``head_dim``, ...); every bias
+    the model then has is drawn at random (transformers starts them at zero, where they would not matter).
+    ``generation_eos`` writes generation_config.json's ``eos_token_id`` (as Llama-3-Instruct does).
     """
     import torch
     from transformers import (
@@ -138,6 +143,7 @@ def build_random_model(
         eos_token_id=2,
         pad_token_id=0,
     )
+    common.update(config_overrides or {})
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0)
         cls = LlamaForCausalLM
@@ -153,11 +159,12 @@ def build_random_model(
         raise ValueError(f"arch must be 'llama', 'qwen2' or 'mistral', got {arch!r}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
-    if arch == "qwen2":  # HF initialises biases to zero; make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, initializer_range)
+    with torch.no_grad():  # HF initialises biases to zero; make them matter
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, initializer_range)
+    if generation_eos is not None:
+        model.generation_config.eos_token_id = list(generation_eos)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     build_byte_tokenizer(out_dir)
     return out_dir

@@ -24,6 +24,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
+ACTIVATIONS = {  # the torch functions transformers' ACT2FN uses for these names
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -43,10 +49,10 @@ class Rotary:
             dim = cfg.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             self.scaling = 1.0
-        elif rope_type in ("linear", "llama3", "yarn", "longrope"):
+        elif rope_type in ("linear", "llama3", "yarn"):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device)
-        else:
-            raise ValueError(f"rope type {rope_type!r} is not supported (dynamic scaling depends on length)")
+        else:  # model_config refuses these first; longrope and dynamic change the tables with the length
+            raise ValueError(f"rope type {rope_type!r} is not supported (its tables depend on the length)")
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,32 +69,36 @@ class LlamaModel:
         self.dtype = dtype
         self.rotary = Rotary(cfg, device)
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w.get("lm_head.weight", self.embed)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim ** -0.5
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
     def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
-        """One layer's tensors, with q/k/v and gate/up fused into single matmuls."""
+        """One layer's tensors, with q/k/v and gate/up fused into single matmuls. Biases are taken exactly
+        where the config has them (as transformers builds its Linear layers), never just because a tensor
+        is in the file."""
+        cfg = self.cfg
         p = f"model.layers.{i}."
         attn = [w[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
-        biases = [w.get(p + f"self_attn.{name}_proj.bias") for name in "qkv"]
-        if any(b is not None for b in biases):
-            biases = [b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
-                      for b, t in zip(biases, attn)]
-            qkv_bias = torch.cat(biases)
-        else:
-            qkv_bias = None
+        mlp = [w[p + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
         return {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": torch.cat(attn), "qkv_b": qkv_bias,
-            "o": w[p + "self_attn.o_proj.weight"], "o_b": w.get(p + "self_attn.o_proj.bias"),
-            "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            "qkv": torch.cat(attn),
+            "qkv_b": torch.cat([w[p + f"self_attn.{name}_proj.bias"] for name in "qkv"])
+            if cfg.attention_bias else None,
+            "o": w[p + "self_attn.o_proj.weight"],
+            "o_b": w[p + "self_attn.o_proj.bias"] if cfg.o_proj_bias else None,
+            "gate_up": torch.cat(mlp),
+            "gate_up_b": torch.cat([w[p + f"mlp.{name}_proj.bias"] for name in ("gate", "up")])
+            if cfg.mlp_bias else None,
             "down": w[p + "mlp.down_proj.weight"],
+            "down_b": w[p + "mlp.down_proj.bias"] if cfg.mlp_bias else None,
         }
 
     @torch.inference_mode()
@@ -113,8 +123,8 @@ class LlamaModel:
             a = attention.forward(q, k_cache, v_cache, meta).reshape(n, cfg.num_heads * cfg.head_dim)
             x = x + F.linear(a, lw["o"], lw["o_b"])
             h = _rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"])
+            gate, up = F.linear(h, lw["gate_up"], lw["gate_up_b"]).chunk(2, dim=-1)
+            x = x + F.linear(self.act(gate) * up, lw["down"], lw["down_b"])
         x = _rms_norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
@@ -133,7 +143,27 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     weights = _read_safetensors(cfg.path)
-    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in weights]
+    missing = [k for k in expected_tensors(cfg) if k not in weights]
     if missing:
-        raise ValueError(f"model {cfg.path}: missing tensors {missing}")
+        more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        raise ValueError(f"model {cfg.path}: missing tensors {missing[:6]}{more} (the config asks for them)")
     return LlamaModel(cfg, weights, device, dtype)
+
+
+def expected_tensors(cfg: ModelConfig) -> list[str]:
+    """Every tensor the config implies, as transformers' modules would hold them."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        if cfg.o_proj_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            names += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
+    return names

@@ -1,0 +1,290 @@
+"""Honour or refuse: every config field of the supported families is handled (compared with transformers here
+where it changes the math), refused at start-up with its name and value, or irrelevant to inference math;
+generation_config.json's eos ids stop generation where transformers stops. In-process, tiny fp32 models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.model_config import FIELDS, FOREIGN_MATH, HANDLED, IRRELEVANT, REFUSED, ModelConfig
+from pagedkv.models import build_random_model
+from tests.hf_reference import hf_greedy, random_prompts
+
+torch.set_num_threads(1)
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+VOCAB = 259
+
+
+def paged_greedy(path: Path, prompts: list[list[int]], max_new: int, block_size: int = 16,
+                 stop_ids: tuple[int, ...] | None = None) -> list[list[int]]:
+    """Greedy decoding through the executor's own ModelRunner and paged KV (torch backend, fp32), all prompts
+    in one batch; a request stops after a token in stop_ids (default: the config's eos ids, which Describe
+    hands the scheduler), as transformers' generate stops."""
+    from executor_svc.attention.torch_backend import TorchPagedAttention
+    from executor_svc.kv_quant import parse_kv_dtype
+    from executor_svc.model import load_model
+    from executor_svc.pages import DevicePagePool
+    from executor_svc.runner import ModelRunner
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    cfg = ModelConfig.from_dir(path)
+    stop_ids = cfg.eos_token_ids if stop_ids is None else stop_ids
+    cpu = torch.device("cpu")
+    model = load_model(cfg, cpu, torch.float32)
+    attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+    pages_each = [-(-(len(p) + max_new) // block_size) for p in prompts]
+    kv = parse_kv_dtype("auto", torch.float32)
+    pool = DevicePagePool(cfg, sum(pages_each) + 1, block_size, torch.float32, cpu, kv)
+    runner = ModelRunner(model, pool, attention, cpu)
+    free = iter(range(1, pool.num_pages))
+    outs: dict[str, list[int]] = {}
+    plan = pb.StepPlan(step_id=0)
+    for i, (prompt, n) in enumerate(zip(prompts, pages_each)):
+        plan.new_requests.add(request_id=str(i), token_ids=prompt, num_scheduled_tokens=len(prompt),
+                              page_ids=[next(free) for _ in range(n)])
+        outs[str(i)] = []
+    live = set(outs)
+    for step in range(max_new):
+        if step:
+            plan = pb.StepPlan(step_id=step)
+            for rid in sorted(live):
+                plan.continuing.add(request_id=rid, num_scheduled_tokens=1)
+        result = runner.step(plan)
+        assert not result.error, result.error
+        for s in result.sampled:
+            outs[s.request_id].append(s.token_id)
+            if s.token_id in stop_ids:
+                live.discard(s.request_id)
+        if not live:
+            break
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def assert_greedy_equal(path: Path, max_new: int = 12, **kw) -> None:
+    prompts = random_prompts(7, [5, 20, 37], VOCAB)
+    want = hf_greedy(path, prompts, [max_new] * len(prompts))
+    got = paged_greedy(path, prompts, max_new, **kw)
+    assert got == want
+
+
+# ---- every field classified --------------------------------------------------------------------------
+
+
+def family_config_fields() -> dict[str, set[str]]:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    out = {}
+    for cls in (LlamaConfig, MistralConfig, Qwen2Config):
+        keys = set(cls().to_dict())
+        if cls is Qwen2Config:
+            keys |= set(cls(use_sliding_window=True).to_dict())
+        if dataclasses.is_dataclass(cls):  # transformers 5 declares the fields (ClassVars are not fields)
+            keys |= {f.name for f in dataclasses.fields(cls)}
+        out[cls.__name__] = keys
+    return out
+
+
+def test_every_field_of_the_supported_families_is_classified():
+    """A field transformers adds to LlamaConfig/MistralConfig/Qwen2Config fails here until it is put in FIELDS
+    (handled, refused or irrelevant, with the reason)."""
+    unclassified = {name: sorted(k for k in keys if k not in FIELDS) for name, keys in family_config_fields().items()}
+    assert unclassified == {name: [] for name in unclassified}, unclassified
+    assert {kind for kind, _ in FIELDS.values()} == {HANDLED, REFUSED, IRRELEVANT}
+    assert all(note for _, note in FIELDS.values())
+
+
+def test_every_refused_field_has_a_refusal_test():
+    refused = {name for name, (kind, _) in FIELDS.items() if kind == REFUSED}
+    tested = {case[0] for case in REFUSALS}
+    assert refused <= tested, refused - tested
+    assert set(FOREIGN_MATH) & tested  # the foreign set is exercised too
+
+
+# ---- refusals at start-up ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("llama"), seed=3, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=4, **SMALL)
+
+
+def with_config(src: Path, dst: Path, arch_dir_changes: dict, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a checkpoint directory with config.json fields changed (weights are linked, not copied)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    for k in drop:
+        cfg.pop(k, None)
+    cfg.update(arch_dir_changes)
+    (dst / "config.json").unlink()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# (field named in the error, base model, config changes, value text the message shows)
+REFUSALS = [
+    ("hidden_act", "llama", {"hidden_act": "gelu_new"}, "'gelu_new'"),
+    ("hidden_act", "llama", {"hidden_act": "xielu"}, "'xielu'"),
+    ("rope_type", "llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ("rope_type", "llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                             "long_factor": [2.0] * 8, "original_max_position_embeddings": 512}},
+     "'longrope'"),
+    ("partial_rotary_factor", "llama", {"partial_rotary_factor": 0.5}, "0.5"),
+    ("quantization_config", "llama", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "'awq'"),
+    ("attn_logit_softcapping", "llama", {"attn_logit_softcapping": 50.0}, "50.0"),
+    ("final_logit_softcapping", "llama", {"final_logit_softcapping": 30.0}, "30.0"),
+    ("num_local_experts", "llama", {"num_local_experts": 8}, "8"),
+    ("model_type", "llama", {"model_type": "gemma2"}, "'gemma2'"),
+    ("architectures", "llama", {"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassif"),
+    # as Qwen2.5's config.json (no layer_types: transformers derives them from max_window_layers)
+    ("use_sliding_window", "qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1,
+                                     "layer_types": None}, "True"),
+    ("layer_types", "qwen2", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
+                              "sliding_window": 32}, "sliding_attention"),
+    ("layer_types", "llama", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+]
+
+
+@pytest.mark.parametrize("field,base,changes,shown", REFUSALS, ids=[f"{c[0]}-{i}" for i, c in enumerate(REFUSALS)])
+def test_unimplemented_fields_stop_start_up(field, base, changes, shown, llama_dir, qwen2_dir, tmp_path):
+    src = llama_dir if base == "llama" else qwen2_dir
+    path = with_config(src, tmp_path / "m", changes)
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_dir(path)
+    assert field in str(err.value) and shown in str(err.value), str(err.value)
+
+
+def test_the_cli_prints_the_refusal_and_exits_1(llama_dir, tmp_path, capsys):
+    from pagedkv.cli import main
+
+    path = with_config(llama_dir, tmp_path / "m", {"hidden_act": "gelu_new"})
+    code = main(["executor", "--model", str(path), "--device", "cpu", "--insecure", "--threads", "1",
+                 "--num-pages", "8", "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "error: " in err and "hidden_act = 'gelu_new'" in err, err
+
+
+def test_accepted_configs(llama_dir, qwen2_dir, tmp_path):
+    """What is served: Qwen2 with use_sliding_window whose window reaches no layer (as transformers computes
+    layer_types); unknown fields (transformers ignores them too) are listed; refused fields set to "off"."""
+    q = ModelConfig.from_dir(with_config(qwen2_dir, tmp_path / "q", {
+        "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2, "layer_types": None}))
+    assert q.sliding_window is None and q.attention_bias and not q.o_proj_bias
+    m = ModelConfig.from_dir(with_config(llama_dir, tmp_path / "l", {
+        "my_fine_tuner_version": "1.2", "quantization_config": None, "attn_logit_softcapping": None,
+        "pretraining_tp": 2, "partial_rotary_factor": 1.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}))
+    assert m.unknown_fields == ("my_fine_tuner_version",)
+    assert m.family == "llama" and not m.attention_bias and not m.mlp_bias
+
+
+def test_bad_generation_config_and_eos_ids_are_refused(llama_dir, tmp_path):
+    path = with_config(llama_dir, tmp_path / "a", {})
+    (path / "generation_config.json").unlink()
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is unreadable"):
+        ModelConfig.from_dir(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, VOCAB + 5]}))
+    with pytest.raises(ValueError, match=f"eos_token_id {VOCAB + 5} is outside the vocabulary"):
+        ModelConfig.from_dir(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ValueError, match="eos_token_id = '</s>'"):
+        ModelConfig.from_dir(path)
+
+
+def test_tensors_the_config_asks_for_must_be_there(tmp_path):
+    """mlp_bias true in config.json over a checkpoint saved without MLP biases: refused by name, not run
+    without them."""
+    from executor_svc.model import load_model
+
+    src = build_random_model(tmp_path / "src", seed=5, **SMALL)
+    path = with_config(src, tmp_path / "m", {"mlp_bias": True})
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.gate_proj.bias'"):
+        load_model(ModelConfig.from_dir(path), torch.device("cpu"), torch.float32)
+
+
+# ---- handled fields: greedy-token-equal to transformers (eager, fp32) ------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    {"hidden_act": "gelu_pytorch_tanh"},
+    {"hidden_act": "gelu"},
+    {"hidden_act": "relu"},
+    {"mlp_bias": True},
+    {"attention_bias": True, "mlp_bias": True},
+    {"head_dim": 32, "rms_norm_eps": 0.05},
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_llama_fields_greedy_equal_to_transformers(overrides, tmp_path):
+    path = build_random_model(tmp_path / "m", seed=11, config_overrides=overrides, **SMALL)
+    cfg = ModelConfig.from_dir(path)
+    for key, value in overrides.items():
+        assert getattr(cfg, {"head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps"}.get(key, key)) == value
+    assert_greedy_equal(path)
+
+
+def test_qwen2_with_a_window_on_no_layer_equal_to_transformers(tmp_path):
+    path = build_random_model(tmp_path / "m", arch="qwen2", seed=12, sliding_window=16, config_overrides={
+        "use_sliding_window": True, "max_window_layers": SMALL["num_layers"], "hidden_act": "gelu_pytorch_tanh"},
+        **SMALL)
+    assert_greedy_equal(path, max_new=24)
+
+
+# ---- generation_config.json eos ids ------------------------------------------------------------------------
+
+
+def test_generation_config_eos_stops_where_transformers_stops(tmp_path):
+    """config.json says eos 2; generation_config.json lists 2 and an end-of-turn id X that greedy decoding
+    reaches mid-way. transformers stops at X; so does pagedkv, because X reaches Describe's eos_token_ids."""
+    path = build_random_model(tmp_path / "m", seed=13, **SMALL)
+    prompts = random_prompts(3, [6, 19], VOCAB)
+    free_run = paged_greedy(path, prompts, 16, stop_ids=())
+    seq = free_run[0]
+    x = next(t for i, t in enumerate(seq) if i >= 3 and t not in seq[:i] and t != 2)
+    stop_at = seq.index(x) + 1
+    shutil.copy(path / "generation_config.json", tmp_path / "orig.json")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, x]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == 2
+
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.eos_token_ids == (2, x)
+    want = hf_greedy(path, prompts, [16, 16])
+    assert want[0] == seq[:stop_at] and len(want[0]) < 16  # transformers stops at X
+    got = paged_greedy(path, prompts, 16)
+    assert got == want
+
+    import argparse
+
+    from executor_svc.args import add_args
+    from executor_svc.server import build
+    from pagedkv import logs
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--num-pages", "8", "--threads", "1"])
+    _, describe = build(args, logs.configure("executor-test"))
+    assert list(describe.eos_token_ids) == [2, x]
+
+
+def test_generation_config_eos_union_and_written_by_the_builder(tmp_path):
+    path = build_random_model(tmp_path / "m", seed=14, generation_eos=[7, 2, 9], **SMALL)
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == [7, 2, 9]
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.eos_token_ids == (2, 7, 9)
+    (path / "generation_config.json").unlink()
+    assert ModelConfig.from_dir(path).eos_token_ids == (2,)
