@@ -288,3 +288,32 @@ def test_generation_config_eos_union_and_written_by_the_builder(tmp_path):
     assert cfg.eos_token_ids == (2, 7, 9)
     (path / "generation_config.json").unlink()
     assert ModelConfig.from_dir(path).eos_token_ids == (2,)
+
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+}
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"rope_parameters": ROPES["linear"]}),
+    ("llama", {"rope_parameters": ROPES["llama3"]}),
+    ("llama", {"rope_parameters": ROPES["yarn"], "max_position_embeddings": 128}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {"tie_word_embeddings": False, "hidden_act": "gelu"}),
+    ("mistral", {"sliding_window": 8, "num_key_value_heads": 1}),
+], ids=["rope-linear", "rope-llama3", "rope-yarn", "llama-tied", "qwen2-untied-gelu", "mistral-window8-mqa"])
+def test_more_handled_fields_greedy_equal_to_transformers(arch, overrides, tmp_path):
+    overrides = dict(overrides)
+    kw = dict(SMALL, num_kv_heads=overrides.pop("num_key_value_heads", SMALL["num_kv_heads"]))
+    for name in ("tie_word_embeddings", "sliding_window", "max_position_embeddings"):
+        if name in overrides:
+            kw[name] = overrides.pop(name)
+    path = build_random_model(tmp_path / "m", arch=arch, seed=21, config_overrides=overrides, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    for name, value in overrides.items():
+        assert cfg[name] == value or name == "rope_parameters" and cfg[name]["rope_type"] == value["rope_type"]
+    assert_greedy_equal(path)
