@@ -56,14 +56,31 @@ class LocalServer:
     def log(self) -> str:
         return "\n".join(self.lines)
 
+    def child_pids(self) -> list[int]:
+        """serve's children (executor, scheduler), from /proc."""
+        pids: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                pids += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return pids
+
     def stop(self) -> int:
-        """Ctrl-C, as a user would; SIGKILL to the whole group if it does not stop within 30 s."""
+        """Ctrl-C, as a user would; SIGKILL to serve and its children (each in a process group of its own) if it
+        does not stop within 30 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                children = self.child_pids()
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                for pid in children:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
                 self.proc.wait()
         return self.proc.returncode
 
