@@ -29,7 +29,8 @@ def _run_async(coro) -> None:
 # ---- serve -------------------------------------------------------------------------------------
 SERVE_DESCRIPTION = """Start an executor, then a scheduler, on this machine, and supervise them. A crashed child is
 restarted (after 1 s, doubling to 30 s; back to 1 s once it stayed up a minute); while the executor is down its
-requests wait (up to --unplaced-timeout) and then continue where they were; a crashed scheduler takes its
+requests wait (up to --unplaced-timeout) and then continue where they were, and new ones are refused with
+UNAVAILABLE (retry); a crashed scheduler takes its
 client streams with it (they end with UNAVAILABLE) and comes back empty. SIGHUP is passed to the scheduler
 (it reloads --tenants-file). Ctrl-C or SIGTERM: the scheduler finishes in-flight streams (up to
 --shutdown-timeout), then the executor stops; a second Ctrl-C stops at once. The children never outlive serve,
