@@ -125,7 +125,9 @@ async def inject_faults(c: Chaos, done: asyncio.Event, faults: dict[str, int]) -
         if sum(faults.values()) >= MAX_FAULTS or len(calm) <= 1:
             continue
         i = rng.choice(calm)
-        kind = rng.choice(["kill", "stop_short", "stop_long"])
+        kinds = ["kill", "stop_long", "stop_short"]
+        injected = sum(faults.values())
+        kind = kinds[injected] if injected < len(kinds) else rng.choice(kinds)  # each kind at least once
         if kind == "kill":
             c.execs[i].kill()
             pending.append((now + rng.uniform(0.5, 3.0), "restart", i))
@@ -182,7 +184,7 @@ def test_streams_survive_random_executor_faults(chaos):
           f"{len(completed)} completed, "
           f"{len(differ)} differ, errors {errors}, pages used after {used}, reference {t_ref:.1f}s, "
           f"chaos {t_chaos:.1f}s")
-    assert sum(faults.values()) >= 3, f"too few faults landed while the streams ran: {faults}"
+    assert all(faults.values()) and sum(faults.values()) >= 4, f"too few faults landed while streams ran: {faults}"
     assert not differ, f"streams {differ} differ from the undisturbed run"
     assert not undocumented, f"undocumented errors: {undocumented}"
     assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason for o, _ in completed)
