@@ -208,7 +208,12 @@ class Scheduler:
         def fits() -> bool:
             slack = self.watermark_pages if len(self.running) > len(victims) else 0
             reserved = sum(max(0, t.reserved_pages - used[t.id]) for t in self.tenants if t.id != req.tenant)
-            return need + slack + reserved <= free
+            # NOTE: the running requests that stay are scheduled (and grow) before anything is admitted: room
+            # they would take is no room for req (another livelock the state machine found).
+            tokens = self.config.max_num_batched_tokens
+            growth = sum(self.kv.pages_to_grow(r, self.kv.window_chunk_limit(r, min(r.num_uncomputed, tokens)))
+                         for r in self.running if r not in victims)
+            return need + slack + reserved + growth <= free
 
         for victim in victims:
             give_back(victim)
