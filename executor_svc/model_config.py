@@ -134,6 +134,30 @@ def read_generation_config(path: Path) -> dict:
     return data
 
 
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}  # transformers' GenerationConfig
+
+
+def sampling_defaults(gen: dict, where: str = "generation_config.json") -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) a request gets when it leaves them unset: what transformers' generate()
+    uses for this generation_config.json. ``do_sample`` false or absent: greedy (0, 1, 0); true: its
+    temperature, top_p and top_k, transformers' defaults (1, 1, 50) for those absent. A value of the wrong
+    type or out of range stops start-up."""
+    if not gen.get("do_sample", False):
+        return 0.0, 1.0, 0
+    values = {k: d if gen.get(k) is None else gen[k] for k, d in HF_SAMPLING_DEFAULTS.items()}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"{where}: {name} = {value!r} must be a number")
+    temperature, top_p, top_k = float(values["temperature"]), float(values["top_p"]), values["top_k"]
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"{where}: temperature = {temperature!r} must be a finite number >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{where}: top_p = {top_p!r} must be in (0, 1]")
+    if top_k != int(top_k) or top_k < 0:
+        raise ValueError(f"{where}: top_k = {top_k!r} must be an integer >= 0")
+    return temperature, top_p, int(top_k)
+
+
 def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
     """Refuses what the model code does not implement; returns the family and the unknown fields."""
     where = f"model {path}"
@@ -205,7 +229,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    # generation_config.json's sampling values (temperature, top_p, top_k, ...), not applied yet
+    # generation_config.json's sampling values (temperature, top_p, top_k, ...): sampling_defaults() of them
     generation_defaults: dict = field(default_factory=dict)
     unknown_fields: tuple[str, ...] = ()
 

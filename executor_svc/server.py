@@ -17,7 +17,7 @@ from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
-from executor_svc.model_config import ModelConfig, parse_dtype
+from executor_svc.model_config import ModelConfig, parse_dtype, sampling_defaults
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
 from pagedkv import grpc_common, logs, security
@@ -251,6 +251,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     cfg = ModelConfig.from_dir(path)
     if cfg.unknown_fields:  # no supported family defines them: transformers ignores them too
         log.warning("config_fields_ignored", fields=list(cfg.unknown_fields), model=str(path))
+    temperature, top_p, top_k = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
     model = load_model(cfg, device, dtype)
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
@@ -269,6 +270,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
+        default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

@@ -181,8 +181,13 @@ async def _generate(args) -> int:
     async with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca,
                       tls_server_name=args.tls_server_name) as client:
         try:
+            if args.system and not args.chat:
+                print("error: --system needs --chat", file=sys.stderr)
+                return 2
+            messages = [("system", args.system)] if args.system else []
+            prompt = dict(messages=[*messages, ("user", args.prompt)]) if args.chat else dict(prompt=args.prompt)
             async for msg in client.generate(
-                args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                **prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
             ):
                 sys.stdout.write(msg.text)
@@ -249,9 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"),
                    help="scheduler HOST:PORT; several comma-separated, or dns:///NAME:PORT, for round robin")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the model's generation_config.json, greedy without one)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's (0: no top-k filter)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template")
+    p.add_argument("--system", default="", help="with --chat: a system message before the prompt")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")

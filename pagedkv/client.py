@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +46,17 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
         out.prompt_tokens = msg.usage.prompt_tokens
         out.completion_tokens = msg.usage.completion_tokens
         out.cached_tokens = msg.usage.cached_tokens
+
+
+Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
+
+
+def chat_of(messages: Sequence[Message], add_generation_prompt: bool | None = None) -> api.Chat:
+    chat = api.Chat(messages=[api.ChatMessage(role=m["role"], content=m["content"]) if isinstance(m, Mapping)
+                              else api.ChatMessage(role=m[0], content=m[1]) for m in messages])
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    return chat
 
 
 def channel_target(address: str) -> str:
@@ -104,38 +115,49 @@ class Client:
             await asyncio.sleep(0.1)
 
     @staticmethod
-    def build_request(prompt: str | Sequence[int], *, max_tokens: int = 0, temperature: float = 0.0,
-                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+    def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+                      add_generation_prompt: bool | None = None, max_tokens: int = 0,
+                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                      seed: int | None = None, stop: Sequence[str] = (),
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                       include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1,
                       priority: int = 0, page_budget: int = 0) -> api.GenerateRequest:
-        sampling = api.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
+        """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
+        temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
+        sampling_defaults); temperature 0 is greedy."""
+        sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output)
-        if seed is not None:
-            sampling.seed = seed
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
                                   page_budget=page_budget)
-        if isinstance(prompt, str):
+        if (prompt is None) == (messages is None):
+            raise ValueError("give a prompt (text or token ids) or messages, not both")
+        if messages is not None:
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+        elif isinstance(prompt, str):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
         return req
 
-    async def generate(self, prompt: str | Sequence[int], **params) -> AsyncIterator[api.GenerateResponse]:
+    async def generate(self, prompt: str | Sequence[int] | None = None,
+                       **params) -> AsyncIterator[api.GenerateResponse]:
         """Streams GenerateResponse messages; raises grpc.aio.AioRpcError on errors."""
         call = self.stub.Generate(self.build_request(prompt, **params), metadata=self.metadata)
         async for msg in call:
             yield msg
 
-    async def complete(self, prompt: str | Sequence[int], **params) -> Completion:
+    async def complete(self, prompt: str | Sequence[int] | None = None, **params) -> Completion:
         """Runs one request to the end and gathers its stream."""
         out = Completion()
         async for msg in self.generate(prompt, **params):
             accumulate(out, msg)
         return out
 
-    async def complete_n(self, prompt: str | Sequence[int], n: int, **params) -> list[Completion]:
+    async def complete_n(self, prompt: str | Sequence[int] | None, n: int, **params) -> list[Completion]:
         """Parallel sampling: n forks of one prompt, gathered by fork index."""
         outs = [Completion() for _ in range(n)]
         async for msg in self.generate(prompt, n=n, **params):
@@ -145,7 +167,12 @@ class Client:
     async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
         return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        r = await self.stub.Tokenize(api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
-                                     metadata=self.metadata)
+    async def tokenize(self, text: str = "", add_special_tokens: bool = False, *,
+                       messages: Sequence[Message] | None = None,
+                       add_generation_prompt: bool | None = None) -> list[int]:
+        """Token ids of ``text``, or of the prompt the chat template renders from ``messages``."""
+        req = api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        if messages is not None:
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+        r = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(r.token_ids)

@@ -21,6 +21,7 @@ from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
+    check_chat,
     check_priority,
     check_prompt_ids,
     check_request_id,
@@ -35,6 +36,10 @@ FINISH_REASONS = {
     Finish.LENGTH: api.FINISH_REASON_LENGTH,
     Finish.ABORT: api.FINISH_REASON_ABORT,
 }
+
+
+class NoChatTemplate(Exception):
+    """The model has no chat template: a chat prompt cannot be rendered (FAILED_PRECONDITION)."""
 
 
 def attention_window(tenant: Tenant, config, budget: int, block_size: int) -> tuple[int, int]:
@@ -129,8 +134,29 @@ class GenerationService(api_grpc.GenerationServicer):
             return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
 
+    async def _chat_ids(self, chat: api.Chat, field: str, tokens: bool = False):
+        """Token ids (and with ``tokens``, their strings) of the prompt the model's chat template renders from
+        ``chat``; the messages are bounded before the template runs, on the tokenizer thread."""
+        messages = check_chat(chat, field, self.limits.prompt_bytes)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise NoChatTemplate(f"{field}: the model has no chat template (no chat_template in its "
+                                 "tokenizer_config.json); send text or token_ids")
+        generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+
+        def run():
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=generation_prompt)
+            except Exception as err:  # noqa: BLE001 -- a template's raise_exception, or any error it hits
+                raise InvalidRequest(f"{field}: the model's chat template refused the messages: {err}") from None
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes them
+            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
+
     async def _prompt_ids(self, request: api.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
+        if which == "chat":
+            return await self._chat_ids(request.chat, "prompt.chat")
         if which == "text":
             if not request.text:
                 raise InvalidRequest("prompt.text: must not be empty")
@@ -138,7 +164,7 @@ class GenerationService(api_grpc.GenerationServicer):
             return await self._tokenize(request.text, add_special_tokens=True)
         if which == "token_ids":
             return list(request.token_ids.ids)
-        raise InvalidRequest("prompt: must not be empty (set text or token_ids)")
+        raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
 
     def _page_budget(self, request: api.GenerateRequest, tenant: Tenant, prompt_len: int) -> int:
         """The request's page budget: the tenant's, or lower if the request asks."""
@@ -213,6 +239,8 @@ class GenerationService(api_grpc.GenerationServicer):
             req = self._build_request(request, tenant, await self._prompt_ids(request))
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except NoChatTemplate as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except KeyError as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {err.args[0]!r} is already in use by a live request")
@@ -292,8 +320,15 @@ class GenerationService(api_grpc.GenerationServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         await self._tenant(context, METHODS + "Tokenize")
         try:
-            check_text_bytes(request.text, "text", self.limits.prompt_bytes)
+            if request.HasField("chat"):
+                if request.text:
+                    raise InvalidRequest("text: must be empty when chat is set (send one of them)")
+                ids, tokens = await self._chat_ids(request.chat, "chat", tokens=True)
+            else:
+                check_text_bytes(request.text, "text", self.limits.prompt_bytes)
+                ids, tokens = await self._tokenize(request.text, request.add_special_tokens, tokens=True)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        ids, tokens = await self._tokenize(request.text, request.add_special_tokens, tokens=True)
+        except NoChatTemplate as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return api.TokenizeResponse(token_ids=ids, tokens=tokens)

@@ -24,6 +24,7 @@ from scheduler_svc.validation import (
     MIN_PROMPT_BYTES,
     PROMPT_BYTES_PER_TOKEN,
     Limits,
+    SamplingDefaults,
     default_max_prompt_bytes,
     max_message_bytes,
 )
@@ -290,10 +291,14 @@ async def serve(args) -> None:
     prompt_bytes = args.max_prompt_bytes or default_max_prompt_bytes(max_len)
     if not 0 < prompt_bytes <= MAX_PROMPT_BYTES:
         raise ValueError(f"--max-prompt-bytes {args.max_prompt_bytes}: must be in [1, {MAX_PROMPT_BYTES}]")
-    limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes)
+    defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
+    limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
+                    sampling_defaults=defaults)
     info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
-                kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token)
+                kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
+                sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,
+                                                       top_k=defaults.top_k))
 
     def undecodable(method: str, peer: str, reason: str) -> None:
         metrics.UNDECODABLE_REQUESTS.inc()

@@ -13,6 +13,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_FORKS = 16
 PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
 MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
@@ -28,11 +30,26 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request gets for sampling.temperature, top_p and top_k when it leaves them unset: the
+    checkpoint's generation_config.json as transformers applies it (the executor's Describe says)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def of(cls, describe) -> SamplingDefaults:
+        return cls(temperature=describe.default_temperature, top_p=describe.default_top_p or 1.0,
+                   top_k=describe.default_top_k)
+
+
+@dataclass(frozen=True, slots=True)
 class Limits:
     max_model_len: int
     vocab_size: int
     max_len_name: str = "max_model_len"  # what sets max_model_len (a tenant's quota can lower it)
     max_prompt_bytes: int = 0  # UTF-8 bytes of text taken before tokenizing (0: default_max_prompt_bytes)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def prompt_bytes(self) -> int:
@@ -82,12 +99,17 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
         raise InvalidRequest(
             f"sampling.max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
             f"exceeds {limits.max_len_name}={limits.max_model_len}")
-    if math.isnan(p.temperature) or p.temperature < 0 or math.isinf(p.temperature):
-        raise InvalidRequest(f"sampling.temperature: {p.temperature}; must be a finite number >= 0")
-    top_p = p.top_p if p.top_p != 0 else 1.0
+    # NOTE: unset is not 0 here: an unset field takes the checkpoint's default, a 0 means what it always meant.
+    defaults = limits.sampling_defaults
+    temperature = p.temperature if p.HasField("temperature") else defaults.temperature
+    if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+        raise InvalidRequest(f"sampling.temperature: {p.temperature}; must be a finite number >= 0 (0: greedy)")
+    top_p = p.top_p if p.HasField("top_p") else defaults.top_p
+    top_p = top_p if top_p != 0 else 1.0
     if math.isnan(top_p) or not 0 < top_p <= 1:
         raise InvalidRequest(f"sampling.top_p: {p.top_p}; must be in (0, 1]")
-    if p.top_k < 0:
+    top_k = p.top_k if p.HasField("top_k") else defaults.top_k
+    if top_k < 0:
         raise InvalidRequest(f"sampling.top_k: {p.top_k}; must be >= 0 (0 disables top-k)")
     if len(p.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"sampling.stop: {len(p.stop)} strings; at most {MAX_STOP_STRINGS}")
@@ -103,11 +125,36 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
     if p.n < 0 or p.n > MAX_FORKS:
         raise InvalidRequest(f"sampling.n: {p.n}; must be in [1, {MAX_FORKS}] (0 means 1)")
     return Sampling(
-        max_tokens=max_tokens, temperature=float(p.temperature), top_p=float(top_p), top_k=p.top_k,
+        max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output,
     )
+
+
+def check_chat(chat: api.Chat, field: str, limit: int) -> list[dict[str, str]]:
+    """The messages of a chat prompt as apply_chat_template takes them, checked before the template runs:
+    1 to MAX_CHAT_MESSAGES messages, each role one of CHAT_ROLES, the contents together at most ``limit``
+    UTF-8 bytes (--max-prompt-bytes)."""
+    n = len(chat.messages)
+    if not 0 < n <= MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{field}.messages: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
+    messages, chars = [], 0
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            role = m.role if len(m.role) <= 32 else m.role[:32] + "..."
+            raise InvalidRequest(f"{field}.messages[{i}].role: {role!r}; must be one of {', '.join(CHAT_ROLES)}")
+        chars += len(m.content)
+        if chars > limit:  # a character is at least one byte: stop before encoding anything big
+            raise InvalidRequest(f"{field}.messages: contents of at least {chars} bytes of UTF-8; at most {limit} "
+                                 "in all (--max-prompt-bytes; send fewer or shorter messages)")
+        messages.append({"role": m.role, "content": m.content})
+    if chars * 4 > limit:
+        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        if size > limit:
+            raise InvalidRequest(f"{field}.messages: contents of {size} bytes of UTF-8; at most {limit} in all "
+                                 "(--max-prompt-bytes; send fewer or shorter messages)")
+    return messages
 
 
 def check_request_id(request_id: str) -> None:

@@ -50,21 +50,39 @@ class SamplingParams(_message.Message):
     n: int
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages", "add_generation_prompt")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id", "priority", "page_budget")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
+    chat: Chat
     sampling: SamplingParams
     request_id: str
     priority: int
     page_budget: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -103,7 +121,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, reset_peak: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view")
+    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view", "sampling_defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +154,7 @@ class ModelInfoResponse(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_VIEW_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -168,7 +187,18 @@ class ModelInfoResponse(_message.Message):
     kv_dtype: str
     kv_bytes_per_token: int
     cluster_view: bool
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ...) -> None: ...
+    sampling_defaults: SamplingDefaults
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+
+class SamplingDefaults(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
     __slots__ = ("address", "state", "executor_id", "num_pages", "num_used_pages", "num_cached_pages", "num_running", "num_waiting", "num_placed", "num_migrated_out", "num_computed_tokens", "kv_dtype", "kv_bytes_per_token")
@@ -241,12 +271,14 @@ class TenantInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., weight: _Optional[float] = ..., page_quota: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., page_budget: _Optional[int] = ..., overflow: _Optional[str] = ..., used_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., service: _Optional[float] = ..., budget_hits: _Optional[int] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., sliding_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "add_special_tokens")
+    __slots__ = ("text", "add_special_tokens", "chat")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     text: str
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    chat: Chat
+    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "tokens")

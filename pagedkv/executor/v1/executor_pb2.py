@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pagedkv/executor/v1/executor.proto\x12\x13pagedkv.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xfe\x03\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x18\n\x10num_device_pages\x18\r \x01(\x05\x12\x16\n\x0enum_host_pages\x18\x0e \x01(\x05\x12\x12\n\npage_bytes\x18\x0f \x01(\x03\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x13 \x01(\t\x12\x1d\n\x15swap_bytes_per_second\x18\x14 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\x15 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x16 \x01(\x03\"c\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\"\xfe\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.pagedkv.executor.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x08 \x01(\x05\x12\x15\n\rwindow_tokens\x18\t \x01(\x05\"y\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64ropped_page_indices\x18\x04 \x03(\x05\"$\n\x08PageCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x97\x01\n\x07PageOps\x12/\n\x08swap_out\x18\x01 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12.\n\x07swap_in\x18\x02 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12+\n\x04\x63opy\x18\x03 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\"\xdf\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1f.pagedkv.executor.v1.NewRequest\x12:\n\ncontinuing\x18\x03 \x03(\x0b\x32&.pagedkv.executor.v1.ContinuingRequest\x12\x0e\n\x06\x66orget\x18\x04 \x03(\t\x12.\n\x08page_ops\x18\x05 \x01(\x0b\x32\x1c.pagedkv.executor.v1.PageOps\x12\x0f\n\x07\x64\x65\x63odes\x18\x06 \x03(\t\"E\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"[\n\x0bStepTimings\x12\x13\n\x0bpage_ops_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\"\xe0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x07sampled\x18\x02 \x03(\x0b\x32!.pagedkv.executor.v1.SampledToken\x12\x31\n\x07timings\x18\x03 \x01(\x0b\x32 .pagedkv.executor.v1.StepTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65synced_request_ids\x18\x05 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\xae\x01\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.pagedkv.executor.v1.DescribeRequest\x1a%.pagedkv.executor.v1.DescribeResponse\x12I\n\x03Run\x12\x1d.pagedkv.executor.v1.StepPlan\x1a\x1f.pagedkv.executor.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pagedkv/executor/v1/executor.proto\x12\x13pagedkv.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xc9\x04\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x18\n\x10num_device_pages\x18\r \x01(\x05\x12\x16\n\x0enum_host_pages\x18\x0e \x01(\x05\x12\x12\n\npage_bytes\x18\x0f \x01(\x03\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x13 \x01(\t\x12\x1d\n\x15swap_bytes_per_second\x18\x14 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\x15 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x16 \x01(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_temperature\x18\x17 \x01(\x02\x12\x15\n\rdefault_top_p\x18\x18 \x01(\x02\x12\x15\n\rdefault_top_k\x18\x19 \x01(\x05\"c\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\"\xfe\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.pagedkv.executor.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x08 \x01(\x05\x12\x15\n\rwindow_tokens\x18\t \x01(\x05\"y\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64ropped_page_indices\x18\x04 \x03(\x05\"$\n\x08PageCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x97\x01\n\x07PageOps\x12/\n\x08swap_out\x18\x01 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12.\n\x07swap_in\x18\x02 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12+\n\x04\x63opy\x18\x03 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\"\xdf\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1f.pagedkv.executor.v1.NewRequest\x12:\n\ncontinuing\x18\x03 \x03(\x0b\x32&.pagedkv.executor.v1.ContinuingRequest\x12\x0e\n\x06\x66orget\x18\x04 \x03(\t\x12.\n\x08page_ops\x18\x05 \x01(\x0b\x32\x1c.pagedkv.executor.v1.PageOps\x12\x0f\n\x07\x64\x65\x63odes\x18\x06 \x03(\t\"E\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"[\n\x0bStepTimings\x12\x13\n\x0bpage_ops_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\"\xe0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x07sampled\x18\x02 \x03(\x0b\x32!.pagedkv.executor.v1.SampledToken\x12\x31\n\x07timings\x18\x03 \x01(\x0b\x32 .pagedkv.executor.v1.StepTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65synced_request_ids\x18\x05 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\xae\x01\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.pagedkv.executor.v1.DescribeRequest\x1a%.pagedkv.executor.v1.DescribeResponse\x12I\n\x03Run\x12\x1d.pagedkv.executor.v1.StepPlan\x1a\x1f.pagedkv.executor.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=59
   _globals['_DESCRIBEREQUEST']._serialized_end=76
   _globals['_DESCRIBERESPONSE']._serialized_start=79
-  _globals['_DESCRIBERESPONSE']._serialized_end=589
-  _globals['_SAMPLINGPARAMS']._serialized_start=591
-  _globals['_SAMPLINGPARAMS']._serialized_end=690
-  _globals['_NEWREQUEST']._serialized_start=693
-  _globals['_NEWREQUEST']._serialized_end=947
-  _globals['_CONTINUINGREQUEST']._serialized_start=949
-  _globals['_CONTINUINGREQUEST']._serialized_end=1070
-  _globals['_PAGECOPY']._serialized_start=1072
-  _globals['_PAGECOPY']._serialized_end=1108
-  _globals['_PAGEOPS']._serialized_start=1111
-  _globals['_PAGEOPS']._serialized_end=1262
-  _globals['_STEPPLAN']._serialized_start=1265
-  _globals['_STEPPLAN']._serialized_end=1488
-  _globals['_SAMPLEDTOKEN']._serialized_start=1490
-  _globals['_SAMPLEDTOKEN']._serialized_end=1559
-  _globals['_STEPTIMINGS']._serialized_start=1561
-  _globals['_STEPTIMINGS']._serialized_end=1652
-  _globals['_STEPRESULT']._serialized_start=1655
-  _globals['_STEPRESULT']._serialized_end=1879
-  _globals['_EXECUTOR']._serialized_start=1882
-  _globals['_EXECUTOR']._serialized_end=2056
+  _globals['_DESCRIBERESPONSE']._serialized_end=664
+  _globals['_SAMPLINGPARAMS']._serialized_start=666
+  _globals['_SAMPLINGPARAMS']._serialized_end=765
+  _globals['_NEWREQUEST']._serialized_start=768
+  _globals['_NEWREQUEST']._serialized_end=1022
+  _globals['_CONTINUINGREQUEST']._serialized_start=1024
+  _globals['_CONTINUINGREQUEST']._serialized_end=1145
+  _globals['_PAGECOPY']._serialized_start=1147
+  _globals['_PAGECOPY']._serialized_end=1183
+  _globals['_PAGEOPS']._serialized_start=1186
+  _globals['_PAGEOPS']._serialized_end=1337
+  _globals['_STEPPLAN']._serialized_start=1340
+  _globals['_STEPPLAN']._serialized_end=1563
+  _globals['_SAMPLEDTOKEN']._serialized_start=1565
+  _globals['_SAMPLEDTOKEN']._serialized_end=1634
+  _globals['_STEPTIMINGS']._serialized_start=1636
+  _globals['_STEPTIMINGS']._serialized_end=1727
+  _globals['_STEPRESULT']._serialized_start=1730
+  _globals['_STEPRESULT']._serialized_end=1954
+  _globals['_EXECUTOR']._serialized_start=1957
+  _globals['_EXECUTOR']._serialized_end=2131
 # @@protoc_insertion_point(module_scope)
