@@ -61,7 +61,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "layer_types": (HANDLED, "all full_attention is served; any sliding_attention layer is refused "
                              "(per-layer windows are not implemented)"),
     "eos_token_id": (HANDLED, "stop ids, merged with generation_config.json's and sent in Describe"),
-    "quantization_config": (REFUSED, "quantized weights (AWQ/GPTQ/bitsandbytes/fp8) are not loaded yet"),
+    "quantization_config": (HANDLED, "4-bit AWQ (GEMM) and GPTQ (desc_act, sym, any group size) weights load, "
+                                     "kept 4-bit (tested against HF on the dequantized weights); other methods, "
+                                     "bit widths and layouts refused with the field and value"),
     "attn_logit_softcapping": (REFUSED, "attention logit soft-capping is not implemented"),
     "final_logit_softcapping": (REFUSED, "final logit soft-capping is not implemented"),
     # no effect on inference math
@@ -193,6 +195,10 @@ def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
                      if family == "qwen2" else "")
             raise ValueError(f"{where}: layer_types = {_short(layer_types)} puts a window on layers {windowed}"
                              f"{extra}; per-layer attention windows are not supported yet")
+    if not _off(d.get("quantization_config")):
+        from executor_svc.model.quant import parse_quant_config
+
+        parse_quant_config(d["quantization_config"], where)
     unknown = sorted(k for k in d if k not in FIELDS and k not in FOREIGN_MATH)
     return family, unknown
 
@@ -232,6 +238,8 @@ class ModelConfig:
     # generation_config.json's sampling values (temperature, top_p, top_k, ...): sampling_defaults() of them
     generation_defaults: dict = field(default_factory=dict)
     unknown_fields: tuple[str, ...] = ()
+    # 4-bit weights (executor_svc.model.quant.QuantSpec) from quantization_config; None: float weights
+    quantization: object = None
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -285,4 +293,14 @@ class ModelConfig:
             generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
                                                       "repetition_penalty") if k in gen},
             unknown_fields=tuple(unknown),
+            quantization=_quantization(hf, path),
         )
+
+
+def _quantization(hf, path: Path):
+    qc = getattr(hf, "quantization_config", None)
+    if _off(qc):
+        return None
+    from executor_svc.model.quant import parse_quant_config
+
+    return parse_quant_config(qc if isinstance(qc, dict) else qc.to_dict(), f"model {path}")

@@ -23,7 +23,7 @@ VOCAB = 259
 
 
 def paged_greedy(path: Path, prompts: list[list[int]], max_new: int, block_size: int = 16,
-                 stop_ids: tuple[int, ...] | None = None) -> list[list[int]]:
+                 stop_ids: tuple[int, ...] | None = None, kv_dtype: str = "auto") -> list[list[int]]:
     """Greedy decoding through the executor's own ModelRunner and paged KV (torch backend, fp32), all prompts
     in one batch; a request stops after a token in stop_ids (default: the config's eos ids, which Describe
     hands the scheduler), as transformers' generate stops."""
@@ -40,7 +40,7 @@ def paged_greedy(path: Path, prompts: list[list[int]], max_new: int, block_size:
     model = load_model(cfg, cpu, torch.float32)
     attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pages_each = [-(-(len(p) + max_new) // block_size) for p in prompts]
-    kv = parse_kv_dtype("auto", torch.float32)
+    kv = parse_kv_dtype(kv_dtype, torch.float32)
     pool = DevicePagePool(cfg, sum(pages_each) + 1, block_size, torch.float32, cpu, kv)
     runner = ModelRunner(model, pool, attention, cpu)
     free = iter(range(1, pool.num_pages))
@@ -143,7 +143,8 @@ REFUSALS = [
                                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 512}},
      "'longrope'"),
     ("partial_rotary_factor", "llama", {"partial_rotary_factor": 0.5}, "0.5"),
-    ("quantization_config", "llama", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "'awq'"),
+    ("quantization_config", "llama", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "'bitsandbytes'"),
     ("attn_logit_softcapping", "llama", {"attn_logit_softcapping": 50.0}, "50.0"),
     ("final_logit_softcapping", "llama", {"final_logit_softcapping": 30.0}, "30.0"),
     ("num_local_experts", "llama", {"num_local_experts": 8}, "8"),

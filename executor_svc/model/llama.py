@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model.quant import DenseLinear, build_int4, quant_tensor_names, unpack_linear
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
 
@@ -68,38 +70,58 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.rotary = Rotary(cfg, device)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.raw = weights  # the checkpoint's tensors (4-bit ones stay int32 until packed)
+        self.linear_kinds: dict[str, int] = {}  # "int4-cpu" / "dense" / "dequantized (why)" -> linears
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()
+             if v.is_floating_point() and not k.endswith(".scales")}
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.embed = w["model.embed_tokens.weight"]
         self.final_norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
+        del self.raw
         self.scale = cfg.head_dim ** -0.5
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
-    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
-        """One layer's tensors, with q/k/v and gate/up fused into single matmuls. Biases are taken exactly
-        where the config has them (as transformers builds its Linear layers), never just because a tensor
-        is in the file."""
+    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict:
+        """One layer's norms and linears, with q/k/v and gate/up fused into single matmuls. Biases are taken
+        exactly where the config has them (as transformers builds its Linear layers), never just because a
+        tensor is in the file."""
         cfg = self.cfg
         p = f"model.layers.{i}."
-        attn = [w[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
-        mlp = [w[p + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
         return {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": torch.cat(attn),
-            "qkv_b": torch.cat([w[p + f"self_attn.{name}_proj.bias"] for name in "qkv"])
-            if cfg.attention_bias else None,
-            "o": w[p + "self_attn.o_proj.weight"],
-            "o_b": w[p + "self_attn.o_proj.bias"] if cfg.o_proj_bias else None,
-            "gate_up": torch.cat(mlp),
-            "gate_up_b": torch.cat([w[p + f"mlp.{name}_proj.bias"] for name in ("gate", "up")])
-            if cfg.mlp_bias else None,
-            "down": w[p + "mlp.down_proj.weight"],
-            "down_b": w[p + "mlp.down_proj.bias"] if cfg.mlp_bias else None,
+            "qkv": self._linear(w, [p + f"self_attn.{name}_proj" for name in "qkv"], cfg.attention_bias),
+            "o": self._linear(w, [p + "self_attn.o_proj"], cfg.o_proj_bias),
+            "gate_up": self._linear(w, [p + f"mlp.{name}_proj" for name in ("gate", "up")], cfg.mlp_bias),
+            "down": self._linear(w, [p + "mlp.down_proj"], cfg.mlp_bias),
         }
+
+    def _linear(self, w: dict[str, torch.Tensor], modules: list[str], bias: bool):
+        """One matmul over modules (same input, outputs concatenated): 4-bit where the checkpoint holds them
+        quantized, else the float weights as before."""
+        biases = [w[m + ".bias"] for m in modules] if bias else None
+        spec = self.cfg.quantization
+        if spec is None or not all(spec.quantizes(m) for m in modules):
+            kind = "dense"
+            linear = DenseLinear(torch.cat([w[m + ".weight"] for m in modules]),
+                                 None if biases is None else torch.cat(biases))
+        else:
+            int4 = [unpack_linear(spec, {t: self.raw[f"{m}.{t}"] for t in quant_tensor_names(spec)}, m)
+                    for m in modules]
+            linear, kind = build_int4(int4, biases, self.device, self.dtype)
+        self.linear_kinds[kind] = self.linear_kinds.get(kind, 0) + 1
+        return linear
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes held: the decoder layers' linears, and everything else (embeddings, norms, lm_head)."""
+        linears = sum(lw[k].nbytes() for lw in self.layers for k in ("qkv", "o", "gate_up", "down"))
+        other = [self.embed, self.final_norm] + [lw[k] for lw in self.layers for k in ("in_norm", "post_norm")]
+        if self.lm_head is not self.embed:
+            other.append(self.lm_head)
+        return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other)}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -112,7 +134,7 @@ class LlamaModel:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, lw in enumerate(self.layers):
             h = _rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
-            q, k, v = F.linear(h, lw["qkv"], lw["qkv_b"]).split(self.qkv_sizes, dim=-1)
+            q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -121,10 +143,10 @@ class LlamaModel:
             k_cache, v_cache = pool.layer(i)
             attention.write_cache(k_cache, v_cache, k, v, meta)
             a = attention.forward(q, k_cache, v_cache, meta).reshape(n, cfg.num_heads * cfg.head_dim)
-            x = x + F.linear(a, lw["o"], lw["o_b"])
+            x = x + lw["o"](a)
             h = _rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, lw["gate_up"], lw["gate_up_b"]).chunk(2, dim=-1)
-            x = x + F.linear(self.act(gate) * up, lw["down"], lw["down_b"])
+            gate, up = lw["gate_up"](h).chunk(2, dim=-1)
+            x = x + lw["down"](self.act(gate) * up)
         x = _rms_norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
@@ -147,7 +169,16 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     if missing:
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
         raise ValueError(f"model {cfg.path}: missing tensors {missing[:6]}{more} (the config asks for them)")
-    return LlamaModel(cfg, weights, device, dtype)
+    model = LlamaModel(cfg, weights, device, dtype)
+    if cfg.quantization is not None:
+        log = structlog.get_logger("executor")
+        kinds = model.linear_kinds
+        (log.warning if any(k.startswith("dequantized") for k in kinds) else log.info)(
+            "weights_4bit", format=cfg.quantization.describe(), linear_kinds=kinds,
+            linear_bytes=model.weight_bytes()["linears"], other_bytes=model.weight_bytes()["other"],
+            note="dequantized linears hold full-size float weights" if any(
+                k.startswith("dequantized") for k in kinds) else "kept 4-bit")
+    return model
 
 
 def expected_tensors(cfg: ModelConfig) -> list[str]:
@@ -158,8 +189,12 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        for module in [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]:
+            spec = cfg.quantization
+            if spec is not None and spec.quantizes(p + module):
+                names += [f"{p}{module}.{t}" for t in quant_tensor_names(spec)]
+            else:
+                names.append(f"{p}{module}.weight")
         if cfg.attention_bias:
             names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
         if cfg.o_proj_bias:

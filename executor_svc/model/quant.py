@@ -1,0 +1,285 @@
+"""4-bit weights: AWQ (GEMM layout) and GPTQ checkpoints, kept 4-bit and run with torch's int4 matmul.
+
+What the tools write, per quantized linear with K inputs, N outputs and groups of ``g`` inputs:
+
+=========  ===========================  ==============================================================
+tensor     AWQ (AutoAWQ, version gemm)  GPTQ (AutoGPTQ / GPTQModel / optimum)
+=========  ===========================  ==============================================================
+qweight    int32 [K, N/8], 8 outputs    int32 [K/8, N], 8 inputs per word, nibble j = input 8i+j
+           per word, interleaved
+qzeros     int32 [K/g, N/8], as qweight int32 [K/g, N/8], nibble j = output 8c+j; format "gptq"
+                                        stores zero - 1, "gptq_v2" the zero itself
+scales     fp16 [K/g, N]                fp16 [K/g, N]
+g_idx      (none: input i is in i // g) int32 [K]: the group of each input (desc_act shuffles it)
+=========  ===========================  ==============================================================
+
+AWQ's interleave: the 8 nibbles of a word, low to high, hold outputs 0, 2, 4, 6, 1, 3, 5, 7 of its 8.
+Either way the weight is ``(q - zero[group]) * scale[group]``.
+
+Kept in memory as torch's int4 "tinygemm" layout (``_convert_weight_to_int4pack*``: N x K/2 bytes) with a
+[K/g, N, 2] table of (scale, offset) where ``w = (q - 8) * scale + offset``, i.e. offset = (8 - zero) *
+scale. That kernel wants the inputs of a group next to each other; a desc_act checkpoint's inputs are
+therefore sorted by group once at load and each activation row is gathered in the same order (as vLLM's
+exllama path does). Where the kernel cannot run (CUDA without bf16, a group size it lacks, a g_idx whose
+groups are not all ``g`` long) the layer is dequantized at load and the log says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output held by nibble i of an AWQ word
+AWQ_UNDO = tuple(AWQ_ORDER.index(j) for j in range(8))  # nibble holding output j
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    method: str  # "awq" or "gptq"
+    group_size: int  # -1: one group over all inputs
+    desc_act: bool = False
+    sym: bool = True
+    zero_offset: int = 0  # added to stored zeros: 1 for the "gptq" (v1) checkpoint format
+    keep_float: tuple[str, ...] = ()  # AWQ's modules_to_not_convert: modules whose names contain one stay float
+
+    def quantizes(self, module: str) -> bool:
+        return not any(name in module for name in self.keep_float)
+
+    def describe(self) -> str:
+        extra = f", desc_act={self.desc_act}, sym={self.sym}" if self.method == "gptq" else ""
+        return f"{self.method} 4-bit, group {self.group_size}{extra}"
+
+
+def parse_quant_config(qc, where: str) -> QuantSpec:
+    """quantization_config as AutoAWQ / AutoGPTQ / GPTQModel / optimum write it; anything else is refused
+    with the field and its value."""
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: quantization_config = {qc!r} must be a JSON object")
+    method = str(qc.get("quant_method", "")).lower()
+
+    def refuse(name: str, why: str):
+        raise ValueError(f"{where}: quantization_config.{name} = {qc.get(name)!r} is not supported ({why})")
+
+    if method not in ("awq", "gptq"):
+        refuse("quant_method", "4-bit awq (GEMM layout) and gptq weights load; other formats do not")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        refuse("bits" if "bits" in qc else "w_bit", "only 4-bit weights load")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group >= 8):
+        refuse("group_size", "a positive group size (or -1)")
+    if qc.get("lm_head"):
+        refuse("lm_head", "a quantized lm_head is not loaded; the tools leave it unquantized by default")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            refuse("version", "only the GEMM layout loads (AutoAWQ's default)")
+        if qc.get("zero_point", True) is not True:
+            refuse("zero_point", "AWQ without zero points is not loaded")
+        keep = qc.get("modules_to_not_convert") or []
+        if not isinstance(keep, list) or not all(isinstance(m, str) for m in keep):
+            refuse("modules_to_not_convert", "must be a list of module names")
+        return QuantSpec("awq", group, keep_float=tuple(keep))
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        refuse("checkpoint_format", "gptq and gptq_v2 load; marlin/bitblas repacks do not")
+    if qc.get("is_marlin_format"):
+        refuse("is_marlin_format", "marlin repacks do not load")
+    if qc.get("modules_in_block_to_quantize"):
+        refuse("modules_in_block_to_quantize", "partly quantized blocks are not loaded")
+    if qc.get("dynamic"):
+        refuse("dynamic", "per-module overrides are not loaded")
+    for flag in ("desc_act", "sym"):
+        if not isinstance(qc.get(flag, flag == "sym"), bool):
+            refuse(flag, "must be true or false")
+    return QuantSpec("gptq", group, desc_act=bool(qc.get("desc_act", False)), sym=bool(qc.get("sym", True)),
+                     zero_offset=1 if fmt == "gptq" else 0)
+
+
+def quant_tensor_names(spec: QuantSpec) -> tuple[str, ...]:
+    return ("qweight", "qzeros", "scales") + (("g_idx",) if spec.method == "gptq" else ())
+
+
+# ---- unpacking the checkpoint's tensors into (q [N, K], zeros [G, N], scales [G, N], g_idx [K]) --------
+
+
+def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, 8C]: nibble j of word c becomes column 8c + j."""
+    return ((packed.unsqueeze(-1) >> _SHIFTS) & 0xF).reshape(packed.shape[0], -1)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> int32 [8R, C]: nibble j of row r becomes row 8r + j."""
+    return ((packed.unsqueeze(1) >> _SHIFTS[None, :, None]) & 0xF).reshape(-1, packed.shape[1])
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """One linear's weight, unpacked: w[n, k] = (q[n, k] - zeros[g_idx[k], n]) * scales[g_idx[k], n]."""
+
+    q: torch.Tensor  # int32 [N, K], 0..15
+    zeros: torch.Tensor  # int32 [G, N]
+    scales: torch.Tensor  # float32 [G, N]
+    g_idx: torch.Tensor  # int64 [K]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        z = self.zeros.index_select(0, self.g_idx).T.float()
+        s = self.scales.index_select(0, self.g_idx).T
+        return (self.q.float() - z) * s
+
+
+def unpack_linear(spec: QuantSpec, t: dict[str, torch.Tensor], name: str) -> Int4Weight:
+    """The tool's tensors for one linear (keys qweight, qzeros, scales[, g_idx]) checked and unpacked."""
+    qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"{name}: qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
+    if spec.method == "awq":
+        k, n = qweight.shape[0], qweight.shape[1] * 8
+        q = unpack_cols(qweight).view(k, n // 8, 8)[:, :, list(AWQ_UNDO)].reshape(k, n).T.contiguous()
+        zeros = unpack_cols(qzeros)
+        zeros = zeros.view(zeros.shape[0], n // 8, 8)[:, :, list(AWQ_UNDO)].reshape(-1, n)
+    else:
+        k, n = qweight.shape[0] * 8, qweight.shape[1]
+        q = unpack_rows(qweight).T.contiguous()
+        zeros = unpack_cols(qzeros) + spec.zero_offset
+    group = k if spec.group_size == -1 else spec.group_size
+    groups = -(-k // group)
+    if zeros.shape != (groups, n) or scales.shape != (groups, n):
+        raise ValueError(f"{name}: qzeros/scales unpack to {tuple(zeros.shape)}/{tuple(scales.shape)}, expected "
+                         f"[{groups}, {n}] for {k} inputs in groups of {group}")
+    g_idx = t.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(k) // group
+    g_idx = g_idx.to(torch.int64)
+    if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise ValueError(f"{name}: g_idx must hold {k} group numbers in [0, {groups})")
+    return Int4Weight(q, zeros, scales.float(), g_idx, group)
+
+
+# ---- the kernel -----------------------------------------------------------------------------------------
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Which torch int4 matmul serves this device and compute dtype (None: dequantize at load)."""
+    if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return "cpu"
+    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        return "cuda"
+    return None
+
+
+def kernel_layout(w: Int4Weight) -> tuple[torch.Tensor | None, int] | None:
+    """(input permutation or None, kernel group size) when the kernel can take w, else None."""
+    k = w.q.shape[1]
+    if w.group_size not in KERNEL_GROUP_SIZES or k % w.group_size:
+        return None
+    contiguous = torch.arange(k) // w.group_size
+    if torch.equal(w.g_idx, contiguous):
+        return None, w.group_size
+    perm = torch.argsort(w.g_idx, stable=True)
+    if not torch.equal(w.g_idx[perm], contiguous):  # some group is not exactly group_size inputs long
+        return None
+    return perm, w.group_size
+
+
+class Int4Linear:
+    """y = x @ W.T + b with W held as int4 in torch's tinygemm layout (one or more fused linears)."""
+
+    def __init__(self, weights: list[Int4Weight], biases: list[torch.Tensor] | None, kernel: str,
+                 perm: torch.Tensor | None, group_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        if perm is not None:
+            weights = [Int4Weight(w.q[:, perm], w.zeros, w.scales, w.g_idx[perm], w.group_size) for w in weights]
+        q = torch.cat([w.q for w in weights])
+        scales = torch.cat([w.scales for w in weights], dim=1)
+        offsets = (8 - torch.cat([w.zeros for w in weights], dim=1).float()) * scales
+        self.scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(device=device, dtype=dtype).contiguous()
+        if kernel == "cpu":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).to(device)
+            self.mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        else:
+            nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, 8)
+            self.mm = torch.ops.aten._weight_int4pack_mm
+        self.perm = None if perm is None else perm.to(device)
+        self.group_size = group_size
+        self.in_features = q.shape[1]
+        self.out_features = q.shape[0]
+        self.bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        y = self.mm(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size() + extra + bias)
+
+
+class DenseLinear:
+    """y = x @ W.T + b with a float weight (unquantized checkpoints, and the dequantize fallback)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.numel() * self.weight.element_size() + bias
+
+
+def build_int4(weights: list[Int4Weight], biases: list[torch.Tensor] | None, device: torch.device,
+               dtype: torch.dtype) -> tuple[Int4Linear | DenseLinear, str]:
+    """One fused linear over weights (same inputs): the int4 kernel when it can take them all with the same
+    input order, else dequantized. Returns the linear and what was chosen ("int4-cpu", "dequantized: why")."""
+    kernel = kernel_for(device, dtype)
+    layouts = [kernel_layout(w) for w in weights]
+    why = None
+    if kernel is None:
+        why = f"no int4 kernel for {device.type} with {str(dtype).removeprefix('torch.')}"
+    elif any(lay is None for lay in layouts):
+        why = f"group size {weights[0].group_size} or g_idx the kernel cannot take"
+    elif len({lay[1] for lay in layouts}) > 1 or not all(
+            _same_perm(layouts[0][0], lay[0]) for lay in layouts[1:]):
+        why = None  # each can run alone: split the fusion
+        parts = [build_int4([w], None if biases is None else [b], device, dtype)[0]
+                 for w, b in zip(weights, biases or [None] * len(weights))]
+        return _Concat(parts), f"int4-{kernel} (unfused: different input orders)"
+    if why is not None:
+        weight = torch.cat([w.dequantize() for w in weights]).to(device=device, dtype=dtype)
+        bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
+        return DenseLinear(weight, bias), f"dequantized ({why})"
+    perm, group = layouts[0]
+    return Int4Linear(weights, biases, kernel, perm, group, device, dtype), f"int4-{kernel}"
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+class _Concat:
+    """Several linears over the same input whose outputs are concatenated (a fusion the kernel could not do)."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
