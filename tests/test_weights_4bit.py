@@ -151,6 +151,18 @@ def test_no_kernel_for_the_device_dequantizes():
     assert kind.startswith("dequantized (no int4 kernel for meta")
 
 
+def test_a_kernel_that_fails_its_load_time_check_is_not_used(llama_dir, tmp_path, monkeypatch):
+    from executor_svc.model import quant
+
+    monkeypatch.setattr(quant, "_PASSED_SELF_CHECK", set())
+    monkeypatch.setattr(quant, "_FAILED_SELF_CHECK", {})
+    monkeypatch.setattr(quant.Int4Linear, "__call__", lambda self, x: torch.zeros(x.shape[0], self.out_features))
+    q, _ = quantized(llama_dir, tmp_path, method="awq", group_size=128)
+    model = load(q)
+    assert list(model.linear_kinds) == ["dequantized (the int4-cpu kernel failed its load-time check: relative "
+                                        "error 1 > 0.0001)"], model.linear_kinds
+
+
 # ---- refusals and broken checkpoints -----------------------------------------------------------------------
 
 REFUSALS = [

@@ -173,10 +173,11 @@ def kernel_for(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def kernel_layout(w: Int4Weight) -> tuple[torch.Tensor | None, int] | None:
-    """(input permutation or None, kernel group size) when the kernel can take w, else None."""
-    k = w.q.shape[1]
-    if w.group_size not in KERNEL_GROUP_SIZES or k % w.group_size:
+def kernel_layout(w: Int4Weight, kernel: str = "cpu") -> tuple[torch.Tensor | None, int] | None:
+    """(input permutation or None, kernel group size) when the kernel can take w, else None. Both torch
+    kernels want N % 16 == 0 (CPU packing) and K in whole groups of 32..256; CUDA's wants K % 128 too."""
+    n, k = w.q.shape
+    if w.group_size not in KERNEL_GROUP_SIZES or k % w.group_size or n % 16 or (kernel == "cuda" and k % 128):
         return None
     contiguous = torch.arange(k) // w.group_size
     if torch.equal(w.g_idx, contiguous):
@@ -205,7 +206,7 @@ class Int4Linear:
             nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, 8)
             self.mm = torch.ops.aten._weight_int4pack_mm
-        self.perm = None if perm is None else perm.to(device)
+        self.perm = None if perm is None else perm.to(device=device, dtype=torch.int32)
         self.group_size = group_size
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
@@ -248,9 +249,11 @@ def build_int4(weights: list[Int4Weight], biases: list[torch.Tensor] | None, dev
     """One fused linear over weights (same inputs): the int4 kernel when it can take them all with the same
     input order, else dequantized. Returns the linear and what was chosen ("int4-cpu", "dequantized: why")."""
     kernel = kernel_for(device, dtype)
-    layouts = [kernel_layout(w) for w in weights]
+    layouts = [kernel_layout(w, kernel or "cpu") for w in weights]
     why = None
-    if kernel is None:
+    if kernel in _FAILED_SELF_CHECK:
+        why = _FAILED_SELF_CHECK[kernel]
+    elif kernel is None:
         why = f"no int4 kernel for {device.type} with {str(dtype).removeprefix('torch.')}"
     elif any(lay is None for lay in layouts):
         why = f"group size {weights[0].group_size} or g_idx the kernel cannot take"
@@ -265,7 +268,34 @@ def build_int4(weights: list[Int4Weight], biases: list[torch.Tensor] | None, dev
         bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
         return DenseLinear(weight, bias), f"dequantized ({why})"
     perm, group = layouts[0]
-    return Int4Linear(weights, biases, kernel, perm, group, device, dtype), f"int4-{kernel}"
+    linear = Int4Linear(weights, biases, kernel, perm, group, device, dtype)
+    if kernel not in _PASSED_SELF_CHECK:
+        failure = _self_check(linear, weights, device, dtype)
+        if failure:
+            _FAILED_SELF_CHECK[kernel] = f"the int4-{kernel} kernel failed its load-time check: {failure}"
+            return build_int4(weights, biases, device, dtype)
+        _PASSED_SELF_CHECK.add(kernel)
+    return linear, f"int4-{kernel}"
+
+
+_PASSED_SELF_CHECK: set[str] = set()
+_FAILED_SELF_CHECK: dict[str, str] = {}
+
+
+def _self_check(linear: Int4Linear, weights: list[Int4Weight], device: torch.device, dtype: torch.dtype) -> str:
+    """The first linear built for a kernel, against its dequantized weight on random rows ("" when equal
+    within the compute dtype's rounding). Guards a device whose kernel this code was not run on."""
+    try:
+        x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
+        want = x @ torch.cat([w.dequantize() for w in weights]).T
+        got = linear(x.to(device=device, dtype=dtype)).float().cpu()
+        if linear.bias is not None:
+            got = got - linear.bias.float().cpu()
+    except RuntimeError as err:
+        return str(err).splitlines()[0][:200]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+    return "" if err <= tol else f"relative error {err:.3g} > {tol}"
 
 
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
