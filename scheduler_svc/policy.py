@@ -4,7 +4,7 @@ Victims (seeds, practice note 3; DESIGN.md decisions 6 and 7):
   0. a request of a tenant holding more than its fair share of pages first (tenants, fairness);
   1. cold first: not scheduled for >= ``cold_steps`` steps;
   2. never a hot one (scheduled within the last ``hot_steps`` steps) while another candidate exists;
-  3. then the least important (highest ``priority`` value), then the newest.
+  3. then the least important (highest ``priority`` value), then the newest, then the highest fork index.
 
 Swap or recompute, per victim, by cost:
   recompute = tokens whose KV would have to be computed again x measured prefill seconds per token
@@ -73,10 +73,13 @@ class PreemptionPolicy:
     def pick_victim(self, candidates: list[Request], now: int, requester: Request | None = None,
                     over_share: set[str] | frozenset = frozenset()) -> Request:
         """A request of a tenant above its fair share first, then the coldest, then the highest priority
-        value, then the newest. The request asking for pages is about to be scheduled: it counts as hot."""
+        value, then the newest, then (forks of one request arrive together) the highest fork index. The request
+        asking for pages is about to be scheduled: it counts as hot."""
         def key(r: Request):
             temperature = self.HOT if r is requester else self.temperature(r, now)
-            return r.tenant in over_share, -temperature, r.priority, r.arrival
+            # NOTE: without the fork index, two forks that each need the other's pages took turns preempting
+            # each other (the first of equals in list order), and neither ever finished.
+            return r.tenant in over_share, -temperature, r.priority, r.arrival, r.index
 
         return max(candidates, key=key)
 

@@ -17,7 +17,7 @@ tenant queued behind it) waiting forever. The API refuses both up front; a reloa
 from __future__ import annotations
 
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import PreemptionConfig
+from scheduler_svc.policy import Mode, PreemptionConfig
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
 from tests.fake_executor import drive, make_request
@@ -102,3 +102,18 @@ def test_reload_ends_a_request_whose_budget_the_new_quota_cannot_hold():
     assert [(r, o.error) for r, o in ended] == [(running, "tenant b's new limits hold 5 pages; this request needs "
                                                           "more")]
     assert_all_finish(s, [queued])
+
+
+def test_forks_do_not_take_turns_preempting_each_other():
+    """Two forks of one request (same arrival) that each need pages the other holds: the victim used to be the
+    first of equals in list order, so they preempted each other in turn and neither finished. The fork index
+    now breaks the tie: the last fork waits, the first finishes."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64, watermark=0,
+                          preemption=PreemptionConfig(mode=Mode.RECOMPUTE, hot_steps=64, cold_steps=64))
+    s = Scheduler(PagePool(9, BS), cfg, [2])
+    req = windowed(0, "default", 15, budget=6, n=2)
+    req.sampling.max_tokens = 28
+    s.add(req)
+    drive(s, max_steps=400)
+    assert not s.has_work, f"not finished after 400 steps (preempted {s.num_preemptions} times)"
+    assert s.pool.num_used == 0
