@@ -31,6 +31,15 @@ def qwen2_dir(tmp_path_factory) -> Path:  # q/k/v biases, tied embeddings
     return build_random_model(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=12, **SMALL)
 
 
+@pytest.fixture
+def exact(monkeypatch):
+    """The int4 kernel in the compute dtype (fp32): bit-for-bit the dequantized weights' math, so the formats
+    are checked by greedy equality. The default (bf16 kernel, fast) is checked against a tolerance below."""
+    from executor_svc.model import quant
+
+    monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)
+
+
 def quantized(src: Path, tmp: Path, **kw) -> tuple[Path, Path]:
     return quantize_checkpoint(src, tmp / "q", reference_dir=tmp / "ref", **kw), tmp / "ref"
 
@@ -81,7 +90,7 @@ CASES = [  # (family, quantize_checkpoint keywords)
 
 @pytest.mark.parametrize("family,kw", CASES, ids=["-".join([c[0]] + [f"{k}={v}" for k, v in c[1].items()])
                                                  for c in CASES])
-def test_greedy_equal_to_transformers_on_the_dequantized_weights(family, kw, llama_dir, qwen2_dir, tmp_path):
+def test_greedy_equal_to_transformers_on_the_dequantized_weights(family, kw, llama_dir, qwen2_dir, tmp_path, exact):
     q, ref = quantized(llama_dir if family == "llama" else qwen2_dir, tmp_path, **kw)
     cfg = ModelConfig.from_dir(q)
     assert cfg.quantization.method == kw["method"] and cfg.quantization.group_size == kw["group_size"]
@@ -96,7 +105,7 @@ def test_greedy_equal_to_transformers_on_the_dequantized_weights(family, kw, lla
         assert paged_greedy(llama_dir, prompts, 10) != got
 
 
-def test_logits_within_tolerance_of_the_dequantized_weights(llama_dir, tmp_path):
+def test_exact_kernel_within_1e4_of_the_dequantized_weights(llama_dir, tmp_path, exact):
     """The int4 kernel against the same weights dequantized to fp32: logits within 1e-4 (stated tolerance)."""
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=64, desc_act=True, sym=False)
     x = torch.randn(7, SMALL["hidden_size"])
@@ -111,23 +120,23 @@ def test_logits_within_tolerance_of_the_dequantized_weights(llama_dir, tmp_path)
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group,limit", [(128, 0.3), (64, 0.33), (32, 0.38)])
+@pytest.mark.parametrize("group,limit", [(128, 0.3), (64, 0.3), (32, 0.32)])
 def test_linears_stay_four_bit_in_memory(group, limit, tmp_path):
-    """Linear weights held vs the same weights in fp16 (float32 compute: the kernel's scale/offset table is
-    float32, 8 bytes per group and output; group 128 is what the tools write by default)."""
+    """Linear weights held vs the same weights in fp16: half a byte a weight, and the kernel's bf16 (scale,
+    offset) table, 4 bytes per group and output (group 128 is what the tools write by default)."""
     src = build_random_model(tmp_path / "src", seed=3, hidden_size=512, intermediate_size=1024, num_layers=1,
                              num_heads=4, num_kv_heads=4)
     q, ref = quantized(src, tmp_path, method="gptq", group_size=group)
     held = load(q).weight_bytes()["linears"]
     fp16 = load(ref).weight_bytes()["linears"] // 2  # the reference holds them in float32
     assert held <= limit * fp16, (held, fp16, held / fp16)
-    assert held <= 0.25 * fp16 + 8 * fp16 // 2 // group + 1  # exactly: half a byte a weight + the table
+    assert held == fp16 // 4 + 4 * fp16 // 2 // group  # exactly: half a byte a weight + the table
 
 
 # ---- fallback: dequantize at load, and say so --------------------------------------------------------------
 
 
-def test_a_group_size_the_kernel_lacks_is_dequantized_at_load_and_logged(llama_dir, tmp_path):
+def test_a_group_size_the_kernel_lacks_is_dequantized_at_load_and_logged(llama_dir, tmp_path, exact):
     from structlog.testing import capture_logs
 
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=16)
@@ -151,7 +160,7 @@ def test_no_kernel_for_the_device_dequantizes():
     assert kind.startswith("dequantized (no int4 kernel for meta")
 
 
-def test_a_kernel_that_fails_its_load_time_check_is_not_used(llama_dir, tmp_path, monkeypatch):
+def test_a_kernel_that_fails_its_load_time_check_is_not_used(llama_dir, tmp_path, monkeypatch, exact):
     from executor_svc.model import quant
 
     monkeypatch.setattr(quant, "_PASSED_SELF_CHECK", set())
@@ -194,7 +203,7 @@ def test_a_quantized_config_over_float_weights_names_the_missing_tensors(llama_d
         load_model(ModelConfig.from_dir(path), torch.device("cpu"), torch.float32)
 
 
-def test_awq_modules_to_not_convert_stay_float(llama_dir, tmp_path):
+def test_awq_modules_to_not_convert_stay_float(llama_dir, tmp_path, exact):
     """AutoAWQ leaves modules_to_not_convert in float: a checkpoint whose down_proj kept its weight loads."""
     from safetensors.torch import load_file, save_file
 
@@ -221,7 +230,7 @@ def test_awq_modules_to_not_convert_stay_float(llama_dir, tmp_path):
 # ---- weight and KV quantization together -------------------------------------------------------------------
 
 
-def test_awq_weights_with_an_fp8_kv_cache(llama_dir, tmp_path):
+def test_awq_weights_with_an_fp8_kv_cache(llama_dir, tmp_path, exact):
     """--kv-cache-dtype fp8_e4m3 over AWQ weights: the same tokens as the dequantized float checkpoint with
     the same fp8 KV cache (the two switches are independent)."""
     q, ref = quantized(llama_dir, tmp_path, method="awq", group_size=128)
@@ -229,3 +238,28 @@ def test_awq_weights_with_an_fp8_kv_cache(llama_dir, tmp_path):
     got = paged_greedy(q, prompts, 10, kv_dtype="fp8_e4m3")
     assert got == paged_greedy(ref, prompts, 10, kv_dtype="fp8_e4m3")
     assert len(got[0]) == len(got[1]) == 10
+
+
+# ---- the default CPU kernel: bf16 inside the 4-bit linears ------------------------------------------------
+
+
+def test_default_cpu_kernel_runs_bf16_within_the_stated_tolerance(llama_dir, tmp_path):
+    """By default the CPU int4 matmul takes bf16 activations and scales (its only vectorized path): each
+    linear within 2% (relative to its largest output) of the dequantized fp32 weights, and greedy decoding
+    equal to transformers on the dequantized fp32 weights for at least 4 of 6 prompts (random tiny models
+    have near-ties: about one prompt in five flips a token within 10 steps)."""
+    from executor_svc.model import quant
+
+    assert quant.CPU_KERNEL_DTYPE == torch.bfloat16
+    q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=128, desc_act=True, sym=False)
+    m4, mf = load(q), load(ref)
+    assert m4.layers[0]["o"].kernel_dtype == torch.bfloat16
+    x = torch.randn(7, SMALL["hidden_size"])
+    for key in ("qkv", "o", "gate_up"):
+        a, b = m4.layers[1][key](x), mf.layers[1][key](x)
+        assert a.dtype == torch.float32
+        assert 1e-5 < (a - b).abs().max() <= 2e-2 * b.abs().max()  # not exact (bf16), but close
+    prompts = random_prompts(5, [4, 19, 40, 25, 60, 11], VOCAB)
+    want = hf_greedy(ref, prompts, [10] * len(prompts))
+    got = paged_greedy(q, prompts, 10)
+    assert sum(g == w for g, w in zip(got, want)) >= 4, (got, want)

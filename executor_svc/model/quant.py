@@ -34,6 +34,13 @@ import torch.nn.functional as F
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output held by nibble i of an AWQ word
 AWQ_UNDO = tuple(AWQ_ORDER.index(j) for j in range(8))  # nibble holding output j
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+# The dtype torch's CPU int4 matmul runs in. Only its bfloat16 path is vectorized (AVX-512/AVX2): one 4096 x
+# 4096 linear, one row, one thread: 0.85 ms in bf16 against 29 ms in fp32 and 31 ms in fp16, and fp32 F.linear
+# on the float weights takes 3.4 ms (bench/weights_4bit.py). So with --dtype float32 the 4-bit linears take
+# bf16 activations and a bf16 scale table (logits within the tolerance tests/test_weights_4bit.py states);
+# None runs it in the compute dtype: exact against the dequantized weights but slow (tests use it to check
+# the formats bit for bit).
+CPU_KERNEL_DTYPE: torch.dtype | None = torch.bfloat16
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -198,7 +205,10 @@ class Int4Linear:
         q = torch.cat([w.q for w in weights])
         scales = torch.cat([w.scales for w in weights], dim=1)
         offsets = (8 - torch.cat([w.zeros for w in weights], dim=1).float()) * scales
-        self.scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(device=device, dtype=dtype).contiguous()
+        self.dtype = dtype  # in and out
+        self.kernel_dtype = (CPU_KERNEL_DTYPE or dtype) if kernel == "cpu" else dtype
+        self.scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(
+            device=device, dtype=self.kernel_dtype).contiguous()
         if kernel == "cpu":
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).to(device)
             self.mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -217,7 +227,8 @@ class Int4Linear:
         x = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        y = self.mm(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        y = self.mm(x.to(self.kernel_dtype).contiguous(), self.packed, self.group_size,
+                    self.scales_and_zeros).to(self.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -293,7 +304,7 @@ def _self_check(linear: Int4Linear, weights: list[Int4Weight], device: torch.dev
             got = got - linear.bias.float().cpu()
     except RuntimeError as err:
         return str(err).splitlines()[0][:200]
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 1e-4 if linear.kernel_dtype == torch.float32 else 3e-2
     err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
     return "" if err <= tol else f"relative error {err:.3g} > {tol}"
 
