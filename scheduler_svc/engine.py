@@ -68,6 +68,7 @@ class Engine:
         self.num_migrated_out = 0
         self.drain_deadline = 0.0
         self.removed = False  # no longer configured: drain, then stop for good
+        self.stopping = False  # stop() was called: the loop ends at its next turn
         self._counted: dict[str, int] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -75,12 +76,17 @@ class Engine:
         self._task = asyncio.create_task(self._run(), name=f"engine {self.address}")
 
     async def stop(self) -> None:
-        if self._task:
+        # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancellation that lands as its inner await
+        # completes (the step's read, say); the loop then goes on and a single cancel() never ends it (seen as a
+        # scheduler whose shutdown hung with an idle event loop). So the loop also checks a flag, and the
+        # cancel is repeated until the task is done.
+        self.stopping = True
+        self.wake.set()
+        while self._task is not None and not self._task.done():
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._task}, timeout=1.0)
+        if self._task is not None and not self._task.cancelled() and self._task.exception() is not None:
+            self.log.error("engine_stopped_with_error", error=repr(self._task.exception()))
         await self.executor.close()
 
     @property
@@ -99,7 +105,7 @@ class Engine:
             self.wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self.stopping:
             if self.state in (State.CONNECTING, State.DOWN):
                 if self.removed:
                     return
@@ -116,7 +122,7 @@ class Engine:
     async def _connect(self) -> None:
         """Until the executor answers (or this engine is removed): Describe, then a new Run stream."""
         first_failure = last_log = 0.0
-        while not self.removed:
+        while not self.removed and not self.stopping:
             try:
                 describe = await self.executor.connect(RECONNECT_POLL)
                 break

@@ -256,3 +256,29 @@ def test_the_api_keeps_its_limits_while_no_executor_is_connected(boxes):
         return gone, scheduler, available
     gone, scheduler, available = asyncio.run(scenario())
     assert gone and scheduler is not None and not available
+
+
+def test_stop_ends_the_engine_even_when_a_step_swallows_its_cancellation(boxes, monkeypatch):
+    """Python 3.11's asyncio.wait_for can swallow a cancellation that lands as its inner await completes; the
+    engine's loop then went on idling and a single cancel() never ended it: the scheduler's shutdown hung."""
+    async def swallowing_step(self, plan):
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:  # what wait_for does when the read completes as the cancel lands
+            pass
+        return self.box.executor.step(plan)
+
+    async def scenario():
+        boxes["a:1"] = Box(64)
+        c = new_cluster()
+        c.start()
+        c.set_addresses({"a:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        req = make_request(1, 20, 10_000)
+        c.add_request(req)
+        await until(lambda: len(req.output_ids) >= 3)
+        await asyncio.wait_for(c.stop(), 10)
+        return c.engines["a:1"]._task.done()
+
+    monkeypatch.setattr(FakeClient, "step", swallowing_step)
+    assert asyncio.run(scenario())
