@@ -1,6 +1,7 @@
 """The model read from a Hugging Face directory: config.json and generation_config.json, honoured or refused.
 
-Every field of the supported families' configs (transformers' LlamaConfig, MistralConfig, Qwen2Config) is
+Every field of the supported families' configs (transformers' LlamaConfig, MistralConfig, Qwen2Config,
+Qwen3Config, Phi3Config) is
 classified in FIELDS below: ``handled`` (the model code implements it; where it changes the math a test
 compares with transformers), ``refused`` (start-up stops with a ValueError naming the field and its value
 whenever it is set to anything but its "off" value), or ``irrelevant`` (it does not change inference math;
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 
 # model_type -> the causal-LM class transformers builds for it
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = set(FAMILIES.values())
 # hidden_act values the MLP implements, each the same torch function transformers' ACT2FN uses
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -42,7 +44,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "num_hidden_layers": (HANDLED, "layer count"),
     "num_attention_heads": (HANDLED, "query heads"),
     "num_key_value_heads": (HANDLED, "KV heads (GQA/MQA); pages are sized by it"),
-    "head_dim": (HANDLED, "per-head width, may differ from hidden_size / heads (tested against HF)"),
+    "head_dim": (HANDLED, "per-head width, may differ from hidden_size / heads (tested against HF; Qwen3 states "
+                          "it explicitly); Phi-3 has none: hidden_size / heads"),
     "max_position_embeddings": (HANDLED, "the longest position served; rope scaling reads it"),
     # math
     "hidden_act": (HANDLED, f"MLP activation: {', '.join(ACTIVATIONS)} (tested against HF); others refused"),
@@ -52,12 +55,17 @@ FIELDS: dict[str, tuple[str, str]] = {
     "rope_scaling": (HANDLED, "old name of rope_parameters (transformers converts it)"),
     "rope_theta": (HANDLED, "old top-level rope base (transformers moves it into rope_parameters)"),
     "tie_word_embeddings": (HANDLED, "lm_head shares the embedding; untied needs lm_head.weight"),
-    "attention_bias": (HANDLED, "Llama: q/k/v/o biases (tested against HF); Qwen2 always has q/k/v biases; "
-                                "Mistral has none"),
+    "attention_bias": (HANDLED, "Llama and Qwen3: q/k/v/o biases (tested against HF); Qwen2 always has q/k/v "
+                                "biases; Mistral and Phi-3 have none"),
     "mlp_bias": (HANDLED, "Llama: gate/up/down biases (tested against HF)"),
-    "sliding_window": (HANDLED, "Mistral: every layer's window (tested against HF); Qwen2: see layer_types"),
-    "use_sliding_window": (HANDLED, "Qwen2: false is served; windows that would apply to a layer are refused"),
-    "max_window_layers": (HANDLED, "Qwen2: which layers get the window (only with use_sliding_window)"),
+    "sliding_window": (HANDLED, "Mistral and Phi-3: every layer's window (tested against HF); Qwen2/Qwen3: see "
+                                "layer_types"),
+    "use_sliding_window": (HANDLED, "Qwen2/Qwen3: false is served; windows that would apply to a layer are "
+                                    "refused"),
+    "max_window_layers": (HANDLED, "Qwen2/Qwen3: which layers get the window (only with use_sliding_window)"),
+    "original_max_position_embeddings": (IRRELEVANT, "Phi-3: default rope's tables do not read it (longrope, "
+                                                     "which does, is refused); transformers only rebuilds its "
+                                                     "cache there, same math"),
     "layer_types": (HANDLED, "all full_attention is served; any sliding_attention layer is refused "
                              "(per-layer windows are not implemented)"),
     "eos_token_id": (HANDLED, "stop ids, merged with generation_config.json's and sent in Describe"),
@@ -71,6 +79,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "bos_token_id": (IRRELEVANT, "the tokenizer adds it to the prompt; the model does nothing special with it"),
     "pad_token_id": (IRRELEVANT, "nothing is padded: each request is its own sequence"),
     "attention_dropout": (IRRELEVANT, "dropout is off at inference (transformers' eval mode)"),
+    "resid_pdrop": (IRRELEVANT, "Phi-3 residual dropout: off at inference (transformers' eval mode)"),
+    "embd_pdrop": (IRRELEVANT, "Phi-3 embedding dropout: off at inference (transformers' eval mode)"),
     "initializer_range": (IRRELEVANT, "random initialisation for training; weights are loaded"),
     "use_cache": (IRRELEVANT, "transformers' own KV cache switch; pagedkv always pages KV"),
     "dtype": (IRRELEVANT, "the checkpoint's dtype; --dtype chooses the compute dtype"),
@@ -90,8 +100,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tokenizer_class": (IRRELEVANT, "the scheduler loads the tokenizer itself"),
 }
 
-# Fields of other families that change their math. transformers' Llama/Mistral/Qwen2 would ignore them, but a
-# config that sets them is another family's checkpoint under a borrowed model_type, so it is refused.
+# Fields of other families that change their math. transformers' Llama/Mistral/Qwen2/Qwen3/Phi3 would ignore them,
+# but a config that sets them is another family's checkpoint under a borrowed model_type, so it is refused.
 FOREIGN_MATH = (
     "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "num_experts", "num_local_experts",
     "num_experts_per_tok", "embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -188,11 +198,11 @@ def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
     layer_types = list(d.get("layer_types") or [])
     if any(t != "full_attention" for t in layer_types):
         windowed = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-        applies = family != "qwen2" or d.get("sliding_window") is not None
+        applies = family not in ("qwen2", "qwen3") or d.get("sliding_window") is not None
         if applies or any(layer_types[i] != "sliding_attention" for i in windowed):
             extra = (f" (from use_sliding_window = {d.get('use_sliding_window')!r}, max_window_layers = "
                      f"{d.get('max_window_layers')!r}, sliding_window = {d.get('sliding_window')!r})"
-                     if family == "qwen2" else "")
+                     if family in ("qwen2", "qwen3") else "")
             raise ValueError(f"{where}: layer_types = {_short(layer_types)} puts a window on layers {windowed}"
                              f"{extra}; per-layer attention windows are not supported yet")
     if not _off(d.get("quantization_config")):
@@ -232,6 +242,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     family: str = "llama"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before rope
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
     hidden_act: str = "silu"
     o_proj_bias: bool = False
     mlp_bias: bool = False
@@ -267,8 +279,9 @@ class ModelConfig:
                 raise ValueError(f"model {path}: eos_token_id {i} is outside the vocabulary ({vocab} tokens)")
             if i not in eos:
                 eos.append(i)
-        window = getattr(hf, "sliding_window", None) if family == "mistral" else None
+        window = getattr(hf, "sliding_window", None) if family in ("mistral", "phi3") else None
         llama = family == "llama"
+        biased = family in ("llama", "qwen3") and bool(getattr(hf, "attention_bias", False))  # q/k/v/o
         return cls(
             path=path,
             architecture=FAMILIES[family],
@@ -283,12 +296,14 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or (llama and bool(getattr(hf, "attention_bias", False))),
+            attention_bias=family == "qwen2" or biased,
             sliding_window=window,
             eos_token_ids=tuple(eos),
             family=family,
+            qk_norm=family == "qwen3",
+            fused_projections=family == "phi3",
             hidden_act=getattr(hf, "hidden_act", "silu"),
-            o_proj_bias=llama and bool(getattr(hf, "attention_bias", False)),
+            o_proj_bias=biased,
             mlp_bias=llama and bool(getattr(hf, "mlp_bias", False)),
             generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
                                                       "repetition_penalty") if k in gen},

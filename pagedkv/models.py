@@ -109,7 +109,8 @@ def build_random_model(
     config_overrides: dict | None = None,
     generation_eos: list[int] | None = None,
 ) -> Path:
-    """Builds a random Llama- or Qwen2-style model with the byte tokenizer and saves it as HF files.
+    """Builds a random Llama-, Qwen2-, Qwen3-, Mistral- or Phi-3-style model with the byte tokenizer and saves
+    it as HF files.
 
     ``initializer_range`` is larger than usual so that greedy choices are not near-ties: token-exact
     comparisons against transformers must not hinge on the last bit of a float. ``config_overrides`` go
@@ -123,8 +124,12 @@ def build_random_model(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     out_dir = Path(out_dir)
@@ -155,14 +160,25 @@ def build_random_model(
         config = MistralConfig(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0,
                                sliding_window=sliding_window)
         cls = MistralForCausalLM
+    elif arch == "qwen3":  # head_dim is explicit in Qwen3 (its default, 128, ignores hidden_size)
+        common.setdefault("head_dim", hidden_size // num_heads)
+        config = Qwen3Config(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=1000000.0)
+        cls = Qwen3ForCausalLM
+    elif arch == "phi3":
+        config = Phi3Config(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0,
+                            sliding_window=sliding_window, original_max_position_embeddings=max_position_embeddings)
+        cls = Phi3ForCausalLM
     else:
-        raise ValueError(f"arch must be 'llama', 'qwen2' or 'mistral', got {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'qwen2', 'qwen3', 'mistral' or 'phi3', got {arch!r}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
     with torch.no_grad():  # HF initialises biases to zero; make them matter
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, initializer_range)
+        for name, param in model.named_parameters():  # Qwen3's per-head norms start at one; make them matter
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.3)
     if generation_eos is not None:
         model.generation_config.eos_token_id = list(generation_eos)
     model.save_pretrained(str(out_dir), safe_serialization=True)

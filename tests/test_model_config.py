@@ -78,12 +78,12 @@ def assert_greedy_equal(path: Path, max_new: int = 12, **kw) -> None:
 
 
 def family_config_fields() -> dict[str, set[str]]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     out = {}
-    for cls in (LlamaConfig, MistralConfig, Qwen2Config):
+    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config):
         keys = set(cls().to_dict())
-        if cls is Qwen2Config:
+        if cls in (Qwen2Config, Qwen3Config):
             keys |= set(cls(use_sliding_window=True).to_dict())
         if dataclasses.is_dataclass(cls):  # transformers 5 declares the fields (ClassVars are not fields)
             keys |= {f.name for f in dataclasses.fields(cls)}
@@ -92,8 +92,8 @@ def family_config_fields() -> dict[str, set[str]]:
 
 
 def test_every_field_of_the_supported_families_is_classified():
-    """A field transformers adds to LlamaConfig/MistralConfig/Qwen2Config fails here until it is put in FIELDS
-    (handled, refused or irrelevant, with the reason)."""
+    """A field transformers adds to LlamaConfig/MistralConfig/Qwen2Config/Qwen3Config/Phi3Config fails here until
+    it is put in FIELDS (handled, refused or irrelevant, with the reason)."""
     unclassified = {name: sorted(k for k in keys if k not in FIELDS) for name, keys in family_config_fields().items()}
     assert unclassified == {name: [] for name in unclassified}, unclassified
     assert {kind for kind, _ in FIELDS.values()} == {HANDLED, REFUSED, IRRELEVANT}

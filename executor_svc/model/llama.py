@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a flat batch and the paged KV pool.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3) over a flat batch and the paged KV pool.
+
+Qwen3 adds an RMSNorm over each query/key head before rope (q_norm, k_norm); Phi-3 stores q/k/v and gate/up
+already fused (qkv_proj, gate_up_proj, in the same order as the fused matmuls here).
 
 The arithmetic follows transformers' eager implementation op for op (RMSNorm in fp32, rotary
 embedding from the same inverse frequencies, fp32 softmax) so greedy output is token-exact.
@@ -90,14 +93,19 @@ class LlamaModel:
         tensor is in the file."""
         cfg = self.cfg
         p = f"model.layers.{i}."
-        return {
+        qkv, gate_up = _fused_modules(cfg, p)
+        out = {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": self._linear(w, [p + f"self_attn.{name}_proj" for name in "qkv"], cfg.attention_bias),
+            "qkv": self._linear(w, qkv, cfg.attention_bias),
             "o": self._linear(w, [p + "self_attn.o_proj"], cfg.o_proj_bias),
-            "gate_up": self._linear(w, [p + f"mlp.{name}_proj" for name in ("gate", "up")], cfg.mlp_bias),
+            "gate_up": self._linear(w, gate_up, cfg.mlp_bias),
             "down": self._linear(w, [p + "mlp.down_proj"], cfg.mlp_bias),
         }
+        if cfg.qk_norm:
+            out["q_norm"] = w[p + "self_attn.q_norm.weight"]
+            out["k_norm"] = w[p + "self_attn.k_norm.weight"]
+        return out
 
     def _linear(self, w: dict[str, torch.Tensor], modules: list[str], bias: bool):
         """One matmul over modules (same input, outputs concatenated): 4-bit where the checkpoint holds them
@@ -118,7 +126,8 @@ class LlamaModel:
     def weight_bytes(self) -> dict[str, int]:
         """Bytes held: the decoder layers' linears, and everything else (embeddings, norms, lm_head)."""
         linears = sum(lw[k].nbytes() for lw in self.layers for k in ("qkv", "o", "gate_up", "down"))
-        other = [self.embed, self.final_norm] + [lw[k] for lw in self.layers for k in ("in_norm", "post_norm")]
+        other = [self.embed, self.final_norm] + [lw[k] for lw in self.layers
+                                                 for k in ("in_norm", "post_norm", "q_norm", "k_norm") if k in lw]
         if self.lm_head is not self.embed:
             other.append(self.lm_head)
         return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other)}
@@ -138,6 +147,9 @@ class LlamaModel:
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:  # Qwen3: per head, before rope
+                q = _rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
+                k = _rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = pool.layer(i)
@@ -181,6 +193,13 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     return model
 
 
+def _fused_modules(cfg: ModelConfig, p: str) -> tuple[list[str], list[str]]:
+    """The checkpoint modules whose outputs make the fused q/k/v and gate/up matmuls of layer prefix p."""
+    if cfg.fused_projections:  # Phi-3
+        return [p + "self_attn.qkv_proj"], [p + "mlp.gate_up_proj"]
+    return [p + f"self_attn.{n}_proj" for n in "qkv"], [p + f"mlp.{n}_proj" for n in ("gate", "up")]
+
+
 def expected_tensors(cfg: ModelConfig) -> list[str]:
     """Every tensor the config implies, as transformers' modules would hold them."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -189,12 +208,15 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for module in [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]:
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        qkv, gate_up = _fused_modules(cfg, p)
+        for module in qkv + [p + "self_attn.o_proj"] + gate_up + [p + "mlp.down_proj"]:
             spec = cfg.quantization
-            if spec is not None and spec.quantizes(p + module):
-                names += [f"{p}{module}.{t}" for t in quant_tensor_names(spec)]
+            if spec is not None and spec.quantizes(module):
+                names += [f"{module}.{t}" for t in quant_tensor_names(spec)]
             else:
-                names.append(f"{p}{module}.weight")
+                names.append(f"{module}.weight")
         if cfg.attention_bias:
             names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
         if cfg.o_proj_bias:
