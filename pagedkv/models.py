@@ -194,7 +194,8 @@ def build_tiny_llama(out_dir: Path) -> Path:
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds output AWQ_PACK_ORDER[i] of its 8
 QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3's fused ones, quantized whole (AutoAWQ)
 
 
 def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group_size: int = 128,
