@@ -10,7 +10,7 @@ that is in none of the three, so a new transformers field has to be classified b
 ignored. Some handled fields accept only some values (CHECKS below); others are refused.
 
 A field in a checkpoint's config.json that no supported family defines is ignored by transformers too (its
-Llama/Mistral/Qwen2 code never reads it), so ignoring it keeps pagedkv equal to transformers; such fields
+Llama/Mistral/Qwen2/Qwen3/Phi3 code never reads it), so ignoring it keeps pagedkv equal to transformers; such fields
 are listed in ``ModelConfig.unknown_fields`` and logged at start-up. Fields of other families that change
 their math (FOREIGN_MATH) are refused instead: a config that sets them is almost surely not one of ours.
 """
