@@ -223,14 +223,20 @@ class Scheduler:
             return None
         while not fits():
             over = {t for t, share in shares.items() if t != req.tenant and used[t] > share}
-            candidates = [r for r in self.running
-                          if r.tenant in over and r not in victims and not self._requeued_first(r, req)]
-            if not candidates:
+            victim = self._next_fair_share_victim(req, over, victims, now)
+            if victim is None:
                 return None
-            victim = self.policy.pick_victim(candidates, now)
             victims.append(victim)
             give_back(victim)
         return victims
+
+    def _next_fair_share_victim(self, req: Request, over: set[str], victims: list[Request],
+                                now: int) -> Request | None:
+        """The next running request of a tenant in ``over`` to preempt for req (None: no candidate): not one
+        already chosen, nor one fair order would bring straight back ahead of req."""
+        candidates = [r for r in self.running
+                      if r.tenant in over and r not in victims and not self._requeued_first(r, req)]
+        return self.policy.pick_victim(candidates, now) if candidates else None
 
     def _requeued_first(self, victim: Request, req: Request) -> bool:
         """Whether fair order would admit victim, preempted and back at the front of its tenant's queue, before
@@ -276,11 +282,9 @@ class Scheduler:
         victims: list[Request] = []
         while sum(seats.values()) + req.n > limit:
             over = {t for t in seats if t != req.tenant and seats[t] > share[t]}
-            candidates = [r for r in self.running
-                          if r.tenant in over and r not in victims and not self._requeued_first(r, req)]
-            if not candidates:
+            victim = self._next_fair_share_victim(req, over, victims, now)
+            if victim is None:
                 return None
-            victim = self.policy.pick_victim(candidates, now)
             victims.append(victim)
             seats[victim.tenant] -= victim.n
         return victims
