@@ -21,7 +21,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     size.add_argument("--num-pages", type=int, help="number of device KV pages")
     size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB (default: 1 on CPU, "
                       "--gpu-memory-utilization of free memory after weights on CUDA)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA without --num-pages/--kv-cache-gb: KV pages take the device memory free after "
+                   "the weights less (1 - this) of the device's total")
     swap = p.add_mutually_exclusive_group()
     swap.add_argument("--swap-space", type=float, metavar="GiB",
                       help="host (pinned) memory for swapped-out and spilled KV pages; 0 turns the host tier "

@@ -8,9 +8,8 @@ import os
 import socket
 import sys
 
-BLOCK_SIZES = (8, 16, 32)
-EXECUTOR_DRAIN_TIMEOUT = 30.0  # serve's executor: seconds it waits for its scheduler to detach on SIGTERM
-EXECUTOR_HOST = "127.0.0.1"  # serve's executor answers only its own scheduler, on this machine
+from pagedkv.serve_args import EXECUTOR_DRAIN_TIMEOUT, EXECUTOR_HOST
+
 STOP_MARGIN = 10.0  # seconds past a child's own drain bound before serve SIGKILLs it
 
 
@@ -37,111 +36,11 @@ client streams with it (they end with UNAVAILABLE) and comes back empty. SIGHUP 
 even a SIGKILLed one (Linux: parent-death signal)."""
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama) or a local HF directory")
-    p.add_argument("--host", default="127.0.0.1", help="address of the public API (the executor listens on 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="public API port of the scheduler")
-    p.add_argument("--executor-port", type=int, default=0, help="executor port on 127.0.0.1 (0: a free one)")
-    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-pages", type=int, help="number of device KV pages")
-    size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB")
-    swap = p.add_mutually_exclusive_group()
-    swap.add_argument("--swap-space", type=float, metavar="GiB",
-                      help="host memory for swapped-out and spilled KV pages (default: 1x the device KV, "
-                      "capped to half the available host memory; at most 2x the device KV; 0: off)")
-    swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages")
-    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
-                   help="when pages run out: swap or recompute each victim, whichever costs less (auto)")
-    p.add_argument("--hot-steps", type=int, default=64, help="requests scheduled this recently are not victims")
-    p.add_argument("--cold-steps", type=int, default=512, help="requests idle this long are the first victims")
-    p.add_argument("--swap-in-max-wait", type=int, default=64,
-                   help="steps a swapped-out request yields to new prefills before it goes first")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="executor KV pages: auto (model dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | int8 "
-                   "(int4/fp4/nf4 refused)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
-                   help="executor paged attention (auto: torch until the CUDA kernels are verified on a GPU; "
-                   "cuda: opt in)")
-    p.add_argument("--threads", type=int, default=0, help="executor torch CPU threads (0: torch's default)")
-    p.add_argument("--check-integrity", action="store_true", help="check page accounting after every step")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share and reuse the KV pages of common prompt prefixes (per tenant)")
-    p.add_argument("--tenants-file", default="", help="TOML file of tenants, API keys, weights and quotas "
-                   "(default: single-tenant, no keys)")
-    p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
-                   help="admit across tenants by weighted service (VTC) instead of arrival order")
-    p.add_argument("--sliding-window", type=int, default=0, metavar="N",
-                   help="attention over the sink plus the last N tokens of every request (0: off)")
-    p.add_argument("--sink-tokens", type=int, default=0, metavar="S", help="attention-sink tokens (with a window)")
-    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
-                   help="Prometheus metrics: the scheduler's on port P, the executor's on P+1 (0: off)")
-    p.add_argument("--metrics-host", default="", metavar="HOST",
-                   help="address both /metrics listen on (default: --host), e.g. an internal interface")
-    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
-                   help="longest prompt text in UTF-8 bytes, refused before tokenizing (default: 16 bytes per "
-                   "token of max_model_len, at least 64 KiB)")
-    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
-                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
-    p.add_argument("--tls-cert", default="", metavar="PATH",
-                   help="PEM certificate (chain) for TLS on the public API (with --tls-key; pagedkv gen-certs makes "
-                   "one; clients then pass --tls-ca). The executor listens on 127.0.0.1 only and takes a fresh "
-                   "secret per run")
-    p.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on Ctrl-C/SIGTERM: seconds the scheduler lets in-flight streams finish (then the executor "
-                   "stops; a second Ctrl-C stops at once)")
-    p.add_argument("--unplaced-timeout", type=float, default=30.0,
-                   help="seconds a request waits while the executor is down (e.g. being restarted after a crash) "
-                   "before it ends with an error")
-
-
 def serve(args) -> int:
+    from pagedkv.serve_args import child_commands
+
     exec_port = args.executor_port or free_port(EXECUTOR_HOST)
-    common = [sys.executable, "-m", "pagedkv"]
-    exec_cmd = [*common, "executor", "--model", args.model, "--host", EXECUTOR_HOST, "--port", str(exec_port),
-                "--block-size", str(args.block_size), "--dtype", args.dtype, "--device", args.device,
-                "--attention-backend", args.attention_backend, "--kv-cache-dtype", args.kv_cache_dtype,
-                "--threads", str(args.threads), "--log-format", args.log_format,
-                "--drain-timeout", str(EXECUTOR_DRAIN_TIMEOUT)]
-    if args.metrics_port:
-        exec_cmd += ["--metrics-port", str(args.metrics_port + 1), "--metrics-host", args.metrics_host or args.host]
-    if args.num_pages is not None:
-        exec_cmd += ["--num-pages", str(args.num_pages)]
-    if args.kv_cache_gb is not None:
-        exec_cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    if args.swap_space is not None:
-        exec_cmd += ["--swap-space", str(args.swap_space)]
-    if args.num_host_pages is not None:
-        exec_cmd += ["--num-host-pages", str(args.num_host_pages)]
-    sched_cmd = [*common, "scheduler", "--executor", f"{EXECUTOR_HOST}:{exec_port}", "--host", args.host,
-                 "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--max-model-len", str(args.max_model_len), "--log-format", args.log_format,
-                 "--preemption-mode", args.preemption_mode, "--hot-steps", str(args.hot_steps),
-                 "--cold-steps", str(args.cold_steps), "--swap-in-max-wait", str(args.swap_in_max_wait),
-                 "--shutdown-timeout", str(args.shutdown_timeout), "--unplaced-timeout", str(args.unplaced_timeout)]
-    if args.metrics_port:
-        sched_cmd += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host or args.host]
-    if args.max_prompt_bytes:
-        sched_cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
-    if args.tls_cert or args.tls_key:
-        sched_cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
-    if args.check_integrity:
-        sched_cmd.append("--check-integrity")
-    if not args.enable_prefix_caching:
-        sched_cmd.append("--no-enable-prefix-caching")
-    if args.tenants_file:
-        sched_cmd += ["--tenants-file", args.tenants_file]
-    if not args.fairness:
-        sched_cmd.append("--no-fairness")
-    if args.sliding_window:
-        sched_cmd += ["--sliding-window", str(args.sliding_window), "--sink-tokens", str(args.sink_tokens)]
+    exec_cmd, sched_cmd = child_commands(args, args.forwarded, exec_port)
     return _supervise(args, exec_port, exec_cmd, sched_cmd)
 
 
@@ -238,13 +137,14 @@ def _finish_name(value: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from executor_svc import args as executor_args
     from pagedkv.security import add_tls_client_args
+    from pagedkv.serve_args import add_args as add_serve_args
     from scheduler_svc import server as scheduler_server
 
     parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine",
                        description=SERVE_DESCRIPTION)
-    _add_serve_args(p)
+    p.set_defaults(forwarded=add_serve_args(p))
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
     scheduler_server.add_args(p)
     p = sub.add_parser("executor", help="run the executor service alone (model + page pools)")
