@@ -12,10 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.sampler import SamplingParams, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
+
+# A page-table entry whose page a sliding window dropped (executor.proto: NewRequest.page_ids). Attention reads
+# such an entry as page 0 and masks it; a step never writes it.
+DROPPED_PAGE = -1
 
 
 @dataclass(slots=True)
@@ -25,7 +30,7 @@ class RequestState:
     page_ids: list[int]
     sampling: SamplingParams
     num_output: int  # draws made so far: the index of the next draw in the seed stream
-    sink: int = 0  # attention sink + window (0: full attention); dropped pages are -1 in page_ids
+    sink: int = 0  # attention sink + window (0: full attention); dropped pages are DROPPED_PAGE in page_ids
     window: int = 0
 
 
@@ -72,7 +77,7 @@ def _sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: DevicePagePool, attention, device: torch.device,
+    def __init__(self, model, pool: DevicePagePool, attention: PagedAttention, device: torch.device,
                  host_pool: HostPagePool | None = None) -> None:
         self.model = model
         self.pool = pool
@@ -108,7 +113,7 @@ class ModelRunner:
     # ---- plan -> state -------------------------------------------------------------------------
     def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:
         for p in page_ids:
-            if dropped_ok and p == -1:
+            if dropped_ok and p == DROPPED_PAGE:
                 continue
             if not 0 <= p < self.pool.num_pages:
                 raise PlanError(f"request {request_id}: page id {p} outside [0, {self.pool.num_pages})",
@@ -153,7 +158,7 @@ class ModelRunner:
             raise PlanError(f"request {rid}: positions up to {end - 1} reach past the model's "
                             f"max_position_embeddings {self.max_positions}", [rid])
         for i in range(start // self.block_size, -(-end // self.block_size)):
-            if page_at(i) == -1:
+            if page_at(i) == DROPPED_PAGE:
                 raise PlanError(f"request {rid}: page {i} of its table is dropped but this step writes it", [rid])
 
     def _apply(self, plan: pb.StepPlan) -> list[_Scheduled]:
@@ -193,7 +198,7 @@ class ModelRunner:
                                 [c.request_id])
 
             def page_at(i: int, st=st, old=old, added=added, dropped=dropped) -> int:
-                return -1 if i in dropped else st.page_ids[i] if i < old else added[i - old]
+                return DROPPED_PAGE if i in dropped else st.page_ids[i] if i < old else added[i - old]
 
             self._check_fit(c.request_id, st, c.num_scheduled_tokens, page_at, table)
         for rid in plan.decodes:
@@ -209,7 +214,7 @@ class ModelRunner:
             st = self.requests[c.request_id]
             st.page_ids.extend(c.new_page_ids)
             for i in c.dropped_page_indices:
-                st.page_ids[i] = -1
+                st.page_ids[i] = DROPPED_PAGE
         out = [_Scheduled(rid, state, state.num_computed, n) for rid, state, n in staged]
         for c in plan.continuing:
             st = self.requests[c.request_id]
@@ -235,8 +240,8 @@ class ModelRunner:
             slot_offsets.extend(p % bs for p in pos)
             ctx = start + n
             table = st.page_ids[: -(-ctx // bs)]
-            if st.window:  # dropped pages (-1) are read as page 0 and masked
-                table = [max(p, 0) for p in table]
+            if st.window:  # dropped pages are read as page 0 and masked
+                table = [0 if p == DROPPED_PAGE else p for p in table]
             if n == 1:
                 decode_idx.append(q_start)
                 decode_tables.append(table)

@@ -256,7 +256,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device, kv), args.block_size, dtype, device, kv)
-    pool.copier = getattr(attention, "copy_pages", None)
+    pool.copier = attention.copy_pages
     host_pool = HostPagePool(pool, _num_host_pages(args, pool.num_pages, pool.page_bytes, log))
     runner = ModelRunner(model, pool, attention, device, host_pool)
     costs = measure_costs(runner)

@@ -131,3 +131,16 @@ def test_sink_and_window_with_dropped_pages(block_size):
         ref = dense_sink_window(q[start:start + n], k, v, ctx, n, head_dim ** -0.5, sink, window or 10**9)
         torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
         start += n
+
+
+def test_every_backend_is_a_paged_attention():
+    """Both backends offer what the model and the runner call (executor_svc.attention.interface); a stand-in
+    without forward is not one."""
+    from executor_svc.attention import BACKENDS, PagedAttention
+
+    for name, backend in BACKENDS.items():
+        attention = backend(8, 4, 128, 128 ** -0.5)
+        assert isinstance(attention, PagedAttention) and attention.name == name
+    assert TorchPagedAttention(8, 4, 128, 1.0).copy_pages is None  # the pool's torch copy
+    assert callable(BACKENDS["cuda"](8, 4, 128, 1.0).copy_pages)
+    assert not isinstance(type("Half", (), {"name": "x", "write_cache": lambda *a: None})(), PagedAttention)

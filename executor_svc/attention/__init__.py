@@ -1,14 +1,16 @@
-"""Paged attention backends. Every backend reads and writes the same page layout (see executor_svc.pages)."""
+"""Paged attention backends: each one a ``PagedAttention`` (executor_svc.attention.interface) over the same
+page layout (see executor_svc.pages)."""
 
 from __future__ import annotations
 
 import torch
 
 from executor_svc.attention.cuda_backend import CudaPagedAttention, unavailable_reason
+from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchPagedAttention
 
-BACKENDS = {"torch": TorchPagedAttention, "cuda": CudaPagedAttention}
+BACKENDS: dict[str, type[PagedAttention]] = {"torch": TorchPagedAttention, "cuda": CudaPagedAttention}
 
 # NOTE: the CUDA kernels pass nvcc, ptxas (no spills) and a CPU emulator of their source, but have not yet run
 # on a GPU. Until bench/gpu_check.sh has passed on one, ``auto`` keeps the torch reference and says so;
@@ -39,4 +41,5 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
     return "cuda", "auto: CUDA kernels available"
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "CudaPagedAttention", "TorchPagedAttention", "select_backend"]
+__all__ = ["AttentionMetadata", "BACKENDS", "CudaPagedAttention", "PagedAttention", "TorchPagedAttention",
+           "select_backend"]

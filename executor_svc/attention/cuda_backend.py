@@ -95,6 +95,8 @@ class _Launches:
 
 
 class CudaPagedAttention:
+    """The CUDA kernels' backend (an ``executor_svc.attention.PagedAttention``)."""
+
     name = "cuda"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

@@ -46,7 +46,3 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(int(g.token_idx.numel()) for g in self.decodes)

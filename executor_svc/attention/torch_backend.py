@@ -24,7 +24,10 @@ QUANTIZED = (QuantizedCache, ChannelScaledCache)
 
 
 class TorchPagedAttention:
+    """The reference backend (an ``executor_svc.attention.PagedAttention``)."""
+
     name = "torch"
+    copy_pages = None  # the pool copies pages with torch
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:
