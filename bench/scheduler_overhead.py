@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 from pagedkv import grpc_common  # noqa: E402
 from pagedkv.executor.v1 import executor_pb2 as pb  # noqa: E402
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc  # noqa: E402
-from pagedkv.local_server import ServiceProcess  # noqa: E402
+from pagedkv.local_server import TEST_EXECUTOR_SECRET, ServiceProcess  # noqa: E402
 from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
-from scheduler_svc.executor_client import ExecutorClient  # noqa: E402
+from scheduler_svc.executor_client import ExecutorClient, ExecutorLink  # noqa: E402
 from scheduler_svc.pages import PagePool  # noqa: E402
 from scheduler_svc.request import Request, Sampling  # noqa: E402
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -145,10 +145,10 @@ async def serve_noop(port: int, num_pages: int) -> None:
     await server.wait_for_termination()
 
 
-async def drive(address: str, n: int, steps: int, num_pages: int) -> dict[str, float]:
+async def drive(address: str, n: int, steps: int, num_pages: int, secret: str = "") -> dict[str, float]:
     """Runs the scheduler against an executor over gRPC; times the steady-decode steps."""
     print(f"driving {address} with {n} requests", file=sys.stderr, flush=True)
-    client = ExecutorClient(address, step_timeout=120)
+    client = ExecutorClient(address, step_timeout=120, link=ExecutorLink(secret=secret))
     await client.connect(60)
     s = new_scheduler(n, num_pages)
     rtt, forward = [], []
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     try:
         for n, plan_row in zip(counts, planning):
             noop_row = asyncio.run(drive(f"127.0.0.1:{port}", n, args.steps, 1 << 16))
-            real_row = asyncio.run(drive(real.address, n, args.real_steps, max(counts) * 24 + 64))
+            real_row = asyncio.run(drive(real.address, n, args.real_steps, max(counts) * 24 + 64, TEST_EXECUTOR_SECRET))
             overhead = plan_row["plan_ms_p50"] + plan_row["process_ms_p50"] + noop_row["rtt_ms_p50"]
             rows.append({**plan_row, "noop": noop_row, "tiny_llama": real_row,
                          "scheduler_share_of_real_step": overhead / (real_row["rtt_ms_p50"] + plan_row["plan_ms_p50"]

@@ -12,11 +12,12 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
-from scheduler_svc import metrics
+from scheduler_svc import fit, metrics
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
@@ -42,70 +43,51 @@ class NoChatTemplate(Exception):
     """The model has no chat template: a chat prompt cannot be rendered (FAILED_PRECONDITION)."""
 
 
-def attention_window(tenant: Tenant, config, budget: int, block_size: int) -> tuple[int, int]:
-    """(sink tokens, window tokens) of a request: the tenant's (else the server's) sliding window, and for a
-    page budget with the 'window' policy the first page(s) as sink plus as many recent tokens as the budget
-    holds; the narrower window wins. (0, 0): full attention."""
-    sliding = tenant.sliding_window or config.sliding_window
-    sink = tenant.sink_tokens or config.sink_tokens
-    windows = [sliding] if sliding else []
-    if budget and tenant.overflow == "window":
-        sink = sink or block_size  # the first page is the attention sink
-        windows.append((budget - -(-sink // block_size) - 1) * block_size)
-    if not windows:
-        return 0, 0
-    return sink, min(windows)
-
-
-def window_min_budget(tenant: Tenant, config, block_size: int) -> int:
-    sink = tenant.sink_tokens or config.sink_tokens or block_size
-    return -(-sink // block_size) + 2
-
-
-def tenant_info(schedulers: list, tenant: Tenant) -> api.TenantInfo:
+def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant) -> api.TenantInfo:
     """A tenant's settings and, added up over the executors, its usage."""
-    t = tenant.id
     info = api.TenantInfo(
-        id=t, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
+        id=tenant.id, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
         overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens)
-    for s in schedulers:
-        st = s.stats(t)
-        info.used_pages += s.pool.used_by[t]
-        info.peak_used_pages += st.peak_used_pages
-        info.num_running += sum(1 for r in s.running if r.tenant == t)
-        info.num_waiting += s.waiting.tenant_len(t)
-        info.num_swapped += sum(1 for r in s.swapped if r.tenant == t)
-        info.service = max(info.service, s.waiting.service(t))
-        info.budget_hits += st.budget_hits
-        info.fair_share_preemptions += st.fair_share_preemptions
-        info.fair_share_pages += s.fair_shares().get(t, 0.0)
+    for snap in snapshots:
+        u = snap.tenants.get(tenant.id)
+        if u is None:
+            continue
+        info.used_pages += u.used_pages
+        info.peak_used_pages += u.peak_used_pages
+        info.num_running += u.num_running
+        info.num_waiting += u.num_waiting
+        info.num_swapped += u.num_swapped
+        info.service = max(info.service, u.service)
+        info.budget_hits += u.budget_hits
+        info.fair_share_preemptions += u.fair_share_preemptions
+        info.fair_share_pages += u.fair_share_pages
     return info
 
 
-def add_cluster_counts(info: api.ModelInfoResponse, schedulers: list, live: set[int]) -> None:
+def add_cluster_counts(info: api.ModelInfoResponse, snapshots: list[SchedulerSnapshot], live: set[int]) -> None:
     """Adds every executor's counts to ``info`` (free and cached pages: those up or draining)."""
-    for s in schedulers:
-        pool = dict(num_free_pages=s.pool.num_free, num_cached_pages=s.pool.num_cached) if id(s) in live else {}
-        host = s.host if id(s) in live else None
+    for i, snap in enumerate(snapshots):
+        pool = dict(num_free_pages=snap.pool.num_free, num_cached_pages=snap.pool.num_cached) if i in live else {}
+        c = snap.counters
         add = dict(
-            **pool, num_used_pages=s.pool.num_used,
-            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
-            peak_used_pages=s.peak_used_pages, num_computed_tokens=s.num_computed_tokens,
-            num_cached_prompt_tokens=s.kv.num_cached_prompt_tokens,
-            num_used_host_pages=host.num_used if host is not None else 0, num_swapped=len(s.swapped),
-            num_swap_preemptions=s.num_swap_preemptions, num_recompute_preemptions=s.num_recompute_preemptions,
-            num_pages_swapped_out=s.kv.swaps.pages_out, num_pages_swapped_in=s.kv.swaps.pages_in,
-            num_swap_bytes=(s.kv.swaps.pages_out + s.kv.swaps.pages_in) * s.policy.costs.page_bytes,
-            num_spilled_pages=s.kv.swaps.spilled, num_spill_hits=s.kv.swaps.spill_hits)
+            **pool, num_used_pages=snap.pool.num_used,
+            num_running=snap.num_running, num_waiting=snap.num_waiting, num_preemptions=c.preemptions,
+            peak_used_pages=c.peak_used_pages, num_computed_tokens=c.computed_tokens,
+            num_cached_prompt_tokens=c.cached_prompt_tokens,
+            num_used_host_pages=snap.host.num_used if i in live else 0, num_swapped=snap.num_swapped,
+            num_swap_preemptions=c.swap_preemptions, num_recompute_preemptions=c.recompute_preemptions,
+            num_pages_swapped_out=c.pages_swapped_out, num_pages_swapped_in=c.pages_swapped_in,
+            num_swap_bytes=(c.pages_swapped_out + c.pages_swapped_in) * snap.page_bytes,
+            num_spilled_pages=c.spilled_pages, num_spill_hits=c.spill_hits)
         for name, value in add.items():
             setattr(info, name, getattr(info, name) + value)
 
 
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, engine: Cluster, tokenizer, limits: Limits, model_info: dict, log,
+    def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False) -> None:
-        self.engine = engine
+        self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_info = model_info
@@ -121,7 +103,7 @@ class GenerationService(api_grpc.GenerationServicer):
         """The caller's tenant; otherwise the call ends UNAUTHENTICATED and the refusal is logged (never the
         key: the reason says only missing, malformed, unknown or revoked)."""
         try:
-            return self.engine.scheduler.tenants.authenticate(context.invocation_metadata())
+            return self.cluster.tenants.authenticate(context.invocation_metadata())
         except Unauthenticated as err:
             metrics.AUTH_FAILURES.labels(err.reason).inc()
             self.log.warning("auth_failed", peer=context.peer(), method=method, reason=err.reason)
@@ -177,43 +159,44 @@ class GenerationService(api_grpc.GenerationServicer):
         budget = asked or tenant.page_budget
         if not budget:
             return 0
-        capacity = self.engine.scheduler.tenant_capacity(tenant.id)
+        capacity = self.cluster.tenant_capacity(tenant.id)
         if budget > capacity:
             raise InvalidRequest(f"page_budget: {budget} pages; tenant {tenant.id} can hold at most {capacity} "
                                  "(its quota, less other tenants' reserved pages)")
-        bs = self.engine.scheduler.pool.block_size
+        bs = self.cluster.block_size
         if tenant.overflow == "stop":
             need = -(-prompt_len // bs)
             if need > budget:
                 raise InvalidRequest(f"prompt: {prompt_len} tokens need {need} pages; the page budget is "
                                      f"{budget} pages (overflow policy 'stop')")
         else:
-            least = window_min_budget(tenant, self.engine.scheduler.config, bs)
+            least = fit.window_min_budget(tenant, self.cluster.scheduler_config.sink_tokens, bs)
             if budget < least:
                 raise InvalidRequest(f"page_budget: {budget} pages; the 'window' policy needs at least {least} "
                                      f"(the attention sink's pages plus two)")
         return budget
 
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int]) -> Request:
-        scheduler = self.engine.scheduler
+        cluster = self.cluster
+        config, bs = cluster.scheduler_config, cluster.block_size
         budget = self._page_budget(request, tenant, len(ids))
-        sink, window = attention_window(tenant, scheduler.config, budget, scheduler.pool.block_size)
+        sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs)
         limits = self.limits
-        if window and not budget and not scheduler.window_page_limit(tenant.id, sink, window):
+        if window and not budget and not cluster.window_page_limit(tenant.id, sink, window):
             raise InvalidRequest(f"sliding window: sink {sink} + window {window} tokens do not fit the "
-                                 f"{scheduler.tenant_capacity(tenant.id)} pages tenant {tenant.id} can hold")
+                                 f"{cluster.tenant_capacity(tenant.id)} pages tenant {tenant.id} can hold")
         if not window:
-            capacity = scheduler.tenant_capacity(tenant.id)
-            if capacity * scheduler.pool.block_size < limits.max_model_len:
-                limits = replace(limits, max_model_len=capacity * scheduler.pool.block_size,
+            capacity = cluster.tenant_capacity(tenant.id)
+            if capacity * bs < limits.max_model_len:
+                limits = replace(limits, max_model_len=capacity * bs,
                                  max_len_name=f"the {capacity} pages tenant {tenant.id} can hold (tokens)")
         check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
         check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), limits)
         n = max(1, request.sampling.n)
-        if n > self.engine.scheduler.config.max_num_seqs:
-            limit = self.engine.scheduler.config.max_num_seqs
+        if n > config.max_num_seqs:
+            limit = config.max_num_seqs
             raise InvalidRequest(f"sampling.n: {n}; must be <= max_num_seqs={limit}")
         if tenant.max_concurrent_requests and n > tenant.max_concurrent_requests:
             raise InvalidRequest(f"sampling.n: {n}; must be <= {tenant.max_concurrent_requests} (tenant {tenant.id}'s "
@@ -222,7 +205,7 @@ class GenerationService(api_grpc.GenerationServicer):
         if client_id in self.live:
             raise KeyError(client_id)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
-        arrival = self.engine.next_arrival()
+        arrival = self.cluster.next_arrival()
         # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
         # NOTE: a windowed request's KV depends on its window, so its pages are cached under other hashes.
@@ -247,7 +230,7 @@ class GenerationService(api_grpc.GenerationServicer):
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another "
                                 "scheduler (or this one once it is back)")
-        if not self.engine.available:
+        if not self.cluster.available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
                                 "failed or draining); retry later")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
@@ -255,7 +238,7 @@ class GenerationService(api_grpc.GenerationServicer):
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
                  **extra)
         self.live.add(req.client_id)
-        self.engine.add_request(req)
+        self.cluster.add_request(req)
         finished = 0
         last_token_at = 0.0
         try:
@@ -288,7 +271,7 @@ class GenerationService(api_grpc.GenerationServicer):
         finally:
             self.live.discard(req.client_id)
             if finished < req.n:  # the client went away (or we are shutting down): free its pages
-                self.engine.abort(req.request_id)
+                self.cluster.abort(req.request_id)
                 log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
@@ -296,25 +279,22 @@ class GenerationService(api_grpc.GenerationServicer):
         cluster-wide counts and the executors only for a caller who may see them (tenancy: admin, or the one
         tenant of a single-tenant server) -- for the others they stay 0 / empty."""
         tenant = await self._tenant(context, METHODS + "ModelInfo")
-        schedulers = self.engine.schedulers()
-        sees_cluster = self.engine.scheduler.tenants.sees_cluster(tenant)
-        info = api.ModelInfoResponse(**self.model_info, prefix_caching=self.engine.scheduler.kv.caching,
-                                     cluster_view=sees_cluster)
-        live = {id(s) for s in self.engine.schedulers(live=True)}
-        for s in schedulers:  # capacity: the pools of the executors up or draining
-            if id(s) in live:
-                info.num_pages += s.pool.num_pages
-                info.num_host_pages += s.host.num_pages if s.host is not None else 0
+        cluster = self.cluster
+        snapshots, live = cluster.snapshots_with_liveness()
+        sees_cluster = cluster.tenants.sees_cluster(tenant)
+        caching = snapshots[0].prefix_caching if snapshots else True
+        info = api.ModelInfoResponse(**self.model_info, prefix_caching=caching, cluster_view=sees_cluster)
+        for i, snap in enumerate(snapshots):  # capacity: the pools of the executors up or draining
+            if i in live:
+                info.num_pages += snap.pool.num_pages
+                info.num_host_pages += snap.host.num_pages
         if sees_cluster:
-            info.executors.extend(self.engine.executor_infos())
-            add_cluster_counts(info, schedulers, live)
-            info.num_waiting += len(self.engine.unplaced)
-        info.tenant.CopyFrom(tenant_info(schedulers, tenant))
+            info.executors.extend(cluster.executor_infos())
+            add_cluster_counts(info, snapshots, live)
+            info.num_waiting += len(cluster.unplaced)
+        info.tenant.CopyFrom(tenant_info(snapshots, tenant))
         if request.reset_peak:
-            for s in schedulers:
-                s.stats(tenant.id).peak_used_pages = s.pool.used_by[tenant.id]
-                if sees_cluster:
-                    s.peak_used_pages = s.pool.num_used
+            cluster.reset_peak(tenant, sees_cluster)
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802

@@ -11,7 +11,9 @@ Each executor has an ``Engine`` (engine.py) with its own ``Scheduler`` and page 
   are recomputed there, the sampler continues at the same draw (draws are numbered by output position),
   and the client stream goes on with no token lost or repeated;
 - holds requests when no executor is up, for up to ``unplaced_timeout`` seconds, then ends them with an
-  error.
+  error;
+- owns the tenants (``TenantLedger``): quotas, concurrency limits, reserves, fair shares and weighted service
+  hold for the sum over its executors, and the API authenticates callers here, not through an executor.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from collections.abc import Callable, Iterable
 
 from pagedkv.api.v1 import api_pb2 as api
 from scheduler_svc import metrics
-from scheduler_svc.engine import Engine, State, deliver
+from scheduler_svc.engine import Engine, EngineHooks, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
+from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Finish, Output, Request
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.tenancy import Tenants
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.snapshot import SchedulerSnapshot
+from scheduler_svc.tenancy import Tenant, Tenants
+from scheduler_svc.tenant_ledger import TenantLedger
 
 GAUGE_PERIOD = 0.25  # seconds
 
@@ -67,9 +72,11 @@ def read_executors_file(path: str) -> list[str]:
 class Cluster:
     def __init__(self, reference, make_scheduler: Callable[[object], Scheduler], log, *,
                  step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
-                 unplaced_timeout: float = 30.0, link: ExecutorLink | None = None) -> None:
+                 unplaced_timeout: float = 30.0, link: ExecutorLink | None = None,
+                 tenants: Tenants | None = None) -> None:
         self.reference = reference  # the first executor's DescribeResponse: every other must serve the same
-        self.make_scheduler = make_scheduler
+        self._make_scheduler = make_scheduler
+        self.ledger = TenantLedger(tenants)  # every executor's scheduler joins it
         self.log = log
         self.step_timeout = step_timeout
         self.check_every_step = check_every_step
@@ -82,8 +89,10 @@ class Cluster:
         self.any_up = asyncio.Event()
         self._tenant_counted: dict[str, tuple[int, int]] = {}
         self._gauges_at = 0.0
-        self._last_scheduler: Scheduler | None = None
+        self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
+        self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
+                                  up=self.engine_up, relocate=self.relocate, gauges=self._gauges)
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -92,7 +101,7 @@ class Cluster:
     def set_addresses(self, addresses: set[str]) -> None:
         """Adds an engine per new address; drains and drops those no longer listed."""
         for address in sorted(addresses - self.engines.keys()):
-            engine = Engine(self, ExecutorClient(address, self.step_timeout, self.link), self.log,
+            engine = Engine(self._hooks, ExecutorClient(address, self.step_timeout, self.link), self.log,
                             check_every_step=self.check_every_step, drain_timeout=self.drain_timeout)
             self.engines[address] = engine
             engine.start()
@@ -103,9 +112,11 @@ class Cluster:
                 self.log.info("executor_removed", executor=address, state=engine.state.value)
                 engine.begin_removal()
         for address, engine in list(self.engines.items()):  # drained and stopped for good
-            if engine.removed and engine._task is not None and engine._task.done():
+            if engine.removed and engine.stopped:
                 del self.engines[address]
-                asyncio.ensure_future(engine.executor.close())
+                if engine.scheduler is not None:
+                    self.ledger.leave(engine.scheduler)
+                asyncio.ensure_future(engine.client.close())
                 for gauge in (metrics.EXECUTOR_PAGES_USED, metrics.EXECUTOR_RUNNING):
                     try:
                         gauge.remove(address)
@@ -131,29 +142,55 @@ class Cluster:
                         f"{getattr(ref, field)!r}")
         return ""
 
+    def _new_scheduler(self, describe) -> Scheduler:
+        scheduler = self._make_scheduler(describe)
+        scheduler.join(self.ledger)
+        return scheduler
+
+    def _gauges(self, force: bool) -> None:
+        self.update_gauges(force=force)
+
     def engine_up(self, engine: Engine) -> None:
         self.any_up.set()
-        self._last_scheduler = self.scheduler  # the limits the API validates by, should every engine go
+        self._pick_largest()
         waiting, self.unplaced = self.unplaced, deque()
         for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, deadline=deadline)
         self.update_gauges(force=True)
 
     # ---- what the API uses -----------------------------------------------------------------------
-    @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler whose limits the API validates against: the largest executor that takes work
-        (every executor serves the same model; a request too long for a small one goes to a larger). With
-        none connected right now, the last one seen (its settings still hold)."""
+    def _pick_largest(self) -> Engine | None:
+        """The engine whose limits the API validates against: the largest executor that takes work (every
+        executor serves the same model; a request too long for a small one goes to a larger). With none
+        connected right now, the last one seen (its settings still hold)."""
         candidates = [e for e in self.engines.values() if e.scheduler is not None]
         up = [e for e in candidates if e.accepts] or candidates
         if up:
-            self._last_scheduler = max(up, key=lambda e: e.scheduler.pool.num_pages).scheduler
-        return self._last_scheduler
+            self._largest = max(up, key=lambda e: e.scheduler.snapshot().pool.num_pages)
+        return self._largest
 
     @property
     def tenants(self) -> Tenants:
-        return self.scheduler.tenants
+        return self.ledger.tenants
+
+    @property
+    def block_size(self) -> int:
+        return self.reference.block_size
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduling settings (every executor's scheduler has the same)."""
+        engine = self._pick_largest()
+        return engine.scheduler.config if engine is not None else SchedulerConfig()
+
+    def tenant_capacity(self, tenant_id: str) -> int:
+        """The most pages one request of the tenant can get (on the largest executor); 0 before any joined."""
+        engine = self._pick_largest()
+        return engine.scheduler.tenant_capacity(tenant_id) if engine is not None else 0
+
+    def window_page_limit(self, tenant_id: str, sink: int, window: int) -> int:
+        engine = self._pick_largest()
+        return engine.scheduler.window_page_limit(tenant_id, sink, window) if engine is not None else 0
 
     @property
     def available(self) -> bool:
@@ -182,19 +219,20 @@ class Cluster:
 
     def fail_all(self, error: str) -> None:
         """Ends every live request's stream with an error; only once the engines are stopped (shutdown)."""
-        for s in self.schedulers():
-            deliver([(r, Output("", [], [], Finish.ABORT, error=error, index=r.index)) for r in s.requests.values()])
+        for e in self._reporting(live=False):
+            deliver([(r, Output("", [], [], Finish.ABORT, error=error, index=r.index))
+                     for r in e.scheduler.live_requests()])
         self._fail_unplaced(lambda _deadline: True, error)
 
     def set_tenants(self, path: str) -> int:
-        """Reloads the tenants file into every executor's scheduler (quotas given as fractions follow each
-        pool); returns how many live requests no longer fit and ended. Raises InvalidTenant."""
-        loaded = {a: Tenants.load(path, e.scheduler.pool.num_pages)
-                  for a, e in self.engines.items() if e.scheduler is not None}
+        """Reloads the tenants file (quotas given as fractions: of every executor's pages together); returns
+        how many live requests no longer fit and ended. Raises InvalidTenant."""
+        self.ledger.tenants = Tenants.load(path, self.ledger.total_pages or self.reference.num_device_pages)
         ended = 0
-        for address, tenants in loaded.items():
-            engine = self.engines[address]
-            outputs = engine.scheduler.set_tenants(tenants)
+        for engine in self.engines.values():
+            if engine.scheduler is None:
+                continue
+            outputs = engine.scheduler.set_tenants()
             deliver(outputs)
             ended += len(outputs)
             engine.wake.set()
@@ -223,11 +261,8 @@ class Cluster:
         for engine in self.engines.values():
             if engine is exclude or not engine.accepts or not engine.scheduler.fits(req):
                 continue
-            s = engine.scheduler
-            hit = len(s.kv.find_hits(req))
-            load = s.pool.num_used / s.pool.num_pages + (
-                len(s.running) + len(s.waiting) + len(s.swapped)) / s.config.max_num_seqs
-            key = (hit, -load, -engine.steps)
+            hit = engine.scheduler.prefix_hit_pages(req)
+            key = (hit, -engine.scheduler.snapshot().load, -engine.steps)
             if best_key is None or key > best_key:
                 best, best_key = engine, key
         return best
@@ -254,22 +289,38 @@ class Cluster:
         metrics.UNPLACED.set(len(self.unplaced))
 
     # ---- reporting -----------------------------------------------------------------------------
-    def schedulers(self, live: bool = False) -> list[Scheduler]:
-        """Every executor's scheduler (their counters); live: only of executors up or draining (their pools)."""
-        return [e.scheduler for e in self.engines.values()
+    def snapshots(self, live: bool = False, tenants: bool = False) -> list[SchedulerSnapshot]:
+        """Every executor's scheduler snapshot (their counters); live: only of executors up or draining (their
+        pools); tenants: with per-tenant figures."""
+        return [e.scheduler.snapshot(tenants) for e in self._reporting(live)]
+
+    def snapshots_with_liveness(self) -> tuple[list[SchedulerSnapshot], set[int]]:
+        """Every executor's snapshot with per-tenant figures, and the indices of those up or draining."""
+        engines = self._reporting(live=False)
+        live = {i for i, e in enumerate(engines) if e.state in (State.UP, State.DRAINING)}
+        return [e.scheduler.snapshot(tenants=True) for e in engines], live
+
+    def _reporting(self, live: bool) -> list[Engine]:
+        return [e for e in self.engines.values()
                 if e.scheduler is not None and (not live or e.state in (State.UP, State.DRAINING))]
+
+    def reset_peak(self, tenant: Tenant, cluster: bool) -> None:
+        for e in self._reporting(live=False):
+            e.scheduler.reset_peak(tenant.id, cluster)
 
     def executor_infos(self) -> list[api.ExecutorInfo]:
         out = []
         for address, e in sorted(self.engines.items()):
-            s = e.scheduler
-            out.append(api.ExecutorInfo(
-                address=address, state=e.state.value, executor_id=e.executor_id,
-                num_pages=s.pool.num_pages if s else 0, num_used_pages=s.pool.num_used if s else 0,
-                num_cached_pages=s.pool.num_cached if s else 0, num_running=len(s.running) if s else 0,
-                num_waiting=(len(s.waiting) + len(s.swapped)) if s else 0, num_placed=e.num_placed,
-                num_migrated_out=e.num_migrated_out, num_computed_tokens=s.num_computed_tokens if s else 0,
-                kv_dtype=e.kv_dtype, kv_bytes_per_token=e.kv_bytes_per_token))
+            info = api.ExecutorInfo(address=address, state=e.state.value, executor_id=e.executor_id,
+                                    num_placed=e.num_placed, num_migrated_out=e.num_migrated_out,
+                                    kv_dtype=e.kv_dtype, kv_bytes_per_token=e.kv_bytes_per_token)
+            if e.scheduler is not None:
+                snap = e.scheduler.snapshot()
+                info.num_pages, info.num_used_pages = snap.pool.num_pages, snap.pool.num_used
+                info.num_cached_pages, info.num_running = snap.pool.num_cached, snap.num_running
+                info.num_waiting = snap.num_waiting + snap.num_swapped
+                info.num_computed_tokens = snap.counters.computed_tokens
+            out.append(info)
         return out
 
     def update_gauges(self, force: bool = False) -> None:
@@ -281,56 +332,57 @@ class Cluster:
             states[e.state] += 1
         for state, n in states.items():
             metrics.EXECUTORS.labels(state.value).set(n)
-        live = []
+        now = time.monotonic()
+        detailed = force or now - self._gauges_at >= GAUGE_PERIOD
+        live: list[SchedulerSnapshot] = []
         for address, e in self.engines.items():
-            s = e.scheduler
-            if s is None or e.state not in (State.UP, State.DRAINING):
+            if e.scheduler is None or e.state not in (State.UP, State.DRAINING):
                 metrics.EXECUTOR_PAGES_USED.labels(address).set(0)
                 metrics.EXECUTOR_RUNNING.labels(address).set(0)
                 continue
-            live.append(s)
-            metrics.EXECUTOR_PAGES_USED.labels(address).set(s.pool.num_used)
-            metrics.EXECUTOR_RUNNING.labels(address).set(len(s.running))
-        hosts = [s.host for s in live if s.host is not None]
+            snap = e.scheduler.snapshot(tenants=detailed)
+            live.append(snap)
+            metrics.EXECUTOR_PAGES_USED.labels(address).set(snap.pool.num_used)
+            metrics.EXECUTOR_RUNNING.labels(address).set(snap.num_running)
         used = sum(s.pool.num_used for s in live)
         metrics.PAGES_USED.set(used)
         metrics.PAGES_FREE.set(sum(s.pool.num_free for s in live))
         metrics.PAGES_CACHED.set(sum(s.pool.num_cached for s in live))
         metrics.PAGES_CAPACITY.set(sum(s.pool.num_pages for s in live))
-        metrics.HOST_PAGES_CAPACITY.set(sum(h.num_pages for h in hosts))
-        metrics.HOST_PAGES_USED.set(sum(h.num_used for h in hosts))
-        metrics.HOST_PAGES_CACHED.set(sum(h.num_cached for h in hosts))
-        metrics.HOST_PAGES_FREE.set(sum(h.num_free for h in hosts))
-        metrics.RUNNING.set(sum(len(s.running) for s in live))
-        metrics.WAITING.set(sum(len(s.waiting) for s in live) + len(self.unplaced))
-        metrics.SWAPPED.set(sum(len(s.swapped) for s in live))
+        metrics.HOST_PAGES_CAPACITY.set(sum(s.host.num_pages for s in live))
+        metrics.HOST_PAGES_USED.set(sum(s.host.num_used for s in live))
+        metrics.HOST_PAGES_CACHED.set(sum(s.host.num_cached for s in live))
+        metrics.HOST_PAGES_FREE.set(sum(s.host.num_free for s in live))
+        metrics.RUNNING.set(sum(s.num_running for s in live))
+        metrics.WAITING.set(sum(s.num_waiting for s in live) + len(self.unplaced))
+        metrics.SWAPPED.set(sum(s.num_swapped for s in live))
         metrics.UNPLACED.set(len(self.unplaced))
-        now = time.monotonic()
-        if not force and now - self._gauges_at < GAUGE_PERIOD:
+        if not detailed:
             return
         self._gauges_at = now
-        slots = used * (live[0].pool.block_size if live else 1)
-        metrics.KV_SLOT_UTILIZATION.set(sum(s.kv_slots_filled() for s in live) / slots if slots else 0.0)
-        schedulers = self.schedulers()
+        slots = used * (live[0].block_size if live else 1)
+        metrics.KV_SLOT_UTILIZATION.set(sum(s.kv_slots_filled for s in live) / slots if slots else 0.0)
+        everyone = self.snapshots(tenants=True)
         tenants: dict[str, list[int]] = {}
-        for s in live:
-            for r in s.running:
-                tenants.setdefault(r.tenant, [0, 0])[0] += 1
-            for tenant in s.tenant_stats:
-                tenants.setdefault(tenant, [0, 0])[1] += s.pool.used_by[tenant]
+        for snap in live:
+            for tenant, u in snap.tenants.items():
+                row = tenants.setdefault(tenant, [0, 0])
+                row[0] += u.num_running
+                row[1] += u.used_pages
         for tenant, (n_running, pages) in tenants.items():
             metrics.TENANT_PAGES.labels(tenant).set(pages)
             metrics.TENANT_RUNNING.labels(tenant).set(n_running)
-            metrics.TENANT_WAITING.labels(tenant).set(sum(s.waiting.tenant_len(tenant) for s in schedulers))
-            metrics.TENANT_SERVICE.labels(tenant).set(max(s.waiting.service(tenant) for s in schedulers))
-        self._count_tenant_events(schedulers)
+            metrics.TENANT_WAITING.labels(tenant).set(sum(s.tenants[tenant].num_waiting for s in everyone
+                                                          if tenant in s.tenants))
+            metrics.TENANT_SERVICE.labels(tenant).set(self.ledger.service.counters.get(tenant, 0.0))
+        self._count_tenant_events(everyone)
 
-    def _count_tenant_events(self, schedulers: list[Scheduler]) -> None:
+    def _count_tenant_events(self, snapshots: list[SchedulerSnapshot]) -> None:
         totals: dict[str, tuple[int, int]] = {}
-        for s in schedulers:
-            for tenant, st in s.tenant_stats.items():
+        for snap in snapshots:
+            for tenant, u in snap.tenants.items():
                 a, b = totals.get(tenant, (0, 0))
-                totals[tenant] = (a + st.budget_hits, b + st.fair_share_preemptions)
+                totals[tenant] = (a + u.budget_hits, b + u.fair_share_preemptions)
         last = self._tenant_counted
         for tenant, (hits, fair) in totals.items():
             prev = last.get(tenant, (0, 0))

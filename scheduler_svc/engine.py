@@ -2,7 +2,8 @@
 
 Each executor the scheduler drives has its own ``Engine``: its own ``Scheduler`` (page accounting for that
 executor's pools), its own Run stream and its own loop. The ``Cluster`` (cluster.py) places requests on the
-engines and moves them between engines when an executor fails or drains.
+engines and moves them between engines when an executor fails or drains; an engine reaches back only through
+the callbacks in ``EngineHooks`` (engine.py does not import cluster.py).
 
 States::
 
@@ -16,16 +17,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from scheduler_svc import metrics
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
-from scheduler_svc.policy import Costs
-from scheduler_svc.request import Output, Request, Status
+from scheduler_svc.outputs import deliver
+from scheduler_svc.policy import PreemptionCosts
+from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from scheduler_svc.cluster import Cluster
 
 
 class State(enum.Enum):
@@ -39,20 +39,22 @@ RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
 RECONNECT_LOG_EVERY = 60.0
 
 
-def deliver(outputs: list[tuple[Request, Output]]) -> None:
-    for req, out in outputs:
-        req.queue.put_nowait(out)
-        if out.token_ids:
-            metrics.GENERATED_TOKENS.inc(len(out.token_ids))
-        if out.finish is not None:
-            metrics.FINISHED.labels(out.finish.value).inc()
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """What an engine tells the cluster, and asks of it."""
+
+    make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a scheduler for that executor
+    check_compatible: Callable[[object], str]  # a DescribeResponse -> why it cannot join, or ''
+    up: Callable[[Engine], None]  # the executor is up: requests may be placed here
+    relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
+    gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
 
 
 class Engine:
-    def __init__(self, cluster: Cluster, client: ExecutorClient, log, check_every_step: bool = False,
+    def __init__(self, hooks: EngineHooks, client: ExecutorClient, log, check_every_step: bool = False,
                  drain_timeout: float = 30.0) -> None:
-        self.cluster = cluster
-        self.executor = client
+        self.hooks = hooks
+        self.client = client
         self.address = client.address
         self.log = log.bind(executor=client.address)
         self.check_every_step = check_every_step
@@ -87,7 +89,12 @@ class Engine:
             await asyncio.wait({self._task}, timeout=1.0)
         if self._task is not None and not self._task.cancelled() and self._task.exception() is not None:
             self.log.error("engine_stopped_with_error", error=repr(self._task.exception()))
-        await self.executor.close()
+        await self.client.close()
+
+    @property
+    def stopped(self) -> bool:
+        """The loop has ended (removed and drained, or stopped)."""
+        return self._task is not None and self._task.done()
 
     @property
     def accepts(self) -> bool:
@@ -124,7 +131,7 @@ class Engine:
         first_failure = last_log = 0.0
         while not self.removed and not self.stopping:
             try:
-                describe = await self.executor.connect(RECONNECT_POLL)
+                describe = await self.client.connect(RECONNECT_POLL)
                 break
             except ExecutorUnavailable as err:
                 now = time.monotonic()
@@ -136,7 +143,7 @@ class Engine:
                 await asyncio.sleep(0.2)
         else:
             return
-        problem = self.cluster.check_compatible(describe)
+        problem = self.hooks.check_compatible(describe)
         if not problem:
             try:
                 self._adopt(describe)
@@ -144,17 +151,17 @@ class Engine:
                 problem = f"cannot account for its pools: {err}"
         if problem:
             self.log.error("executor_refused", reason=problem, hint="retried every few seconds")
-            self.executor.drop()
+            self.client.drop()
             await asyncio.sleep(RECONNECT_POLL)
             return
-        self.executor.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
+        self.client.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
         self.state = State.UP
         self.executor_id = describe.executor_id
         self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
-                      num_host_pages=describe.num_host_pages, pages="kept" if self.executor.pages_kept else "fresh",
-                      cached_pages=self.scheduler.pool.num_cached)
-        self.cluster.engine_up(self)
+                      num_host_pages=describe.num_host_pages, pages="kept" if self.client.pages_kept else "fresh",
+                      cached_pages=self.scheduler.snapshot().pool.num_cached)
+        self.hooks.up(self)
 
     def _adopt(self, describe) -> None:
         """A new Scheduler, or the old one (with a new pool geometry if it changed). Another executor id is
@@ -163,24 +170,23 @@ class Engine:
         the prefix cache keeps them too, unless the executor says it zeroed them (another session attached
         meanwhile: a desync)."""
         if self.scheduler is None:
-            self.scheduler = self.cluster.make_scheduler(describe)
+            self.scheduler = self.hooks.make_scheduler(describe)
             return
-        if describe.executor_id != self.executor_id or not self.executor.pages_kept:
+        if describe.executor_id != self.executor_id or not self.client.pages_kept:
             self.scheduler.forget_cached_pages()
-        pool = self.scheduler.pool
-        host_pages = self.scheduler.host.num_pages if self.scheduler.host is not None else 0
+        snap = self.scheduler.snapshot()
         if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
-                pool.num_pages, host_pages, pool.block_size):
+                snap.pool.num_pages, snap.host.num_pages, snap.block_size):
             self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
                              num_host_pages=describe.num_host_pages, block_size=describe.block_size)
             self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages)
-        self.scheduler.set_costs(Costs.of(describe))
+        self.scheduler.set_costs(PreemptionCosts.of(describe))
 
     # ---- one step ------------------------------------------------------------------------------
     async def _iteration(self) -> None:
         await self.wake.wait()
-        if self.executor.call is None or self.executor.call.done():
-            if self.state is State.DRAINING and not self.scheduler.requests:
+        if self.client.call is None or self.client.call.done():
+            if self.state is State.DRAINING and not self.scheduler.live_requests():
                 self._drained()  # the executor ended the stream itself once nothing was left on it
             else:
                 self._executor_lost("the executor closed its Run stream")
@@ -197,13 +203,13 @@ class Engine:
             if not s.has_work:
                 self.wake.clear()
                 s.check_integrity()  # idle: every page must be accounted for
-                self.cluster.update_gauges(force=True)
+                self.hooks.gauges(True)
             else:
                 await asyncio.sleep(0.001)
             return
         t1 = time.perf_counter()
         try:
-            result = await self.executor.step(plan)
+            result = await self.client.step(plan)
         except ExecutorUnavailable as err:
             self._executor_lost(str(err))
             return
@@ -214,7 +220,7 @@ class Engine:
         if self.check_every_step:
             s.check_integrity()
         self.steps += 1
-        self.cluster.update_gauges()
+        self.hooks.gauges(False)
         metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
         metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
         metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
@@ -224,9 +230,9 @@ class Engine:
     def _start_drain(self, why: str) -> None:
         self.state = State.DRAINING
         self.drain_deadline = time.monotonic() + self.drain_timeout
-        self.log.info("executor_draining", reason=why, running=len(self.scheduler.running),
-                      queued=len(self.scheduler.waiting) + len(self.scheduler.swapped),
-                      drain_timeout_s=self.drain_timeout)
+        snap = self.scheduler.snapshot()
+        self.log.info("executor_draining", reason=why, running=snap.num_running,
+                      queued=snap.num_waiting + snap.num_swapped, drain_timeout_s=self.drain_timeout)
         self.wake.set()
 
     def begin_removal(self) -> None:
@@ -243,33 +249,29 @@ class Engine:
         if self.state is State.UP:  # removed while up
             self._start_drain("no longer configured")
         overdue = time.monotonic() >= self.drain_deadline
-        movable = [r for r in list(s.requests.values())
-                   if not r.aborted and (overdue or r.status is not Status.RUNNING)]
+        movable = [r for r in s.live_requests() if not r.aborted and (overdue or r.status is not Status.RUNNING)]
         if movable:
             for req in movable:
                 s.detach(req)
             self._migrated(movable, "drain")
-        if s.requests:
+        if s.live_requests():
             return False
         self._drained()
         return True
 
     def _drained(self) -> None:
         """Nothing is left on a draining executor: close the stream (it exits) and forget its pages."""
-        s = self.scheduler
-        s.to_forget = []
-        s.check_integrity()
-        s.forget_cached_pages()  # a process that comes back at this address starts empty
-        self.executor.drop()
+        self.scheduler.drained()  # a process that comes back at this address starts empty
+        self.client.drop()
         self.state = State.DOWN
         self.log.info("executor_drained", steps=self.steps)
-        self.cluster.update_gauges(force=True)
+        self.hooks.gauges(True)
 
     def _executor_lost(self, error: str) -> None:
         """The Run stream is lost: the requests move to the other executors (recomputed there: their state on
         the executor went with the stream). Published pages stay findable, but only once the executor is up
         again (nothing is placed here meanwhile): _adopt forgets them if another process answers."""
-        self.executor.drop()
+        self.client.drop()
         was = self.state
         self.state = State.DOWN
         if self.scheduler is None:
@@ -283,16 +285,16 @@ class Engine:
         if was is not State.DRAINING or moved:
             self.log.error("executor_failed", error=error, requests_moved=len(moved))
         self._migrated(moved, "failure")
-        self.cluster.update_gauges(force=True)
+        self.hooks.gauges(True)
 
     def _internal_error(self, error: str) -> None:
         """A scheduler bug mid-step: which tokens reached which client is uncertain, so the requests on this
         executor end with the error instead of moving (a move could recompute a token no client saw)."""
-        self.executor.drop()  # the executor's request state goes with the stream
+        self.client.drop()  # the executor's request state goes with the stream
         self.state = State.DOWN
         if self.scheduler is not None:
             deliver(self.scheduler.fail_all(error))
-        self.cluster.update_gauges(force=True)
+        self.hooks.gauges(True)
 
     def _migrated(self, moved: list[Request], cause: str) -> None:
         if not moved:
@@ -301,22 +303,22 @@ class Engine:
         metrics.MIGRATIONS.labels(cause).inc(len(moved))
         self.log.info("requests_migrating", cause=cause, count=len(moved),
                       request_ids=[r.client_id for r in moved[:256]])
-        self.cluster.relocate(moved, exclude=self)
+        self.hooks.relocate(moved, self)
 
     # ---- metrics -------------------------------------------------------------------------------
     def _count(self) -> None:
         """Moves the scheduler's cumulative counters into the Prometheus counters."""
-        s = self.scheduler
-        now = {"swap": s.num_swap_preemptions, "recompute": s.num_recompute_preemptions,
-               "out": s.kv.swaps.pages_out, "in": s.kv.swaps.pages_in, "spilled": s.kv.swaps.spilled,
-               "spill_hits": s.kv.swaps.spill_hits, "query": s.kv.num_prompt_tokens_queried,
-               "hit": s.kv.num_cached_prompt_tokens}
+        snap = self.scheduler.snapshot()
+        c = snap.counters
+        now = {"swap": c.swap_preemptions, "recompute": c.recompute_preemptions, "out": c.pages_swapped_out,
+               "in": c.pages_swapped_in, "spilled": c.spilled_pages, "spill_hits": c.spill_hits,
+               "query": c.prompt_tokens_queried, "hit": c.cached_prompt_tokens}
         last = self._counted
         if any(now[k] < last.get(k, 0) for k in now):  # counters never go back; if they did, start over
             last = {}
         for kind in ("swap", "recompute"):
             metrics.PREEMPTIONS.labels(kind).inc(now[kind] - last.get(kind, 0))
-        page_bytes = s.policy.costs.page_bytes
+        page_bytes = snap.page_bytes
         for direction in ("out", "in"):
             metrics.SWAP_PAGES.labels(direction).inc(now[direction] - last.get(direction, 0))
             metrics.SWAP_BYTES.labels(direction).inc((now[direction] - last.get(direction, 0)) * page_bytes)

@@ -18,14 +18,31 @@ PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
 
 
+class Service:
+    """Each tenant's weighted service so far (its virtual token counter), shared by the wait queues of every
+    executor of a scheduler (the tenant ledger's), so fairness holds for the sum."""
+
+    __slots__ = ("counters", "vtime")
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.vtime = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
+
+
 class WaitQueue:
-    def __init__(self, fair: bool = True, weight: Callable[[str], float] = lambda _: 1.0) -> None:
+    def __init__(self, fair: bool = True, weight: Callable[[str], float] = lambda _: 1.0,
+                 service: Service | None = None) -> None:
         self.fair = fair
         self.weight = weight
         self.queues: dict[str, deque[Request]] = {}
-        self.counters: dict[str, float] = {}
-        self.vtime = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
+        self.shared = service if service is not None else Service()
+        self.counters = self.shared.counters
         self._len = 0
+
+    def share(self, service: Service) -> None:
+        """Counts service in ``service`` from now on (shared with other queues); only while empty."""
+        assert not self._len, "share with requests queued"
+        self.shared, self.counters = service, service.counters
 
     # ---- contents ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -88,14 +105,11 @@ class WaitQueue:
         tenants that are active (running or waiting), or, when none is, at the service of the last tenant
         that went idle; never below its own."""
         floors = [self.counters.get(t, 0.0) for t in others if t != tenant]
-        floor = min(floors) if floors else self.vtime
+        floor = min(floors) if floors else self.shared.vtime
         self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def went_idle(self, tenant: str) -> None:
-        self.vtime = max(self.vtime, self.counters.get(tenant, 0.0))
-
-    def pop(self, req: Request) -> None:
-        self.remove(req)
+        self.shared.vtime = max(self.shared.vtime, self.counters.get(tenant, 0.0))
 
     # ---- service -------------------------------------------------------------------------------
     def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.pages import PagePool
 from scheduler_svc.prefix_cache import extend_chain
 from scheduler_svc.request import Request
+from scheduler_svc.snapshot import Counters
 
 Hit = tuple[int, bool]  # (page id, on the host tier)
 DROPPED = -1  # a page-table entry whose page left (outside the request's attention window)
@@ -45,25 +46,16 @@ class PageOps:
         return bool(self.swap_out or self.swap_in or self.copy or self.host_release)
 
 
-@dataclass(slots=True)
-class SwapCounters:
-    pages_out: int = 0
-    pages_in: int = 0
-    spilled: int = 0  # of pages_out: cached pages the device evicted
-    spill_hits: int = 0  # of pages_in: prefix hits served from the host tier
-
-
 class KVManager:
-    def __init__(self, pool: PagePool, enable_prefix_caching: bool = True, host: PagePool | None = None) -> None:
+    def __init__(self, pool: PagePool, enable_prefix_caching: bool = True, host: PagePool | None = None,
+                 counters: Counters | None = None) -> None:
         self.pool = pool
         self.host = host if host is not None and host.num_pages else None
         self.caching = enable_prefix_caching
         self.bs = pool.block_size
-        self.inflight: dict[bytes, Request] = {}
-        self.num_cached_prompt_tokens = 0
-        self.num_prompt_tokens_queried = 0  # prompt tokens of first admissions (the hit rate's denominator)
+        self.inflight: dict[bytes, Request] = {}  # prefix pages being computed: hash -> the request computing it
         self.ops = PageOps()
-        self.swaps = SwapCounters()
+        self.counters = counters if counters is not None else Counters()  # (the owner's: they outlive this)
         if self.host is not None and self.caching:
             pool.on_evict = self._spill
 
@@ -116,7 +108,7 @@ class KVManager:
         if host_hits:  # held before any allocation: a spill must not evict one of them
             self.host.share(host_hits)
             self.ops.host_release.extend(host_hits)
-            self.swaps.spill_hits += len(host_hits)
+            self.counters.spill_hits += len(host_hits)
         table = [p if not on_host else self._bring_back(p, req.page_hashes[j], req.tenant)
                  for j, (p, on_host) in enumerate(hits)]
         cached = len(hits) * self.bs
@@ -126,8 +118,8 @@ class KVManager:
         req.num_published = len(hits)
         if req.num_preemptions == 0 and req.num_migrations == 0 and req.index == 0 and not req.output_ids:
             req.num_cached_tokens = cached  # once per client request: not again after a preemption or move
-            self.num_cached_prompt_tokens += cached
-            self.num_prompt_tokens_queried += len(req.prompt_ids)
+            self.counters.cached_prompt_tokens += cached
+            self.counters.prompt_tokens_queried += len(req.prompt_ids)
         if self.caching:
             self._register_inflight(req, len(hits))
 
@@ -145,7 +137,7 @@ class KVManager:
         host_page until the plan ran (ops.host_release)."""
         (page,) = self.pool.allocate(1, owner)
         self.ops.swap_in.append((host_page, page))
-        self.swaps.pages_in += 1
+        self.counters.pages_swapped_in += 1
         if page_hash is not None:
             self.pool.publish(page, page_hash)  # the copy-in runs before anything that could read it
         return page
@@ -159,8 +151,8 @@ class KVManager:
         self.host.publish(hp, page_hash)
         self.host.free([hp])  # free but findable, most recently used
         self.ops.swap_out.append((page, hp))
-        self.swaps.pages_out += 1
-        self.swaps.spilled += 1
+        self.counters.pages_swapped_out += 1
+        self.counters.spilled_pages += 1
 
     def _swap_out_plan(self, req: Request) -> tuple[int, int]:
         """(pages to copy, free host pages taken) for swapping req out; its filled pages go to the host,
@@ -206,7 +198,7 @@ class KVManager:
             else:
                 (hp,) = self.host.allocate(1)
                 self.ops.swap_out.append((p, hp))
-                self.swaps.pages_out += 1
+                self.counters.pages_swapped_out += 1
                 if h is not None:
                     self.host.publish(hp, h)
             host_table.append(hp)
@@ -281,6 +273,13 @@ class KVManager:
         return dropped
 
     # ---- growth --------------------------------------------------------------------------------
+    def decodes_in_place(self, req: Request) -> bool:
+        """The steady decode: one token into the request's own last page (not shared, not full), no window.
+        Nothing to allocate, copy or drop for it."""
+        computed = req.num_computed
+        return bool(computed % self.bs and not req.window_tokens and req.compute_target - computed == 1
+                    and self.pool.refcounts[req.page_table[computed // self.bs]] == 1)
+
     def _shared_write_page(self, req: Request) -> int | None:
         """Index of the page the next token goes into, if other tables hold it too (copy-on-write)."""
         idx = req.num_computed // self.bs
@@ -346,3 +345,59 @@ class KVManager:
             if self.inflight.get(h) is req:
                 del self.inflight[h]
         req.registered = []
+
+    # ---- what the executor holds ---------------------------------------------------------------
+    def forget_cached(self) -> None:
+        """The executor's pages hold nothing any more (another process): no prefix-cache hit may point there."""
+        self.pool.forget_hashes()
+        if self.host is not None:
+            self.host.forget_hashes()
+        self.inflight.clear()
+
+    def unpublish_written(self, unconfirmed: list[PageOps]) -> None:
+        """Page operations whose running is unknown (a lost stream): the pages they write into are no longer
+        findable (device pages swapped or copied into, host pages swapped out to)."""
+        device, host = set(), set()
+        for ops in unconfirmed:
+            device.update(dst for _, dst in ops.swap_in)
+            device.update(dst for _, dst in ops.copy)
+            host.update(dst for _, dst in ops.swap_out)
+        self.inflight.clear()
+        self.pool.unpublish(device)
+        if self.host is not None:
+            self.host.unpublish(host)
+
+    def slots_filled(self, running: list[Request]) -> int:
+        """Token slots of the device pages in use that hold KV (each page once, however many share it)."""
+        bs = self.bs
+        fill: dict[int, int] = {}
+        for r in running:
+            full, rest = divmod(r.num_computed, bs)
+            for j, page in enumerate(r.page_table):
+                if page == DROPPED:
+                    continue
+                n = bs if j < full else (rest if j == full else 0)
+                if n > fill.get(page, 0):
+                    fill[page] = n
+        return sum(fill.values())
+
+    def release_preview(self) -> ReleasePreview:
+        return ReleasePreview(self.pool)
+
+
+class ReleasePreview:
+    """What preempting some requests would give back, on paper: free device pages, and pages per tenant
+    (a page other requests still hold stays used)."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.free = pool.num_free
+        self.used = pool.used_by.copy()
+        self._holders: dict[int, int] = {}
+
+    def add(self, victim: Request) -> None:
+        for p in held(victim.page_table):
+            self._holders[p] = self._holders.get(p, 0) + 1
+            if self._holders[p] == self.pool.refcount(p):
+                self.free += 1
+                self.used[self.pool.owner[p]] -= 1

@@ -43,13 +43,13 @@ class PreemptionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Costs:
+class PreemptionCosts:
     page_bytes: int = 0
     swap_bytes_per_second: float = 0.0
     prefill_seconds_per_token: float = 0.0
 
     @classmethod
-    def of(cls, describe) -> Costs:
+    def of(cls, describe) -> PreemptionCosts:
         """From an executor's DescribeResponse (its start-up measurements)."""
         return cls(page_bytes=describe.page_bytes, swap_bytes_per_second=describe.swap_bytes_per_second,
                    prefill_seconds_per_token=describe.prefill_seconds_per_token)
@@ -58,7 +58,7 @@ class Costs:
 class PreemptionPolicy:
     COLD, WARM, HOT = 0, 1, 2
 
-    def __init__(self, config: PreemptionConfig, costs: Costs) -> None:
+    def __init__(self, config: PreemptionConfig, costs: PreemptionCosts) -> None:
         self.config = config
         self.costs = costs
 

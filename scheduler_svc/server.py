@@ -1,4 +1,4 @@
-"""Scheduler process: connect to the executor, then serve the public API."""
+"""Scheduler process: find the executors, connect to them, then serve the public API."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pagedkv import grpc_common, logs, security
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
-from scheduler_svc import metrics
+from scheduler_svc import fit, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, resolve
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import Costs, Mode, PreemptionConfig
+from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenancy import InvalidTenant, Tenants
 from scheduler_svc.validation import (
@@ -145,7 +145,7 @@ def _check_args(args, describe, log) -> int:
     max_len = args.max_model_len or describe.max_position_embeddings
     pool_tokens = describe.num_device_pages * describe.block_size
     if args.sliding_window:  # every request holds only its sink + window: contexts may exceed the pool
-        window_pages = -(-(args.sink_tokens + args.sliding_window) // describe.block_size) + 2
+        window_pages = fit.window_pages(args.sink_tokens, args.sliding_window, describe.block_size)
         if window_pages > describe.num_device_pages:
             raise ValueError(f"--sliding-window {args.sliding_window} + --sink-tokens {args.sink_tokens} need "
                              f"{window_pages} pages; the executor has {describe.num_device_pages}")
@@ -159,7 +159,7 @@ def _check_args(args, describe, log) -> int:
     if not 1 < max_len <= describe.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}] "
                          "(the model's max_position_embeddings)")
-    pages_needed = -(-max_len // describe.block_size)
+    pages_needed = fit.pages_for(max_len, describe.block_size)
     if pages_needed > describe.num_device_pages:
         raise ValueError(
             f"--max-model-len {max_len} needs {pages_needed} pages of {describe.block_size} tokens but the "
@@ -271,12 +271,12 @@ async def serve(args) -> None:
     def make_scheduler(d) -> Scheduler:
         pool = PagePool(d.num_device_pages, d.block_size)
         host = PagePool(d.num_host_pages, d.block_size, min_pages=0) if d.num_host_pages else None
-        own = Tenants.load(args.tenants_file, pool.num_pages) if args.tenants_file else Tenants()
-        return Scheduler(pool, config, list(d.eos_token_ids), host, Costs.of(d), own)
+        return Scheduler(pool, config, list(d.eos_token_ids), host, PreemptionCosts.of(d))
 
+    # NOTE: the cluster owns the tenants: their limits hold for the sum over its executors (tenant_ledger.py)
     cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
                       check_every_step=args.check_integrity, drain_timeout=args.drain_timeout,
-                      unplaced_timeout=args.unplaced_timeout, link=link)
+                      unplaced_timeout=args.unplaced_timeout, link=link, tenants=tenants)
     cluster.start()
     cluster.set_addresses(addresses)
     try:

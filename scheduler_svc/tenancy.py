@@ -148,6 +148,7 @@ class Tenants:
 
     def __init__(self, tenants: list[Tenant] | None = None, path: Path | None = None) -> None:
         self.path = path
+        self.raw: dict | None = None  # the parsed file (fractions are resolved again when the pools change)
         self.multi = tenants is not None
         self.by_id = {t.id: t for t in tenants} if tenants is not None else {DEFAULT_TENANT: Tenant(DEFAULT_TENANT)}
         total_reserved = sum(t.reserved_pages for t in self.by_id.values())
@@ -155,11 +156,20 @@ class Tenants:
 
     @classmethod
     def load(cls, path: str | Path, num_pages: int) -> Tenants:
+        """The tenants file at path, page counts given as fractions resolved against num_pages."""
         path = Path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise InvalidTenant(f"--tenants-file {path}: {err}") from err
+        return cls.parse(raw, path, num_pages)
+
+    def resolve(self, num_pages: int) -> Tenants:
+        """The same file's settings (as read then, not re-read) with fractions resolved against num_pages."""
+        return self if self.raw is None else Tenants.parse(self.raw, self.path, num_pages)
+
+    @classmethod
+    def parse(cls, raw: dict, path: Path, num_pages: int) -> Tenants:
         defaults = raw.get("defaults", {})
         tables = raw.get("tenants", {})
         if set(raw) - {"defaults", "tenants"}:
@@ -183,7 +193,9 @@ class Tenants:
                 if h in seen:
                     raise InvalidTenant(f"--tenants-file {path}: tenants {seen[h]} and {t.id} share a key")
                 seen[h] = t.id
-        return cls(tenants, path)
+        out = cls(tenants, path)
+        out.raw = raw
+        return out
 
     def authenticate(self, metadata) -> Tenant:
         if not self.multi:

@@ -39,7 +39,7 @@ from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.executor_client import PAGES_HEADER, SERVICE, SESSION_HEADER, ExecutorClient
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import Costs, Mode, PreemptionConfig
+from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from tests import procs
 from tests.fake_executor import FakeExecutor, drive, make_request
@@ -132,7 +132,8 @@ def swap_scheduler() -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, watermark=0,
                           preemption=PreemptionConfig(mode=Mode.SWAP))
     return Scheduler(PagePool(10, BS), cfg, [2], host_pool=PagePool(20, BS, min_pages=0),
-                     costs=Costs(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6))
+                     costs=PreemptionCosts(page_bytes=65536, swap_bytes_per_second=4e9,
+                                           prefill_seconds_per_token=70e-6))
 
 
 def findable(s: Scheduler, hashes) -> list[str]:
@@ -188,7 +189,7 @@ def test_a_lost_stream_forgets_the_device_pages_its_unconfirmed_swap_ins_wrote()
     again = make_request(4, 0, 2, prompt=prefix + [5])
     s.add(again)
     drive(s, executor=ex)
-    assert again.num_cached_tokens == 28 and s.kv.swaps.spill_hits == 14
+    assert again.num_cached_tokens == 28 and s.counters.spill_hits == 14
 
 
 def test_evacuate_without_keep_cache_forgets_everything():
@@ -216,14 +217,14 @@ def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxe
         first = make_request(1, 0, 4, prompt=prompt)
         c.add_request(first)
         assert (await collect(first))[1] is None
-        old_id, old_call = engine.executor_id, engine.executor.call
+        old_id, old_call = engine.executor_id, engine.client.call
         if how == "restarted":
             boxes["a:1"].restart()
         elif how == "wiped":  # another scheduler's session attached meanwhile: same process, zeroed pages
             boxes["a:1"].executor = FakeExecutor(16)
-            engine.executor.pages_kept = False
+            engine.client.pages_kept = False
         old_call.cancel()  # the stream ends: noticed while idle
-        await until(lambda: engine.state is engine_mod.State.UP and engine.executor.call is not old_call)
+        await until(lambda: engine.state is engine_mod.State.UP and engine.client.call is not old_call)
         again = make_request(2, 0, 4, prompt=prompt + [9])
         c.add_request(again)
         out = await asyncio.wait_for(collect(again), 3)

@@ -53,7 +53,7 @@ def test_greedy_equal_to_transformers_through_a_prefix_hit_and_a_preemption(arch
     rest = server.generate(second, [MAX_NEW] * 3)
     assert [r.output_ids for r in first + rest] == want
     assert rest[0].num_cached_tokens == 32  # the prefix hit: two full pages of wave 1
-    assert server.scheduler.num_recompute_preemptions >= 1  # the preemption
+    assert server.scheduler.counters.recompute_preemptions >= 1  # the preemption
     assert any(r.num_preemptions for r in rest)
 
 

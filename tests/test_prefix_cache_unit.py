@@ -31,9 +31,9 @@ def test_hash_chain_is_salted_by_tenant_and_tags_extra_keys():
 def run_one(s: Scheduler, i: int, prompt: list[int], tenant: str = "default", max_tokens: int = 4):
     req = make_request(i, 0, max_tokens, prompt=prompt, tenant=tenant)
     s.add(req)
-    before = s.num_computed_tokens
+    before = s.counters.computed_tokens
     drive(s)
-    return req, s.num_computed_tokens - before
+    return req, s.counters.computed_tokens - before
 
 
 def test_same_tenant_hits_other_tenant_misses():
@@ -104,8 +104,8 @@ def test_100_requests_share_a_2000_token_prefix():
     # Request 0 computes the whole prefix and is one decode ahead when the other 99 prefill their suffix.
     suffix_pages = s.pool.pages_for(2000 + suffix_lens[0] + 1) - prefix_pages + sum(
         s.pool.pages_for(2000 + n) - prefix_pages for n in suffix_lens[1:])
-    assert s.peak_used_pages == prefix_pages + suffix_pages
-    assert s.num_computed_tokens == 2000 + sum(suffix_lens) + 1
+    assert s.counters.peak_used_pages == prefix_pages + suffix_pages
+    assert s.counters.computed_tokens == 2000 + sum(suffix_lens) + 1
     assert all(r.num_cached_tokens == 2000 for r in reqs[1:])
     assert s.pool.num_used == 0
 

@@ -32,7 +32,7 @@ def test_preemption_picks_the_newest_and_everything_still_finishes():
     for r in reqs:
         s.add(r)
     finished = drive(s)
-    assert len(finished) == 4 and s.num_preemptions > 0
+    assert len(finished) == 4 and s.counters.preemptions > 0
     assert reqs[0].num_preemptions == 0, "the oldest request is never the victim while newer ones run"
     assert pool.num_used == 0
 

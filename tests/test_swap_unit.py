@@ -12,14 +12,14 @@ import pytest
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import Costs, Mode, PreemptionConfig, PreemptionPolicy
+from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts, PreemptionPolicy
 from scheduler_svc.request import Finish, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from tests.fake_executor import FakeExecutor, drive, make_request, scheduled
 
 BS = 4
-# Costs that make swap clearly cheaper than recompute (as on the CPU: ~4 GB/s, ~70 us per token)
-CHEAP_SWAP = Costs(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6)
+# PreemptionCosts that make swap clearly cheaper than recompute (as on the CPU: ~4 GB/s, ~70 us per token)
+CHEAP_SWAP = PreemptionCosts(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6)
 
 
 def new_scheduler(pages=16, host_pages=32, mode=Mode.SWAP, caching=True, budget=64, seqs=8, max_len=64,
@@ -52,11 +52,11 @@ def test_overload_finishes_everything_with_contents_intact(mode, caching):
         s.add(reqs[-1])
     finished = drive(s)  # checks KV contents and both tiers' accounting after every step
     assert len(finished) == 12 and all(r.finish is Finish.LENGTH for r in finished)
-    assert s.num_preemptions > 0
+    assert s.counters.preemptions > 0
     if mode is Mode.RECOMPUTE:
-        assert s.num_swap_preemptions == 0 and s.kv.swaps.pages_out == s.kv.swaps.spilled
+        assert s.counters.swap_preemptions == 0 and s.counters.pages_swapped_out == s.counters.spilled_pages
     else:
-        assert s.num_swap_preemptions > 0 and s.kv.swaps.pages_in > 0
+        assert s.counters.swap_preemptions > 0 and s.counters.pages_swapped_in > 0
     assert_empty(s)
 
 
@@ -65,7 +65,7 @@ def test_no_host_tier_means_recompute_only():
     for i in range(6):
         s.add(make_request(i, 10, 20))
     drive(s)
-    assert s.num_preemptions > 0 and s.num_swap_preemptions == 0
+    assert s.counters.preemptions > 0 and s.counters.swap_preemptions == 0
     assert_empty(s)
 
 
@@ -77,7 +77,7 @@ def test_swap_resumes_without_recomputing():
             s.add(make_request(i, 11, 25, prompt=[10 + i] * 11))
         drive(s)
         assert_empty(s)
-        return s.num_computed_tokens, s.num_swap_preemptions, s.num_recompute_preemptions
+        return s.counters.computed_tokens, s.counters.swap_preemptions, s.counters.recompute_preemptions
 
     free_run, _, _ = total(200, Mode.SWAP)
     swapped, n_swap, n_rec = total(16, Mode.SWAP)
@@ -89,7 +89,7 @@ def test_swap_resumes_without_recomputing():
 def test_cost_rule_picks_the_cheaper_way():
     policy = PreemptionPolicy(PreemptionConfig(mode=Mode.AUTO), CHEAP_SWAP)
     assert policy.should_swap(pages_to_copy=4, tokens_to_recompute=16)
-    slow_copy = Costs(page_bytes=65536, swap_bytes_per_second=1e6, prefill_seconds_per_token=1e-6)
+    slow_copy = PreemptionCosts(page_bytes=65536, swap_bytes_per_second=1e6, prefill_seconds_per_token=1e-6)
     assert not PreemptionPolicy(PreemptionConfig(mode=Mode.AUTO), slow_copy).should_swap(4, 16)
     assert not policy.should_swap(pages_to_copy=None, tokens_to_recompute=10_000)  # no room on the host
     assert not PreemptionPolicy(PreemptionConfig(mode=Mode.RECOMPUTE), CHEAP_SWAP).should_swap(1, 10_000)
@@ -170,13 +170,13 @@ def test_spilled_prefix_comes_back_from_the_host():
     for i in range(1, 3):  # other prompts push the prefix out of the device tier
         s.add(make_request(i, 0, 2, prompt=[100 + i] * 33))
         drive(s)
-    assert s.kv.swaps.spilled >= 7 and all(s.pool.lookup(h) is None for h in first.page_hashes[:7])
-    before = s.num_computed_tokens
+    assert s.counters.spilled_pages >= 7 and all(s.pool.lookup(h) is None for h in first.page_hashes[:7])
+    before = s.counters.computed_tokens
     again = make_request(9, 0, 2, prompt=prefix + [4])
     s.add(again)
     drive(s)
-    assert s.kv.swaps.spill_hits == 7 and again.num_cached_tokens == 28
-    assert s.num_computed_tokens - before == 1 + 1  # the last prompt token and one decode
+    assert s.counters.spill_hits == 7 and again.num_cached_tokens == 28
+    assert s.counters.computed_tokens - before == 1 + 1  # the last prompt token and one decode
     assert_empty(s)
 
 
@@ -260,23 +260,23 @@ def test_host_tier_keeps_tenants_apart():
     for i in range(1, 3):
         s.add(make_request(i, 0, 2, prompt=[100 + i] * 33, tenant="a"))
         drive(s)
-    assert s.kv.swaps.spilled >= 7
+    assert s.counters.spilled_pages >= 7
     other = make_request(8, 0, 2, prompt=prefix + [4], tenant="b")
     s.add(other)
     drive(s)
-    assert other.num_cached_tokens == 0 and s.kv.swaps.spill_hits == 0
+    assert other.num_cached_tokens == 0 and s.counters.spill_hits == 0
     same = make_request(9, 0, 2, prompt=prefix + [4], tenant="a")
     s.add(same)
     drive(s)
     # (b's own pages spilled meanwhile and pushed some of a's out of the host LRU)
-    assert same.num_cached_tokens >= 16 and s.kv.swaps.spill_hits >= 4
+    assert same.num_cached_tokens >= 16 and s.counters.spill_hits >= 4
     assert_empty(s)
 
 
 def test_a_request_the_executor_keeps_rejecting_fails_alone():
     """Plans with swaps in them are rejected because of one request: its plans fail three times and it
     is aborted; the rejected page operations still run (resent alone) and nothing else fails."""
-    from scheduler_svc.scheduler import MAX_PLAN_RETRIES
+    from scheduler_svc.executor_session import MAX_PLAN_RETRIES
 
     s = new_scheduler(pages=9, hot=0, cold=0, seqs=4)
     reqs = [make_request(i, 12, 12, prompt=[80 + i] * 12) for i in range(4)]
@@ -302,7 +302,7 @@ def test_a_request_the_executor_keeps_rejecting_fails_alone():
 
 
 def test_page_operations_rejected_again_and_again_end_the_executor_session():
-    from scheduler_svc.scheduler import PlanLoopError
+    from scheduler_svc.executor_session import PlanLoopError
 
     s = new_scheduler(pages=9, hot=0, cold=0)
     for i in range(3):
@@ -325,11 +325,11 @@ def test_counters_survive_a_new_pool_geometry():
     for i in range(3):
         s.add(make_request(i, 12, 20, prompt=[70 + i] * 12))
     drive(s)
-    swaps = (s.kv.swaps.pages_out, s.kv.swaps.pages_in)
+    swaps = (s.counters.pages_swapped_out, s.counters.pages_swapped_in)
     assert swaps[0] > 0
     s.fail_all("executor restarted")
     s.reset_pool(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
-    assert (s.kv.swaps.pages_out, s.kv.swaps.pages_in) == swaps and s.host.num_pages == 10
+    assert (s.counters.pages_swapped_out, s.counters.pages_swapped_in) == swaps and s.host.num_pages == 10
 
 
 # ---- page budgets and attention windows ---------------------------------------------------------

@@ -75,7 +75,7 @@ def test_vtc_serves_the_tenant_with_least_weighted_service():
     assert q.head().tenant == "c"
     q.charge("c", output_tokens=40)  # 25 + 80 / 4 = 45 < b's 50
     assert q.head().tenant == "c"
-    q.pop(q.head())  # c idle now
+    q.remove(q.head())  # c idle now
     assert q.head().tenant == "b"
     q.append(make_request(9, 4, 4, tenant="c"))  # back from idle: starts at the current minimum (b: 50)
     assert q.service("c") == 50

@@ -24,10 +24,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc.api import GenerationService, InvalidRequest, attention_window
+from scheduler_svc.api import GenerationService, InvalidRequest
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.fit import attention_window
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import Costs, Mode, PreemptionConfig
+from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Request, Sampling, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -37,7 +38,7 @@ from tests.fake_executor import FakeExecutor, NullTokenizer
 
 BS = 4
 MAX_MODEL_LEN = 64
-CHEAP_SWAP = Costs(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6)
+CHEAP_SWAP = PreemptionCosts(page_bytes=65536, swap_bytes_per_second=4e9, prefill_seconds_per_token=70e-6)
 PREFIXES = [[(11 * k + j) % 200 + 3 for j in range(9)] for k in range(3)]  # shared prompt starts (2+ pages)
 TENANTS = [
     Tenant("a", weight=2.0),
@@ -77,7 +78,8 @@ class PageAccounting(RuleBasedStateMachine):
         host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
         tenants = Tenants(list(TENANTS)) if multi else Tenants()
         self.s = Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=CHEAP_SWAP, tenants=tenants)
-        self.api = SimpleNamespace(engine=SimpleNamespace(scheduler=self.s))  # for the API's own validation
+        self.api = SimpleNamespace(cluster=SimpleNamespace(  # for the API's own validation
+            tenant_capacity=self.s.tenant_capacity, block_size=BS, scheduler_config=self.s.config))
         self.ex = FakeExecutor(BS)
         self.pending: pb.StepPlan | None = None
         self.next_id = 0
@@ -123,7 +125,7 @@ class PageAccounting(RuleBasedStateMachine):
         except InvalidRequest:
             self.events["refused"] += 1
             return
-        sink, window = attention_window(t, s.config, budget, BS)
+        sink, window = attention_window(t, s.config.sliding_window, s.config.sink_tokens, budget, BS)
         if window and not budget and not s.window_page_limit(t.id, sink, window):
             return
         if n > s.config.max_num_seqs or (t.max_concurrent_requests and n > t.max_concurrent_requests):
@@ -164,7 +166,7 @@ class PageAccounting(RuleBasedStateMachine):
                 return
             self.complete()
 
-    @precondition(lambda self: self.pending is not None and not self.s.resending)
+    @precondition(lambda self: self.pending is not None and not self.s.session.resending)
     @rule(name_them=st.booleans(), odds=st.integers(0, 3))
     def reject(self, name_them: bool, odds: int) -> None:
         """The executor disagreed with the plan and ran nothing of it (a desync)."""

@@ -42,7 +42,7 @@ def windowed(i: int, tenant: str, prompt_len: int, budget: int, **kw):
 def assert_all_finish(s: Scheduler, reqs, steps: int = 400) -> None:
     drive(s, max_steps=steps)
     stuck = [(r.request_id, r.status.value, r.num_computed, r.compute_target) for r in reqs if r.finish is None]
-    assert not stuck, f"not finished after {steps} steps (preempted {s.num_preemptions} times): {stuck}"
+    assert not stuck, f"not finished after {steps} steps (preempted {s.counters.preemptions} times): {stuck}"
     assert s.pool.num_used == 0
 
 
@@ -115,5 +115,5 @@ def test_forks_do_not_take_turns_preempting_each_other():
     req.sampling.max_tokens = 28
     s.add(req)
     drive(s, max_steps=400)
-    assert not s.has_work, f"not finished after 400 steps (preempted {s.num_preemptions} times)"
+    assert not s.has_work, f"not finished after 400 steps (preempted {s.counters.preemptions} times)"
     assert s.pool.num_used == 0

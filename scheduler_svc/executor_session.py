@@ -1,0 +1,152 @@
+"""The scheduler's side of one executor's Run stream: step plans on the wire, and what is in flight.
+
+``Scheduler.schedule`` decides, in plain data, which requests compute how many tokens and which page
+operations run; the session encodes that as a ``StepPlan`` (deltas: a request's full page table the first
+time, or after its table changed in place; appended page ids and dropped page indices after that; a bare id
+in ``decodes`` for the steady one-token decode) and remembers it until the result comes back.
+
+The resend protocol: a plan the executor rejects ran nothing. Its page operations must still run before
+anything planned later (a later plan's swap-ins and copies may read what they write), so they go again,
+alone, in the next plan; every request of the rejected plan is sent in full next time. After
+MAX_PLAN_RETRIES rejections in a row the requests the executor named end with an error, and a resend of the
+same page operations rejected that often means the executor's state cannot be trusted (PlanLoopError).
+"""
+
+from __future__ import annotations
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.kv_manager import PageOps
+from scheduler_svc.request import Request, Status
+
+MAX_PLAN_RETRIES = 3
+
+
+class PlanLoopError(RuntimeError):
+    """The executor keeps rejecting page operations: its state cannot be trusted any more."""
+
+
+class ExecutorSession:
+    def __init__(self) -> None:
+        self.forget: list[str] = []  # request ids the executor drops with the next plan
+        self.scheduled: list[tuple[Request, int]] = []  # (request, tokens) of the plan in flight
+        self.sent_ops = PageOps()  # page operations of the plan in flight
+        self.resend_ops: PageOps | None = None  # those of a rejected plan: sent again, alone, first
+        self.resending = False  # the plan in flight is a resend of page operations
+        self.ops_failures = 0  # consecutive rejections of such resends
+        self.plan_failures = 0  # consecutive rejections of plans
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.forget or self.resend_ops)
+
+    # ---- encoding ------------------------------------------------------------------------------
+    def encode(self, step_id: int, scheduled: list[tuple[Request, int]], ops: PageOps) -> pb.StepPlan:
+        plan = pb.StepPlan(step_id=step_id, forget=self.forget)
+        self.forget = []
+        self.sent_ops = ops
+        _add_ops(plan, ops)
+        self.resending = False
+        decodes = []
+        for req, n in scheduled:
+            if n == 1 and req.num_pages_sent == len(req.page_table) and not req.dropped_pending:
+                decodes.append(req.request_id)
+                req.last_scheduled = step_id
+            else:
+                _add_request(plan, req, n)
+        plan.decodes.extend(decodes)
+        self.scheduled = scheduled
+        return plan
+
+    def resend(self, step_id: int) -> pb.StepPlan:
+        """The page operations of a rejected plan, alone, before anything planned later."""
+        plan = pb.StepPlan(step_id=step_id, forget=self.forget)
+        self.forget = []
+        self.sent_ops, self.resend_ops = self.resend_ops, None
+        _add_ops(plan, self.sent_ops)
+        self.resending = True
+        return plan
+
+    # ---- results -------------------------------------------------------------------------------
+    def accepted(self) -> tuple[list[tuple[Request, int]], PageOps, bool]:
+        """The executor ran the plan in flight: (its requests and tokens, its page operations to confirm,
+        whether it was a resend -- then only page operations ran, its requests are still to go)."""
+        scheduled, self.scheduled = self.scheduled, []
+        ops, self.sent_ops = self.sent_ops, PageOps()
+        self.ops_failures = 0
+        if not self.resending:
+            self.plan_failures = 0
+        return scheduled, ops, self.resending
+
+    def rejected(self, error: str, desynced: set[str]) -> list[Request]:
+        """The executor disagreed and ran nothing of the plan in flight: its page operations go again, its
+        requests in full. Returns the running requests that must end with an error (after MAX_PLAN_RETRIES
+        rejections in a row: those the executor named, all of the plan's if it named none)."""
+        scheduled, self.scheduled = self.scheduled, []
+        if self.resending:
+            self.ops_failures += 1
+            if self.ops_failures >= MAX_PLAN_RETRIES:
+                raise PlanLoopError(f"executor rejected the same page operations {self.ops_failures} times: {error}")
+        else:
+            self.plan_failures += 1
+        if self.sent_ops:
+            self.resend_ops = self.sent_ops
+        self.sent_ops = PageOps()
+        ended = []
+        for req, _ in scheduled:
+            req.num_pages_sent = -1
+            named = not desynced or req.request_id in desynced
+            if self.plan_failures >= MAX_PLAN_RETRIES and named and req.status is Status.RUNNING:
+                ended.append(req)
+        return ended
+
+    # ---- a lost stream -------------------------------------------------------------------------
+    def unconfirmed_ops(self) -> list[PageOps]:
+        """Page operations sent (or to be resent) that the executor has not confirmed."""
+        return [ops for ops in (self.sent_ops, self.resend_ops) if ops is not None]
+
+    def drop_inflight(self) -> list[PageOps]:
+        """Forgets the plan in flight and any resend; returns their page operations (to release)."""
+        ops = self.unconfirmed_ops()
+        self.scheduled = []
+        self.sent_ops, self.resend_ops = PageOps(), None
+        self.resending, self.ops_failures = False, 0
+        return ops
+
+    def reset(self) -> None:
+        """A new stream (or none): nothing to forget, no failures counted."""
+        self.forget = []
+        self.plan_failures = 0
+
+
+def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
+    # Copies run after swap-ins: a copy source overwritten by a swap-in of the same plan would be read too
+    # late. Today no page is freed and handed out again within a plan after a copy was planned from it
+    # (sources stay referenced); this keeps it that way.
+    if ops.copy and ops.swap_in:
+        assert not {d for _, d in ops.swap_in} & {s for s, _ in ops.copy}, "swap-in over a copy source"
+    for src, dst in ops.swap_out:
+        plan.page_ops.swap_out.add(src=src, dst=dst)
+    for src, dst in ops.swap_in:
+        plan.page_ops.swap_in.add(src=src, dst=dst)
+    for src, dst in ops.copy:
+        plan.page_ops.copy.add(src=src, dst=dst)
+
+
+def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
+    if req.num_pages_sent < 0:
+        s = req.sampling
+        plan.new_requests.add(
+            request_id=req.request_id, token_ids=req.all_token_ids[: req.compute_target],
+            num_computed_tokens=req.num_computed, num_scheduled_tokens=n, page_ids=req.page_table,
+            sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                       seed=s.seed, logprobs=s.logprobs),
+            num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
+            window_tokens=req.window_tokens,
+        )
+    else:
+        plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,
+                            new_page_ids=req.page_table[req.num_pages_sent:],
+                            dropped_page_indices=req.dropped_pending)
+    req.dropped_pending = []
+    req.num_pages_sent = len(req.page_table)
+    req.last_scheduled = plan.step_id

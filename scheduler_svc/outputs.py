@@ -1,0 +1,71 @@
+"""From sampled tokens to client messages: detokenizing, stop checks, finish reasons, delivery.
+
+``OutputProcessor.on_token`` appends one sampled token to a request and decides whether it ends the request
+(a stop token or EOS, a stop string, max_tokens or max_len, the 'stop' policy of a page budget); the scheduler
+then frees what the request held. ``final`` is the last message of a request, with its usage. ``deliver`` puts
+messages on the clients' streams and counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc import metrics
+from scheduler_svc.fit import pages_for
+from scheduler_svc.request import Finish, Output, Request
+
+
+@dataclass(slots=True)
+class TokenOutcome:
+    finish: Finish | None = None
+    stop_reason: str = ""
+    budget_hit: bool = False  # it ended at its page budget ('stop' policy)
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: set[int], block_size: int) -> None:
+        self.eos = eos_token_ids
+        self.block_size = block_size
+
+    def on_token(self, req: Request, token: int) -> TokenOutcome:
+        """Appends token to req's output and text; whether (and why) it ends req."""
+        req.output_ids.append(token)
+        s = req.sampling
+        stop_token = token in s.stop_token_ids or (not s.ignore_eos and token in self.eos)
+        req.detokenizer.add(token, emit_text=not stop_token)
+        if stop_token:
+            return TokenOutcome(Finish.STOP, str(token))
+        if req.detokenizer.stopped_by is not None:
+            return TokenOutcome(Finish.STOP, req.detokenizer.stopped_by)
+        if len(req.output_ids) >= s.max_tokens or req.num_tokens >= req.max_len:
+            return TokenOutcome(Finish.LENGTH)
+        if (req.page_budget and req.overflow == "stop"
+                and pages_for(req.num_tokens, self.block_size) > req.page_budget):
+            # the next token's KV would need a page beyond the request's budget
+            return TokenOutcome(Finish.LENGTH, f"page_budget: {req.page_budget} pages reached", budget_hit=True)
+        return TokenOutcome()
+
+    @staticmethod
+    def delta(req: Request, token: int, logprob: float) -> Output:
+        """The message for a token that did not end its request."""
+        logprobs = [logprob] if req.sampling.logprobs else []
+        return Output(req.detokenizer.take(final=False), [token], logprobs, index=req.index)
+
+    @staticmethod
+    def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
+        """The last message of an ended request: the text left (flushed unless aborted) and its usage."""
+        if finish is not Finish.ABORT:
+            req.detokenizer.flush()
+        return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error, index=req.index,
+                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                      cached_tokens=req.num_cached_tokens)
+
+
+def deliver(outputs: list[tuple[Request, Output]]) -> None:
+    """Puts each message on its client's stream."""
+    for req, out in outputs:
+        req.queue.put_nowait(out)
+        if out.token_ids:
+            metrics.GENERATED_TOKENS.inc(len(out.token_ids))
+        if out.finish is not None:
+            metrics.FINISHED.labels(out.finish.value).inc()
