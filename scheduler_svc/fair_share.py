@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scheduler_svc.admission import first_chunk
 from scheduler_svc.request import Request
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def victims_for_head(s: Scheduler) -> list[Request]:
         return []
     if s.limits.at_seat_limit(req.tenant, req.n):
         return []  # its own limit holds it back: taking from others would not help
-    hits, n = s.first_chunk(req, hits, s.config.max_num_batched_tokens)
+    hits, n = first_chunk(s, req, hits, s.config.max_num_batched_tokens)
     need = s.kv.pages_to_admit(hits, n)
     if s.limits.over_quota(s.limits.get(req.tenant), need):
         return []

@@ -36,7 +36,6 @@ class PagePool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # front = next out
         self.hash_of_page: dict[int, bytes] = {}
         self.page_of_hash: dict[bytes, int] = {}
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -68,7 +67,6 @@ class PagePool:
             old = self.hash_of_page.pop(page, None)
             if old is not None:
                 del self.page_of_hash[old]
-                self.num_evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(page, old)
             self.refcounts[page] = 1

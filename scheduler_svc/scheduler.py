@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc import fair_share, lifecycle
+from scheduler_svc import admission, fair_share, lifecycle
 from scheduler_svc.executor_session import ExecutorSession
 from scheduler_svc.fairness import WaitQueue
 from scheduler_svc.kv_manager import KVManager, held
@@ -200,16 +200,16 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            self._admit(budget, scheduled)
+            admission.admit(self, budget, scheduled)
         elif self.tenants.total_reserved:  # pages are short, but reserved pages are there for their tenants
-            self._admit(budget, scheduled, only_reserved=True)
+            admission.admit(self, budget, scheduled, only_reserved=True)
         return scheduled
 
     def _reserve(self, req: Request, n: int, unscheduled: list[Request]) -> tuple[bool, int]:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req); returns
         (whether req got them, how many were preempted)."""
         now = self.step_id + 1
-        self._drop_outside_window(req)
+        self.drop_outside_window(req)
         over_share: set[str] | None = None
         tenant = self.limits.get(req.tenant)
         preempted = 0
@@ -230,7 +230,7 @@ class Scheduler:
             req.num_pages_sent = -1  # its table changed in place: send it in full
         return True, preempted
 
-    def _drop_outside_window(self, req: Request) -> None:
+    def drop_outside_window(self, req: Request) -> None:
         dropped = self.kv.drop_outside_window(req)
         if not dropped:
             return
@@ -258,120 +258,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.session.forget.append(req.request_id)
         self.counters.preemptions += 1
-
-    # ---- admission -----------------------------------------------------------------------------
-    def first_chunk(self, req: Request, hits: list, budget: int) -> tuple[list, int]:
-        """The cache hits a request admitted now uses and the tokens its first step computes: with a page
-        budget (or a window's page limit) at most limit - 1 pages come from the cache, the rest fit it."""
-        limit = req.page_budget or req.page_limit
-        if limit:
-            hits = hits[: limit - 1]
-        n = min(req.compute_target - len(hits) * self.pool.block_size, budget)
-        if limit:
-            n = min(n, (limit - len(hits)) * self.pool.block_size)
-        return hits, n
-
-    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], only_reserved: bool = False) -> None:
-        """Swapped requests that waited too long first (nothing else is admitted until they fit); then new
-        and recompute-preempted requests in fair order (one whose shared prefix another request is computing
-        waits); then the other swapped requests, in swap-out order. only_reserved: just new requests of
-        tenants below their reserved minimum (a step that preempted admits nothing else)."""
-        if not self.waiting and not self.swapped:
-            return
-        seats = sum(r.n for r in self.running)  # a parent that has not forked yet holds n seats
-        if only_reserved:
-            skip = {t for t in self.waiting.queues if self.limits.used_pages(t) >= self.limits.get(t).reserved_pages}
-            self._admit_waiting(budget, scheduled, seats, skip)
-            return
-        now = self.step_id + 1
-        wait = self.policy.config.swap_in_max_wait
-        for req in [r for r in self.swapped if now - r.swapped_at >= wait]:
-            if budget <= 0:
-                break
-            n = self._swap_in(req, budget, seats, scheduled)
-            if n == 0:
-                return  # an overdue request waits for room: nothing else goes ahead of it
-            if n is not None:
-                seats += req.n
-                budget -= n
-        budget, seats, blocked = self._admit_waiting(budget, scheduled, seats, set())
-        for req in list(self.swapped):
-            if blocked or budget <= 0:
-                break
-            n = self._swap_in(req, budget, seats, scheduled)
-            if n == 0:
-                break
-            if n is not None:
-                seats += req.n
-                budget -= n
-
-    def _swap_in(self, req: Request, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int | None:
-        """Brings a swapped request back if it fits; returns the tokens it takes, 0 when the pool or the
-        seats are short (wait), None when its own tenant's limits hold it back (others may go)."""
-        if seats + req.n > self.config.max_num_seqs:
-            return 0
-        if self.limits.at_seat_limit(req.tenant, req.n):
-            return None
-        self._drop_outside_window(req)  # host pages outside the window are not worth copying back
-        n = self.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
-        need = self.kv.pages_to_swap_in(req, n)
-        capacity = self.limits.capacity(req.tenant)
-        if need > capacity:  # it can never come back (e.g. a quota lowered by reload)
-            self.deferred_outputs.append((req, self.finish(
-                req, Finish.ABORT,
-                error=f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")))
-            return None
-        if not self.limits.can_take(req.tenant, need, self.watermark_pages if self.running else 0):
-            return None if self.limits.over_quota(self.limits.get(req.tenant), need) else 0
-        self.swapped.remove(req)
-        self.kv.swap_in(req, n)
-        req.status = Status.RUNNING
-        self.running.append(req)
-        scheduled.append((req, n))
-        return n
-
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]], seats: int,
-                       skip_tenants: set[str]) -> tuple[int, int, bool]:
-        """New and recompute-preempted requests in fair order; returns (budget, seats, blocked). Tenants in
-        skip_tenants (and those reaching their quota or concurrency limit) are passed over."""
-        skip: set[int] = set()  # requests waiting for another's in-flight prefix pages
-        running_by_tenant = self.limits.seats()  # (on every executor: the concurrency limit is the sum's)
-        blocked = False
-        while budget > 0:
-            req = self.waiting.head(skip, skip_tenants)
-            if req is None:
-                break
-            if seats + req.n > self.config.max_num_seqs:
-                blocked = True
-                break
-            tenant = self.limits.get(req.tenant)
-            if self.limits.at_seat_limit(req.tenant, req.n, running_by_tenant.get(req.tenant, 0)):
-                skip_tenants.add(req.tenant)
-                continue
-            hits = self.kv.find_hits(req)
-            if self.kv.waits_for_inflight(req, len(hits)):
-                skip.add(id(req))
-                continue
-            hits, n = self.first_chunk(req, hits, budget)
-            need = self.kv.pages_to_admit(hits, n)
-            slack = self.watermark_pages if self.running else 0
-            if not self.limits.can_take(req.tenant, need, slack):
-                if self.limits.over_quota(tenant, need) or self.pool.can_allocate(need + slack):
-                    skip_tenants.add(req.tenant)  # its quota, or other tenants' reserves: others may go
-                    continue
-                blocked = True
-                break
-            self.waiting.remove(req)
-            self.kv.admit(req, hits, n)
-            if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
-                self.waiting.charge(req.tenant, prompt_tokens=req.compute_target - len(hits) * self.pool.block_size)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            running_by_tenant[req.tenant] = running_by_tenant.get(req.tenant, 0) + req.n
-            seats += req.n
-            scheduled.append((req, n))
-            budget -= n
-        return budget, seats, blocked
 
     # ---- results -------------------------------------------------------------------------------
     def process(self, result: pb.StepResult) -> Outputs:
