@@ -1,7 +1,7 @@
 """The model read from a Hugging Face directory: config.json and generation_config.json, honoured or refused.
 
 Every field of the supported families' configs (transformers' LlamaConfig, MistralConfig, Qwen2Config,
-Qwen3Config, Phi3Config) is
+Qwen3Config, Phi3Config, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig) is
 classified in FIELDS below: ``handled`` (the model code implements it; where it changes the math a test
 compares with transformers), ``refused`` (start-up stops with a ValueError naming the field and its value
 whenever it is set to anything but its "off" value), or ``irrelevant`` (it does not change inference math;
@@ -10,9 +10,15 @@ that is in none of the three, so a new transformers field has to be classified b
 ignored. Some handled fields accept only some values (CHECKS below); others are refused.
 
 A field in a checkpoint's config.json that no supported family defines is ignored by transformers too (its
-Llama/Mistral/Qwen2/Qwen3/Phi3 code never reads it), so ignoring it keeps pagedkv equal to transformers; such fields
-are listed in ``ModelConfig.unknown_fields`` and logged at start-up. Fields of other families that change
-their math (FOREIGN_MATH) are refused instead: a config that sets them is almost surely not one of ours.
+code for these families never reads it), so ignoring it keeps pagedkv equal to transformers; such fields are
+listed in ``ModelConfig.unknown_fields`` and logged at start-up. Fields that change the math of some family
+(FOREIGN_MATH, and the soft-capping ones) are refused in a family whose code does not read them (FAMILY_MATH
+says which family reads which): a config that sets them is almost surely another family's checkpoint.
+
+Per-layer attention windows (Gemma 2/3's alternating local and global layers, Qwen2's max_window_layers) are
+honoured in the model: each layer attends with its own window (``ModelConfig.layer_windows``). The scheduler
+does not need them: it frees a request's pages only by the request's own sink + window policy, never by the
+model's window, so a page stays while any layer can still read it (local layers simply mask it).
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ import torch
 
 # model_type -> the causal-LM class transformers builds for it
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")  # (1 + w) RMSNorm, sandwich norms, scaled embeddings, query_pre_attn_scalar
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # top-k routed experts
+PER_LAYER_WINDOWS = ("qwen2", "qwen3", "qwen2_moe") + GEMMA  # layer_types says which layers have the window
+UNIFORM_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # sliding_window applies to every layer
 SUPPORTED_ARCHITECTURES = set(FAMILIES.values())
 # hidden_act values the MLP implements, each the same torch function transformers' ACT2FN uses
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -72,8 +84,33 @@ FIELDS: dict[str, tuple[str, str]] = {
     "quantization_config": (HANDLED, "4-bit AWQ (GEMM) and GPTQ (desc_act, sym, any group size) weights load, "
                                      "kept 4-bit (tested against HF on the dequantized weights); other methods, "
                                      "bit widths and layouts refused with the field and value"),
-    "attn_logit_softcapping": (REFUSED, "attention logit soft-capping is not implemented"),
-    "final_logit_softcapping": (REFUSED, "final logit soft-capping is not implemented"),
+    "attn_logit_softcapping": (HANDLED, "Gemma 2/3: cap * tanh(scores / cap) before the softmax (tested against "
+                                        "HF); refused in the other families"),
+    "final_logit_softcapping": (HANDLED, "Gemma 2/3: cap * tanh(logits / cap) (tested against HF); refused in the "
+                                         "other families"),
+    # Gemma 2/3
+    "hidden_activation": (HANDLED, "Gemma's MLP activation (its hidden_act is not read, as in transformers)"),
+    "query_pre_attn_scalar": (HANDLED, "Gemma: attention scale query_pre_attn_scalar ** -0.5 (tested against HF)"),
+    "_sliding_window_pattern": (HANDLED, "Gemma 3: every n-th layer global (transformers writes layer_types "
+                                         "from it)"),
+    "sliding_window_pattern": (HANDLED, "Gemma 3: old way to state layer_types (transformers converts it)"),
+    "rope_local_base_freq": (HANDLED, "Gemma 3: old name of the local layers' rope theta (transformers moves it "
+                                      "into rope_parameters['sliding_attention'])"),
+    "use_bidirectional_attention": (REFUSED, "Gemma: non-causal attention (embedding models) is not implemented"),
+    # mixture of experts
+    "num_local_experts": (HANDLED, "Mixtral/Qwen3-MoE: routed experts per MoE layer (tested against HF)"),
+    "num_experts": (HANDLED, "Qwen2-MoE/Qwen3-MoE: routed experts per MoE layer (tested against HF)"),
+    "num_experts_per_tok": (HANDLED, "MoE: top-k experts each token goes to (tested against HF)"),
+    "norm_topk_prob": (HANDLED, "Qwen MoE: top-k weights renormalized to sum 1 (Mixtral always does; tested)"),
+    "moe_intermediate_size": (HANDLED, "Qwen MoE: each routed expert's MLP width"),
+    "shared_expert_intermediate_size": (HANDLED, "Qwen2-MoE: the shared expert's width, gated by "
+                                                 "sigmoid(shared_expert_gate) (tested against HF)"),
+    "decoder_sparse_step": (HANDLED, "Qwen MoE: every n-th layer is MoE, the others a dense MLP (tested)"),
+    "mlp_only_layers": (HANDLED, "Qwen MoE: layers with a dense MLP instead of experts (tested against HF)"),
+    "qkv_bias": (HANDLED, "Qwen2-MoE: q/k/v biases (tested against HF)"),
+    "output_router_logits": (IRRELEVANT, "MoE: returns the router logits for the training loss; same routing"),
+    "router_aux_loss_coef": (IRRELEVANT, "MoE: weight of the training load-balancing loss"),
+    "router_jitter_noise": (IRRELEVANT, "Mixtral: noise on the router input in training mode only"),
     # no effect on inference math
     "pretraining_tp": (IRRELEVANT, "transformers' Llama no longer reads it; it only split the same matmuls"),
     "bos_token_id": (IRRELEVANT, "the tokenizer adds it to the prompt; the model does nothing special with it"),
@@ -106,7 +143,14 @@ FOREIGN_MATH = (
     "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "num_experts", "num_local_experts",
     "num_experts_per_tok", "embedding_multiplier", "logits_scaling", "residual_multiplier",
     "attention_multiplier", "partial_rotary_factor", "use_mrope", "alibi", "use_parallel_residual",
+    "attn_logit_softcapping", "final_logit_softcapping", "moe_intermediate_size", "shared_expert_intermediate_size",
 )
+# field -> the families whose code reads it (elsewhere it is refused when set)
+FAMILY_MATH = {
+    "query_pre_attn_scalar": GEMMA, "attn_logit_softcapping": GEMMA, "final_logit_softcapping": GEMMA,
+    "num_experts": MOE, "num_local_experts": MOE, "num_experts_per_tok": MOE,
+    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe"), "shared_expert_intermediate_size": ("qwen2_moe",),
+}
 REFUSED_FIELDS = tuple(name for name, (kind, _) in FIELDS.items() if kind == REFUSED) + FOREIGN_MATH
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -182,29 +226,30 @@ def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
         raise ValueError(f"{where}: architectures = {archs} is not supported for model_type {family!r} "
                          f"(expected [{FAMILIES[family]!r}])")
     for name in REFUSED_FIELDS:
+        if family in FAMILY_MATH.get(name, ()):
+            continue
         if name in d and not _off(d[name]) and not (name == "partial_rotary_factor" and d[name] == 1.0):
-            raise ValueError(f"{where}: {name} = {d[name]!r} is not supported ({_why(name)})")
-    act = d.get("hidden_act", "silu")
+            raise ValueError(f"{where}: {name} = {d[name]!r} is not supported ({_why(name, family)})")
+    act_field = "hidden_activation" if family in GEMMA else "hidden_act"
+    act = d.get(act_field) or "silu"
     if act not in ACTIVATIONS:
-        raise ValueError(f"{where}: hidden_act = {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    rope = d.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{where}: rope_parameters.rope_type = {rope_type!r} is not supported "
-                         f"(it changes with the sequence length); supported: {', '.join(ROPE_TYPES)}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: rope_parameters.partial_rotary_factor = {rope['partial_rotary_factor']!r} "
-                         "is not supported (rotary embedding over the whole head only)")
+        raise ValueError(f"{where}: {act_field} = {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    for label, rope in _rope_sets(d, family):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{where}: {label}.rope_type = {rope_type!r} is not supported "
+                             f"(it changes with the sequence length); supported: {', '.join(ROPE_TYPES)}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{where}: {label}.partial_rotary_factor = {rope['partial_rotary_factor']!r} "
+                             "is not supported (rotary embedding over the whole head only)")
     layer_types = list(d.get("layer_types") or [])
-    if any(t != "full_attention" for t in layer_types):
+    odd = sorted({t for t in layer_types} - {"full_attention", "sliding_attention"})
+    if odd or (family not in PER_LAYER_WINDOWS and "sliding_attention" in layer_types):
         windowed = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-        applies = family not in ("qwen2", "qwen3") or d.get("sliding_window") is not None
-        if applies or any(layer_types[i] != "sliding_attention" for i in windowed):
-            extra = (f" (from use_sliding_window = {d.get('use_sliding_window')!r}, max_window_layers = "
-                     f"{d.get('max_window_layers')!r}, sliding_window = {d.get('sliding_window')!r})"
-                     if family in ("qwen2", "qwen3") else "")
-            raise ValueError(f"{where}: layer_types = {_short(layer_types)} puts a window on layers {windowed}"
-                             f"{extra}; per-layer attention windows are not supported yet")
+        raise ValueError(f"{where}: layer_types = {_short(layer_types)} puts {odd or 'a window'} on layers "
+                         f"{windowed}; model_type {family!r} has no per-layer attention types")
+    if family in MOE:
+        _check_moe(d, where)
     if not _off(d.get("quantization_config")):
         from executor_svc.model.quant import parse_quant_config
 
@@ -213,14 +258,48 @@ def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
     return family, unknown
 
 
-def _why(name: str) -> str:
+def _why(name: str, family: str) -> str:
+    if name in FAMILY_MATH:
+        return f"model_type {family!r} does not read it; only {', '.join(FAMILY_MATH[name])} do"
     if name in FIELDS:
         return FIELDS[name][1]
     return "a field of another model family that changes its math"
 
 
+def _rope_sets(d: dict, family: str) -> list[tuple[str, dict]]:
+    """(label, rope parameters) of each set the family uses: Gemma 3 has one per layer type."""
+    rope = d.get("rope_parameters") or {}
+    if family == "gemma3_text":
+        return [(f"rope_parameters[{t!r}]", rope.get(t) or {}) for t in ("full_attention", "sliding_attention")]
+    return [("rope_parameters", rope)]
+
+
+def _check_moe(d: dict, where: str) -> None:
+    experts, top_k = d.get("num_experts", d.get("num_local_experts")), d.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{where}: num_experts = {experts!r} must be an integer >= 1")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok = {top_k!r} must be an integer in [1, {experts}]")
+    step = d.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step = {step!r} must be an integer >= 1")
+
+
 def _short(values: list) -> str:
     return repr(values) if len(values) <= 8 else repr(values[:8])[:-1] + f", ... ({len(values)} layers)]"
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """Top-k routed experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    normalize: bool  # top-k weights renormalized to sum 1
+    expert_size: int  # each expert's MLP width
+    shared_size: int  # Qwen2-MoE: the sigmoid-gated shared expert's width (0: none)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP of intermediate_size
+    mixtral_names: bool  # block_sparse_moe.experts.N.w1/w2/w3 (else mlp.experts.N.gate/up/down_proj)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +331,14 @@ class ModelConfig:
     unknown_fields: tuple[str, ...] = ()
     # 4-bit weights (executor_svc.model.quant.QuantSpec) from quantization_config; None: float weights
     quantization: object = None
+    # per layer: its attention window in tokens (0: full attention); () when sliding_window covers every layer
+    layer_windows: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # Gemma 3: each layer's rope set (full_attention / sliding_attention)
+    gemma: bool = False  # (1 + w) RMSNorm in fp32, sandwich norms, embeddings scaled by sqrt(hidden_size)
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -279,9 +366,10 @@ class ModelConfig:
                 raise ValueError(f"model {path}: eos_token_id {i} is outside the vocabulary ({vocab} tokens)")
             if i not in eos:
                 eos.append(i)
-        window = getattr(hf, "sliding_window", None) if family in ("mistral", "phi3") else None
+        window = (getattr(hf, "sliding_window", None) or None) if family in UNIFORM_WINDOW else None
         llama = family == "llama"
-        biased = family in ("llama", "qwen3") and bool(getattr(hf, "attention_bias", False))  # q/k/v/o
+        biased = family in ("llama", "qwen3", "qwen3_moe") and bool(getattr(hf, "attention_bias", False))
+        gemma = family in GEMMA
         return cls(
             path=path,
             architecture=FAMILIES[family],
@@ -296,20 +384,50 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or biased,
+            attention_bias=family == "qwen2" or biased or (family == "qwen2_moe" and bool(hf.qkv_bias)),
             sliding_window=window,
             eos_token_ids=tuple(eos),
             family=family,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             fused_projections=family == "phi3",
-            hidden_act=getattr(hf, "hidden_act", "silu"),
+            hidden_act=(hf.hidden_activation if gemma else getattr(hf, "hidden_act", None)) or "silu",
             o_proj_bias=biased,
             mlp_bias=llama and bool(getattr(hf, "mlp_bias", False)),
             generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
                                                       "repetition_penalty") if k in gen},
             unknown_fields=tuple(unknown),
             quantization=_quantization(hf, path),
+            layer_windows=_layer_windows(hf, family),
+            layer_types=tuple(hf.layer_types) if family == "gemma3_text" else (),
+            gemma=gemma,
+            attn_scale=hf.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5,
+            attn_softcap=getattr(hf, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(hf, "final_logit_softcapping", None) if gemma else None,
+            moe=_moe(hf, family),
         )
+
+
+def _layer_windows(hf, family: str) -> tuple[int, ...]:
+    """Each layer's window where the family has per-layer attention types (as transformers builds each
+    attention: the config's sliding_window on "sliding_attention" layers, none elsewhere)."""
+    if family not in PER_LAYER_WINDOWS:
+        return ()
+    window = getattr(hf, "sliding_window", None) or 0
+    windows = tuple(window if t == "sliding_attention" else 0 for t in hf.layer_types)
+    return windows if any(windows) else ()
+
+
+def _moe(hf, family: str) -> MoeSpec | None:
+    if family not in MOE:
+        return None
+    if family == "mixtral":
+        return MoeSpec(hf.num_local_experts, hf.num_experts_per_tok, True, hf.intermediate_size, 0,
+                       (True,) * hf.num_hidden_layers, True)
+    sparse = tuple(i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0
+                   for i in range(hf.num_hidden_layers))
+    shared = hf.shared_expert_intermediate_size if family == "qwen2_moe" else 0
+    return MoeSpec(hf.num_experts, hf.num_experts_per_tok, bool(hf.norm_topk_prob), hf.moe_intermediate_size,
+                   shared, sparse, False)
 
 
 def _quantization(hf, path: Path):

@@ -109,8 +109,8 @@ def build_random_model(
     config_overrides: dict | None = None,
     generation_eos: list[int] | None = None,
 ) -> Path:
-    """Builds a random Llama-, Qwen2-, Qwen3-, Mistral- or Phi-3-style model with the byte tokenizer and saves
-    it as HF files.
+    """Builds a random model of one of ARCHS (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text,
+    Mixtral, Qwen2-MoE, Qwen3-MoE style) with the byte tokenizer and saves it as HF files.
 
     ``initializer_range`` is larger than usual so that greedy choices are not near-ties: token-exact
     comparisons against transformers must not hinge on the last bit of a float. ``config_overrides`` go
@@ -168,22 +168,62 @@ def build_random_model(
         config = Phi3Config(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0,
                             sliding_window=sliding_window, original_max_position_embeddings=max_position_embeddings)
         cls = Phi3ForCausalLM
+    elif arch in ("gemma2", "gemma3"):  # tied, gelu_pytorch_tanh, explicit head_dim (Gemma's default 256)
+        common.setdefault("head_dim", hidden_size // num_heads)
+        common.setdefault("query_pre_attn_scalar", common["head_dim"])
+        common.setdefault("hidden_activation", "gelu_pytorch_tanh")
+        tie = True if tie_word_embeddings is None else tie_word_embeddings
+        config = _family_config(arch)(**common, tie_word_embeddings=tie, sliding_window=sliding_window or 4096)
+        cls = _family_class(arch)
+    elif arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # a few small experts, top-2
+        common.setdefault("num_experts" if arch != "mixtral" else "num_local_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        if arch != "mixtral":
+            common.setdefault("moe_intermediate_size", intermediate_size // 2)
+        if arch == "qwen2_moe":
+            common.setdefault("shared_expert_intermediate_size", intermediate_size)
+        if arch == "qwen3_moe":
+            common.setdefault("head_dim", hidden_size // num_heads)
+        if arch == "mixtral":
+            common["sliding_window"] = sliding_window
+        config = _family_config(arch)(**common, tie_word_embeddings=bool(tie_word_embeddings))
+        cls = _family_class(arch)
     else:
-        raise ValueError(f"arch must be 'llama', 'qwen2', 'qwen3', 'mistral' or 'phi3', got {arch!r}")
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
     with torch.no_grad():  # HF initialises biases to zero; make them matter
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, initializer_range)
-        for name, param in model.named_parameters():  # Qwen3's per-head norms start at one; make them matter
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+        for name, param in model.named_parameters():  # norms start at one (Gemma: zero); make them matter
+            if arch.startswith("gemma") and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1.0, 0.3)
     if generation_eos is not None:
         model.generation_config.eos_token_id = list(generation_eos)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     build_byte_tokenizer(out_dir)
     return out_dir
+
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _family_config(arch: str):
+    import transformers
+
+    return getattr(transformers, {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "mixtral": "MixtralConfig",
+                                  "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}[arch])
+
+
+def _family_class(arch: str):
+    import transformers
+
+    return getattr(transformers, {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                  "qwen3_moe": "Qwen3MoeForCausalLM"}[arch])
 
 
 def build_tiny_llama(out_dir: Path) -> Path:

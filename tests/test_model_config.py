@@ -78,12 +78,24 @@ def assert_greedy_equal(path: Path, max_new: int = 12, **kw) -> None:
 
 
 def family_config_fields() -> dict[str, set[str]]:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = {}
-    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config):
+    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma2Config, Gemma3TextConfig,
+                MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
         keys = set(cls().to_dict())
-        if cls in (Qwen2Config, Qwen3Config):
+        if cls in (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig):
             keys |= set(cls(use_sliding_window=True).to_dict())
         if dataclasses.is_dataclass(cls):  # transformers 5 declares the fields (ClassVars are not fields)
             keys |= {f.name for f in dataclasses.fields(cls)}
@@ -92,8 +104,8 @@ def family_config_fields() -> dict[str, set[str]]:
 
 
 def test_every_field_of_the_supported_families_is_classified():
-    """A field transformers adds to LlamaConfig/MistralConfig/Qwen2Config/Qwen3Config/Phi3Config fails here until
-    it is put in FIELDS (handled, refused or irrelevant, with the reason)."""
+    """A field transformers adds to the supported families' config classes fails here until it is put in FIELDS
+    (handled, refused or irrelevant, with the reason)."""
     unclassified = {name: sorted(k for k in keys if k not in FIELDS) for name, keys in family_config_fields().items()}
     assert unclassified == {name: [] for name in unclassified}, unclassified
     assert {kind for kind, _ in FIELDS.values()} == {HANDLED, REFUSED, IRRELEVANT}
@@ -145,23 +157,26 @@ REFUSALS = [
     ("partial_rotary_factor", "llama", {"partial_rotary_factor": 0.5}, "0.5"),
     ("quantization_config", "llama", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "'bitsandbytes'"),
+    # Gemma's fields in a family that does not read them
     ("attn_logit_softcapping", "llama", {"attn_logit_softcapping": 50.0}, "50.0"),
     ("final_logit_softcapping", "llama", {"final_logit_softcapping": 30.0}, "30.0"),
+    ("query_pre_attn_scalar", "qwen2", {"query_pre_attn_scalar": 24}, "24"),
     ("num_local_experts", "llama", {"num_local_experts": 8}, "8"),
-    ("model_type", "llama", {"model_type": "gemma2"}, "'gemma2'"),
+    ("model_type", "llama", {"model_type": "gemma"}, "'gemma'"),
     ("architectures", "llama", {"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassif"),
-    # as Qwen2.5's config.json (no layer_types: transformers derives them from max_window_layers)
-    ("use_sliding_window", "qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1,
-                                     "layer_types": None}, "True"),
-    ("layer_types", "qwen2", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
-                              "sliding_window": 32}, "sliding_attention"),
+    # a layer type no family here implements; a window layer in a family without per-layer types
+    ("layer_types", "qwen2", {"layer_types": ["full_attention", "chunked_attention"], "use_sliding_window": True,
+                              "sliding_window": 32}, "chunked_attention"),
     ("layer_types", "llama", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+    # Gemma 3 as an embedding model: attention over the whole text, both ways
+    ("use_bidirectional_attention", "gemma3", {"use_bidirectional_attention": True}, "True"),
 ]
 
 
 @pytest.mark.parametrize("field,base,changes,shown", REFUSALS, ids=[f"{c[0]}-{i}" for i, c in enumerate(REFUSALS)])
 def test_unimplemented_fields_stop_start_up(field, base, changes, shown, llama_dir, qwen2_dir, tmp_path):
-    src = llama_dir if base == "llama" else qwen2_dir
+    src = {"llama": llama_dir, "qwen2": qwen2_dir}.get(base) or build_random_model(
+        tmp_path / "src", arch=base, seed=4, **SMALL)
     path = with_config(src, tmp_path / "m", changes)
     with pytest.raises(ValueError) as err:
         ModelConfig.from_dir(path)

@@ -1,5 +1,8 @@
-"""Model families beyond Llama: Qwen3 (an RMSNorm over each q/k head before rope, explicit head_dim) and Phi-3
-(fused qkv_proj and gate_up_proj, a window on every layer), next to Llama, Qwen2 and Mistral. Each is greedy
+"""Model families beyond Llama: Qwen3 (an RMSNorm over each q/k head before rope, explicit head_dim), Phi-3
+(fused qkv_proj and gate_up_proj, a window on every layer), Gemma 2 and Gemma 3 text (alternating local and
+global layers, (1 + w) sandwich norms, scaled embeddings, query_pre_attn_scalar, soft-capping), Mixtral,
+Qwen2-MoE and Qwen3-MoE (top-k routed experts, Qwen2-MoE's gated shared expert), Qwen2 with per-layer
+windows, next to Llama, Qwen2 and Mistral. Each is greedy
 token-exact against transformers (eager, fp32) on a small random checkpoint at block size 16, served by the
 real Scheduler and ModelRunner in one process (tests/inprocess.py) through a prefix-cache hit and a
 preemption, both counted so the test cannot pass without them. What is not implemented is refused by name."""
@@ -21,28 +24,62 @@ from tests.test_model_config import SMALL, VOCAB, with_config
 torch.set_num_threads(1)
 
 MAX_NEW = 24
-FAMILIES = {  # arch -> (build_random_model keywords, what ModelConfig must read from config.json)
-    "llama": ({}, {"family": "llama", "head_dim": 16}),
-    "qwen2": ({}, {"family": "qwen2", "attention_bias": True, "o_proj_bias": False}),
-    "mistral": ({"sliding_window": 24}, {"family": "mistral", "sliding_window": 24}),
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+# id -> (arch, build_random_model keywords, what ModelConfig must read from config.json)
+FAMILIES = {
+    "llama": ("llama", {}, {"family": "llama", "head_dim": 16}),
+    "qwen2": ("qwen2", {}, {"family": "qwen2", "attention_bias": True, "o_proj_bias": False}),
+    # Qwen2.5 with its window on the layers from max_window_layers up (layer 1 of 2)
+    "qwen2-windows": ("qwen2", {"config_overrides": {"use_sliding_window": True, "sliding_window": 12,
+                                                    "max_window_layers": 1}},
+                      {"family": "qwen2", "layer_windows": (0, 12), "sliding_window": None}),
+    "mistral": ("mistral", {"sliding_window": 24}, {"family": "mistral", "sliding_window": 24}),
     # head_dim 32 while hidden_size / heads is 16; q/k/v/o biases
-    "qwen3": ({"config_overrides": {"head_dim": 32, "attention_bias": True}},
+    "qwen3": ("qwen3", {"config_overrides": {"head_dim": 32, "attention_bias": True}},
               {"family": "qwen3", "qk_norm": True, "head_dim": 32, "attention_bias": True, "o_proj_bias": True}),
-    "phi3": ({"sliding_window": 24, "config_overrides": {"hidden_act": "gelu_pytorch_tanh"}},
+    "phi3": ("phi3", {"sliding_window": 24, "config_overrides": {"hidden_act": "gelu_pytorch_tanh"}},
              {"family": "phi3", "fused_projections": True, "sliding_window": 24, "head_dim": 16,
               "hidden_act": "gelu_pytorch_tanh"}),
+    # local (window 12) then global layer; caps small enough that tanh bends; scale 24 ** -0.5, not 16 ** -0.5.
+    # Untied: with tied embeddings scaled by sqrt(hidden) a random model only repeats its input token.
+    "gemma2": ("gemma2", {"sliding_window": 12, "tie_word_embeddings": False, "config_overrides": {
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 24}},
+        {"family": "gemma2", "gemma": True, "layer_windows": (12, 0), "attn_softcap": 3.0, "final_softcap": 5.0,
+         "attn_scale": 24 ** -0.5, "hidden_act": "gelu_pytorch_tanh", "sliding_window": None}),
+    # q/k (1 + w) norms; a rope table per layer type (linear scaling on the global one, as Gemma 3 4B+)
+    "gemma3": ("gemma3", {"sliding_window": 12, "tie_word_embeddings": False, "config_overrides": {
+        "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": GEMMA3_ROPE,
+        "query_pre_attn_scalar": 24}},
+        {"family": "gemma3_text", "gemma": True, "qk_norm": True, "layer_windows": (12, 0),
+         "layer_types": ("sliding_attention", "full_attention"), "attn_softcap": None}),
+    # 4 experts, top-2, renormalized; a window on every layer (seed 41 ends one prompt at eos after 3 tokens)
+    "mixtral": ("mixtral", {"sliding_window": 24, "seed": 42}, {"family": "mixtral", "sliding_window": 24}),
+    # shared expert with its sigmoid gate; layer 1 a dense MLP (mlp_only_layers); top-2 not renormalized
+    "qwen2_moe": ("qwen2_moe", {"config_overrides": {"mlp_only_layers": [1], "norm_topk_prob": False}},
+                  {"family": "qwen2_moe", "attention_bias": True}),
+    "qwen3_moe": ("qwen3_moe", {"config_overrides": {"norm_topk_prob": True, "num_experts_per_tok": 3}},
+                  {"family": "qwen3_moe", "qk_norm": True}),
+}
+MOE_SPECS = {  # id -> what ModelConfig.moe must hold (num_experts, top_k, normalize, shared_size, sparse_layers)
+    "mixtral": (4, 2, True, 0, (True, True)),
+    "qwen2_moe": (4, 2, False, 128, (True, False)),
+    "qwen3_moe": (4, 3, True, 0, (True, True)),
 }
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_greedy_equal_to_transformers_through_a_prefix_hit_and_a_preemption(arch, tmp_path):
+@pytest.mark.parametrize("family_id", list(FAMILIES))
+def test_greedy_equal_to_transformers_through_a_prefix_hit_and_a_preemption(family_id, tmp_path):
     """Wave 1 computes a 40-token prompt; wave 2 brings a prompt sharing its first 36 tokens (two full pages
     come from the prefix cache) and two others into a 9-page pool, too small for all three to finish without
     a recompute preemption. Every output equals transformers' one-prompt-at-a-time greedy decoding."""
-    kw, reads = FAMILIES[arch]
-    path = build_random_model(tmp_path / arch, arch=arch, seed=41, **SMALL, **kw)
+    arch, kw, reads = FAMILIES[family_id]
+    path = build_random_model(tmp_path / arch, arch=arch, **dict(dict(SMALL, seed=41), **kw))
     cfg = ModelConfig.from_dir(path)
     assert {k: getattr(cfg, k) for k in reads} == reads
+    if family_id in MOE_SPECS:
+        m = cfg.moe
+        assert (m.num_experts, m.top_k, m.normalize, m.shared_size, m.sparse_layers) == MOE_SPECS[family_id]
     assert cfg.unknown_fields == ()
     base = random_prompts(5, [40], VOCAB)[0]
     second = [base[:36] + random_prompts(6, [9], VOCAB)[0][1:]] + random_prompts(7, [23, 30], VOCAB)
@@ -92,17 +129,44 @@ REFUSALS = [
     ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
      (), ["partial_rotary_factor", "0.75"]),
     ("phi3", {"architectures": ["Phi3ForSequenceClassification"]}, (), ["architectures", "Phi3ForSequence"]),
-    # Qwen3 with windows on its upper layers (as transformers derives layer_types from max_window_layers)
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1, "layer_types": None}, (),
-     ["layer_types", "use_sliding_window = True"]),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, (),
      ["rope_type", "'dynamic'"]),
+    # Gemma: an activation, a rope table of one layer type, an attention type, a multimodal checkpoint
+    ("gemma2", {"hidden_activation": "gelu_new"}, (), ["hidden_activation = 'gelu_new'"]),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, (),
+     ["rope_parameters['full_attention'].rope_type", "'dynamic'"]),
+    ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention"]}, (), ["layer_types", "chunked_attention"]),
+    ("gemma3", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, (),
+     ["model_type = 'gemma3'"]),
+    # MoE: another family's fields, a top-k past the experts
+    ("mixtral", {"shared_expert_intermediate_size": 64}, (), ["shared_expert_intermediate_size = 64", "qwen2_moe"]),
+    ("mixtral", {"num_experts_per_tok": 5}, (), ["num_experts_per_tok = 5", "[1, 4]"]),
+    ("qwen3", {"num_experts": 4}, (), ["num_experts = 4", "mixtral"]),
+    ("qwen2", {"attn_logit_softcapping": 50.0}, (), ["attn_logit_softcapping = 50.0", "gemma2"]),
 ]
 
 
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("gemma2"), arch="gemma2", seed=4, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("gemma3"), arch="gemma3", seed=4, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("mixtral"), arch="mixtral", seed=4, **SMALL)
+
+
 @pytest.mark.parametrize("base,changes,drop,shown", REFUSALS, ids=[f"{c[0]}-{i}" for i, c in enumerate(REFUSALS)])
-def test_unimplemented_fields_stop_start_up(base, changes, drop, shown, phi3_dir, qwen3_dir, tmp_path):
-    path = with_config(phi3_dir if base == "phi3" else qwen3_dir, tmp_path / "m", changes, drop=drop)
+def test_unimplemented_fields_stop_start_up(base, changes, drop, shown, request, tmp_path):
+    src = request.getfixturevalue(f"{base}_dir") if base != "qwen2" else build_random_model(
+        tmp_path / "src", arch="qwen2", seed=4, **SMALL)
+    path = with_config(src, tmp_path / "m", changes, drop=drop)
     with pytest.raises(ValueError) as err:
         ModelConfig.from_dir(path)
     assert all(text in str(err.value) for text in shown), str(err.value)

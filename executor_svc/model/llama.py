@@ -1,7 +1,13 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3) over a flat batch and the paged KV pool.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE) over a
+flat batch and the paged KV pool.
 
 Qwen3 adds an RMSNorm over each query/key head before rope (q_norm, k_norm); Phi-3 stores q/k/v and gate/up
-already fused (qkv_proj, gate_up_proj, in the same order as the fused matmuls here).
+already fused (qkv_proj, gate_up_proj, in the same order as the fused matmuls here). Gemma normalizes with
+(1 + w) in fp32, also after attention and after the MLP (sandwich norms), scales the embeddings by
+sqrt(hidden_size), scales scores by query_pre_attn_scalar ** -0.5, soft-caps scores (Gemma 2, see softcap.py)
+and logits, and alternates local (windowed) and global layers; Gemma 3 has a rope table per layer type.
+Mixtral and the Qwen MoE models route each token to top-k experts (moe.py). Per-layer windows: each layer
+attends with its own window (a copy of the step's metadata per distinct window).
 
 The arithmetic follows transformers' eager implementation op for op (RMSNorm in fp32, rotary
 embedding from the same inverse frequencies, fp32 softmax) so greedy output is token-exact.
@@ -9,6 +15,7 @@ embedding from the same inverse frequencies, fp32 softmax) so greedy output is t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import structlog
@@ -17,8 +24,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model.moe import DenseMlp, MoeMlp
 from executor_svc.model.quant import DenseLinear, build_int4, quant_tensor_names, unpack_linear
-from executor_svc.model_config import ModelConfig
+from executor_svc.model.softcap import softcapped_attention
+from executor_svc.model_config import ModelConfig, MoeSpec
 from executor_svc.pages import DevicePagePool
 
 
@@ -27,6 +36,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``weight`` holds 1 + w in fp32, applied before the cast back."""
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 ACTIVATIONS = {  # the torch functions transformers' ACT2FN uses for these names
@@ -43,19 +58,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rotary:
     """cos/sin tables computed the way transformers computes them (incl. rope scaling types)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, layer_type: str | None = None) -> None:
+        """``layer_type``: Gemma 3's rope parameter set (rope_parameters[layer_type])."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         hf = cfg.hf_config
         params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        if layer_type is not None:
+            params = params[layer_type]
         rope_type = params.get("rope_type", params.get("type", "default"))
+        kw = {} if layer_type is None else {"layer_type": layer_type}
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
             dim = cfg.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             self.scaling = 1.0
         elif rope_type in ("linear", "llama3", "yarn"):
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device)
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device, **kw)
         else:  # model_config refuses these first; longrope and dynamic change the tables with the length
             raise ValueError(f"rope type {rope_type!r} is not supported (its tables depend on the length)")
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
@@ -72,18 +91,24 @@ class LlamaModel:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        self.rotary = Rotary(cfg, device)
+        types = sorted(set(cfg.layer_types))
+        self.rotaries = {t: Rotary(cfg, device, t) for t in types} if types else {None: Rotary(cfg, device)}
         self.raw = weights  # the checkpoint's tensors (4-bit ones stay int32 until packed)
         self.linear_kinds: dict[str, int] = {}  # "int4-cpu" / "dense" / "dequantized (why)" -> linears
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()
              if v.is_floating_point() and not k.endswith(".scales")}
+        if cfg.gemma:  # norms hold 1 + w in fp32 (Gemma's RMSNorm computes it so)
+            w.update({k: 1.0 + v.to(device=device, dtype=torch.float32) for k, v in weights.items()
+                      if k.endswith("norm.weight")})
+        self.norm = _gemma_norm if cfg.gemma else _rms_norm
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.embed = w["model.embed_tokens.weight"]
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device) if cfg.gemma else None
         self.final_norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         del self.raw
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
@@ -96,16 +121,41 @@ class LlamaModel:
         qkv, gate_up = _fused_modules(cfg, p)
         out = {
             "in_norm": w[p + "input_layernorm.weight"],
-            "post_norm": w[p + "post_attention_layernorm.weight"],
             "qkv": self._linear(w, qkv, cfg.attention_bias),
             "o": self._linear(w, [p + "self_attn.o_proj"], cfg.o_proj_bias),
-            "gate_up": self._linear(w, gate_up, cfg.mlp_bias),
-            "down": self._linear(w, [p + "mlp.down_proj"], cfg.mlp_bias),
+            "window": cfg.layer_windows[i] if cfg.layer_windows else None,
+            "rope": cfg.layer_types[i] if cfg.layer_types else None,
         }
+        if cfg.gemma:  # sandwich norms: around attention's output and around the MLP
+            out["attn_out_norm"] = w[p + "post_attention_layernorm.weight"]
+            out["mlp_norm"] = w[p + "pre_feedforward_layernorm.weight"]
+            out["mlp_out_norm"] = w[p + "post_feedforward_layernorm.weight"]
+        else:
+            out["mlp_norm"] = w[p + "post_attention_layernorm.weight"]
         if cfg.qk_norm:
             out["q_norm"] = w[p + "self_attn.q_norm.weight"]
             out["k_norm"] = w[p + "self_attn.k_norm.weight"]
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            out["mlp"] = self._moe(w, p)
+        else:
+            out["mlp"] = DenseMlp(self._linear(w, gate_up, cfg.mlp_bias),
+                                  self._linear(w, [p + "mlp.down_proj"], cfg.mlp_bias), self.act)
+            out["gate_up"], out["down"] = out["mlp"].gate_up, out["mlp"].down  # as tests/benchmarks read them
         return out
+
+    def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMlp:
+        spec = self.cfg.moe
+        experts = []
+        for e in range(spec.num_experts):
+            gate_up, down = _expert_modules(spec, p, e)
+            experts.append((self._linear(w, gate_up, False), self._linear(w, [down], False)))
+        shared = gate = None
+        if spec.shared_size:
+            s = p + "mlp.shared_expert."
+            shared = (self._linear(w, [s + "gate_proj", s + "up_proj"], False),
+                      self._linear(w, [s + "down_proj"], False))
+            gate = w[p + "mlp.shared_expert_gate.weight"]
+        return MoeMlp(spec, w[_router_name(spec, p)], experts, self.act, shared, gate)
 
     def _linear(self, w: dict[str, torch.Tensor], modules: list[str], bias: bool):
         """One matmul over modules (same input, outputs concatenated): 4-bit where the checkpoint holds them
@@ -124,10 +174,11 @@ class LlamaModel:
         return linear
 
     def weight_bytes(self) -> dict[str, int]:
-        """Bytes held: the decoder layers' linears, and everything else (embeddings, norms, lm_head)."""
-        linears = sum(lw[k].nbytes() for lw in self.layers for k in ("qkv", "o", "gate_up", "down"))
-        other = [self.embed, self.final_norm] + [lw[k] for lw in self.layers
-                                                 for k in ("in_norm", "post_norm", "q_norm", "k_norm") if k in lw]
+        """Bytes held: the decoder layers' linears, and everything else (embeddings, norms, routers, lm_head)."""
+        linears = sum(lin.nbytes() for lw in self.layers for lin in [lw["qkv"], lw["o"], *lw["mlp"].linears()])
+        other = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw["mlp"].tensors()]
+        other += [lw[k] for lw in self.layers for k in ("in_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm",
+                                                        "q_norm", "k_norm") if k in lw]
         if self.lm_head is not self.embed:
             other.append(self.lm_head)
         return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other)}
@@ -137,30 +188,59 @@ class LlamaModel:
                 pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
         """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx."""
         cfg = self.cfg
-        n = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {t: tuple(c.unsqueeze(1) for c in r.cos_sin(positions, self.dtype)) for t, r in self.rotaries.items()}
+        metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
         for i, lw in enumerate(self.layers):
-            h = _rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
-            q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
-            q = q.view(n, cfg.num_heads, cfg.head_dim)
-            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:  # Qwen3: per head, before rope
-                q = _rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
-                k = _rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = pool.layer(i)
-            attention.write_cache(k_cache, v_cache, k, v, meta)
-            a = attention.forward(q, k_cache, v_cache, meta).reshape(n, cfg.num_heads * cfg.head_dim)
-            x = x + lw["o"](a)
-            h = _rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            gate, up = lw["gate_up"](h).chunk(2, dim=-1)
-            x = x + lw["down"](self.act(gate) * up)
-        x = _rms_norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+            h = self.norm(x, lw["in_norm"], cfg.rms_norm_eps)
+            a = self._attention(i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
+            if cfg.gemma:
+                a = self.norm(a, lw["attn_out_norm"], cfg.rms_norm_eps)
+            x = x + a
+            h = lw["mlp"](self.norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
+            if cfg.gemma:
+                h = self.norm(h, lw["mlp_out_norm"], cfg.rms_norm_eps)
+            x = x + h
+        x = self.norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
+        logits = F.linear(x, self.lm_head)
+        if cfg.final_softcap:  # in the model dtype, as transformers
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()
+
+    def _attention(self, i: int, lw: dict, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata, pool: DevicePagePool, attention) -> torch.Tensor:
+        cfg = self.cfg
+        n = h.shape[0]
+        cos, sin = cos_sin
+        q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: per head, before rope
+            q = self.norm(q, lw["q_norm"], cfg.rms_norm_eps)
+            k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = pool.layer(i)
+        attention.write_cache(k_cache, v_cache, k, v, meta)
+        if cfg.attn_softcap:
+            a = softcapped_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale, cfg.attn_softcap)
+        else:
+            a = attention.forward(q, k_cache, v_cache, meta)
+        return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[int | None, AttentionMetadata]:
+    """The step's metadata for each per-layer window (None: the step's own, which carries the model-wide
+    window if any; 0: full attention). Each copy has its own decode groups, since a backend may cache a
+    group's mask for the layers that share it."""
+    out: dict[int | None, AttentionMetadata] = {None: meta}
+    for window in windows - {None}:
+        out[window] = dataclasses.replace(meta, sliding_window=window or None,
+                                          decodes=[dataclasses.replace(g, mask=None) for g in meta.decodes])
+    return out
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -200,6 +280,35 @@ def _fused_modules(cfg: ModelConfig, p: str) -> tuple[list[str], list[str]]:
     return [p + f"self_attn.{n}_proj" for n in "qkv"], [p + f"mlp.{n}_proj" for n in ("gate", "up")]
 
 
+def _expert_modules(spec: MoeSpec, p: str, e: int) -> tuple[list[str], str]:
+    """Expert e's (gate and up modules, down module) in layer prefix p, as the checkpoints name them."""
+    if spec.mixtral_names:
+        x = p + f"block_sparse_moe.experts.{e}."
+        return [x + "w1", x + "w3"], x + "w2"
+    x = p + f"mlp.experts.{e}."
+    return [x + "gate_proj", x + "up_proj"], x + "down_proj"
+
+
+def _router_name(spec: MoeSpec, p: str) -> str:
+    return p + ("block_sparse_moe.gate.weight" if spec.mixtral_names else "mlp.gate.weight")
+
+
+def _mlp_modules(cfg: ModelConfig, i: int, p: str) -> tuple[list[str], list[str]]:
+    """(linear modules, plain tensors) of layer i's MLP or MoE block."""
+    spec = cfg.moe
+    if spec is None or not spec.sparse_layers[i]:
+        return _fused_modules(cfg, p)[1] + [p + "mlp.down_proj"], []
+    modules = []
+    for e in range(spec.num_experts):
+        gate_up, down = _expert_modules(spec, p, e)
+        modules += gate_up + [down]
+    tensors = [_router_name(spec, p)]
+    if spec.shared_size:
+        modules += [p + f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")]
+        tensors.append(p + "mlp.shared_expert_gate.weight")
+    return modules, tensors
+
+
 def expected_tensors(cfg: ModelConfig) -> list[str]:
     """Every tensor the config implies, as transformers' modules would hold them."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -208,10 +317,14 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if cfg.gemma:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        qkv, gate_up = _fused_modules(cfg, p)
-        for module in qkv + [p + "self_attn.o_proj"] + gate_up + [p + "mlp.down_proj"]:
+        qkv = _fused_modules(cfg, p)[0]
+        mlp, tensors = _mlp_modules(cfg, i, p)
+        names += tensors
+        for module in qkv + [p + "self_attn.o_proj"] + mlp:
             spec = cfg.quantization
             if spec is not None and spec.quantizes(module):
                 names += [f"{module}.{t}" for t in quant_tensor_names(spec)]
