@@ -174,6 +174,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--real-steps", type=int, default=30, help="steps timed against the real executor")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--against", default="", metavar="DIR",
+                   help="another checkout of pagedkv (e.g. a commit before a refactor): measure planning in both, "
+                   "alternating, --rounds times, and print the two side by side (no gRPC part)")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per tree (medians are reported)")
     p.add_argument("--serve-noop", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scheduler_overhead.json"))
     return p.parse_args(argv)
@@ -187,8 +191,11 @@ def main(argv=None) -> int:
     if args.quick:
         args.requests, args.steps, args.real_steps = "64,256", 40, 8
     counts = [int(c) for c in args.requests.split(",")]
-    planning = [measure_planning(n, args.steps) for n in counts]
     import subprocess
+
+    if args.against:
+        return compare_trees(args, counts)
+    planning = [measure_planning(n, args.steps) for n in counts]
 
     from pagedkv.cli import free_port
 
@@ -226,6 +233,41 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                                           "config": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+def compare_trees(args, counts: list[int]) -> int:
+    """Planning and processing times of this checkout and of args.against, measured in alternating
+    subprocesses (the same machine state for both), medians over args.rounds."""
+    import statistics
+    import subprocess
+
+    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; from scheduler_overhead import measure_planning; "
+            f"print(json.dumps([measure_planning(n, {args.steps}) for n in {counts!r}]))")
+    trees = {"this checkout": ROOT, f"against {args.against}": Path(args.against).resolve()}
+    runs: dict[str, list] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            out = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    keys = ("plan_ms_p50", "plan_ms_p99", "process_ms_p50", "process_ms_p99")
+    table = {name: [{k: statistics.median(r[i][k] for r in rs) for k in keys} for i in range(len(counts))]
+             for name, rs in runs.items()}
+    print(f"\nplanning side by side ({os.cpu_count()} cores; median over {args.rounds} rounds of each run's median "
+          "and p99)\n")
+    print("| tree | running | plan (ms) | plan p99 | process (ms) | process p99 |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in table.items():
+        for n, r in zip(counts, rows):
+            print(f"| {name} | {n} | {r['plan_ms_p50']:.3f} | {r['plan_ms_p99']:.3f} | {r['process_ms_p50']:.3f} | "
+                  f"{r['process_ms_p99']:.3f} |")
+    mine, other = table.values()
+    for n, a, b in zip(counts, mine, other):
+        print(f"running {n}: plan {a['plan_ms_p50'] / b['plan_ms_p50']:.2f}x, process "
+              f"{a['process_ms_p50'] / b['process_ms_p50']:.2f}x (this checkout / the other)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                                          "config": vars(args), "counts": counts, "trees": table}, indent=2))
     return 0
 
 

@@ -20,6 +20,14 @@ ignored, decoding is greedy. Four configurations, each on a fresh ``pagedkv serv
   past 8 pages a request keeps its first page (the attention sink) and its most recent tokens, (8 - 2) x 16 =
   96 of them, so A's 288-token requests run windowed and never hold more than 8 pages each.
 
+``--executors N`` runs each noisy-neighbour server as a scheduler driving N executor processes (``--num-pages``
+each, one torch thread each): A's quota (a fraction is of all N pools) and its concurrency limit are the
+scheduler's, summed over the executors, so they must hold in total; A's peak pages are then the sum of its
+per-executor peaks (an upper bound on what it held at once). ``--configs`` runs a subset, e.g. the 3-executor
+check of the tenant ledger::
+
+    python bench/tenants.py --only noisy --executors 3 --configs fair+quota --flood-concurrency 4
+
 Before the first configuration's flood, B's trace runs alone on that server: the "B alone" baseline (the same
 prompt lengths and schedule, other random ids, so the loaded run cannot reuse its prefix pages).
 
@@ -287,11 +295,58 @@ def common_args(args: argparse.Namespace, model: str, num_pages: int) -> list[st
     return out
 
 
-def noisy_server_args(args: argparse.Namespace, model: str, config: str, tenants_file: Path) -> list[str]:
-    out = [*common_args(args, model, args.num_pages), "--tenants-file", str(tenants_file)]
-    if config == "fcfs":
-        out.append("--no-fairness")
-    return out
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """A scheduler driving ``executors`` executor processes, instead of one ``pagedkv serve``."""
+
+    executors: int
+    executor_args: tuple[str, ...]
+    scheduler_args: tuple[str, ...]
+
+
+def noisy_server_args(args: argparse.Namespace, model: str, config: str,
+                      tenants_file: Path) -> list[str] | ClusterSpec:
+    fairness = ["--no-fairness"] if config == "fcfs" else []
+    if args.executors > 1:
+        integrity = ["--check-integrity"] if args.check_integrity else []
+        return ClusterSpec(args.executors, (
+            "--model", model, "--dtype", "float32", "--block-size", str(args.block_size), "--num-pages",
+            str(args.num_pages), "--threads", "1"), (
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--tenants-file", str(tenants_file), *fairness, *integrity))
+    return [*common_args(args, model, args.num_pages), "--tenants-file", str(tenants_file), *fairness]
+
+
+class ClusterServer:
+    """``spec.executors`` executors (``pagedkv executor``, one torch thread each) and a scheduler driving them
+    all, on free loopback ports; the same interface as ``Server``."""
+
+    def __init__(self, spec: ClusterSpec, timeout: float = 600.0) -> None:
+        from pagedkv.local_server import ServiceProcess
+
+        self.procs = []
+        try:
+            self.procs += [ServiceProcess("executor", *spec.executor_args, timeout=timeout, wait=False)
+                           for _ in range(spec.executors)]
+            for p in self.procs:
+                p.wait_ready(timeout)
+            targets = [a for p in self.procs for a in ("--executor", p.address)]
+            self.scheduler = ServiceProcess("scheduler", *targets, *spec.scheduler_args, timeout=timeout)
+            self.procs.append(self.scheduler)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def log(self) -> str:
+        return "\n".join(p.log() for p in self.procs)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
 
 
 async def _sleep_until(t: float) -> None:
@@ -399,7 +454,7 @@ async def _long(address: str, reqs: list[Request], args: argparse.Namespace) -> 
 class Servers:
     """The bench's servers by name: started together up front, or each when first asked for."""
 
-    def __init__(self, specs: dict[str, list[str]], together: bool) -> None:
+    def __init__(self, specs: dict[str, list[str] | ClusterSpec], together: bool) -> None:
         self.specs = specs
         self.started: dict[str, Server] = {}
         self.startup_s: dict[str, float] = {}
@@ -420,7 +475,8 @@ class Servers:
 
     def _start(self, name: str) -> Server:
         t0 = time.perf_counter()
-        server = Server(self.specs[name])
+        spec = self.specs[name]
+        server = ClusterServer(spec) if isinstance(spec, ClusterSpec) else Server(spec)
         self.startup_s[name] = time.perf_counter() - t0
         self.started[name] = server
         return server
@@ -485,6 +541,8 @@ class Config:
     only: str
     start: str
     quick: bool = False
+    executors: int = 1
+    configs: tuple[str, ...] = CONFIGS
     dtype: str = "float32"
     order: str = "noisy: B alone (on fcfs's server), fcfs, fair, fair+quota, fair+quota+budget; long: no window, window"
     nproc: int = field(default_factory=lambda: os.cpu_count() or 0)
@@ -590,7 +648,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--check-integrity", action="store_true", help="servers check page accounting every step")
     g = p.add_argument_group("part 1: noisy neighbour")
-    g.add_argument("--num-pages", type=int, default=256, help="device KV pages of the noisy-neighbour servers")
+    g.add_argument("--num-pages", type=int, default=256,
+                   help="device KV pages of the noisy-neighbour servers (of each executor with --executors)")
+    g.add_argument("--executors", type=int, default=1,
+                   help="executors per noisy-neighbour server: N > 1 runs a scheduler driving N `pagedkv executor` "
+                   "processes (one torch thread each); A's quota and concurrency limit are the scheduler's, summed "
+                   "over them, and a quota fraction is of all N pools")
+    g.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {', '.join(CONFIGS)} (B alone runs on the first one's server)")
     g.add_argument("--flood-requests", type=int, default=32)
     g.add_argument("--flood-prompt", type=int, default=32, help="prompt tokens of each flood request")
     g.add_argument("--flood-tokens", type=int, default=256, help="output tokens of each flood request")
@@ -628,6 +693,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs or set(args.configs) - set(CONFIGS) or args.executors < 1:
+        print(f"error: --configs must name some of {', '.join(CONFIGS)}; --executors must be >= 1", file=sys.stderr)
+        return 2
     if args.quick:
         args.flood_requests, args.flood_tokens = min(args.flood_requests, 24), min(args.flood_tokens, 128)
         args.quiet_requests = min(args.quiet_requests, 20)
@@ -665,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_reqs = make_requests(quiet_lens, args.quiet_tokens, args.seed + 2, vocab)
     alone_reqs = make_requests(quiet_lens, args.quiet_tokens, args.seed + 3, vocab)  # same lengths, other ids
     long_reqs = make_requests([args.long_prompt] * args.long_requests, args.long_tokens, args.seed + 4, vocab)
-    quota_pages = int(args.flood_quota * args.num_pages) if args.flood_quota <= 1 else int(args.flood_quota)
+    quota_pages = (int(args.flood_quota * args.num_pages * args.executors) if args.flood_quota <= 1
+                   else int(args.flood_quota))
     window_bound = pages_for(args.window + args.sink, bs) + 2
     cfg = Config(model=args.model, model_dir=str(model_dir), seed=args.seed, block_size=bs,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -677,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
                  flood_window_tokens=(args.flood_page_budget - 2) * bs, full_flood=args.full_flood,
                  long_num_pages=args.long_num_pages, long_requests=args.long_requests, long_prompt=args.long_prompt,
                  long_tokens=args.long_tokens, window=args.window, sink=args.sink, window_pages_bound=window_bound,
-                 poll_ms=args.poll_ms, only=args.only, start=args.start, quick=args.quick)
+                 poll_ms=args.poll_ms, only=args.only, start=args.start, quick=args.quick,
+                 executors=args.executors, configs=tuple(args.configs))
     if run_noisy:
         print(f"noisy neighbour: A floods {args.flood_requests} x ({args.flood_prompt} + {args.flood_tokens}) tokens "
               f"({pages_for(args.flood_prompt + args.flood_tokens - 1, bs)} pages each at full length); B sends "
@@ -694,9 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.nproc} CPUs, torch {cfg.torch_version} ({cfg.torch_threads} threads)", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="pagedkv-tenants-") as tmp:
-        specs: dict[str, list[str]] = {}
+        specs: dict[str, list[str] | ClusterSpec] = {}
         if run_noisy:
-            for c in CONFIGS:
+            for c in args.configs:
                 path = Path(tmp) / f"{c.replace('+', '_')}.toml"
                 path.write_text(tenants_toml(c, args))
                 specs[c] = noisy_server_args(args, str(model_dir), c, path)
@@ -750,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
 def noisy_part(args: argparse.Namespace, servers: Servers, flood_reqs: list[Request], quiet_reqs: list[Request],
                alone_reqs: list[Request]) -> dict[str, dict[str, Any]]:
     runs: dict[str, dict[str, Any]] = {}
-    for i, c in enumerate(CONFIGS):
+    for i, c in enumerate(args.configs):
         first = i == 0
         print(f"running {c}{' (B alone first)' if first else ''} ...", flush=True)
         out = run_on(servers, c, lambda address, first=first: _noisy(
@@ -801,7 +872,7 @@ def long_part(args: argparse.Namespace, servers: Servers, reqs: list[Request]) -
 
 
 def report_noisy(runs: dict[str, dict[str, Any]], cfg: Config, notes: list[str], problems: list[str]) -> None:
-    cols = (ALONE, *CONFIGS)
+    cols = (ALONE, *(c for c in CONFIGS if c in runs))
     print()
     print("noisy neighbour (A = flood, B = quiet)")
     print_table(("metric", *cols), [(label, *(noisy_cell(runs[c], label, who, key, spec) for c in cols))
@@ -833,7 +904,7 @@ def report_noisy(runs: dict[str, dict[str, Any]], cfg: Config, notes: list[str],
                          f"({run['flood_cancelled']} of {f['requests']} requests unfinished); A's figures cover "
                          "the time until then")
     if runs[ALONE]["quiet"]["ttft_p99_s"] > 0:
-        ratios = ", ".join(f"{c} {runs[c]['quiet']['ttft_p99_vs_alone']:.2f}x" for c in CONFIGS)
+        ratios = ", ".join(f"{c} {runs[c]['quiet']['ttft_p99_vs_alone']:.2f}x" for c in CONFIGS if c in runs)
         print(f"B p99 TTFT vs B alone ({runs[ALONE]['quiet']['ttft_p99_s']:.3f}s): {ratios}")
 
 

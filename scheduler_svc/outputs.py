@@ -17,7 +17,7 @@ from scheduler_svc.request import Finish, Output, Request
 
 @dataclass(slots=True)
 class TokenOutcome:
-    finish: Finish | None = None
+    finish: Finish
     stop_reason: str = ""
     budget_hit: bool = False  # it ended at its page budget ('stop' policy)
 
@@ -27,8 +27,8 @@ class OutputProcessor:
         self.eos = eos_token_ids
         self.block_size = block_size
 
-    def on_token(self, req: Request, token: int) -> TokenOutcome:
-        """Appends token to req's output and text; whether (and why) it ends req."""
+    def on_token(self, req: Request, token: int) -> TokenOutcome | None:
+        """Appends token to req's output and text; why it ends req (None: it goes on)."""
         req.output_ids.append(token)
         s = req.sampling
         stop_token = token in s.stop_token_ids or (not s.ignore_eos and token in self.eos)
@@ -43,13 +43,7 @@ class OutputProcessor:
                 and pages_for(req.num_tokens, self.block_size) > req.page_budget):
             # the next token's KV would need a page beyond the request's budget
             return TokenOutcome(Finish.LENGTH, f"page_budget: {req.page_budget} pages reached", budget_hit=True)
-        return TokenOutcome()
-
-    @staticmethod
-    def delta(req: Request, token: int, logprob: float) -> Output:
-        """The message for a token that did not end its request."""
-        logprobs = [logprob] if req.sampling.logprobs else []
-        return Output(req.detokenizer.take(final=False), [token], logprobs, index=req.index)
+        return None
 
     @staticmethod
     def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:

@@ -54,48 +54,57 @@ class Output:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    request_id: str
+    """One sequence. Each group of fields has one writer, named in its heading; the others only read it."""
+
+    # ---- what the client asked for (the API builds it; nothing changes it after) ------------------
+    request_id: str  # internal, never reused (the executor's key)
     prompt_ids: list[int]
     sampling: Sampling
     arrival: int  # admission order; lower is older
-    detokenizer: IncrementalDetokenizer
-    output_ids: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    num_computed: int = 0  # tokens whose KV is in this request's pages
-    page_table: list[int] = field(default_factory=list)
-    host_table: list[int] = field(default_factory=list)  # host-tier pages while swapped out
+    detokenizer: IncrementalDetokenizer  # (outputs.py feeds it)
     priority: int = 0  # lower is more important (preempted last)
     page_budget: int = 0  # most pages this request may hold (0: no limit)
-    max_len: int = 1 << 30  # prompt + output it may reach (the scheduler sets it from its tenant's capacity)
-    page_limit: int = 0  # pages a windowed request without a budget holds at most (set by the scheduler)
     overflow: str = "window"  # past the budget: "window" or "stop"
     # Attention over the first sink_tokens positions plus the last window_tokens (0: full attention);
     # pages wholly outside leave the table (DROPPED entries), their indices go to the executor once.
     sink_tokens: int = 0
     window_tokens: int = 0
-    dropped_pending: list[int] = field(default_factory=list)
-    budget_hit: bool = False
-    last_scheduled: int = 0  # step id of the last plan that computed tokens for it
-    swapped_at: int = 0  # step id when it was swapped out
-    num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
-    num_preemptions: int = 0
-    num_migrations: int = 0  # moves to another executor (its executor failed or drained)
-    num_cached_tokens: int = 0
-    finish: Finish | None = None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    aborted: bool = False
-    # Prefix cache: the tenant's chain root, the hashes of this request's full pages so far, how many
-    # of its pages it has published, and the in-flight hashes it registered (others wait for those).
     tenant: str = "default"
-    hash_root: bytes = b""
-    page_hashes: list[bytes] = field(default_factory=list)
-    num_published: int = 0
-    registered: list[bytes] = field(default_factory=list)
+    hash_root: bytes = b""  # the tenant's prefix-cache chain root (a windowed request's own)
     # Parallel sampling: a parent with n > 1 computes prompt[:-1], then forks into n children.
     n: int = 1
     group: str = ""  # the internal id of the client request (shared by its forks)
     client_id: str = ""  # the id the client knows (responses and logs)
     index: int = 0  # fork index
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # the client stream's messages (outputs.deliver)
+
+    # ---- progress (the scheduler: scheduler.py, admission.py, lifecycle.py) ------------------------
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)  # (outputs.py appends)
+    num_computed: int = 0  # tokens whose KV is in this request's pages
+    max_len: int = 1 << 30  # prompt + output it may reach (from its tenant's capacity: tenant_limits.apply)
+    page_limit: int = 0  # pages a windowed request without a budget holds at most (tenant_limits.apply)
+    budget_hit: bool = False
+    last_scheduled: int = 0  # step id of the last plan that computed tokens for it (executor_session.py)
+    swapped_at: int = 0  # step id when it was swapped out
+    num_preemptions: int = 0
+    num_migrations: int = 0  # moves to another executor (its executor failed or drained)
+    num_cached_tokens: int = 0
+    finish: Finish | None = None
+    aborted: bool = False  # the client went away (Cluster.abort): reaped at the next plan
+
+    # ---- pages (kv_manager.py) ---------------------------------------------------------------------
+    page_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)  # host-tier pages while swapped out
+    # Prefix cache: the hashes of this request's full pages so far, how many of its pages it has published,
+    # and the in-flight hashes it registered (others wait for those).
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_published: int = 0
+    registered: list[bytes] = field(default_factory=list)
+
+    # ---- on the wire (executor_session.py) ---------------------------------------------------------
+    num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
+    dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent
 
     def __post_init__(self) -> None:
         if not self.group:

@@ -287,8 +287,9 @@ class Scheduler:
     def _append_token(self, req: Request, token: int, logprob: float) -> Output:
         self.waiting.charge(req.tenant, output_tokens=1)
         outcome = self.outputs.on_token(req, token)
-        if outcome.finish is None:
-            return self.outputs.delta(req, token, logprob)
+        if outcome is None:
+            return Output(req.detokenizer.take(final=False), [token], [logprob] if req.sampling.logprobs else [],
+                          index=req.index)
         if outcome.budget_hit:
             self.stats(req.tenant).budget_hits += 1
         out = self.finish(req, outcome.finish, outcome.stop_reason)
