@@ -21,7 +21,6 @@ The kernel output is checked against SDPA before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common import write_report  # noqa: E402
 
 COPY_TARGET = 0.85
 CONTIGUOUS_TARGET = 1.02
@@ -213,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               "targets": {"share_of_copy": COPY_TARGET, "paged_over_contiguous": CONTIGUOUS_TARGET},
               "targets_met": {"share_of_copy": main_case["paged_share_of_copy"] >= COPY_TARGET,
                               "paged_over_contiguous": main_case["paged_over_contiguous"] <= CONTIGUOUS_TARGET}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     wrong = [f"{r['batch']}x{r['context']}: {r['max_rel_err_vs_sdpa']:.2e}" for r in rows
              if not r["max_rel_err_vs_sdpa"] <= MAX_REL_ERR]
     if wrong:  # a fast wrong kernel is no result

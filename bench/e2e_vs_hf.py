@@ -20,191 +20,48 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import random
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
+from common import (
+    BOS_ID,
+    ROOT,
+    CpuWatch,
+    Machine,
+    Request,
+    Server,
+    StreamResult,
+    check_lengths,
+    is_contended,
+    latency_summary,
+    make_workload,
+    percentile,
+    timed_streams,
+    wait_idle,
+    warm_up,
+    write_report,
+)
 
-from pagedkv.local_server import LocalServer
 from pagedkv.models import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-BOS_ID = 1
-FIRST_BYTE_ID = 3  # token ids below this are special (pad 0, BOS 1, EOS 2)
 PAD_ID = 0
-
-
-# ---- workload ----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Request:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_range: tuple[int, int],
-                  output_range: tuple[int, int]) -> list[Request]:
-    """Random prompts (BOS then ids in [3, vocab)) and output lengths, both uniform in their ranges."""
-    rng = random.Random(seed)
-    reqs: list[Request] = []
-    for i in range(num_requests):
-        plen = rng.randint(*prompt_range)
-        olen = rng.randint(*output_range)
-        prompt = [BOS_ID] + [rng.randrange(FIRST_BYTE_ID, vocab_size) for _ in range(plen - 1)]
-        reqs.append(Request(i, prompt, olen))
-    return reqs
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank style percentile with linear interpolation (q in [0, 100])."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-# ---- CPU accounting (Linux): how much of the machine did something other than the bench use? ----------
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _system_cpu_s() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot (all cores, /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    steal = fields[7] if len(fields) > 7 else 0
-    return (sum(fields[:8]) - idle - steal) / CLK_TCK, steal / CLK_TCK
-
-
-def _tree_cpu_s(root: int) -> float:
-    """utime + stime of ``root`` and all its live descendants."""
-    procs: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        procs[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / CLK_TCK)
-    total, stack = 0.0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    while stack:
-        pid = stack.pop()
-        total += procs.get(pid, (0, 0.0))[1]
-        stack.extend(children.get(pid, []))
-    return total
-
-
-class CpuWatch:
-    """Busy CPU time of processes outside this bench's process tree during a timed window."""
-
-    def __init__(self) -> None:
-        self.ok = os.path.exists("/proc/stat")
-        self.t0 = time.perf_counter()
-        self.sys0, self.steal0 = _system_cpu_s() if self.ok else (0.0, 0.0)
-        self.own0 = _tree_cpu_s(os.getpid()) if self.ok else 0.0
-
-    def stop(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.t0
-        if not self.ok:
-            return {}
-        busy, steal = _system_cpu_s()
-        busy, steal = busy - self.sys0, steal - self.steal0
-        own = _tree_cpu_s(os.getpid()) - self.own0
-        foreign = max(0.0, busy - own)
-        return {"busy_cpu_s": busy, "own_cpu_s": own, "foreign_cpu_s": foreign, "steal_cpu_s": steal,
-                "foreign_share": foreign / (wall * (os.cpu_count() or 1))}
-
-
-def wait_idle(max_wait_s: float, quiet_s: float = 3.0, threshold: float = 0.1) -> float:
-    """Waits until other processes use < ``threshold`` of the CPUs for ``quiet_s`` seconds in a row.
-
-    Returns the seconds waited; gives up (and says so) after ``max_wait_s``."""
-    if max_wait_s <= 0 or not os.path.exists("/proc/stat"):
-        return 0.0
-    start = time.perf_counter()
-    quiet = 0.0
-    announced = False
-    while quiet < quiet_s:
-        watch = CpuWatch()
-        time.sleep(1.0)
-        if watch.stop()["foreign_share"] < threshold:
-            quiet += 1.0
-            continue
-        quiet = 0.0
-        waited = time.perf_counter() - start
-        if waited > max_wait_s:
-            print(f"  machine still busy after {waited:.0f}s; running anyway", flush=True)
-            break
-        if not announced:
-            print("  other processes are using the CPUs; waiting for the machine to go idle ...", flush=True)
-            announced = True
-    return time.perf_counter() - start
-
-
-CONTENDED_SHARE = 0.05
-
-
-def _contended(result: dict[str, Any]) -> bool:
-    return result["cpu"].get("foreign_share", 0.0) > CONTENDED_SHARE
+# bench/tenants.py still imports these from here; new benches take them from bench/common.py
+_contended = is_contended
+__all__ = ["CpuWatch", "Server", "_contended", "percentile", "wait_idle"]
 
 
 # ---- pagedkv -----------------------------------------------------------------------------------
-class Server(LocalServer):
-    def __init__(self, args: list[str], timeout: float = 600.0) -> None:
-        super().__init__(*args, timeout=timeout)
-
-
-@dataclass(slots=True)
-class StreamResult:
-    index: int
-    tokens: int = 0
-    ttft_s: float = float("nan")
-    latency_s: float = float("nan")
-    finish_reason: int = 0
-
-
-async def _one_stream(client: Any, req: Request, t0: float) -> StreamResult:
-    out = StreamResult(req.index)
-    async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True):
-        if msg.token_ids and out.tokens == 0:
-            out.ttft_s = time.perf_counter() - t0
-        out.tokens += len(msg.token_ids)
-        if msg.finish_reason:
-            out.finish_reason = msg.finish_reason
-    out.latency_s = time.perf_counter() - t0
-    return out
-
-
-async def _run_pagedkv_async(address: str, reqs: list[Request]) -> tuple[float, list[StreamResult]]:
+async def _run_pagedkv_async(address: str, reqs: list[Request]) -> tuple[float, list[StreamResult], dict]:
     from pagedkv.client import Client
 
     async with Client(address) as client:
-        await client.wait_ready(timeout=120)
-        warm = await client.complete([BOS_ID, 72, 105], max_tokens=4, ignore_eos=True)  # warm-up, untimed
-        if len(warm.token_ids) != 4:
-            raise RuntimeError(f"warm-up returned {len(warm.token_ids)} tokens, expected 4")
-        watch = CpuWatch()
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one_stream(client, r, t0) for r in reqs))
-        wall = time.perf_counter() - t0
-        cpu = watch.stop()
-    return wall, list(results), cpu
+        await warm_up(client)
+        return await timed_streams(client, reqs)
 
 
 def run_pagedkv(args: argparse.Namespace, model: str, reqs: list[Request]) -> dict[str, Any]:
@@ -223,9 +80,7 @@ def run_pagedkv(args: argparse.Namespace, model: str, reqs: list[Request]) -> di
         raise
     finally:
         server.stop()
-    for r, res in zip(reqs, results, strict=True):
-        if res.tokens != r.max_tokens:
-            raise RuntimeError(f"pagedkv request {r.index}: {res.tokens} tokens, asked for {r.max_tokens}")
+    check_lengths(reqs, results, "pagedkv request")
     out_tokens = sum(res.tokens for res in results)
     ttfts = [res.ttft_s for res in results]
     lat = [res.latency_s for res in results]
@@ -238,12 +93,7 @@ def run_pagedkv(args: argparse.Namespace, model: str, reqs: list[Request]) -> di
         "wall_s": wall,
         "tokens_per_s": out_tokens / wall,
         "requests_per_s": len(reqs) / wall,
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "latency_mean_s": statistics.fmean(lat),
-        "latency_p50_s": percentile(lat, 50),
-        "latency_p99_s": percentile(lat, 99),
+        **latency_summary(ttfts, lat),
         "server_startup_s": startup,
         "cpu": cpu,
         "server_args": serve_args,
@@ -368,7 +218,7 @@ def run_hf(args: argparse.Namespace, model_dir: Path, reqs: list[Request]) -> di
 
 # ---- main --------------------------------------------------------------------------------------
 @dataclass(slots=True)
-class Config:
+class Config(Machine):
     model: str
     model_dir: str
     seed: int
@@ -383,12 +233,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     quick: bool = False
-    nproc: int = field(default_factory=lambda: os.cpu_count() or 0)
-    torch_threads: int = field(default_factory=torch.get_num_threads)
-    torch_version: str = torch.__version__
     transformers_version: str = ""
-    python: str = platform.python_version()
-    platform: str = platform.platform()
     order: str = "pagedkv then hf"
 
 
@@ -396,12 +241,7 @@ def print_table(rows: list[dict[str, Any]], hf_tps: float) -> None:
     header = ("system", "requests", "output tokens", "wall s", "tokens/s", "ratio vs HF")
     body = [(r["system"], str(r["requests"]), str(r["output_tokens"]), f"{r['wall_s']:.2f}",
              f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / hf_tps:.2f}x") for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    line = " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
-    print(line)
-    print("-+-".join("-" * w for w in widths))
-    for b in body:
-        print(" | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+    common.print_table(header, body)
 
 
 RANDOM_MODELS = {
@@ -500,17 +340,17 @@ def main(argv: list[str] | None = None) -> int:
             trials[name].append(res)
             print(f"  {name}: {res['wall_s']:.2f}s, {res['tokens_per_s']:.1f} tokens/s", flush=True)
             share = res["cpu"].get("foreign_share", 0.0)
-            if _contended(res):
+            if is_contended(res):
                 print(f"  WARNING: other processes used {share:.0%} of the machine's CPU during the {name} "
                       "run; its figures are not trustworthy", flush=True)
     # with several trials, each system is represented by its median trial (by wall time) among the trials
     # that no other process competed with (all trials if every one was contended)
     results: dict[str, dict[str, Any]] = {}
     for name, runs in trials.items():
-        clean = [r for r in runs if not _contended(r)] or runs
+        clean = [r for r in runs if not is_contended(r)] or runs
         median = sorted(clean, key=lambda r: r["wall_s"])[(len(clean) - 1) // 2]
         results[name] = {**median, "trial_walls_s": [r["wall_s"] for r in runs],
-                         "trial_contended": [_contended(r) for r in runs]}
+                         "trial_contended": [is_contended(r) for r in runs]}
 
     pk, hf = results["pagedkv"], results["hf"]
     ratio = pk["tokens_per_s"] / hf["tokens_per_s"]
@@ -529,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} trial walls (s): {walls}; the median uncontended trial is reported")
     print(f"ratio pagedkv / HF: {ratio:.2f}x (target >= {target:g}x: {'met' if ratio >= target else 'NOT met'})")
 
-    contended = _contended(pk) or _contended(hf)
+    contended = is_contended(pk) or is_contended(hf)
     report = {"contended": contended, "repeat": args.repeat, "config": asdict(cfg), "pagedkv": pk, "hf": hf,
               "ratio_tokens_per_s": ratio,
               "target_ratio": target, "target_met": ratio >= target,
@@ -537,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if contended:
         print("WARNING: other processes competed for the CPUs during a reported run (see 'cpu' in "
               "the JSON); rerun on an idle machine")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -44,6 +44,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import format_table, write_report  # noqa: E402
+
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment  # noqa: E402
 from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
 from executor_svc.kv_quant import (  # noqa: E402
@@ -344,12 +346,6 @@ def attention_decode(device: str, batch: int = 64, ctx: int = 4096, heads: int =
 
 
 # ---- report ----------------------------------------------------------------------------------------------
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
-    return "\n".join([*lines, *(" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -363,25 +359,24 @@ def main(argv: list[str] | None = None) -> int:
         shape = dict(batch=64, ctx=4096) if device == "cuda" else dict(batch=4, ctx=256, repeats=1)
         res = attention_decode(device, **shape)
         print(f"decode attention, torch backend on {device} ({shape}), fp16 model, one layer, 32/8 heads, d128\n")
-        print(_table(("kv dtype", "ms", "pool GB/s read", "tokens/s", "vs fp16"),
+        print(format_table(("kv dtype", "ms", "pool GB/s read", "tokens/s", "vs fp16"),
                      [(n, f"{r['ms']:.2f}", f"{r['gb_per_s']:.0f}", f"{r['tokens_per_s']:.0f}",
                        f"{r['vs_fp16']:.2f}x") for n, r in res.items()]))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": device, "shape": shape, "decode": res}, indent=1))
+        write_report(args.out, {"device": device, "shape": shape, "decode": res}, indent=1)
         return 0
     t0 = time.perf_counter()
     report: dict = {"threads": args.threads, "torch": torch.__version__}
 
     report["bytes"] = bytes_table()
     print("1. KV bytes per token (K and V, all layers, scales included)\n")
-    print(_table(("shape (layers x KV heads x head_dim)", "kv dtype", "bytes/token", "vs fp16"),
+    print(format_table(("shape (layers x KV heads x head_dim)", "kv dtype", "bytes/token", "vs fp16"),
                  [(r["shape"], r["kv_dtype"], f"{r['bytes_per_token']:g}", f"{r['vs_fp16']:.3f}x")
                   for r in report["bytes"]]))
 
     report["granularity"] = granularity_table()
     print("\n2. Scale granularity on synthetic K/V (2048 tokens, 8 heads, head_dim 128; K: 4 outlier channels per "
           "head at 15x; V: log-normal token magnitudes); relative L2 errors\n")
-    print(_table(("kv dtype", "granularity", "K err", "V err", "attn out err", "scale bytes/elem d128", "d64"),
+    print(format_table(("kv dtype", "granularity", "K err", "V err", "attn out err", "scale bytes/elem d128", "d64"),
                  [(r["kv_dtype"], r["granularity"], f"{r['k_rel_err']:.4f}", f"{r['v_rel_err']:.4f}",
                    f"{r['attn_rel_err']:.4f}", f"{r['scale_overhead_d128']:.4f}", f"{r['scale_overhead_d64']:.4f}")
                   for r in report["granularity"]]))
@@ -408,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, f"{r['perplexity']:.4f}", f"{100 * (r['perplexity'] / ref_ppl - 1):+.3f}%",
                      f"{100 * r['top1_agreement']:.2f}%", f"{r['mean_kl']:.2e}",
                      f"{min(d)} / {sorted(d)[len(d) // 2]}", f"{r['identical_continuations']}/{len(d)}", met))
-    print(_table(("kv dtype", "perplexity", "vs fp32", "top-1 agree", "mean KL", "1st diverge min/med",
+    print(format_table(("kv dtype", "perplexity", "vs fp32", "top-1 agree", "mean KL", "1st diverge min/med",
                   "identical", "target"), rows))
 
     s = dict(batch=8, ctx=128, steps=8) if args.quick else dict(batch=32, ctx=512, steps=32)
@@ -417,13 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     base = report["decode"]["float32"]["tokens_per_s"]
     print(f"\n4. CPU decode, torch backend, {args.threads} thread(s): batch {s['batch']}, context {s['ctx']}, "
           f"{s['steps']} steps (best of 2)\n")
-    print(_table(("kv dtype", "tokens/s", "ms/step", "vs fp32"),
+    print(format_table(("kv dtype", "tokens/s", "ms/step", "vs fp32"),
                  [(n, f"{r['tokens_per_s']:.0f}", f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s'] / base:.2f}x")
                   for n, r in report["decode"].items()]))
     report["seconds"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.out} ({report['seconds']:.0f}s)")
+    print()
+    write_report(args.out, report, indent=1)
+    print(f"({report['seconds']:.0f}s in all)")
     return 0
 
 

@@ -51,7 +51,6 @@ No timing is involved, so the numbers do not depend on the machine or its load.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -66,6 +65,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this tree's scheduler_svc, not whichever one is installed
     sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
 from scheduler_svc.kv_manager import DROPPED, KVManager, held  # noqa: E402
@@ -423,11 +424,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
                      _ratio(s["mean_saturated_concurrency"], contiguous["mean_saturated_concurrency"]),
                      claim["concurrency"],
                      str(s["preemptions"])))
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
-             "-+-".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(lines)
+    return common.format_table(head, body)
 
 
 def write_png(path: Path, rows: list[RowResult], summaries: list[dict[str, Any]]) -> str:
@@ -544,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
               "share_prefix_kv_saving_per_request": saving,
               "png": None if note else str(png),
               "timelines": {r.strategy: r.timeline[:: max(1, len(r.timeline) // 500)] for r in rows}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    common.write_report(args.out, report)
     return 0
 
 

@@ -22,37 +22,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from e2e_vs_hf import CpuWatch, Server, _contended, percentile, wait_idle
+from common import (
+    BOS_ID,
+    FIRST_BYTE_ID,
+    ROOT,
+    Machine,
+    Request,
+    Server,
+    StreamResult,
+    check_lengths,
+    first_difference,
+    is_contended,
+    latency_summary,
+    pages_for,
+    print_table,
+    timed_streams,
+    wait_idle,
+    warm_up,
+    write_report,
+)
 
 from pagedkv.models import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-BOS_ID = 1
-FIRST_BYTE_ID = 3  # ids below this are special (pad 0, BOS 1, EOS 2)
 TENANT = "rag"
 SUFFIX_RANGE = (1, 32)
 OUTPUT_RANGE = (4, 16)
-WARMUP_PROMPT = [BOS_ID, 72, 105]
 
 
 # ---- workload ----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Request:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-
 
 def make_workload(num_requests: int, prefix_len: int, seed: int, vocab_size: int) -> list[Request]:
     """One shared prefix (BOS + random byte tokens, ``prefix_len`` in all), then per request a suffix whose
@@ -69,10 +73,6 @@ def make_workload(num_requests: int, prefix_len: int, seed: int, vocab_size: int
     return reqs
 
 
-def pages_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def page_bounds(reqs: list[Request], prefix_len: int, block_size: int) -> dict[str, int]:
     """Pages every request needs at full length (KV of prompt + max_tokens - 1 tokens: the last sampled token
     is never run), all resident at once: without sharing, and with the prefix's full pages stored once."""
@@ -83,31 +83,6 @@ def page_bounds(reqs: list[Request], prefix_len: int, block_size: int) -> dict[s
 
 
 # ---- one mode ----------------------------------------------------------------------------------
-@dataclass(slots=True)
-class StreamResult:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    ttft_s: float = float("nan")
-    latency_s: float = float("nan")
-    finish_reason: int = 0
-    cached_tokens: int = 0
-    prompt_tokens: int = 0
-
-
-async def _one_stream(client: Any, req: Request, t0: float) -> StreamResult:
-    out = StreamResult(req.index)
-    async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True):
-        if msg.token_ids and not out.token_ids:
-            out.ttft_s = time.perf_counter() - t0
-        out.token_ids.extend(msg.token_ids)
-        if msg.finish_reason:
-            out.finish_reason = msg.finish_reason
-            out.cached_tokens = msg.usage.cached_tokens
-            out.prompt_tokens = msg.usage.prompt_tokens
-    out.latency_s = time.perf_counter() - t0
-    return out
-
-
 def _info_dict(info: Any) -> dict[str, Any]:
     keys = ("num_pages", "num_used_pages", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens",
             "num_cached_pages", "num_preemptions", "prefix_caching", "block_size", "max_model_len",
@@ -119,19 +94,12 @@ async def _workload(address: str, reqs: list[Request], wait_idle_s: float) -> di
     from pagedkv.client import Client
 
     async with Client(address) as client:
-        await client.wait_ready(timeout=120)
-        warm = await client.complete(WARMUP_PROMPT, max_tokens=4, ignore_eos=True)  # untimed; shares nothing
-        if len(warm.token_ids) != 4:
-            raise RuntimeError(f"warm-up returned {len(warm.token_ids)} tokens, expected 4")
+        await warm_up(client)  # untimed; shares nothing
         await asyncio.to_thread(wait_idle, wait_idle_s)
         before = _info_dict(await client.model_info(reset_peak=True))
-        watch = CpuWatch()
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one_stream(client, r, t0) for r in reqs))
-        wall = time.perf_counter() - t0
-        cpu = watch.stop()
+        wall, results, cpu = await timed_streams(client, reqs)
         after = _info_dict(await client.model_info())
-    return {"wall_s": wall, "results": list(results), "cpu": cpu, "info_before": before, "info_after": after}
+    return {"wall_s": wall, "results": results, "cpu": cpu, "info_before": before, "info_after": after}
 
 
 def run_mode(args: argparse.Namespace, model: str, caching: bool, reqs: list[Request]) -> dict[str, Any]:
@@ -152,9 +120,7 @@ def run_mode(args: argparse.Namespace, model: str, caching: bool, reqs: list[Req
     finally:
         server.stop()
     results: list[StreamResult] = raw["results"]
-    for r, res in zip(reqs, results, strict=True):
-        if len(res.token_ids) != r.max_tokens:
-            raise RuntimeError(f"request {r.index}: {len(res.token_ids)} tokens, asked for {r.max_tokens}")
+    check_lengths(reqs, results)
     before, after, wall = raw["info_before"], raw["info_after"], raw["wall_s"]
     if after["prefix_caching"] != caching:
         raise RuntimeError(f"server reports prefix_caching={after['prefix_caching']}, expected {caching}")
@@ -185,11 +151,7 @@ def run_mode(args: argparse.Namespace, model: str, caching: bool, reqs: list[Req
         "tokens_per_s": out_tokens / wall,
         "requests_per_s": len(reqs) / wall,
         "computed_tokens_per_s": computed / wall,
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "latency_p50_s": percentile(lat, 50),
-        "latency_p99_s": percentile(lat, 99),
+        **latency_summary(ttfts, lat),
         "server_startup_s": startup,
         "cpu": raw["cpu"],
         "server_args": serve_args,
@@ -199,7 +161,7 @@ def run_mode(args: argparse.Namespace, model: str, caching: bool, reqs: list[Req
 
 # ---- report ------------------------------------------------------------------------------------
 @dataclass(slots=True)
-class Config:
+class Config(Machine):
     model: str
     model_dir: str
     seed: int
@@ -215,11 +177,6 @@ class Config:
     dtype: str = "float32"
     quick: bool = False
     order: str = "caching off then on"
-    nproc: int = field(default_factory=lambda: os.cpu_count() or 0)
-    torch_threads: int = field(default_factory=torch.get_num_threads)
-    torch_version: str = torch.__version__
-    python: str = platform.python_version()
-    platform: str = platform.platform()
 
 
 # (label, key, format, ratio direction: "off/on", "on/off" or "" for none)
@@ -248,17 +205,13 @@ def ratios(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def print_table(off: dict[str, Any], on: dict[str, Any], rat: dict[str, float]) -> None:
+def print_modes(off: dict[str, Any], on: dict[str, Any], rat: dict[str, float]) -> None:
     header = ("metric", "caching off", "caching on", "ratio")
     body = []
     for label, key, fmt, direction in ROWS:
         r = f"{rat[f'{key} ({direction})']:.2f}x {direction}" if direction else ""
         body.append((label, fmt.format(off[key]), fmt.format(on[key]), r))
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for b in body:
-        print(" | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+    print_table(header, body)
 
 
 def compare_outputs(reqs: list[Request], off: dict[str, Any], on: dict[str, Any]) -> list[dict[str, Any]]:
@@ -266,8 +219,7 @@ def compare_outputs(reqs: list[Request], off: dict[str, Any], on: dict[str, Any]
     bad = []
     for r, a, b in zip(reqs, off["outputs"], on["outputs"], strict=True):
         if a != b:
-            pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            bad.append({"index": r.index, "first_diff": pos, "caching_off": a, "caching_on": b})
+            bad.append({"index": r.index, "first_diff": first_difference(a, b), "caching_off": a, "caching_on": b})
     return bad
 
 
@@ -329,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  caching {name}: {res['wall_s']:.2f}s, peak {res['peak_used_pages']} pages, "
               f"{res['prefill_tokens_computed']} prefill tokens computed, TTFT p50 {res['ttft_p50_s']:.3f}s",
               flush=True)
-        if _contended(res):
+        if is_contended(res):
             print(f"  WARNING: other processes used {res['cpu']['foreign_share']:.0%} of the machine's CPU "
                   f"during the caching-{name} run; its timings are not trustworthy", flush=True)
     off, on = runs["off"], runs["on"]
@@ -337,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = compare_outputs(reqs, off, on)
 
     print()
-    print_table(off, on, rat)
+    print_modes(off, on, rat)
     print()
     print(f"KV pages for all requests at full length: no sharing {bounds['no_sharing_pages']}, ideal sharing "
           f"{bounds['ideal_sharing_pages']} ({bounds['shared_prefix_pages']} prefix pages stored once); "
@@ -355,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                          "'computed'); raise --num-pages")
     for n in notes:
         print(f"NOTE: {n}")
-    contended = _contended(off) or _contended(on)
+    contended = is_contended(off) or is_contended(on)
     if contended:
         print("WARNING: other processes competed for the CPUs during a measured run (see 'cpu' in the JSON); "
               "rerun on an idle machine")
@@ -373,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
               "outputs_match": not mismatches, "mismatches": mismatches, "notes": notes,
               "workload": [{"prompt_len": len(r.prompt), "suffix_len": len(r.prompt) - args.prefix_len,
                             "max_tokens": r.max_tokens} for r in reqs]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 1 if mismatches else 0
 
 

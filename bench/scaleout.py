@@ -25,21 +25,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from e2e_vs_hf import make_workload, percentile, wait_idle
+from common import ROOT, first_difference, make_workload, percentile, wait_idle, write_report
 
 from pagedkv.client import Client, Completion, accumulate
 from pagedkv.local_server import ServiceProcess
 from pagedkv.models import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 259  # tiny-llama's byte vocabulary (ids 3..258 are bytes)
 
 
@@ -141,7 +138,7 @@ def _divergence(base: list[list[int]], other: list[list[int]]) -> dict[int, int]
     out = {}
     for i, (a, b) in enumerate(zip(base, other)):
         if a != b:
-            out[i] = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out[i] = first_difference(a, b)
     return out
 
 
@@ -198,8 +195,7 @@ def main(argv=None) -> int:
               "config": vars(args), "throughput": {str(n): {k: v for k, v in r.items() if k != "outputs"}
                                                    for n, r in rows.items()},
               "outputs_differing": {str(n): d for n, d in divergence.items()}, "migration": mig}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_report(args.out, result)
     return 0 if mig["identical_to_undisturbed"] and mig["migrated"] > 0 else 1
 
 

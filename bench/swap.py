@@ -36,32 +36,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from e2e_vs_hf import CpuWatch, Request, Server, _contended, make_workload, percentile, wait_idle
+from common import (
+    ROOT,
+    Machine,
+    Request,
+    Server,
+    StreamResult,
+    check_lengths,
+    first_difference,
+    is_contended,
+    latency_summary,
+    make_workload,
+    pages_for,
+    print_table,
+    timed_streams,
+    wait_idle,
+    warm_up,
+    write_report,
+)
 
 from pagedkv.models import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-BOS_ID = 1
-WARMUP_PROMPT = [BOS_ID, 72, 105]
 POLICIES = ("recompute", "swap", "auto")
 PROMPT_RANGE, OUTPUT_RANGE = (64, 384), (64, 256)
 QUICK_PROMPT_RANGE, QUICK_OUTPUT_RANGE = (32, 128), (32, 96)
 DMA_TARGET = 0.9
-
-
-def pages_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def page_demand(reqs: list[Request], block_size: int) -> dict[str, int]:
@@ -72,27 +80,6 @@ def page_demand(reqs: list[Request], block_size: int) -> dict[str, int]:
 
 
 # ---- one policy ---------------------------------------------------------------------------------
-@dataclass(slots=True)
-class StreamResult:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    ttft_s: float = float("nan")
-    latency_s: float = float("nan")
-    finish_reason: int = 0
-
-
-async def _one_stream(client: Any, req: Request, t0: float) -> StreamResult:
-    out = StreamResult(req.index)
-    async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True):
-        if msg.token_ids and not out.token_ids:
-            out.ttft_s = time.perf_counter() - t0
-        out.token_ids.extend(msg.token_ids)
-        if msg.finish_reason:
-            out.finish_reason = msg.finish_reason
-    out.latency_s = time.perf_counter() - t0
-    return out
-
-
 INFO_KEYS = ("num_pages", "num_used_pages", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens",
              "num_preemptions", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions",
              "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes",
@@ -120,19 +107,12 @@ async def _workload(address: str, reqs: list[Request], wait_idle_s: float) -> di
     from pagedkv.client import Client
 
     async with Client(address) as client:
-        await client.wait_ready(timeout=120)
-        warm = await client.complete(WARMUP_PROMPT, max_tokens=4, ignore_eos=True)  # untimed
-        if len(warm.token_ids) != 4:
-            raise RuntimeError(f"warm-up returned {len(warm.token_ids)} tokens, expected 4")
+        await warm_up(client)  # untimed
         await asyncio.to_thread(wait_idle, wait_idle_s)
         before = _info_dict(await client.model_info(reset_peak=True))
-        watch = CpuWatch()
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one_stream(client, r, t0) for r in reqs))
-        wall = time.perf_counter() - t0
-        cpu = watch.stop()
+        wall, results, cpu = await timed_streams(client, reqs)
         immediate, after, settle_s = await _settled_info(client, 10.0)
-    return {"wall_s": wall, "results": list(results), "cpu": cpu, "info_before": before,
+    return {"wall_s": wall, "results": results, "cpu": cpu, "info_before": before,
             "info_immediate": immediate, "info_after": after, "settle_s": settle_s}
 
 
@@ -185,9 +165,7 @@ def run_policy(args: argparse.Namespace, model: str, mode: str, reqs: list[Reque
     finally:
         server.stop()
     results: list[StreamResult] = raw["results"]
-    for r, res in zip(reqs, results, strict=True):
-        if len(res.token_ids) != r.max_tokens:
-            raise RuntimeError(f"{mode}: request {r.index}: {len(res.token_ids)} tokens, asked for {r.max_tokens}")
+    check_lengths(reqs, results, f"{mode}: request")
     before, after, wall = raw["info_before"], raw["info_after"], raw["wall_s"]
 
     def delta(key: str) -> int:
@@ -208,12 +186,7 @@ def run_policy(args: argparse.Namespace, model: str, mode: str, reqs: list[Reque
         "wall_s": wall,
         "tokens_per_s": out_tokens / wall,
         "requests_per_s": len(reqs) / wall,
-        "latency_mean_s": statistics.fmean(lat),
-        "latency_p50_s": percentile(lat, 50),
-        "latency_p99_s": percentile(lat, 99),
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
+        **latency_summary(ttfts, lat),
         "preemptions": delta("num_preemptions"),
         "swap_preemptions": delta("num_swap_preemptions"),
         "recompute_preemptions": delta("num_recompute_preemptions"),
@@ -335,7 +308,7 @@ def print_dma(d: dict[str, Any]) -> None:
 
 # ---- report -------------------------------------------------------------------------------------
 @dataclass(slots=True)
-class Config:
+class Config(Machine):
     model: str
     model_dir: str
     seed: int
@@ -353,11 +326,6 @@ class Config:
     dtype: str = "float32"
     quick: bool = False
     order: str = "recompute, swap, auto (round-robin per trial)"
-    nproc: int = field(default_factory=lambda: os.cpu_count() or 0)
-    torch_threads: int = field(default_factory=torch.get_num_threads)
-    torch_version: str = torch.__version__
-    python: str = platform.python_version()
-    platform: str = platform.platform()
 
 
 # (label, key, format, ratios vs recompute shown)
@@ -394,7 +362,7 @@ def _fmt(value: float, spec: str) -> str:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One policy over its trials: each metric's median over the uncontended trials (all if none is)."""
-    clean = [r for r in runs if not _contended(r)] or runs
+    clean = [r for r in runs if not is_contended(r)] or runs
     out: dict[str, Any] = {k: statistics.median(r[k] for r in clean) for k in NUMERIC_KEYS}
     out["swap_mb"] = statistics.median(r["swap_bytes"] for r in clean) / 1e6
     first = runs[0]
@@ -405,7 +373,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                prefix_caching=first["prefix_caching"], server_args=first["server_args"],
                leak_free=all(r["leak_free"] for r in runs), trials=len(runs),
                trials_used=[i for i, r in enumerate(runs) if any(r is c for c in clean)],
-               trial_contended=[_contended(r) for r in runs], executor=first["executor"])
+               trial_contended=[is_contended(r) for r in runs], executor=first["executor"])
     return out
 
 
@@ -418,18 +386,14 @@ def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def print_table(summary: dict[str, dict[str, Any]], rat: dict[str, float]) -> None:
+def print_policies(summary: dict[str, dict[str, Any]], rat: dict[str, float]) -> None:
     header = ("metric", *POLICIES, "swap/recompute", "auto/recompute")
     body = []
     for label, key, spec, with_ratio in ROWS:
         cells = [_fmt(summary[m][key], spec) for m in POLICIES]
         rs = [f"{rat[f'{key} ({m}/recompute)']:.2f}x" if with_ratio else "" for m in ("swap", "auto")]
         body.append((label, *cells, *rs))
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for b in body:
-        print(" | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+    print_table(header, body)
 
 
 def executor_line(mode: str, costs: dict[str, Any], block_size: int) -> str:
@@ -451,8 +415,7 @@ def compare_outputs(reqs: list[Request], trials: dict[str, list[dict[str, Any]]]
         for t, run in enumerate(trials[mode]):
             for r, a, b in zip(reqs, ref, run["outputs"], strict=True):
                 if a != b:
-                    pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                    bad.append({"policy": mode, "trial": t, "index": r.index, "first_diff": pos,
+                    bad.append({"policy": mode, "trial": t, "index": r.index, "first_diff": first_difference(a, b),
                                 "reference": a, "output": b})
     return bad
 
@@ -493,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         dma = page_dma("cuda", num_pages=args.dma_pages)
         print_dma(dma)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_name("swap_dma.json").write_text(json.dumps(dma, indent=2) + "\n")
+        write_report(args.out.with_name("swap_dma.json"), dma)
         return 0
     prompt_range, output_range = PROMPT_RANGE, OUTPUT_RANGE
     if args.quick:
@@ -540,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res['recomputed_tokens']} tokens recomputed", flush=True)
             if not res["leak_free"]:
                 print(f"  ERROR: after the {mode} run the server still holds {res['leaks']}", flush=True)
-            if _contended(res):
+            if is_contended(res):
                 print(f"  WARNING: other processes used {res['cpu']['foreign_share']:.0%} of the machine's CPU "
                       f"during the {mode} run; its timings are not trustworthy", flush=True)
     summary = {m: summarize(trials[m]) for m in POLICIES}
@@ -548,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = compare_outputs(reqs, trials)
 
     print()
-    print_table(summary, rat)
+    print_policies(summary, rat)
     print()
     for mode in POLICIES:
         print(executor_line(mode, summary[mode]["executor"], args.block_size))
@@ -591,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ERROR: pages, host pages or swap slots still held after a run: "
               + "; ".join(f"{m} trial {i}: {r['leaks']}" for m in POLICIES for i, r in enumerate(trials[m])
                           if not r["leak_free"]), file=sys.stderr)
-    contended = any(_contended(r) for runs in trials.values() for r in runs)
+    contended = any(is_contended(r) for runs in trials.values() for r in runs)
     if contended:
         print("WARNING: other processes competed for the CPUs during a measured run (see 'cpu' in the JSON); "
               "rerun on an idle machine")
@@ -610,9 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                          for m, runs in trials.items()},
               "outputs_match": not mismatches, "mismatches": mismatches, "notes": notes, "page_dma": dma,
               "workload": [{"prompt_len": len(r.prompt), "max_tokens": r.max_tokens} for r in reqs]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 1 if mismatches or not leak_free else 0
 
 

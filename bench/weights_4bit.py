@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -26,6 +25,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common import write_report  # noqa: E402
 
 from executor_svc.model import load_model, quant  # noqa: E402
 from executor_svc.model.quant import Int4Weight, build_int4  # noqa: E402
@@ -151,11 +152,9 @@ def main() -> None:
         print(f"{r['weights']:<24} {r['linear_bytes'] / 2**20:>10.2f} {r['vs_fp16_linears']:>7.3f} "
               f"{r['vs_fp32_linears']:>7.3f} {r['decode_tok_s_b1']:>9.1f} {r['decode_tok_s_b8']:>9.1f}  "
               f"{','.join(r['linear_kinds'])}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": 1, "shape": SHAPE, "linear": kernels,
-                               "models": rows, "quick": args.quick}, indent=2))
-    print(f"\nwrote {out}")
+    print()
+    write_report(args.out, {"torch": torch.__version__, "threads": 1, "shape": SHAPE, "linear": kernels,
+                            "models": rows, "quick": args.quick})
 
 
 if __name__ == "__main__":
