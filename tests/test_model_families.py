@@ -219,3 +219,66 @@ def test_more_family_fields_greedy_equal_to_transformers(arch, kw, tmp_path):
     cfg = ModelConfig.from_dir(path)
     assert cfg.tie_word_embeddings == kw["tie_word_embeddings"] and cfg.sliding_window is None
     assert_greedy_equal(path)
+
+
+def _paged_first_logprobs(path: Path, prompts: list[list[int]], kv_dtype: str = "auto") -> list[tuple[int, float]]:
+    """(greedy token, its log-probability) after each prompt, from one prefill step of the executor's runner."""
+    from executor_svc.attention.torch_backend import TorchPagedAttention
+    from executor_svc.kv_quant import parse_kv_dtype
+    from executor_svc.model import load_model
+    from executor_svc.pages import DevicePagePool
+    from executor_svc.runner import ModelRunner
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    cfg = ModelConfig.from_dir(path)
+    cpu = torch.device("cpu")
+    model = load_model(cfg, cpu, torch.float32)
+    attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+    pool = DevicePagePool(cfg, 16, 16, torch.float32, cpu, parse_kv_dtype(kv_dtype, torch.float32))
+    runner = ModelRunner(model, pool, attention, cpu)
+    plan = pb.StepPlan(step_id=0)
+    free = iter(range(1, 16))
+    for i, prompt in enumerate(prompts):
+        plan.new_requests.add(request_id=str(i), token_ids=prompt, num_scheduled_tokens=len(prompt),
+                              page_ids=[next(free) for _ in range(-(-len(prompt) // 16))],
+                              sampling=pb.SamplingParams(logprobs=True))
+    result = runner.step(plan)
+    assert not result.error, result.error
+    by_id = {s.request_id: (s.token_id, s.logprob) for s in result.sampled}
+    return [by_id[str(i)] for i in range(len(prompts))]
+
+
+def test_gemma2_final_softcapping_shapes_the_logprobs(tmp_path):
+    """cap * tanh(logits / cap) keeps the order of the logits, so greedy tokens cannot show it; the
+    log-probabilities can. They equal transformers' (which caps), and differ from the uncapped ones."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_random_model(tmp_path / "m", arch="gemma2", seed=8, sliding_window=12, tie_word_embeddings=False,
+                              config_overrides={"final_logit_softcapping": 2.0, "attn_logit_softcapping": 3.0},
+                              **SMALL)
+    prompts = random_prompts(9, [7, 30], VOCAB)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32).eval()
+
+    def hf_first(capped: bool) -> list[tuple[int, float]]:
+        hf.config.final_logit_softcapping = 2.0 if capped else None
+        with torch.inference_mode():
+            lps = [torch.log_softmax(hf(torch.tensor([p])).logits[0, -1], -1) for p in prompts]
+        return [(int(lp.argmax()), float(lp.max())) for lp in lps]
+
+    want, uncapped = hf_first(True), hf_first(False)
+    got = _paged_first_logprobs(path, prompts)
+    assert [t for t, _ in got] == [t for t, _ in want] == [t for t, _ in uncapped]  # same tokens
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+    assert all(abs(g - u) > 1e-2 for (_, g), (_, u) in zip(got, uncapped))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_gemma2_soft_capped_attention_reads_8bit_kv_pages(kv_dtype, tmp_path):
+    """The model's own soft-capped attention reads quantized pages through the cache's gather: close to the
+    float pages' answer (8-bit KV is not exact)."""
+    path = build_random_model(tmp_path / "m", arch="gemma2", seed=8, sliding_window=12, tie_word_embeddings=False,
+                              config_overrides={"attn_logit_softcapping": 3.0}, **SMALL)
+    prompts = random_prompts(9, [7, 30], VOCAB)
+    exact = _paged_first_logprobs(path, prompts)
+    quant = _paged_first_logprobs(path, prompts, kv_dtype)
+    assert [lp for _, lp in quant] == pytest.approx([lp for _, lp in exact], abs=0.05)
