@@ -263,7 +263,7 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
     reference: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.split(".", 3)[-1] in QUANTIZED_LINEARS):
+        if not (name.endswith(".weight") and _quantized_linear(module.split(".", 3)[-1])):
             packed[name] = reference[name] = t.contiguous()
             continue
         q, zeros, scales, g_idx = _round_to_nearest(t.float(), method, group_size, desc_act, sym, gen)
@@ -299,6 +299,15 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     save_file(packed, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _quantized_linear(name: str) -> bool:
+    """A decoder linear the tools quantize (name below model.layers.N.): attention, MLP, each MoE expert and
+    Qwen2-MoE's shared expert; never a router (mlp.gate, block_sparse_moe.gate) or shared_expert_gate."""
+    import re
+
+    experts = r"block_sparse_moe\.experts\.\d+\.w[123]|mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj"
+    return name in QUANTIZED_LINEARS or re.fullmatch(experts, name) is not None
 
 
 def _round_to_nearest(w, method: str, group_size: int, desc_act: bool, sym: bool, gen):

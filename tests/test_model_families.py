@@ -184,25 +184,31 @@ def test_qwen3_window_on_no_layer_and_phi3_defaults_are_served(phi3_dir, qwen3_d
     assert p.fused_projections and p.unknown_fields == ()
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("phi3", dict(method="awq", group_size=32)),
-    ("phi3", dict(method="gptq", group_size=64, desc_act=True, sym=False)),
-    ("qwen3", dict(method="gptq", group_size=32, desc_act=False, sym=True)),
-], ids=["phi3-awq", "phi3-gptq-desc_act", "qwen3-gptq"])
-def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch, kw, tmp_path, monkeypatch):
-    """Phi-3's fused qkv_proj and gate_up_proj quantized whole (as AutoAWQ/AutoGPTQ store them) and Qwen3's
-    linears load 4-bit; the int4 kernel in fp32 equals transformers on the dequantized float weights."""
+@pytest.mark.parametrize("arch,kw,linears", [
+    ("phi3", dict(method="awq", group_size=32), 4 * 2),
+    ("phi3", dict(method="gptq", group_size=64, desc_act=True, sym=False), 4 * 2),
+    ("qwen3", dict(method="gptq", group_size=32, desc_act=False, sym=True), 4 * 2),
+    ("gemma2", dict(method="awq", group_size=32), 4 * 2),
+    ("mixtral", dict(method="gptq", group_size=32, desc_act=True, sym=True), (2 + 2 * 4) * 2),  # 4 experts
+    ("qwen2_moe", dict(method="awq", group_size=64), (2 + 2 * 4 + 2) * 2),  # + the shared expert
+], ids=["phi3-awq", "phi3-gptq-desc_act", "qwen3-gptq", "gemma2-awq", "mixtral-gptq", "qwen2_moe-awq"])
+def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch, kw, linears, tmp_path,
+                                                                           monkeypatch):
+    """Phi-3's fused qkv_proj and gate_up_proj quantized whole (as AutoAWQ/AutoGPTQ store them), Qwen3's and
+    Gemma 2's linears, and every MoE expert (routers stay float, as the tools leave them) load 4-bit; the int4
+    kernel in fp32 equals transformers on the dequantized float weights."""
     from executor_svc.model import load_model, quant
     from pagedkv.models import quantize_checkpoint
     from tests.test_model_config import paged_greedy
 
     monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)  # bit-for-bit the dequantized weights' math
+    extra = dict(tie_word_embeddings=False, sliding_window=12) if arch == "gemma2" else {}
     src = build_random_model(tmp_path / "src", arch=arch, seed=12, hidden_size=128, intermediate_size=256,
-                             num_layers=2, num_heads=4, num_kv_heads=2)
+                             num_layers=2, num_heads=4, num_kv_heads=2, **extra)
     q = quantize_checkpoint(src, tmp_path / "q", reference_dir=tmp_path / "ref", **kw)
     model = load_model(ModelConfig.from_dir(q), torch.device("cpu"), torch.float32)
     assert set(model.linear_kinds) <= {"int4-cpu", "int4-cpu (unfused: different input orders)"}, model.linear_kinds
-    assert sum(model.linear_kinds.values()) == 4 * 2  # qkv, o, gate_up, down in each layer: all 4-bit
+    assert sum(model.linear_kinds.values()) == linears  # qkv, o and every MLP/expert linear: all 4-bit
     prompts = random_prompts(5, [4, 19, 40], VOCAB)
     want = hf_greedy(tmp_path / "ref", prompts, [10] * len(prompts))
     assert paged_greedy(q, prompts, 10) == want
