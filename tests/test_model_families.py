@@ -288,3 +288,46 @@ def test_gemma2_soft_capped_attention_reads_8bit_kv_pages(kv_dtype, tmp_path):
     exact = _paged_first_logprobs(path, prompts)
     quant = _paged_first_logprobs(path, prompts, kv_dtype)
     assert [lp for _, lp in quant] == pytest.approx([lp for _, lp in exact], abs=0.05)
+
+
+def _hf_gemma_sink_window_greedy(path: Path, prompt: list[int], max_new: int, sink: int, window: int,
+                                 model_window: int) -> list[int]:
+    """Greedy decoding by transformers (eager, fp32, from scratch each step) with the request's sink + window
+    mask on every layer and the model's own window on top of it on the local layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new):
+            i = torch.arange(len(ids)).view(-1, 1)
+            j = torch.arange(len(ids)).view(1, -1)
+            full = (j <= i) & ((j < sink) | (j > i - window))
+            allowed = {"full_attention": full, "sliding_attention": full & (j > i - model_window)}
+            masks = {name: torch.zeros(1, 1, len(ids), len(ids)).masked_fill(~a, torch.finfo(torch.float32).min)
+                     for name, a in allowed.items()}
+            ids.append(int(model(torch.tensor([ids]), attention_mask=masks).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_gemma2_per_layer_windows_under_a_page_budget_window(tmp_path):
+    """A request past its page budget keeps a sink page and its last 48 tokens (the scheduler drops the pages
+    between); Gemma 2's local layers keep their own 12-token window inside that, its global layers read the
+    whole sink + window, both through the soft-capped attention. Equal to transformers under the same masks."""
+    from tests.fake_executor import drive, make_request
+
+    path = build_random_model(tmp_path / "m", arch="gemma2", seed=41, sliding_window=12, tie_word_embeddings=False,
+                              config_overrides={"attn_logit_softcapping": 3.0}, **SMALL)
+    prompt = random_prompts(11, [60], VOCAB)[0]
+    server = InProcessServer(path, num_pages=24)
+    req = make_request(0, 0, 40, prompt=list(prompt), page_budget=5, sink_tokens=16, window_tokens=48)
+    server.scheduler.add(req)
+    held = []
+
+    def step(plan):
+        held.append(sum(p != -1 for p in req.page_table))
+        return server.step(plan)
+
+    drive(server.scheduler, executor=type("Ex", (), {"step": staticmethod(step)})())
+    assert req.output_ids == _hf_gemma_sink_window_greedy(path, prompt, 40, sink=16, window=48, model_window=12)
+    assert len(req.output_ids) == 40 and max(held) <= 5  # the pages past the budget were dropped
