@@ -1,5 +1,6 @@
 """Tenants file, API keys, fair admission (VTC), quotas, reserved pages and fair-share preemption, at the
-scheduler level with a stand-in executor that checks KV contents (tests/fake_executor.py)."""
+scheduler level with a stand-in executor that checks KV contents (tests/fake_executor.py).
+The host tier keeps tenants apart too."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from scheduler_svc.request import Finish, Status
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants, Unauthenticated, hash_key
 from tests.fake_executor import FakeExecutor, drive, make_request
-
-BS = 4
+from tests.scheduler.helpers import BS, assert_empty, new_scheduler
 
 
 def load(tmp_path, text: str, num_pages: int = 100) -> Tenants:
@@ -179,7 +179,7 @@ def test_random_tenants_quotas_budgets_and_swaps(seed):
     import random
 
     from scheduler_svc.policy import Mode
-    from tests.test_swap_unit import assert_empty, new_scheduler
+    from tests.scheduler.helpers import assert_empty, new_scheduler
 
     rng = random.Random(seed)
     pages = rng.choice([24, 32])
@@ -276,3 +276,24 @@ def test_a_tenant_served_alone_banks_no_credit_against_a_newcomer():
     drive(s, on_step=watch)
     first = "".join(r.tenant for r in order[:10])
     assert first.count("x") >= 3, f"admission order {first}"
+
+
+def test_host_tier_keeps_tenants_apart():
+    s = new_scheduler(pages=10, host_pages=20)
+    prefix = list(range(30, 58))  # 7 pages
+    s.add(make_request(0, 0, 2, prompt=prefix + [3], tenant="a"))
+    drive(s)
+    for i in range(1, 3):
+        s.add(make_request(i, 0, 2, prompt=[100 + i] * 33, tenant="a"))
+        drive(s)
+    assert s.counters.spilled_pages >= 7
+    other = make_request(8, 0, 2, prompt=prefix + [4], tenant="b")
+    s.add(other)
+    drive(s)
+    assert other.num_cached_tokens == 0 and s.counters.spill_hits == 0
+    same = make_request(9, 0, 2, prompt=prefix + [4], tenant="a")
+    s.add(same)
+    drive(s)
+    # (b's own pages spilled meanwhile and pushed some of a's out of the host LRU)
+    assert same.num_cached_tokens >= 16 and s.counters.spill_hits >= 4
+    assert_empty(s)

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import random
 
-from scheduler_svc.pages import PagePool
 from scheduler_svc.prefix_cache import page_hash, tenant_root
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from tests.fake_executor import drive, make_request
-
-BS = 16
-
-
-def new_scheduler(num_pages=400, caching=True, budget=4096, seqs=256, max_len=4096) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                          enable_prefix_caching=caching)
-    return Scheduler(PagePool(num_pages, BS), cfg, [2])
+from tests.scheduler.helpers import PREFIX_BS as BS
+from tests.scheduler.helpers import new_prefix_scheduler as new_scheduler
 
 
 def test_hash_chain_is_salted_by_tenant_and_tags_extra_keys():
@@ -110,32 +103,6 @@ def test_100_requests_share_a_2000_token_prefix():
     assert s.pool.num_used == 0
 
 
-def test_fork_shares_pages_and_copies_the_partial_last_page():
-    s = new_scheduler()
-    prompt = [30 + i for i in range(40)]  # 2 full pages + 8 tokens: the forks share a partial page
-    parent = make_request(0, 0, 5, prompt=prompt, n=4)
-    s.add(parent)
-    plan, _ = s.schedule()
-    assert plan.new_requests[0].num_scheduled_tokens == 39 and len(plan.new_requests[0].token_ids) == 39
-    from tests.fake_executor import fake_result
-
-    known: dict = {}
-    s.process(fake_result(plan, known))
-    assert [r.request_id for r in s.running] == [f"r0/{i}" for i in range(4)]
-    assert len({tuple(r.page_table) for r in s.running}) == 1  # every page shared
-    plan, _ = s.schedule()
-    assert list(plan.forget) == ["r0"]
-    assert len(plan.page_ops.copy) == 3  # three forks copy the shared partial page; the last keeps it
-    tables = [r.page_table for r in s.running]
-    assert len({t[2] for t in tables}) == 4 and len({tuple(t[:2]) for t in tables}) == 1
-    assert [r.sampling.seed - s.running[0].sampling.seed for r in s.running] == [0, 1, 2, 3]
-    s.check_integrity()
-    s.process(fake_result(plan, known))
-    drive(s, known=known)
-    assert s.pool.num_used == 0
-
-
-# ---- regressions found in review ----------------------------------------------------------------
 def test_executor_failure_forgets_the_prefix_cache():
     s = new_scheduler()
     prompt = [40 + i % 90 for i in range(80)]
@@ -144,63 +111,3 @@ def test_executor_failure_forgets_the_prefix_cache():
     s.fail_all("executor gone")
     again, computed = run_one(s, 1, prompt)
     assert again.num_cached_tokens == 0 and computed == 80 + 3
-
-
-def _forked(s: Scheduler, prompt_len: int = 10, n: int = 2):
-    from tests.fake_executor import fake_result
-
-    parent = make_request(0, 0, 4, prompt=list(range(3, 3 + prompt_len)), n=n)
-    s.add(parent)
-    known: dict = {}
-    plan, _ = s.schedule()
-    return parent, plan, known, fake_result
-
-
-def test_rejected_plan_keeps_its_page_copies():
-    from pagedkv.executor.v1 import executor_pb2 as pb
-
-    s = Scheduler(PagePool(40, 4), SchedulerConfig(max_model_len=64), [2])
-    parent, plan, known, fake_result = _forked(s)
-    s.process(fake_result(plan, known))
-    plan, _ = s.schedule()
-    copies = [(c.src, c.dst) for c in plan.page_ops.copy]
-    assert copies
-    s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
-    again, _ = s.schedule()  # the rejected plan's page operations go first, alone
-    assert [(c.src, c.dst) for c in again.page_ops.copy] == copies
-    assert not again.new_requests and not again.continuing and not again.decodes
-    s.process(fake_result(again, known))
-    then, _ = s.schedule()
-    assert not then.page_ops.copy
-    assert {r.request_id for r in then.new_requests} == {"r0/0", "r0/1"}
-    s.process(fake_result(then, known))
-    s.check_integrity()
-
-
-def test_abort_during_the_last_parent_chunk_aborts_the_forks():
-    s = new_scheduler()
-    parent, plan, known, fake_result = _forked(s, prompt_len=40, n=3)
-    s.abort(parent.group)  # the client goes away while the parent's prefill runs
-    s.process(fake_result(plan, known))
-    plan, outs = s.schedule()
-    assert s.pool.num_used == 0 and not s.running
-    assert {o.finish.value for _, o in outs} == {"abort"}
-
-
-def test_a_parent_holds_n_seats_before_it_forks():
-    s = new_scheduler(seqs=4)
-    s.add(make_request(0, 0, 3, prompt=list(range(3, 30)), n=4))
-    for i in range(1, 4):
-        s.add(make_request(i, 0, 3, prompt=[50 + i] * 20))
-    drive_steps = 0
-    from tests.fake_executor import fake_result
-
-    known: dict = {}
-    while s.has_work and drive_steps < 100:
-        plan, _ = s.schedule()
-        if plan is None:
-            break
-        s.process(fake_result(plan, known))
-        assert len(s.running) <= 4
-        drive_steps += 1
-    assert not s.has_work

@@ -1,0 +1,113 @@
+"""When the executor disagrees or goes away: a rejected plan's page operations are resent alone and first, a
+request the executor keeps rejecting fails alone, endless rejections end the session, executor failure frees
+both tiers, and counters survive a new pool geometry."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.request import Finish, Status
+from tests.fake_executor import FakeExecutor, drive, make_request, scheduled
+from tests.scheduler.helpers import BS, CHEAP_SWAP, assert_empty, new_scheduler
+
+
+def test_rejected_plan_resends_its_swaps_alone_and_first():
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    reqs = [make_request(i, 12, 20, prompt=[40 + i] * 12) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    ex = FakeExecutor(BS)
+    plan, _ = s.schedule()
+    s.process(ex.step(plan))
+    plan, _ = s.schedule()
+    assert plan.page_ops.swap_out
+    ops = [(c.src, c.dst) for c in plan.page_ops.swap_out]
+    s.process(pb.StepResult(step_id=plan.step_id, error="desync"))
+    again, _ = s.schedule()
+    assert [(c.src, c.dst) for c in again.page_ops.swap_out] == ops
+    assert not again.new_requests and not again.continuing and not again.decodes
+    s.check_integrity()
+    s.process(ex.step(again))
+    drive(s, executor=ex)
+    assert_empty(s)
+
+
+def test_a_request_the_executor_keeps_rejecting_fails_alone():
+    """Plans with swaps in them are rejected because of one request: its plans fail three times and it
+    is aborted; the rejected page operations still run (resent alone) and nothing else fails."""
+    from scheduler_svc.executor_session import MAX_PLAN_RETRIES
+
+    s = new_scheduler(pages=9, hot=0, cold=0, seqs=4)
+    reqs = [make_request(i, 12, 12, prompt=[80 + i] * 12) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    ex = FakeExecutor(BS)
+    bad = reqs[1].request_id
+    rejected = 0
+    for _ in range(500):
+        plan, _ = s.schedule()
+        if plan is None and not s.has_work:
+            break
+        ids = {rid for rid, _ in scheduled(plan)}
+        if bad in ids:
+            rejected += 1
+            s.process(pb.StepResult(step_id=plan.step_id, error=f"{bad} is cursed", desynced_request_ids=[bad]))
+        else:
+            s.process(ex.step(plan))
+        s.check_integrity()
+    assert rejected == MAX_PLAN_RETRIES and reqs[1].finish is Finish.ABORT
+    assert all(r.finish is Finish.LENGTH for r in reqs if r is not reqs[1])
+    assert_empty(s)
+
+
+def test_page_operations_rejected_again_and_again_end_the_executor_session():
+    from scheduler_svc.executor_session import PlanLoopError
+
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    for i in range(3):
+        s.add(make_request(i, 12, 20, prompt=[90 + i] * 12))
+    ex = FakeExecutor(BS)
+    plan, _ = s.schedule()
+    s.process(ex.step(plan))
+    plan, _ = s.schedule()
+    assert plan.page_ops.swap_out
+    with pytest.raises(PlanLoopError):
+        for _ in range(10):
+            s.process(pb.StepResult(step_id=plan.step_id, error="bad page id"))
+            plan, _ = s.schedule()
+    s.fail_all("executor state lost")
+    assert_empty(s)
+
+
+def test_abort_and_executor_failure_free_both_tiers():
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    reqs = [make_request(i, 12, 20, prompt=[60 + i] * 12) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    ex = FakeExecutor(BS)
+    for _ in range(3):
+        plan, _ = s.schedule()
+        s.process(ex.step(plan))
+    swapped = [r for r in reqs if r.status is Status.SWAPPED]
+    assert swapped and s.host.num_used > 0
+    s.abort(swapped[0].group)
+    plan, outs = s.schedule()
+    assert any(o.finish is Finish.ABORT for _, o in outs)
+    s.check_integrity()
+    outs = s.fail_all("executor gone")
+    assert all(o.error for _, o in outs)
+    assert_empty(s)
+    assert s.host.num_cached == 0 and s.pool.num_cached == 0
+
+
+def test_counters_survive_a_new_pool_geometry():
+    s = new_scheduler(pages=9, hot=0, cold=0)
+    for i in range(3):
+        s.add(make_request(i, 12, 20, prompt=[70 + i] * 12))
+    drive(s)
+    swaps = (s.counters.pages_swapped_out, s.counters.pages_swapped_in)
+    assert swaps[0] > 0
+    s.fail_all("executor restarted")
+    s.reset_pool(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
+    assert (s.counters.pages_swapped_out, s.counters.pages_swapped_in) == swaps and s.host.num_pages == 10
