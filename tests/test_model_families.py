@@ -19,7 +19,7 @@ from executor_svc.model_config import ModelConfig
 from pagedkv.models import build_random_model
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.inprocess import InProcessServer
-from tests.test_model_config import SMALL, VOCAB, with_config
+from tests.model_helpers import SMALL, VOCAB, with_config
 
 torch.set_num_threads(1)
 
@@ -199,7 +199,7 @@ def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch,
     kernel in fp32 equals transformers on the dequantized float weights."""
     from executor_svc.model import load_model, quant
     from pagedkv.models import quantize_checkpoint
-    from tests.test_model_config import paged_greedy
+    from tests.model_helpers import paged_greedy
 
     monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)  # bit-for-bit the dequantized weights' math
     extra = dict(tie_word_embeddings=False, sliding_window=12) if arch == "gemma2" else {}
@@ -219,7 +219,7 @@ def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch,
     ("phi3", dict(tie_word_embeddings=False, config_overrides={"rms_norm_eps": 0.05})),  # no window
 ], ids=["qwen3-tied-mqa", "phi3-no-window-eps"])
 def test_more_family_fields_greedy_equal_to_transformers(arch, kw, tmp_path):
-    from tests.test_model_config import assert_greedy_equal
+    from tests.model_helpers import assert_greedy_equal
 
     path = build_random_model(tmp_path / "m", arch=arch, seed=21, **dict(SMALL, **kw))
     cfg = ModelConfig.from_dir(path)

@@ -14,7 +14,7 @@ from executor_svc.model.quant import AWQ_ORDER, QuantSpec, unpack_linear
 from executor_svc.model_config import ModelConfig
 from pagedkv.models import build_random_model, quantize_checkpoint
 from tests.hf_reference import hf_greedy, random_prompts
-from tests.test_model_config import VOCAB, paged_greedy, with_config
+from tests.model_helpers import VOCAB, paged_greedy, with_config
 
 torch.set_num_threads(1)
 
