@@ -87,6 +87,15 @@ def start_server():
         s.stop()
 
 
+@pytest.fixture
+def boxes(monkeypatch):
+    """Cluster tests in one process: FakeClients (tests/fake_cluster.py) stand in for the gRPC executor client;
+    the Boxes (what runs at each address) by address, empty."""
+    from tests.fake_cluster import install_fake_clients
+
+    return install_fake_clients(monkeypatch)
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService
 from scheduler_svc.validation import MAX_CHAT_MESSAGES, Limits
-from tests.test_cluster_unit import Box, FakeClient, new_cluster
+from tests.fake_cluster import Box, FakeClient, new_cluster
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% if loop.first and m['role'] == 'assistant' %}"

@@ -10,8 +10,8 @@ import pytest
 
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
+from tests.fake_cluster import Box, FakeClient, collect, new_cluster, until
 from tests.fake_executor import make_request
-from tests.test_cluster_unit import Box, FakeClient, collect, new_cluster, until
 
 KV = {"a:1": ("fp8_e4m3", 1088), "b:1": ("int8", 1088), "c:1": ("float32", 4096)}
 

@@ -42,8 +42,8 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from tests import procs
+from tests.fake_cluster import Box, collect, new_cluster, until  # the boxes fixture: tests/conftest.py
 from tests.fake_executor import FakeExecutor, drive, make_request
-from tests.test_cluster_unit import Box, boxes, collect, new_cluster, until  # noqa: F401 - boxes: a fixture
 
 IDLE_S = 90.0  # (a): longer than 3 pings at the old settings' rate, and than any strike window
 SLACK_S = 6.0  # (b): a loaded 2-core CI machine answers late
@@ -202,7 +202,7 @@ def test_evacuate_without_keep_cache_forgets_everything():
 
 
 @pytest.mark.parametrize("how", ["same", "restarted", "wiped"])
-def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxes, how):  # noqa: F811
+def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxes, how):
     """The Run stream drops (idle); the engine reconnects to the same address. Same executor, pages kept: the
     repeated prompt hits (and the FakeExecutor checks the KV it reads). Another executor id (a restarted
     process), or the same one answering that it zeroed its pages (x-pagedkv-pages: fresh): no hit."""
