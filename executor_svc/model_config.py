@@ -1,7 +1,8 @@
 """The model read from a Hugging Face directory: config.json and generation_config.json, honoured or refused.
 
 Every field of the supported families' configs (transformers' LlamaConfig, MistralConfig, Qwen2Config,
-Qwen3Config, Phi3Config, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig) is
+Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig,
+Qwen3MoeConfig) is
 classified in FIELDS below: ``handled`` (the model code implements it; where it changes the math a test
 compares with transformers), ``refused`` (start-up stops with a ValueError naming the field and its value
 whenever it is set to anything but its "off" value), or ``irrelevant`` (it does not change inference math;
@@ -31,10 +32,12 @@ import torch
 
 # model_type -> the causal-LM class transformers builds for it
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-GEMMA = ("gemma2", "gemma3_text")  # (1 + w) RMSNorm, sandwich norms, scaled embeddings, query_pre_attn_scalar
+GEMMA_NORMS = ("gemma", "gemma2", "gemma3_text")  # (1 + w) RMSNorm in fp32, embeddings scaled by sqrt(hidden)
+GEMMA = ("gemma2", "gemma3_text")  # and sandwich norms, query_pre_attn_scalar, soft-capping, local/global layers
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # top-k routed experts
 PER_LAYER_WINDOWS = ("qwen2", "qwen3", "qwen2_moe") + GEMMA  # layer_types says which layers have the window
 UNIFORM_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # sliding_window applies to every layer
@@ -89,7 +92,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "final_logit_softcapping": (HANDLED, "Gemma 2/3: cap * tanh(logits / cap) (tested against HF); refused in the "
                                          "other families"),
     # Gemma 2/3
-    "hidden_activation": (HANDLED, "Gemma's MLP activation (its hidden_act is not read, as in transformers)"),
+    "hidden_activation": (HANDLED, "Gemma 2/3: the MLP activation (their hidden_act is not read, as in "
+                                   "transformers); Gemma 1 reads hidden_act (transformers maps its legacy 'gelu' "
+                                   "to gelu_pytorch_tanh)"),
     "query_pre_attn_scalar": (HANDLED, "Gemma: attention scale query_pre_attn_scalar ** -0.5 (tested against HF)"),
     "_sliding_window_pattern": (HANDLED, "Gemma 3: every n-th layer global (transformers writes layer_types "
                                          "from it)"),
@@ -334,7 +339,8 @@ class ModelConfig:
     # per layer: its attention window in tokens (0: full attention); () when sliding_window covers every layer
     layer_windows: tuple[int, ...] = ()
     layer_types: tuple[str, ...] = ()  # Gemma 3: each layer's rope set (full_attention / sliding_attention)
-    gemma: bool = False  # (1 + w) RMSNorm in fp32, sandwich norms, embeddings scaled by sqrt(hidden_size)
+    gemma: bool = False  # (1 + w) RMSNorm in fp32, embeddings scaled by sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 2/3: RMSNorm also on attention's and the MLP's outputs
     attn_scale: float = 0.0  # 0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
@@ -368,7 +374,7 @@ class ModelConfig:
                 eos.append(i)
         window = (getattr(hf, "sliding_window", None) or None) if family in UNIFORM_WINDOW else None
         llama = family == "llama"
-        biased = family in ("llama", "qwen3", "qwen3_moe") and bool(getattr(hf, "attention_bias", False))
+        biased = family in ("llama", "qwen3", "qwen3_moe", "gemma") and bool(getattr(hf, "attention_bias", False))
         gemma = family in GEMMA
         return cls(
             path=path,
@@ -389,6 +395,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             family=family,
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+            sandwich_norms=gemma,
             fused_projections=family == "phi3",
             hidden_act=(hf.hidden_activation if gemma else getattr(hf, "hidden_act", None)) or "silu",
             o_proj_bias=biased,
@@ -399,7 +406,7 @@ class ModelConfig:
             quantization=_quantization(hf, path),
             layer_windows=_layer_windows(hf, family),
             layer_types=tuple(hf.layer_types) if family == "gemma3_text" else (),
-            gemma=gemma,
+            gemma=family in GEMMA_NORMS,
             attn_scale=hf.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5,
             attn_softcap=getattr(hf, "attn_logit_softcapping", None) if gemma else None,
             final_softcap=getattr(hf, "final_logit_softcapping", None) if gemma else None,

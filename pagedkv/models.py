@@ -109,7 +109,7 @@ def build_random_model(
     config_overrides: dict | None = None,
     generation_eos: list[int] | None = None,
 ) -> Path:
-    """Builds a random model of one of ARCHS (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text,
+    """Builds a random model of one of ARCHS (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2, Gemma 3 text,
     Mixtral, Qwen2-MoE, Qwen3-MoE style) with the byte tokenizer and saves it as HF files.
 
     ``initializer_range`` is larger than usual so that greedy choices are not near-ties: token-exact
@@ -168,6 +168,12 @@ def build_random_model(
         config = Phi3Config(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0,
                             sliding_window=sliding_window, original_max_position_embeddings=max_position_embeddings)
         cls = Phi3ForCausalLM
+    elif arch == "gemma":  # Gemma 1: tied, gelu_pytorch_tanh, explicit head_dim (default 256)
+        common.setdefault("head_dim", hidden_size // num_heads)
+        common.setdefault("hidden_act", "gelu_pytorch_tanh")
+        tie = True if tie_word_embeddings is None else tie_word_embeddings
+        config = _family_config(arch)(**common, tie_word_embeddings=tie)
+        cls = _family_class(arch)
     elif arch in ("gemma2", "gemma3"):  # tied, gelu_pytorch_tanh, explicit head_dim (Gemma's default 256)
         common.setdefault("head_dim", hidden_size // num_heads)
         common.setdefault("query_pre_attn_scalar", common["head_dim"])
@@ -208,22 +214,26 @@ def build_random_model(
     return out_dir
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+FAMILY_CLASSES = {  # arch -> transformers' (config class, causal-LM class), for the archs built generically
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 def _family_config(arch: str):
     import transformers
 
-    return getattr(transformers, {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "mixtral": "MixtralConfig",
-                                  "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}[arch])
+    return getattr(transformers, FAMILY_CLASSES[arch][0])
 
 
 def _family_class(arch: str):
     import transformers
 
-    return getattr(transformers, {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                  "qwen3_moe": "Qwen3MoeForCausalLM"}[arch])
+    return getattr(transformers, FAMILY_CLASSES[arch][1])
 
 
 def build_tiny_llama(out_dir: Path) -> Path:

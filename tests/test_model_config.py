@@ -27,6 +27,7 @@ def family_config_fields() -> dict[str, set[str]]:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GemmaConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -38,8 +39,8 @@ def family_config_fields() -> dict[str, set[str]]:
     )
 
     out = {}
-    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma2Config, Gemma3TextConfig,
-                MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
+    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config,
+                Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
         keys = set(cls().to_dict())
         if cls in (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig):
             keys |= set(cls(use_sliding_window=True).to_dict())
@@ -94,7 +95,8 @@ REFUSALS = [
     ("final_logit_softcapping", "llama", {"final_logit_softcapping": 30.0}, "30.0"),
     ("query_pre_attn_scalar", "qwen2", {"query_pre_attn_scalar": 24}, "24"),
     ("num_local_experts", "llama", {"num_local_experts": 8}, "8"),
-    ("model_type", "llama", {"model_type": "gemma"}, "'gemma'"),
+    ("model_type", "llama", {"model_type": "cohere"}, "'cohere'"),
+    ("query_pre_attn_scalar", "gemma", {"query_pre_attn_scalar": 24}, "gemma2, gemma3_text"),  # Gemma 1 lacks it
     ("architectures", "llama", {"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassif"),
     # a layer type no family here implements; a window layer in a family without per-layer types
     ("layer_types", "qwen2", {"layer_types": ["full_attention", "chunked_attention"], "use_sliding_window": True,

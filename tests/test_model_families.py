@@ -41,11 +41,16 @@ FAMILIES = {
     "phi3": ("phi3", {"sliding_window": 24, "config_overrides": {"hidden_act": "gelu_pytorch_tanh"}},
              {"family": "phi3", "fused_projections": True, "sliding_window": 24, "head_dim": 16,
               "hidden_act": "gelu_pytorch_tanh"}),
+    # (1 + w) norms, embeddings x sqrt(hidden), q/k/v/o biases, head_dim 32 != hidden / heads
+    "gemma": ("gemma", {"tie_word_embeddings": False, "config_overrides": {"attention_bias": True, "head_dim": 32}},
+              {"family": "gemma", "gemma": True, "sandwich_norms": False, "attention_bias": True, "o_proj_bias": True,
+               "head_dim": 32, "attn_scale": 32 ** -0.5, "hidden_act": "gelu_pytorch_tanh"}),
     # local (window 12) then global layer; caps small enough that tanh bends; scale 24 ** -0.5, not 16 ** -0.5.
     # Untied: with tied embeddings scaled by sqrt(hidden) a random model only repeats its input token.
     "gemma2": ("gemma2", {"sliding_window": 12, "tie_word_embeddings": False, "config_overrides": {
         "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 24}},
-        {"family": "gemma2", "gemma": True, "layer_windows": (12, 0), "attn_softcap": 3.0, "final_softcap": 5.0,
+        {"family": "gemma2", "gemma": True, "sandwich_norms": True, "layer_windows": (12, 0), "attn_softcap": 3.0,
+         "final_softcap": 5.0,
          "attn_scale": 24 ** -0.5, "hidden_act": "gelu_pytorch_tanh", "sliding_window": None}),
     # q/k (1 + w) norms; a rope table per layer type (linear scaling on the global one, as Gemma 3 4B+)
     "gemma3": ("gemma3", {"sliding_window": 12, "tie_word_embeddings": False, "config_overrides": {
@@ -331,3 +336,12 @@ def test_gemma2_per_layer_windows_under_a_page_budget_window(tmp_path):
     drive(server.scheduler, executor=type("Ex", (), {"step": staticmethod(step)})())
     assert req.output_ids == _hf_gemma_sink_window_greedy(path, prompt, 40, sink=16, window=48, model_window=12)
     assert len(req.output_ids) == 40 and max(held) <= 5  # the pages past the budget were dropped
+
+
+def test_gemma_legacy_gelu_runs_the_tanh_approximation(tmp_path):
+    """Gemma 1's released config.json says hidden_act "gelu" (and hidden_activation "gelu_pytorch_tanh"):
+    transformers runs the tanh approximation, and so does pagedkv."""
+    src = build_random_model(tmp_path / "src", arch="gemma", seed=4, **SMALL)
+    path = with_config(src, tmp_path / "m", {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"})
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.gemma and not cfg.sandwich_norms

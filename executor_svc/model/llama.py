@@ -1,11 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE) over a
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2/3, Mixtral, Qwen2/3-MoE) over a
 flat batch and the paged KV pool.
 
 Qwen3 adds an RMSNorm over each query/key head before rope (q_norm, k_norm); Phi-3 stores q/k/v and gate/up
 already fused (qkv_proj, gate_up_proj, in the same order as the fused matmuls here). Gemma normalizes with
-(1 + w) in fp32, also after attention and after the MLP (sandwich norms), scales the embeddings by
-sqrt(hidden_size), scales scores by query_pre_attn_scalar ** -0.5, soft-caps scores (Gemma 2, see softcap.py)
-and logits, and alternates local (windowed) and global layers; Gemma 3 has a rope table per layer type.
+(1 + w) in fp32 and scales the embeddings by sqrt(hidden_size); Gemma 2/3 also normalize after attention and
+after the MLP (sandwich norms), scale scores by query_pre_attn_scalar ** -0.5, soft-cap scores (Gemma 2, see
+softcap.py) and logits, and alternate local (windowed) and global layers; Gemma 3 has a rope table per layer type.
 Mixtral and the Qwen MoE models route each token to top-k experts (moe.py). Per-layer windows: each layer
 attends with its own window (a copy of the step's metadata per distinct window).
 
@@ -126,7 +126,7 @@ class LlamaModel:
             "window": cfg.layer_windows[i] if cfg.layer_windows else None,
             "rope": cfg.layer_types[i] if cfg.layer_types else None,
         }
-        if cfg.gemma:  # sandwich norms: around attention's output and around the MLP
+        if cfg.sandwich_norms:  # Gemma 2/3: around attention's output and around the MLP
             out["attn_out_norm"] = w[p + "post_attention_layernorm.weight"]
             out["mlp_norm"] = w[p + "pre_feedforward_layernorm.weight"]
             out["mlp_out_norm"] = w[p + "post_feedforward_layernorm.weight"]
@@ -196,11 +196,11 @@ class LlamaModel:
         for i, lw in enumerate(self.layers):
             h = self.norm(x, lw["in_norm"], cfg.rms_norm_eps)
             a = self._attention(i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
-            if cfg.gemma:
+            if cfg.sandwich_norms:
                 a = self.norm(a, lw["attn_out_norm"], cfg.rms_norm_eps)
             x = x + a
             h = lw["mlp"](self.norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
-            if cfg.gemma:
+            if cfg.sandwich_norms:
                 h = self.norm(h, lw["mlp_out_norm"], cfg.rms_norm_eps)
             x = x + h
         x = self.norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
@@ -317,7 +317,7 @@ def expected_tensors(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if cfg.gemma:
+        if cfg.sandwich_norms:
             names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
