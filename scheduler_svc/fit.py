@@ -64,20 +64,20 @@ def window_min_budget(tenant: Tenant, sink_tokens: int, block_size: int) -> int:
     return pages_for(sink, block_size) + 2
 
 
-def fit_error(*, num_tokens: int, n: int, page_budget: int, sink: int, window: int, capacity: int,
+def fit_error(*, tenant: str, num_tokens: int, n: int, page_budget: int, sink: int, window: int, capacity: int,
               block_size: int, max_model_len: int, max_batched_tokens: int, max_num_seqs: int) -> str:
     """Why a request can never run on a pool where its tenant's capacity is ``capacity`` pages ('' if it
     can)."""
     if n > max_num_seqs:
         return f"n={n} is above max_num_seqs={max_num_seqs}"
     if page_budget > capacity:
-        return f"its page budget of {page_budget} pages is above the {capacity} its tenant can hold"
+        return f"its page budget of {page_budget} pages is above the {capacity} pages tenant {tenant} can hold"
     if window and not page_budget:
         if not window_page_limit(capacity, sink, window, block_size, max_batched_tokens):
             return (f"sink {sink} + window {window} tokens need {window_pages(sink, window, block_size)} pages; "
-                    f"its tenant can hold {capacity}")
+                    f"tenant {tenant} can hold {capacity}")
         return ""
-    limit = max_len(capacity, block_size, max_model_len, bool(window))
-    if num_tokens >= limit:
-        return f"{num_tokens} tokens (prompt and output so far) do not fit what its tenant can hold ({capacity} pages)"
+    if num_tokens >= max_len(capacity, block_size, max_model_len, bool(window)):
+        return (f"{num_tokens} tokens (prompt and output so far) do not fit what tenant {tenant} can hold "
+                f"({capacity} pages)")
     return ""

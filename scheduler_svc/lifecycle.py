@@ -119,9 +119,7 @@ def set_tenants(s: Scheduler, tenants: Tenants | None = None) -> Outputs:
     for req in list(s.requests.values()):
         s.limits.apply(req)
         capacity = s.limits.capacity(req.tenant)
-        too_long = req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget
-                                                     and not req.page_limit)
-        too_long = too_long or req.page_budget > capacity  # (it could never grow)
+        too_long = bool(s.limits.fit_error(req))  # (a budget above the capacity: it could never grow)
         seats = s.tenants.get(req.tenant).max_concurrent_requests
         if req.aborted:
             continue

@@ -107,14 +107,13 @@ class Scheduler:
         if self.config.fairness and not self.waiting.tenant_len(t) and not any(r.tenant == t for r in self.running):
             self.waiting.lift(t, self.ledger.active())  # no credit banked while idle
         self.limits.apply(req)
-        if req.num_tokens >= req.max_len or (req.window_tokens and not req.page_budget and not req.page_limit):
+        problem = self.limits.fit_error(req)
+        if problem:
             # (the API refuses these, and placement avoids executors too small for a migrated request; a
             # request that could never be admitted must not wait forever)
             self.requests[req.request_id] = req
             self.waiting.append(req)
-            self.deferred_outputs.append((req, self.finish(
-                req, Finish.ABORT, error=f"{req.num_tokens} tokens (prompt and output so far) do not fit what tenant "
-                f"{t} can hold ({self.limits.capacity(t)} pages)")))
+            self.deferred_outputs.append((req, self.finish(req, Finish.ABORT, error=problem)))
             return
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
             for child in self._children(req):

@@ -73,7 +73,7 @@ class TenantLimits:
 
     def fit_error(self, req: Request) -> str:
         """Why this executor can never hold the request ('' when it can)."""
-        return fit.fit_error(num_tokens=req.num_tokens, n=req.n, page_budget=req.page_budget,
+        return fit.fit_error(tenant=req.tenant, num_tokens=req.num_tokens, n=req.n, page_budget=req.page_budget,
                              sink=req.sink_tokens, window=req.window_tokens, capacity=self.capacity(req.tenant),
                              block_size=self.pool.block_size, max_model_len=self.max_model_len,
                              max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs)
