@@ -3,11 +3,14 @@ them), for the scale-out and compose tests."""
 
 from __future__ import annotations
 
+import socket
+
 from pagedkv.local_server import ROOT, ServiceProcess
 from tests.conftest import wait_until as wait_for
 
 Proc = ServiceProcess
-__all__ = ["ROOT", "Proc", "executor", "scheduler", "wait_for"]
+__all__ = ["METRICS_HOST", "ROOT", "Proc", "can_bind", "executor", "scheduler", "wait_for"]
+METRICS_HOST = "127.0.0.2"  # loopback too, but not the API's address: /metrics on an address of its own
 
 
 def executor(*args: str, port: int = 0, wait: bool = True) -> Proc:
@@ -18,3 +21,13 @@ def executor(*args: str, port: int = 0, wait: bool = True) -> Proc:
 def scheduler(*executors: str, args: tuple[str, ...] = ()) -> Proc:
     flags = [f for a in executors for f in ("--executor", a)]
     return Proc("scheduler", *flags, *args)
+
+
+def can_bind(host: str) -> bool:
+    """Whether this machine lets a socket bind ``host`` (127.0.0.2 is loopback on Linux, not everywhere)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            return False
+    return True

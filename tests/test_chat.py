@@ -18,13 +18,10 @@ from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService
 from scheduler_svc.validation import MAX_CHAT_MESSAGES, Limits
+from tests.chat_template import TEMPLATE, template_ids
 from tests.fake_cluster import Box, FakeClient, new_cluster
+from tests.fake_grpc import Aborted, Context
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
-            "{% if loop.first and m['role'] == 'assistant' %}"
-            "{{ raise_exception('the conversation must not start with the assistant') }}{% endif %}"
-            "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 LIMIT = 200  # --max-prompt-bytes
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo?"}]
 
@@ -41,29 +38,6 @@ def tokenizers(tmp_path_factory):
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(chat_dir))
     return AutoTokenizer.from_pretrained(str(chat_dir)), AutoTokenizer.from_pretrained(str(plain_dir))
-
-
-def template_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
-    """transformers' own answer (a dict or a list, as its version has it)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-class Aborted(Exception):
-    def __init__(self, code, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class Context:
-    def invocation_metadata(self):
-        return ()
-
-    def peer(self) -> str:
-        return "test"
-
-    async def abort(self, code, details: str):
-        raise Aborted(code, details)
 
 
 class Spy:

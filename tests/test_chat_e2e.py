@@ -14,7 +14,7 @@ import pytest
 
 from pagedkv.client import Client
 from tests import procs
-from tests.test_chat import TEMPLATE, template_ids
+from tests.chat_template import TEMPLATE, template_ids
 
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
 

@@ -17,7 +17,7 @@ from scheduler_svc.api import GenerationService
 from scheduler_svc.validation import InvalidRequest, Limits, SamplingDefaults, check_sampling
 from tests.fake_cluster import Box, FakeClient, new_cluster
 from tests.fake_executor import NullTokenizer
-from tests.test_chat import Context
+from tests.fake_grpc import Context
 
 LLAMA3_INSTRUCT = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128009],
                    "temperature": 0.6, "top_p": 0.9}

@@ -150,9 +150,9 @@ def test_serve_passes_the_prompt_limit_and_metrics_host_on(model_cache):
 
     from pagedkv.cli import free_port
     from tests.conftest import Server
-    from tests.test_tenant_visibility import METRICS_HOST, _can_bind
+    from tests.procs import METRICS_HOST, can_bind
 
-    host = METRICS_HOST if _can_bind(METRICS_HOST) else "127.0.0.1"
+    host = METRICS_HOST if can_bind(METRICS_HOST) else "127.0.0.1"
     metrics_port = free_port(host)
     server = Server("--num-pages", "32", "--max-model-len", "256", "--max-prompt-bytes", "1000",
                     "--metrics-port", str(metrics_port), "--metrics-host", host)

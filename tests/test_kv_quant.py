@@ -23,7 +23,7 @@ from executor_svc.kv_quant import (
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
-from tests.test_attention import dense
+from tests.attention_reference import dense
 
 QUANTIZED = ["fp8_e4m3", "int8"]
 

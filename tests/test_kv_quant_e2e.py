@@ -19,7 +19,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.server import _num_pages
 from pagedkv.client import Client
 from tests.conftest import ROOT, Server
-from tests.test_swap_e2e import BS, prompt_of, spill_scenario
+from tests.swap_scenarios import BS, prompt_of, spill_scenario
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the key. /metrics (scheduler and executor) listens on --metrics-host, apart from
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 
 import grpc
@@ -16,8 +15,8 @@ from pagedkv.cli import free_port
 from pagedkv.client import Client
 from scheduler_svc.tenancy import hash_key
 from tests import procs
+from tests.procs import METRICS_HOST, can_bind
 
-METRICS_HOST = "127.0.0.2"  # loopback too, but not the API's address
 WRONG_KEY = "sk-not-a-key-7f3a9c"
 TENANTS = f"""
 [tenants.alpha]
@@ -36,18 +35,9 @@ CLUSTER_FIELDS = ("num_free_pages", "num_used_pages", "num_cached_pages", "num_r
                   "num_used_host_pages", "num_swapped", "num_pages_swapped_out", "num_pages_swapped_in")
 
 
-def _can_bind(host: str) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, 0))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def cluster(model_cache, tmp_path_factory):
-    if not _can_bind(METRICS_HOST):
+    if not can_bind(METRICS_HOST):
         pytest.skip(f"cannot bind {METRICS_HOST} here")
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(TENANTS)
