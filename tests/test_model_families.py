@@ -345,3 +345,94 @@ def test_gemma_legacy_gelu_runs_the_tanh_approximation(tmp_path):
     path = with_config(src, tmp_path / "m", {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"})
     cfg = ModelConfig.from_dir(path)
     assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.gemma and not cfg.sandwich_norms
+
+
+# config.json of released checkpoints (as published; only the fields, no weights: ModelConfig reads no tensors)
+RELEASED = {
+    "gemma-2-2b-it": {
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 107],
+        "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+        "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+        "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+        "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000},
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144},
+    "gemma-7b": {
+        "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
+        "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_activation": None, "hidden_size": 3072,
+        "initializer_range": 0.02, "intermediate_size": 24576, "max_position_embeddings": 8192,
+        "model_type": "gemma", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 16,
+        "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16", "transformers_version": "4.38.0.dev0", "use_cache": True, "vocab_size": 256000},
+    "Mixtral-8x7B-Instruct-v0.1": {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000},
+    "Qwen1.5-MoE-A2.7B": {
+        "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+        "model_type": "qwen2_moe", "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
+}
+GEMMA3_1B_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
+# name -> (what ModelConfig reads, (num_experts, top_k, normalize, expert_size, shared_size) or None, unknown fields)
+RELEASED_READS = {
+    "gemma-2-2b-it": ({"family": "gemma2", "layer_windows": (4096, 0) * 13, "attn_softcap": 50.0,
+                       "final_softcap": 30.0, "attn_scale": 256 ** -0.5, "eos_token_ids": (1, 107),
+                       "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}, None,
+                      ("cache_implementation",)),
+    "gemma-3-1b-it": ({"family": "gemma3_text", "layer_windows": GEMMA3_1B_WINDOWS, "attn_softcap": None,
+                       "qk_norm": True, "num_kv_heads": 1, "eos_token_ids": (1, 106)}, None, ("cache_implementation",)),
+    "gemma-7b": ({"family": "gemma", "hidden_act": "gelu_pytorch_tanh", "sandwich_norms": False,
+                  "attn_scale": 256 ** -0.5}, None, ()),
+    "Mixtral-8x7B-Instruct-v0.1": ({"family": "mixtral", "sliding_window": None}, (8, 2, True, 14336, 0), ()),
+    "Qwen1.5-MoE-A2.7B": ({"family": "qwen2_moe", "layer_windows": (), "attention_bias": True},
+                          (60, 4, False, 1408, 5632), ()),
+    "Qwen3-30B-A3B": ({"family": "qwen3_moe", "qk_norm": True, "head_dim": 128, "sliding_window": None},
+                      (128, 8, True, 768, 0), ()),
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_config_files_are_read_not_refused(name, tmp_path):
+    """Every field of these released config.json files is served or known irrelevant; nothing is refused."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
+    cfg = ModelConfig.from_dir(tmp_path)
+    reads, moe, unknown = RELEASED_READS[name]
+    assert {k: getattr(cfg, k) for k in reads} == reads
+    assert cfg.unknown_fields == unknown
+    if moe is None:
+        assert cfg.moe is None
+    else:
+        m = cfg.moe
+        assert (m.num_experts, m.top_k, m.normalize, m.expert_size, m.shared_size) == moe
+        assert all(m.sparse_layers) and len(m.sparse_layers) == cfg.num_layers
