@@ -436,3 +436,35 @@ def test_released_config_files_are_read_not_refused(name, tmp_path):
         m = cfg.moe
         assert (m.num_experts, m.top_k, m.normalize, m.expert_size, m.shared_size) == moe
         assert all(m.sparse_layers) and len(m.sparse_layers) == cfg.num_layers
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2_moe"])
+def test_the_executor_builds_and_runs_the_new_families(arch, tmp_path):
+    """The executor's own start-up (config, weights, backend choice, pools, the cost probe's forward) and one
+    greedy request through its runner equal transformers."""
+    import argparse
+
+    from executor_svc.args import add_args
+    from executor_svc.server import build
+    from pagedkv import logs
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    kw = dict(sliding_window=12, tie_word_embeddings=False) if arch == "gemma2" else {}
+    path = build_random_model(tmp_path / "m", arch=arch, seed=42, **SMALL, **kw)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--num-pages", "8", "--threads", "1"])
+    runner, describe = build(args, logs.configure("executor-test"))
+    assert (describe.num_layers, describe.attention_backend, list(describe.eos_token_ids)) == (2, "torch", [2])
+    prompt = random_prompts(3, [20], VOCAB)[0]
+    plan = pb.StepPlan(step_id=1)
+    plan.new_requests.add(request_id="a", token_ids=prompt, num_scheduled_tokens=len(prompt), page_ids=[1, 2, 3])
+    out = []
+    for step in range(8):
+        if step:
+            plan = pb.StepPlan(step_id=step + 1)
+            plan.continuing.add(request_id="a", num_scheduled_tokens=1)
+        result = runner.step(plan)
+        assert not result.error, result.error
+        out.append(result.sampled[0].token_id)
+    assert out == hf_greedy(path, [prompt], [8])[0]
