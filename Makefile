@@ -1,13 +1,14 @@
 # make serve   - install into .venv (first time) and serve the built-in tiny-llama on 127.0.0.1:50051
 # make test    - install into .venv (first time) and run the test suite
-# make test-unit - the fast tier only (no process started; pytest -m unit)
+# make test-fast - the fast tier only (no process started; pytest -m unit): run it on every edit
+# make test-unit - the same as test-fast
 # make bench   - the benchmarks under bench/ (tables on stdout, JSON under bench/results/)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install serve test test-unit lint bench proto clean
+.PHONY: install serve test test-fast test-unit lint bench proto clean
 
 install: $(VENV)/.installed
 
@@ -25,8 +26,10 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(ARGS)
 
-test-unit: install
+test-fast: install
 	$(PY) -m pytest -q -m unit $(ARGS)
+
+test-unit: test-fast
 
 lint: install
 	$(VENV)/bin/ruff check .
