@@ -219,17 +219,24 @@ def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch,
     assert paged_greedy(q, prompts, 10) == want
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("qwen3", dict(tie_word_embeddings=True, num_kv_heads=1)),  # as Qwen3-0.6B/1.7B/4B: tied head
-    ("phi3", dict(tie_word_embeddings=False, config_overrides={"rms_norm_eps": 0.05})),  # no window
-], ids=["qwen3-tied-mqa", "phi3-no-window-eps"])
-def test_more_family_fields_greedy_equal_to_transformers(arch, kw, tmp_path):
+WINDOWS_ON = {"use_sliding_window": True, "sliding_window": 12}
+
+
+@pytest.mark.parametrize("arch,kw,windows", [
+    ("qwen3", dict(tie_word_embeddings=True, num_kv_heads=1), ()),  # as Qwen3-0.6B/1.7B/4B: tied head
+    ("phi3", dict(tie_word_embeddings=False, config_overrides={"rms_norm_eps": 0.05}), ()),  # no window
+    # windows from max_window_layers up (Qwen3), on the even layers below it (Qwen2-MoE's own rule)
+    ("qwen3", dict(tie_word_embeddings=False, config_overrides=dict(WINDOWS_ON, max_window_layers=1)), (0, 12)),
+    ("qwen2_moe", dict(tie_word_embeddings=False, config_overrides=dict(WINDOWS_ON, max_window_layers=2)), (12, 0)),
+], ids=["qwen3-tied-mqa", "phi3-no-window-eps", "qwen3-windows", "qwen2_moe-windows"])
+def test_more_family_fields_greedy_equal_to_transformers(arch, kw, windows, tmp_path):
     from tests.model_helpers import assert_greedy_equal
 
     path = build_random_model(tmp_path / "m", arch=arch, seed=21, **dict(SMALL, **kw))
     cfg = ModelConfig.from_dir(path)
     assert cfg.tie_word_embeddings == kw["tie_word_embeddings"] and cfg.sliding_window is None
-    assert_greedy_equal(path)
+    assert cfg.layer_windows == windows
+    assert_greedy_equal(path, max_new=24 if windows else 12)
 
 
 def _paged_first_logprobs(path: Path, prompts: list[list[int]], kv_dtype: str = "auto") -> list[tuple[int, float]]:
