@@ -59,8 +59,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "num_hidden_layers": (HANDLED, "layer count"),
     "num_attention_heads": (HANDLED, "query heads"),
     "num_key_value_heads": (HANDLED, "KV heads (GQA/MQA); pages are sized by it"),
-    "head_dim": (HANDLED, "per-head width, may differ from hidden_size / heads (tested against HF; Qwen3 states "
-                          "it explicitly); Phi-3 has none: hidden_size / heads"),
+    "head_dim": (HANDLED, "per-head width, may differ from hidden_size / heads (tested against HF; Qwen3 and "
+                          "Gemma state it explicitly); Phi-3 has none: hidden_size / heads"),
     "max_position_embeddings": (HANDLED, "the longest position served; rope scaling reads it"),
     # math
     "hidden_act": (HANDLED, f"MLP activation: {', '.join(ACTIVATIONS)} (tested against HF); others refused"),
@@ -70,19 +70,23 @@ FIELDS: dict[str, tuple[str, str]] = {
     "rope_scaling": (HANDLED, "old name of rope_parameters (transformers converts it)"),
     "rope_theta": (HANDLED, "old top-level rope base (transformers moves it into rope_parameters)"),
     "tie_word_embeddings": (HANDLED, "lm_head shares the embedding; untied needs lm_head.weight"),
-    "attention_bias": (HANDLED, "Llama and Qwen3: q/k/v/o biases (tested against HF); Qwen2 always has q/k/v "
-                                "biases; Mistral and Phi-3 have none"),
+    "attention_bias": (HANDLED, "Llama, Qwen3, Qwen3-MoE, Gemma 1: q/k/v/o biases (tested against HF); Qwen2 "
+                                "always has q/k/v biases (Qwen2-MoE: qkv_bias); the others none, as in their "
+                                "transformers code"),
     "mlp_bias": (HANDLED, "Llama: gate/up/down biases (tested against HF)"),
-    "sliding_window": (HANDLED, "Mistral and Phi-3: every layer's window (tested against HF); Qwen2/Qwen3: see "
-                                "layer_types"),
-    "use_sliding_window": (HANDLED, "Qwen2/Qwen3: false is served; windows that would apply to a layer are "
-                                    "refused"),
-    "max_window_layers": (HANDLED, "Qwen2/Qwen3: which layers get the window (only with use_sliding_window)"),
+    "sliding_window": (HANDLED, "Mistral, Phi-3, Mixtral, Qwen3-MoE: every layer's window; Qwen2/Qwen3/"
+                                "Qwen2-MoE/Gemma 2/3: the window of the sliding_attention layers (layer_types); "
+                                "tested against HF"),
+    "use_sliding_window": (HANDLED, "Qwen: whether sliding_window applies (transformers derives layer_types "
+                                    "from it; tested against HF)"),
+    "max_window_layers": (HANDLED, "Qwen2/Qwen3: layers from it up get the window; Qwen2-MoE: even layers "
+                                   "below it (transformers derives layer_types; tested against HF)"),
     "original_max_position_embeddings": (IRRELEVANT, "Phi-3: default rope's tables do not read it (longrope, "
                                                      "which does, is refused); transformers only rebuilds its "
                                                      "cache there, same math"),
-    "layer_types": (HANDLED, "all full_attention is served; any sliding_attention layer is refused "
-                             "(per-layer windows are not implemented)"),
+    "layer_types": (HANDLED, "per layer full_attention or sliding_attention (its own window; Gemma 3 also its "
+                             "rope table), in the families that have it; other types, or windows in a family "
+                             "without per-layer types, refused"),
     "eos_token_id": (HANDLED, "stop ids, merged with generation_config.json's and sent in Describe"),
     "quantization_config": (HANDLED, "4-bit AWQ (GEMM) and GPTQ (desc_act, sym, any group size) weights load, "
                                      "kept 4-bit (tested against HF on the dequantized weights); other methods, "
