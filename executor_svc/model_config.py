@@ -129,6 +129,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "embd_pdrop": (IRRELEVANT, "Phi-3 embedding dropout: off at inference (transformers' eval mode)"),
     "initializer_range": (IRRELEVANT, "random initialisation for training; weights are loaded"),
     "use_cache": (IRRELEVANT, "transformers' own KV cache switch; pagedkv always pages KV"),
+    "cache_implementation": (IRRELEVANT, "Gemma 2/3 config.json: which KV cache class transformers' generate() "
+                                         "builds (hybrid); pagedkv pages KV, each layer masked by its own window"),
     "dtype": (IRRELEVANT, "the checkpoint's dtype; --dtype chooses the compute dtype"),
     "torch_dtype": (IRRELEVANT, "old name of dtype"),
     "model_type": (HANDLED, f"selects the family: {', '.join(FAMILIES)}; others refused"),

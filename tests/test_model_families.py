@@ -415,10 +415,9 @@ GEMMA3_1B_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
 RELEASED_READS = {
     "gemma-2-2b-it": ({"family": "gemma2", "layer_windows": (4096, 0) * 13, "attn_softcap": 50.0,
                        "final_softcap": 30.0, "attn_scale": 256 ** -0.5, "eos_token_ids": (1, 107),
-                       "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}, None,
-                      ("cache_implementation",)),
+                       "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}, None, ()),
     "gemma-3-1b-it": ({"family": "gemma3_text", "layer_windows": GEMMA3_1B_WINDOWS, "attn_softcap": None,
-                       "qk_norm": True, "num_kv_heads": 1, "eos_token_ids": (1, 106)}, None, ("cache_implementation",)),
+                       "qk_norm": True, "num_kv_heads": 1, "eos_token_ids": (1, 106)}, None, ()),
     "gemma-7b": ({"family": "gemma", "hidden_act": "gelu_pytorch_tanh", "sandwich_norms": False,
                   "attn_scale": 256 ** -0.5}, None, ()),
     "Mixtral-8x7B-Instruct-v0.1": ({"family": "mixtral", "sliding_window": None}, (8, 2, True, 14336, 0), ()),
