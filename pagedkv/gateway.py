@@ -49,6 +49,8 @@ LATENCY = Histogram("pagedkv_gateway_request_seconds", "Time from request to las
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 TTFT = Histogram("pagedkv_gateway_ttft_seconds", "Time from request to the first streamed token",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+RELAY = Histogram("pagedkv_gateway_relay_seconds", "Time from a scheduler message read to its SSE chunk written",
+                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1))
 IN_FLIGHT = Gauge("pagedkv_gateway_requests_in_flight", "Generation requests being answered")
 DISCONNECTS = Counter("pagedkv_gateway_client_disconnects_total",
                       "Clients that went away before their answer ended (their gRPC calls were cancelled)")
@@ -260,6 +262,7 @@ class Generation(Response):
                 yield event
 
         async for i, item in rest():
+            read_at = time.perf_counter()
             if item is None:
                 continue
             if isinstance(item, grpc.aio.AioRpcError):
@@ -275,6 +278,7 @@ class Generation(Response):
                 TTFT.observe(time.perf_counter() - self.started)
             await self._body(send, _sse(oai.chunk_body(plan, self.rid, created, self.model, index, item.text,
                                                        item.token_ids, item.logprobs, finish)))
+            RELAY.observe(time.perf_counter() - read_at)
         tail = b""
         if plan.include_usage:
             tail = _sse(oai.usage_chunk(plan, self.rid, created, self.model, self.choices))
@@ -397,6 +401,46 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
 
 
 # ---- command line ------------------------------------------------------------------------------
+def check_http(url: str, tls_ca: str = "", tls_server_name: str = "", timeout: float = 3.0) -> tuple[bool, str]:
+    """``pagedkv health --http URL``: (True, what it said) when GET URL answers 200 (the gateway's /health:
+    it and its scheduler serve). https URLs are verified against ``tls_ca`` (else the system's CAs)."""
+    import http.client
+    import ssl
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--http {url!r}: give an http:// or https:// URL, e.g. https://127.0.0.1:8000/health")
+    if parts.scheme == "https":
+        ctx = ssl.create_default_context(cafile=tls_ca or None)
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port or 443, timeout=timeout, context=ctx)
+        if tls_server_name:  # verify the certificate against this name instead of the URL's host
+            conn = _named_https(parts.hostname, parts.port or 443, timeout, ctx, tls_server_name)
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        r = conn.getresponse()
+        body = r.read(4096).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as err:
+        return False, f"{url}: {err}"
+    finally:
+        conn.close()
+    return r.status == 200, f"{url}: {r.status} {body.strip()}"
+
+
+def _named_https(host: str, port: int, timeout: float, ctx, server_name: str):
+    import http.client
+    import socket
+
+    class Conn(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            sock = socket.create_connection((host, port), timeout)
+            self.sock = ctx.wrap_socket(sock, server_hostname=server_name)
+
+    return Conn(host, port, timeout=timeout, context=ctx)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     from pagedkv.security import add_tls_client_args, add_tls_server_args
 
@@ -418,6 +462,57 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_tls_client_args(p)  # trust the scheduler's certificate
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGTERM or Ctrl-C: stop accepting, let in-flight requests finish (--shutdown-timeout), exit 0
+            (uvicorn would raise the signal again once drained, so the process would die of it); a second
+            signal stops at once."""
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            # NOTE: an idle keep-alive connection is dropped at once. uvicorn closes it, which over TLS sends
+            # close_notify and waits up to 30 s (asyncio's ssl_shutdown_timeout) for a client that is not reading:
+            # every HTTPS shutdown with an idle client in its pool took the whole --shutdown-timeout.
+            for connection in list(self.server_state.connections):
+                cycle = getattr(connection, "cycle", None)
+                if cycle is None or cycle.response_complete:
+                    connection.transport.abort()
+            await super().shutdown(sockets)
+
+    return Server
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``pagedkv serve --http-port P``: the gateway as a third child of serve."""
+    p.add_argument("--http-port", type=int, default=0, metavar="P",
+                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off); with "
+                   "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
+                   "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
+
+
+def serve_child_command(args) -> list[str] | None:
+    """serve's gateway child (None without --http-port): it dials serve's scheduler on loopback."""
+    if not args.http_port:
+        return None
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    cmd = [sys.executable, "-m", "pagedkv", "gateway", "--address", f"{host}:{args.port}", "--host", args.host,
+           "--port", str(args.http_port), "--shutdown-timeout", str(args.shutdown_timeout),
+           "--log-format", args.log_format]
+    if args.tls_cert:
+        ca = os.environ.get("PAGEDKV_TLS_CA", "")
+        if not ca:
+            raise ValueError("--http-port with --tls-cert: set $PAGEDKV_TLS_CA to the CA certificate that signed "
+                             "--tls-cert (pagedkv gen-certs writes it as ca.pem), so the gateway can verify the "
+                             "scheduler")
+        cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", ca]
+    return cmd
+
+
 async def serve(args) -> None:
     import uvicorn
 
@@ -436,7 +531,7 @@ async def serve(args) -> None:
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
                             ssl_certfile=args.tls_cert or None, ssl_keyfile=args.tls_key or None,
                             server_header=False)
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     warn_if_exposed(log, "gateway", args.host, args.port, tls)
 
     async def announce() -> None:
