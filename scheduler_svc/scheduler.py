@@ -25,7 +25,7 @@ from scheduler_svc import admission, fair_share, lifecycle
 from scheduler_svc.executor_session import ExecutorSession
 from scheduler_svc.fairness import WaitQueue
 from scheduler_svc.kv_manager import KVManager, held
-from scheduler_svc.outputs import OutputProcessor
+from scheduler_svc.outputs import OutputProcessor, TokenOutcome
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import PreemptionConfig, PreemptionCosts, PreemptionPolicy
 from scheduler_svc.request import Finish, Output, Request, Status
@@ -269,26 +269,31 @@ class Scheduler:
         if resent:  # only page operations ran: the requests of the rejected plan are still to go
             return []
         self.counters.computed_tokens += result.num_computed_tokens
+        bs, publish = self.pool.block_size, self.kv.publish
         for req, n in scheduled:
             if req.status is Status.RUNNING:
                 req.num_computed += n
-                self.kv.publish(req)
+                if req.num_computed >= (req.num_published + 1) * bs:  # a page filled up
+                    publish(req)
                 if req.n > 1 and req.num_computed == req.compute_target:
                     self._fork(req)
         outputs = []
+        requests, on_token, charge = self.requests, self.outputs.on_token, self.waiting.charge
         for s in result.sampled:
-            req = self.requests.get(s.request_id)
+            req = requests.get(s.request_id)
             if req is None or req.status is not Status.RUNNING or req.aborted or req.n > 1:
                 continue
-            outputs.append((req, self._append_token(req, s.token_id, s.logprob)))
+            token = s.token_id
+            charge(req.tenant, output_tokens=1)
+            outcome = on_token(req, token)
+            if outcome is None:
+                outputs.append((req, Output(req.detokenizer.take(False), [token],
+                                            [s.logprob] if req.sampling.logprobs else [], index=req.index)))
+            else:
+                outputs.append((req, self._ended_by_token(req, token, s.logprob, outcome)))
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob: float) -> Output:
-        self.waiting.charge(req.tenant, output_tokens=1)
-        outcome = self.outputs.on_token(req, token)
-        if outcome is None:
-            return Output(req.detokenizer.take(final=False), [token], [logprob] if req.sampling.logprobs else [],
-                          index=req.index)
+    def _ended_by_token(self, req: Request, token: int, logprob: float, outcome: TokenOutcome) -> Output:
         if outcome.budget_hit:
             self.stats(req.tenant).budget_hits += 1
         out = self.finish(req, outcome.finish, outcome.stop_reason)
