@@ -36,6 +36,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_type of a multimodal checkpoint -> (its architecture, its language model's model_type): served text-only
+TEXT_OF_MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3_text")  # (1 + w) RMSNorm in fp32, embeddings scaled by sqrt(hidden)
 GEMMA = ("gemma2", "gemma3_text")  # and sandwich norms, query_pre_attn_scalar, soft-capping, local/global layers
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")  # top-k routed experts
@@ -128,6 +130,16 @@ FIELDS: dict[str, tuple[str, str]] = {
     "resid_pdrop": (IRRELEVANT, "Phi-3 residual dropout: off at inference (transformers' eval mode)"),
     "embd_pdrop": (IRRELEVANT, "Phi-3 embedding dropout: off at inference (transformers' eval mode)"),
     "initializer_range": (IRRELEVANT, "random initialisation for training; weights are loaded"),
+    # multimodal checkpoints served text-only (TEXT_OF_MULTIMODAL)
+    "text_config": (HANDLED, "Gemma 3 4B+: the language model's config, checked field by field as gemma3_text "
+                             "(tested against HF's Gemma3ForConditionalGeneration on text)"),
+    "vision_config": (IRRELEVANT, "the vision tower: prompts are text only (the API takes no images); its tensors "
+                                  "are not loaded"),
+    "mm_tokens_per_image": (IRRELEVANT, "image placement: prompts are text only"),
+    "boi_token_index": (IRRELEVANT, "image placement: prompts are text only"),
+    "eoi_token_index": (IRRELEVANT, "image placement: prompts are text only"),
+    "image_token_index": (IRRELEVANT, "image placement: prompts are text only (without an image transformers "
+                                      "embeds the id as an ordinary token, as pagedkv does)"),
     "use_cache": (IRRELEVANT, "transformers' own KV cache switch; pagedkv always pages KV"),
     "cache_implementation": (IRRELEVANT, "Gemma 2/3 config.json: which KV cache class transformers' generate() "
                                          "builds (hybrid); pagedkv pages KV, each layer masked by its own window"),
@@ -351,6 +363,8 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     moe: MoeSpec | None = None
+    # a multimodal checkpoint (TEXT_OF_MULTIMODAL) served text-only: its language model's tensors are loaded
+    language_model_only: bool = False
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -362,17 +376,26 @@ class ModelConfig:
         except (OSError, ValueError) as err:
             raise ValueError(f"model {path}: config.json is unreadable: {err}") from err
         family = raw.get("model_type") if isinstance(raw, dict) else None
-        if family not in FAMILIES:  # before AutoConfig, which knows families we do not serve (or none)
-            raise ValueError(f"model {path}: model_type = {family!r} is not supported; "
-                             f"supported: {', '.join(FAMILIES)}")
-        hf = AutoConfig.from_pretrained(str(path))
+        if family not in FAMILIES and family not in TEXT_OF_MULTIMODAL:  # before AutoConfig, which knows
+            raise ValueError(f"model {path}: model_type = {family!r} is not supported; "  # families we do not serve
+                             f"supported: {', '.join([*FAMILIES, *TEXT_OF_MULTIMODAL])}")
+        hf = outer = AutoConfig.from_pretrained(str(path))
+        outer_unknown: list[str] = []
+        if family in TEXT_OF_MULTIMODAL:
+            if not isinstance(raw.get("text_config"), dict):
+                raise ValueError(f"model {path}: model_type {family!r} needs text_config (its language model's "
+                                 "config); config.json has none")
+            hf, outer_unknown = _language_model_config(outer, path)
         family, unknown = check_fields(hf, path)
+        unknown = sorted(set(unknown) | set(outer_unknown))
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         vocab = hf.vocab_size
         gen = read_generation_config(path)
         eos: list[int] = []
-        for i in (_token_ids(getattr(hf, "eos_token_id", None), f"model {path}: config.json")
+        configs = [hf] if outer is hf else [hf, outer]  # a multimodal checkpoint lists eos ids at the top too
+        listed = [_token_ids(getattr(c, "eos_token_id", None), f"model {path}: config.json") for c in configs]
+        for i in ([i for ids in listed for i in ids]
                   + _token_ids(gen.get("eos_token_id"), f"model {path}: generation_config.json")):
             if i >= vocab:
                 raise ValueError(f"model {path}: eos_token_id {i} is outside the vocabulary ({vocab} tokens)")
@@ -384,7 +407,7 @@ class ModelConfig:
         gemma = family in GEMMA
         return cls(
             path=path,
-            architecture=FAMILIES[family],
+            architecture=TEXT_OF_MULTIMODAL[outer.model_type][0] if outer is not hf else FAMILIES[family],
             hf_config=hf,
             vocab_size=vocab,
             hidden_size=hf.hidden_size,
@@ -395,7 +418,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or biased or (family == "qwen2_moe" and bool(hf.qkv_bias)),
             sliding_window=window,
             eos_token_ids=tuple(eos),
@@ -409,7 +432,8 @@ class ModelConfig:
             generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
                                                       "repetition_penalty") if k in gen},
             unknown_fields=tuple(unknown),
-            quantization=_quantization(hf, path),
+            quantization=_quantization(outer, path),
+            language_model_only=outer is not hf,
             layer_windows=_layer_windows(hf, family),
             layer_types=tuple(hf.layer_types) if family == "gemma3_text" else (),
             gemma=family in GEMMA_NORMS,
@@ -418,6 +442,24 @@ class ModelConfig:
             final_softcap=getattr(hf, "final_logit_softcapping", None) if gemma else None,
             moe=_moe(hf, family),
         )
+
+
+def _language_model_config(outer, path: Path):
+    """(the language model's config, unknown outer fields) of a multimodal checkpoint served text-only."""
+    d = outer.to_dict()
+    arch, text_family = TEXT_OF_MULTIMODAL[d["model_type"]]
+    archs = list(d.get("architectures") or [])
+    if archs and archs != [arch]:
+        raise ValueError(f"model {path}: architectures = {archs} is not supported for model_type "
+                         f"{d['model_type']!r} (expected [{arch!r}])")
+    text = outer.text_config
+    if getattr(text, "model_type", None) != text_family:
+        raise ValueError(f"model {path}: text_config.model_type = {getattr(text, 'model_type', None)!r} is not "
+                         f"supported (expected {text_family!r})")
+    for name in REFUSED_FIELDS:  # the outer config's own refusals (the text config is checked as a family)
+        if name in d and not _off(d[name]):
+            raise ValueError(f"model {path}: {name} = {d[name]!r} is not supported ({_why(name, text_family)})")
+    return text, sorted(k for k in d if k not in FIELDS and k not in FOREIGN_MATH)
 
 
 def _layer_windows(hf, family: str) -> tuple[int, ...]:

@@ -109,7 +109,8 @@ def build_random_model(
     config_overrides: dict | None = None,
     generation_eos: list[int] | None = None,
 ) -> Path:
-    """Builds a random model of one of ARCHS (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2, Gemma 3 text,
+    """Builds a random model of one of ARCHS (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2, Gemma 3 text (alone
+    or inside a multimodal Gemma 3 with a tiny vision tower),
     Mixtral, Qwen2-MoE, Qwen3-MoE style) with the byte tokenizer and saves it as HF files.
 
     ``initializer_range`` is larger than usual so that greedy choices are not near-ties: token-exact
@@ -174,12 +175,17 @@ def build_random_model(
         tie = True if tie_word_embeddings is None else tie_word_embeddings
         config = _family_config(arch)(**common, tie_word_embeddings=tie)
         cls = _family_class(arch)
-    elif arch in ("gemma2", "gemma3"):  # tied, gelu_pytorch_tanh, explicit head_dim (Gemma's default 256)
-        common.setdefault("head_dim", hidden_size // num_heads)
+    elif arch in ("gemma2", "gemma3", "gemma3_multimodal"):  # tied, gelu_pytorch_tanh, explicit head_dim
+        common.setdefault("head_dim", hidden_size // num_heads)  # (Gemma's default is 256)
         common.setdefault("query_pre_attn_scalar", common["head_dim"])
         common.setdefault("hidden_activation", "gelu_pytorch_tanh")
         tie = True if tie_word_embeddings is None else tie_word_embeddings
         config = _family_config(arch)(**common, tie_word_embeddings=tie, sliding_window=sliding_window or 4096)
+        if arch == "gemma3_multimodal":  # Gemma 3 4B+: the text model inside, with a tiny SigLIP vision tower
+            config = _family_config(arch + "_outer")(
+                text_config=config.to_dict(), tie_word_embeddings=tie, mm_tokens_per_image=4,
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14))
         cls = _family_class(arch)
     elif arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # a few small experts, top-2
         common.setdefault("num_experts" if arch != "mixtral" else "num_local_experts", 4)
@@ -214,12 +220,15 @@ def build_random_model(
     return out_dir
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "gemma3_multimodal", "mixtral",
+         "qwen2_moe", "qwen3_moe")
 
 
 FAMILY_CLASSES = {  # arch -> transformers' (config class, causal-LM class), for the archs built generically
     "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma3_multimodal": ("Gemma3TextConfig", "Gemma3ForConditionalGeneration"),
+    "gemma3_multimodal_outer": ("Gemma3Config", None), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 

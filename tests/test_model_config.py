@@ -26,6 +26,7 @@ torch.set_num_threads(1)
 def family_config_fields() -> dict[str, set[str]]:
     from transformers import (
         Gemma2Config,
+        Gemma3Config,
         Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
@@ -40,7 +41,7 @@ def family_config_fields() -> dict[str, set[str]]:
 
     out = {}
     for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config,
-                Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
+                Gemma3TextConfig, Gemma3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
         keys = set(cls().to_dict())
         if cls in (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig):
             keys |= set(cls(use_sliding_window=True).to_dict())

@@ -58,6 +58,12 @@ FAMILIES = {
         "query_pre_attn_scalar": 24}},
         {"family": "gemma3_text", "gemma": True, "qk_norm": True, "layer_windows": (12, 0),
          "layer_types": ("sliding_attention", "full_attention"), "attn_softcap": None}),
+    # Gemma 3 4B+ are multimodal checkpoints: their language model served text-only, the vision tower not loaded
+    "gemma3-multimodal": ("gemma3_multimodal", {"sliding_window": 12, "tie_word_embeddings": False,
+                                                "config_overrides": {"layer_types": ["sliding_attention",
+                                                                                     "full_attention"]}},
+                          {"family": "gemma3_text", "language_model_only": True, "layer_windows": (12, 0),
+                           "architecture": "Gemma3ForConditionalGeneration", "tie_word_embeddings": False}),
     # 4 experts, top-2, renormalized; a window on every layer (seed 41 ends one prompt at eos after 3 tokens)
     "mixtral": ("mixtral", {"sliding_window": 24, "seed": 42}, {"family": "mixtral", "sliding_window": 24}),
     # shared expert with its sigmoid gate; layer 1 a dense MLP (mlp_only_layers); top-2 not renormalized
@@ -142,8 +148,12 @@ REFUSALS = [
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, (),
      ["rope_parameters['full_attention'].rope_type", "'dynamic'"]),
     ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention"]}, (), ["layer_types", "chunked_attention"]),
+    # a flat config under the multimodal model_type; a multimodal checkpoint of another class
     ("gemma3", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, (),
-     ["model_type = 'gemma3'"]),
+     ["model_type 'gemma3' needs text_config"]),
+    ("gemma3_multimodal", {"architectures": ["PaliGemmaForConditionalGeneration"]}, (),
+     ["architectures", "Gemma3ForConditionalGeneration"]),
+    ("gemma3_multimodal", {"text_config": {"model_type": "gemma2"}}, (), ["text_config.model_type = 'gemma2'"]),
     # MoE: another family's fields, a top-k past the experts
     ("mixtral", {"shared_expert_intermediate_size": 64}, (), ["shared_expert_intermediate_size = 64", "qwen2_moe"]),
     ("mixtral", {"num_experts_per_tok": 5}, (), ["num_experts_per_tok = 5", "[1, 4]"]),
@@ -160,6 +170,11 @@ def gemma2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory) -> Path:
     return build_random_model(tmp_path_factory.mktemp("gemma3"), arch="gemma3", seed=4, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal_dir(tmp_path_factory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("gemma3mm"), arch="gemma3_multimodal", seed=4, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +389,15 @@ RELEASED = {
         "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
         "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144},
+    "gemma-3-4b-it": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+        "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "model_type": "gemma3", "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "vision_config": {
+            "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+            "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
     "gemma-7b": {
         "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
         "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_activation": None, "hidden_size": 3072,
@@ -418,6 +442,10 @@ RELEASED_READS = {
                        "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}, None, ()),
     "gemma-3-1b-it": ({"family": "gemma3_text", "layer_windows": GEMMA3_1B_WINDOWS, "attn_softcap": None,
                        "qk_norm": True, "num_kv_heads": 1, "eos_token_ids": (1, 106)}, None, ()),
+    "gemma-3-4b-it": ({"family": "gemma3_text", "architecture": "Gemma3ForConditionalGeneration",
+                       "language_model_only": True, "tie_word_embeddings": True, "eos_token_ids": (1, 106),
+                       "layer_windows": tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34)),
+                       "attn_scale": 256 ** -0.5, "num_kv_heads": 4}, None, ()),
     "gemma-7b": ({"family": "gemma", "hidden_act": "gelu_pytorch_tanh", "sandwich_norms": False,
                   "attn_scale": 256 ** -0.5}, None, ()),
     "Mixtral-8x7B-Instruct-v0.1": ({"family": "mixtral", "sliding_window": None}, (8, 2, True, 14336, 0), ()),

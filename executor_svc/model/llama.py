@@ -255,8 +255,26 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+# a multimodal checkpoint's language model tensors -> the names of a causal LM's (both layouts in use)
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _language_model_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's tensors under causal-LM names; the vision tower's and projector's are dropped."""
+    out = {}
+    for key, tensor in weights.items():
+        for old, new in LANGUAGE_MODEL_PREFIXES:
+            if key.startswith(old):
+                out[new + key[len(old):]] = tensor
+                break
+    return out
+
+
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     weights = _read_safetensors(cfg.path)
+    if cfg.language_model_only:
+        weights = _language_model_tensors(weights)
     missing = [k for k in expected_tensors(cfg) if k not in weights]
     if missing:
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
