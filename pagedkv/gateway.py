@@ -41,6 +41,9 @@ from pagedkv.gateway_openai import ApiError, Choice, Plan
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_STREAMS = 1024
+# NOTE: uvicorn's default is 5 s, the same as httpx's (the openai SDK's) pool expiry: a request sent on a
+# connection the server was closing that instant failed with a read error (1 of 256 streams in bench/gateway.py).
+DEFAULT_KEEP_ALIVE_S = 75.0
 MAX_AUTH_HEADER_CHARS = 4096
 
 REQUESTS = Counter("pagedkv_gateway_requests_total", "HTTP requests answered, by endpoint and status",
@@ -454,6 +457,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="longest request body, refused with 413 before it is parsed")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
                    help="generation requests answered at once; more get 429")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="seconds an idle HTTP/1.1 connection stays open; longer than clients' and load balancers' "
+                   "own idle timeouts, so that they close first (a server closing first races a client reusing it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests get to finish (new connections are refused)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
@@ -529,6 +535,7 @@ async def serve(args) -> None:
     app = create_app(gateway, on_shutdown=(upstream.close,))
     config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                            timeout_keep_alive=args.keep_alive_timeout,
                             ssl_certfile=args.tls_cert or None, ssl_keyfile=args.tls_key or None,
                             server_header=False)
     server = _server_class()(config)
