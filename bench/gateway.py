@@ -9,7 +9,8 @@ here on loopback (tiny-llama, CPU), in one run:
    (see per_token on the alignment), and the gateway's own relay time per chunk (gRPC message read -> SSE bytes
    written, its pagedkv_gateway_relay_seconds histogram). Also the inter-token gap p50 of each path.
 3. Throughput at ``--concurrency`` concurrent streams (256), ``--concurrent-tokens`` tokens each: tokens/s over
-   gRPC directly and over SSE through the gateway, and the CPU the gateway process spent per streamed token.
+   gRPC directly and over SSE through the gateway (``--rounds`` alternating rounds, the median one), and the CPU
+   the gateway process and this client spent per streamed token.
 
 Everything (executor, scheduler, gateway and this client) shares this machine's cores, so 3. measures the
 whole stack under the gateway's extra CPU, not the gateway alone; the CPU per token is the machine-independent
@@ -173,34 +174,43 @@ async def relay_seconds(metrics_url: str) -> tuple[float, float]:
                                                                             0.0)
 
 
-async def concurrent(client: Client, http: Http, gateway_pid: int, streams: int, tokens: int) -> dict:
+async def concurrent(client: Client, http: Http, gateway_pid: int, streams: int, tokens: int, rounds: int) -> dict:
+    """``rounds`` alternating rounds per path (other jobs on this machine come and go); the median round each."""
     # warm-up at full concurrency: HTTP/1.1 streams need a connection each (gRPC multiplexes one); open them
     await asyncio.gather(*(http.stream({"model": "tiny-llama", "prompt": prompt(i), "max_tokens": 1})
                            for i in range(streams)))
-    out = {}
-    for path in ("grpc", "http"):
-        cpu0 = cpu_seconds(gateway_pid)
-        t0 = time.perf_counter()
-        if path == "grpc":
-            params = dict(max_tokens=tokens, temperature=0, ignore_eos=True)
-            results = await asyncio.gather(*(grpc_stream(client, prompt(5000 + i), params) for i in range(streams)),
-                                           return_exceptions=True)
-        else:
-            results = await asyncio.gather(*(http.stream({"model": "tiny-llama", "prompt": prompt(5000 + i),
-                                                          "max_tokens": tokens, "temperature": 0,
-                                                          "ignore_eos": True}) for i in range(streams)),
-                                           return_exceptions=True)
-        wall = time.perf_counter() - t0
-        ok = [r for r in results if not isinstance(r, BaseException)]
-        errors = [repr(r)[:200] for r in results if isinstance(r, BaseException)]
-        total = sum(t for t, _ in ok)
-        gw_cpu = cpu_seconds(gateway_pid) - cpu0
-        out[path] = {"streams": streams, "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
-                     "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
-                     "ttft_p50_ms": percentile([f for _, f in ok], 50) * 1e3,
-                     "gateway_cpu_s": gw_cpu, "gateway_cpu_us_per_token": gw_cpu / max(total, 1) * 1e6}
+    runs: dict[str, list[dict]] = {"grpc": [], "http": []}
+    for _ in range(rounds):
+        for path in ("grpc", "http"):
+            runs[path].append(await _one_round(client, http, gateway_pid, path, streams, tokens))
+    out: dict = {}
+    for path, rs in runs.items():
+        ordered = sorted(rs, key=lambda r: r["tokens_per_s"])
+        out[path] = {**ordered[len(ordered) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in rs]}
     out["throughput_ratio"] = out["http"]["tokens_per_s"] / out["grpc"]["tokens_per_s"]
     return out
+
+
+async def _one_round(client: Client, http: Http, gateway_pid: int, path: str, streams: int, tokens: int) -> dict:
+    cpu0, client0 = cpu_seconds(gateway_pid), time.process_time()
+    t0 = time.perf_counter()
+    if path == "grpc":
+        params = dict(max_tokens=tokens, temperature=0, ignore_eos=True)
+        results = await asyncio.gather(*(grpc_stream(client, prompt(5000 + i), params) for i in range(streams)),
+                                       return_exceptions=True)
+    else:
+        results = await asyncio.gather(*(http.stream({"model": "tiny-llama", "prompt": prompt(5000 + i),
+                                                      "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+                                         for i in range(streams)), return_exceptions=True)
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    errors = [repr(r)[:200] for r in results if isinstance(r, BaseException)]
+    total = sum(t for t, _ in ok)
+    gw_cpu, client_cpu = cpu_seconds(gateway_pid) - cpu0, time.process_time() - client0
+    return {"streams": streams, "ok": len(ok), "errors": len(errors), "first_errors": errors[:3], "tokens": total,
+            "wall_s": wall, "tokens_per_s": total / wall, "ttft_p50_ms": percentile([f for _, f in ok], 50) * 1e3,
+            "gateway_cpu_s": gw_cpu, "gateway_cpu_us_per_token": gw_cpu / max(total, 1) * 1e6,
+            "client_cpu_us_per_token": client_cpu / max(total, 1) * 1e6}
 
 
 async def run(args, gateway: ServiceProcess, scheduler: ServiceProcess) -> dict:
@@ -215,7 +225,7 @@ async def run(args, gateway: ServiceProcess, scheduler: ServiceProcess) -> dict:
                       "per_token": await per_token(client, http, args.stream_pairs, args.stream_tokens,
                                                    f"{base}/metrics")}
             report["concurrent"] = await concurrent(client, http, gateway.proc.pid, args.concurrency,
-                                                    args.concurrent_tokens)
+                                                    args.concurrent_tokens, args.rounds)
         finally:
             await http.close()
     return report
@@ -228,12 +238,13 @@ def main() -> None:
     p.add_argument("--stream-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--concurrent-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per path at --concurrency")
     p.add_argument("--quick", action="store_true", help="a smoke run: few requests, 32 streams")
     p.add_argument("--max-wait-idle", type=float, default=60.0)
     p.add_argument("--out", default=str(RESULTS / "gateway.json"))
     args = p.parse_args()
     if args.quick:
-        args.requests, args.stream_pairs, args.concurrency = 20, 4, 32
+        args.requests, args.stream_pairs, args.concurrency, args.rounds = 20, 4, 32, 1
     wait_idle(args.max_wait_idle)
     executor = ServiceProcess("executor", "--num-pages", "4096", "--threads", "1")
     procs = [executor]
@@ -261,6 +272,8 @@ def main() -> None:
         ["  TTFT p50", f"{c['grpc']['ttft_p50_ms']:.0f} ms", f"{c['http']['ttft_p50_ms']:.0f} ms", ""],
         ["  errors", str(c["grpc"]["errors"]), str(c["http"]["errors"]), ""],
         ["  gateway CPU per streamed token", "-", f"{c['http']['gateway_cpu_us_per_token']:.0f} us", ""],
+        ["  client CPU per streamed token", f"{c['grpc']['client_cpu_us_per_token']:.0f} us",
+         f"{c['http']['client_cpu_us_per_token']:.0f} us", ""],
     ])
     print(f"machine: {os.cpu_count()} CPUs shared by executor, scheduler, gateway and this client")
     write_report(args.out, report)
