@@ -314,3 +314,42 @@ def test_app_merges_several_prompts_by_choice_index():
     body = json.loads(data)
     assert status == 200 and [c["text"] for c in body["choices"]] == ["p0f0", "p0f1", "p1f0", "p1f1"]
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 4
+
+
+# ---- serve's gateway child and the HTTP health probe --------------------------------------------
+def test_serve_child_command(monkeypatch):
+    import argparse
+
+    from pagedkv.gateway import serve_child_command
+
+    args = argparse.Namespace(http_port=0, host="0.0.0.0", port=50051, shutdown_timeout=30.0, log_format="json",
+                              tls_cert="", tls_key="")
+    assert serve_child_command(args) is None
+    args.http_port = 8000
+    cmd = serve_child_command(args)
+    assert cmd[cmd.index("--address") + 1] == "127.0.0.1:50051" and cmd[cmd.index("--port") + 1] == "8000"
+    assert "--tls-cert" not in cmd
+    args.tls_cert, args.tls_key = "s.pem", "s.key"
+    monkeypatch.delenv("PAGEDKV_TLS_CA", raising=False)
+    with pytest.raises(ValueError, match="PAGEDKV_TLS_CA"):
+        serve_child_command(args)
+    monkeypatch.setenv("PAGEDKV_TLS_CA", "ca.pem")
+    cmd = serve_child_command(args)
+    assert [cmd[cmd.index(f) + 1] for f in ("--tls-cert", "--tls-key", "--tls-ca")] == ["s.pem", "s.key", "ca.pem"]
+
+
+def test_check_http_refuses_what_is_not_an_http_url():
+    from pagedkv.gateway import check_http
+
+    with pytest.raises(ValueError, match="--http"):
+        check_http("127.0.0.1:8000/health")
+    ok, said = check_http(f"http://127.0.0.1:{_closed_port()}/health", timeout=2)
+    assert not ok and "health" in said
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
