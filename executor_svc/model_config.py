@@ -366,6 +366,14 @@ class ModelConfig:
     # a multimodal checkpoint (TEXT_OF_MULTIMODAL) served text-only: its language model's tensors are loaded
     language_model_only: bool = False
 
+    @property
+    def model_window(self) -> int:
+        """Tokens every layer attends to at most (0: some layer attends to the whole context): pages this far
+        behind the newest token are read by no layer (Describe.model_sliding_window)."""
+        if self.layer_windows:
+            return max(self.layer_windows) if all(self.layer_windows) else 0
+        return self.sliding_window or 0
+
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         from transformers import AutoConfig

@@ -271,6 +271,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
         default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
+        model_sliding_window=cfg.model_window,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

@@ -180,7 +180,12 @@ class GenerationService(api_grpc.GenerationServicer):
         cluster = self.cluster
         config, bs = cluster.scheduler_config, cluster.block_size
         budget = self._page_budget(request, tenant, len(ids))
-        sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs)
+        sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs,
+                                            config.model_window)
+        if window and not budget and config.model_window and not cluster.window_page_limit(tenant.id, sink, window):
+            # the model's window does not fit what this tenant may hold: the request holds its whole context
+            # instead (its length capped to the tenant's pages below), as with a model without a window
+            sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs)
         limits = self.limits
         if window and not budget and not cluster.window_page_limit(tenant.id, sink, window):
             raise InvalidRequest(f"sliding window: sink {sink} + window {window} tokens do not fit the "

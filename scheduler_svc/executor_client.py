@@ -41,6 +41,9 @@ SESSION_HEADER = "x-pagedkv-session"
 # another session attached meanwhile). Anything else counts as fresh: forgetting the prefix cache is always safe.
 PAGES_HEADER = "x-pagedkv-pages"
 ATTACH_TIMEOUT = 10.0  # seconds to wait for that answer (an executor waits up to 5 s for its previous stream)
+# NOTE: grpc's default reconnect backoff (1 s, x1.6 per try, up to 2 min) would see an executor that is still loading
+# (pagedkv serve starts both at once) or restarting seconds after it listens: try every 0.1 s, backing off to 0.5 s.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 class ExecutorClient:
@@ -49,8 +52,8 @@ class ExecutorClient:
         self.step_timeout = step_timeout
         self.link = link or ExecutorLink()
         self.metadata = bearer_metadata(self.link.secret)  # on every RPC: Describe, Run and health
-        self.channel = open_channel(address, [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS], self.link.tls_ca,
-                                    self.link.tls_server_name, ca_flag="--executor-tls-ca")
+        self.channel = open_channel(address, [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS],
+                                    self.link.tls_ca, self.link.tls_server_name, ca_flag="--executor-tls-ca")
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.session = secrets.token_hex(16)  # one per scheduler process and executor link: a reconnect resumes

@@ -43,13 +43,14 @@ def max_len(capacity: int, block_size: int, max_model_len: int, windowed: bool) 
 
 
 def attention_window(tenant: Tenant, sliding_window: int, sink_tokens: int, budget: int,
-                     block_size: int) -> tuple[int, int]:
-    """(sink tokens, window tokens) of a request: the tenant's (else the server's) sliding window, and for a
-    page budget with the 'window' policy the first page(s) as sink plus as many recent tokens as the budget
-    holds; the narrower window wins. (0, 0): full attention."""
+                     block_size: int, model_window: int = 0) -> tuple[int, int]:
+    """(sink tokens, window tokens) of a request: the tenant's (else the server's) sliding window, the model's
+    own window (every layer attends to at most its last model_window tokens: the same mask, so the same
+    output; its pages behind are freed), and for a page budget with the 'window' policy the first page(s) as
+    sink plus as many recent tokens as the budget holds; the narrower window wins. (0, 0): full attention."""
     sliding = tenant.sliding_window or sliding_window
     sink = tenant.sink_tokens or sink_tokens
-    windows = [sliding] if sliding else []
+    windows = [w for w in (sliding, model_window) if w]
     if budget and tenant.overflow == "window":
         sink = sink or block_size  # the first page is the attention sink
         windows.append((budget - pages_for(sink, block_size) - 1) * block_size)

@@ -45,6 +45,7 @@ class SchedulerConfig:
     fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
     sliding_window: int = 0  # serve every request with attention over sink + the last N tokens (0: off)
     sink_tokens: int = 0
+    model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 

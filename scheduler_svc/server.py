@@ -19,6 +19,7 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenancy import InvalidTenant, Tenants
+from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import (
     MAX_PROMPT_BYTES,
     MIN_PROMPT_BYTES,
@@ -135,6 +136,16 @@ def _warn_plaintext_executors(addresses: set[str], link: ExecutorLink, log) -> N
                     hint="give the executors --tls-cert/--tls-key and this scheduler --executor-tls-ca")
 
 
+def model_window(args, describe) -> int:
+    """The model's own window (every layer attends to at most its last N tokens), when the scheduler frees
+    pages by it: when its pages (with --sink-tokens) fit the executor's pool; 0 otherwise (then requests hold
+    their whole context, capped to the pool, as for a model without a window)."""
+    window = describe.model_sliding_window
+    if window and fit.window_pages(args.sink_tokens, window, describe.block_size) <= describe.num_device_pages:
+        return window
+    return 0
+
+
 def _check_args(args, describe, log) -> int:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -144,11 +155,13 @@ def _check_args(args, describe, log) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     max_len = args.max_model_len or describe.max_position_embeddings
     pool_tokens = describe.num_device_pages * describe.block_size
-    if args.sliding_window:  # every request holds only its sink + window: contexts may exceed the pool
+    if args.sliding_window:
         window_pages = fit.window_pages(args.sink_tokens, args.sliding_window, describe.block_size)
         if window_pages > describe.num_device_pages:
             raise ValueError(f"--sliding-window {args.sliding_window} + --sink-tokens {args.sink_tokens} need "
                              f"{window_pages} pages; the executor has {describe.num_device_pages}")
+    if args.sliding_window or model_window(args, describe):
+        # every request holds only its sink + window: contexts may exceed the pool
         if not 1 < max_len <= describe.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}]")
         return max_len
@@ -252,13 +265,11 @@ async def serve(args) -> None:
         log.info("scheduler_stopped", during="start-up")
         return
     max_len = _check_args(args, describe, log)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or describe.model_path)
+    tokenizer = load_tokenizer(args.tokenizer or describe.model_path, log)  # tokenizers alone where that suffices
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
-                             sink_tokens=args.sink_tokens)
+                             sink_tokens=args.sink_tokens, model_window=model_window(args, describe))
     try:
         tenants = Tenants.load(args.tenants_file, describe.num_device_pages) if args.tenants_file else Tenants()
     except InvalidTenant as err:

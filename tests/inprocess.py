@@ -41,11 +41,12 @@ class InProcessServer:
         assert not result.error, result.error
         return result
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
-        """Adds the prompts (greedy, stopping at the model's eos ids) and runs until all have finished."""
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], window: int = 0) -> list[Request]:
+        """Adds the prompts (greedy, stopping at the model's eos ids) and runs until all have finished; window:
+        each request's attention window (the scheduler frees its pages behind it), as the API sets it."""
         reqs = []
         for prompt, n in zip(prompts, max_tokens):
-            reqs.append(make_request(self.next_id, 0, n, prompt=list(prompt)))
+            reqs.append(make_request(self.next_id, 0, n, prompt=list(prompt), window_tokens=window))
             self.next_id += 1
             self.scheduler.add(reqs[-1])
         drive(self.scheduler, executor=self)
