@@ -134,7 +134,7 @@ class FastTokenizer:
         missing = [_added_token(t, special=True) for t in special if _content(t) not in present]
         if missing:  # transformers adds the special tokens a tokenizer.json lacks, then marks every one special
             backend.add_tokens(missing)
-        backend.add_tokens([_added_token(t, special=True, normalized=False) for t in special])
+        backend.add_special_tokens([_added_token(t, special=True, normalized=False) for t in special])
         if backend.post_processor is None:  # transformers' update_post_processor, neither BOS nor EOS asked
             from tokenizers import processors
 
@@ -255,7 +255,7 @@ def _compile(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=True,
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationBlock, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
