@@ -306,8 +306,8 @@ class Generation(Response):
 # ---- the app -----------------------------------------------------------------------------------
 class Gateway:
     def __init__(self, upstream: Upstream, log, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_streams: int = DEFAULT_MAX_STREAMS) -> None:
-        self.upstream, self.log = upstream, log
+                 max_streams: int = DEFAULT_MAX_STREAMS, token_text=None) -> None:
+        self.upstream, self.log, self.token_text = upstream, log, token_text
         self.max_body_bytes, self.max_streams = max_body_bytes, max_streams
         self.active = 0
         self._first_token: set[int] = set()
@@ -338,6 +338,7 @@ class Gateway:
             body = await read_json(request, self.max_body_bytes)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             plan = oai.parse_chat(body, rid) if chat else oai.parse_completion(body, rid)
+            plan.token_text = self.token_text
             model = await self.upstream.check_model(plan.model, metadata)
             if self.active >= self.max_streams:
                 raise ApiError(429, f"this gateway is answering {self.active} requests, its limit "
@@ -453,6 +454,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="the model name(s) clients send (repeatable; default: the scheduler's ModelInfo.model)")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="the model's tokenizer directory: logprobs name tokens by their text (default: token_id:N; "
+                   "the gateway then loads no tokenizer)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="longest request body, refused with 413 before it is parsed")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
@@ -493,6 +497,19 @@ def _server_class():
     return Server
 
 
+def load_token_text(path: str):
+    """--tokenizer: a token id -> its text (cached)."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there: {err}") from None
+    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """``pagedkv serve --http-port P``: the gateway as a third child of serve."""
     p.add_argument("--http-port", type=int, default=0, metavar="P",
@@ -531,7 +548,8 @@ async def serve(args) -> None:
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: at least 1024")
     upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name))
-    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams)
+    token_text = await asyncio.to_thread(load_token_text, args.tokenizer) if args.tokenizer else None
+    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text)
     app = create_app(gateway, on_shutdown=(upstream.close,))
     config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -153,6 +153,7 @@ class Plan:
     include_usage: bool
     logprobs: bool
     user: str = ""
+    token_text: Callable[[int], str] | None = None  # names tokens in logprobs (the gateway's --tokenizer)
 
     @property
     def num_choices(self) -> int:
@@ -333,17 +334,18 @@ class Choice:
                 u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
 
-def token_name(token_id: int) -> str:
-    """How a token is named in logprobs: the gateway holds no tokenizer (vLLM's return_tokens_as_token_ids)."""
-    return f"token_id:{token_id}"
+def token_name(token_id: int, token_text: Callable[[int], str] | None = None) -> str:
+    """How a token is named in logprobs: its text with a tokenizer (--tokenizer), else ``token_id:N`` (vLLM's
+    return_tokens_as_token_ids)."""
+    return token_text(token_id) if token_text else f"token_id:{token_id}"
 
 
-def logprobs_body(chat: bool, token_ids, logprobs) -> dict:
+def logprobs_body(chat: bool, token_ids, logprobs, token_text: Callable[[int], str] | None = None) -> dict:
+    names = [token_name(t, token_text) for t in token_ids]
     if chat:
-        return {"content": [{"token": token_name(t), "logprob": lp, "bytes": None, "top_logprobs": []}
-                            for t, lp in zip(token_ids, logprobs)], "refusal": None}
-    return {"tokens": [token_name(t) for t in token_ids], "token_logprobs": list(logprobs),
-            "top_logprobs": None, "text_offset": None}
+        return {"content": [{"token": name, "logprob": lp, "bytes": list(name.encode()) if token_text else None,
+                             "top_logprobs": []} for name, lp in zip(names, logprobs)], "refusal": None}
+    return {"tokens": names, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
 
 
 def usage_body(choices: list[Choice], num_prompts: int, n: int) -> dict:
@@ -359,7 +361,7 @@ def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[
     """The non-streamed answer."""
     out = []
     for i, c in enumerate(choices):
-        lp = logprobs_body(plan.chat, c.token_ids, c.logprobs) if plan.logprobs else None
+        lp = logprobs_body(plan.chat, c.token_ids, c.logprobs, plan.token_text) if plan.logprobs else None
         if plan.chat:
             out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None,
                                                  "tool_calls": []},
@@ -374,7 +376,7 @@ def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[
 def chunk_body(plan: Plan, rid: str, created: int, model: str, index: int, text: str | None,
                token_ids=(), logprobs=(), finish_reason: str | None = None, role: bool = False) -> dict:
     """One SSE chunk for one choice."""
-    lp = logprobs_body(plan.chat, token_ids, logprobs) if plan.logprobs and token_ids else None
+    lp = logprobs_body(plan.chat, token_ids, logprobs, plan.token_text) if plan.logprobs and token_ids else None
     if plan.chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
