@@ -190,6 +190,7 @@ class Generation(Response):
         self.background = None
         self.choices = [Choice() for _ in range(plan.num_choices)]
         self.disconnected = False
+        self.streamed_a_token = False
 
     async def __call__(self, scope, receive, send) -> None:
         async def client_gone() -> None:
@@ -214,8 +215,8 @@ class Generation(Response):
 
     async def _run(self, send) -> None:
         calls = [self.gw.upstream.client.stub.Generate(req, metadata=self.metadata) for req in self.plan.requests]
+        events = _merged(calls)
         try:
-            events = _merged(calls)
             first: list[Event] = []
             waiting = set(range(len(calls)))
             async for i, item in events:
@@ -242,6 +243,7 @@ class Generation(Response):
         finally:
             for call in calls:
                 call.cancel()
+            await events.aclose()
 
     def _add(self, i: int, msg: api.GenerateResponse) -> int:
         index = i * self.plan.n + msg.index
@@ -277,7 +279,8 @@ class Generation(Response):
             finish = self.choices[index].finish_reason if item.finish_reason else None
             if not (item.text or finish or (plan.logprobs and item.token_ids)):
                 continue  # the first message may carry only usage.prompt_tokens; text may be held back
-            if item.token_ids and self.gw.ttft_pending(self):
+            if item.token_ids and not self.streamed_a_token:
+                self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
             await self._body(send, _sse(oai.chunk_body(plan, self.rid, created, self.model, index, item.text,
                                                        item.token_ids, item.logprobs, finish)))
@@ -310,17 +313,9 @@ class Gateway:
         self.upstream, self.log, self.token_text = upstream, log, token_text
         self.max_body_bytes, self.max_streams = max_body_bytes, max_streams
         self.active = 0
-        self._first_token: set[int] = set()
-
-    def ttft_pending(self, gen: Generation) -> bool:
-        if id(gen) in self._first_token:
-            return False
-        self._first_token.add(id(gen))
-        return True
 
     def finished(self, gen: Generation) -> None:
         self.active -= 1
-        self._first_token.discard(id(gen))
         status = 499 if gen.disconnected else gen.status_code
         elapsed = time.perf_counter() - gen.started
         REQUESTS.labels(gen.endpoint, str(status)).inc()
