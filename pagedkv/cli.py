@@ -26,8 +26,9 @@ def _run_async(coro) -> None:
 
 
 # ---- serve -------------------------------------------------------------------------------------
-SERVE_DESCRIPTION = """Start an executor, then a scheduler, on this machine, and supervise them. A crashed child is
-restarted (after 1 s, doubling to 30 s; back to 1 s once it stayed up a minute); while the executor is down its
+SERVE_DESCRIPTION = """Start an executor and a scheduler on this machine, both at once (the scheduler connects when
+the executor is up; one that gave up waiting, --connect-timeout, starts again then), and supervise them. A crashed
+child is restarted (after 1 s, doubling to 30 s; back to 1 s once it stayed up a minute); while the executor is down its
 requests wait (up to --unplaced-timeout) and then continue where they were, and new ones are refused with
 UNAVAILABLE (retry); a crashed scheduler takes its
 client streams with it (they end with UNAVAILABLE) and comes back empty. SIGHUP is passed to the scheduler
@@ -65,7 +66,7 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
             ChildSpec("scheduler", sched_cmd, probes[1], ready_timeout=300, close=probes[1].close,
                       stop_timeout=args.shutdown_timeout + STOP_MARGIN),
         ]
-        supervisor = Supervisor(children, log, reload="scheduler", env=env)
+        supervisor = Supervisor(children, log, reload="scheduler", env=env, start_together=True)
         return supervisor.run(lambda: print(
             f"pagedkv ready: model {args.model} at {sched_address} (executor {exec_address}); Ctrl-C stops",
             flush=True))

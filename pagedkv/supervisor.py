@@ -1,6 +1,10 @@
 """``pagedkv serve``'s supervisor: starts its children in order, keeps them running, and stops them in reverse.
 
-- Start: each child in list order (the executor, then the scheduler), each waited for until ``ready()``.
+- Start: each child in list order, each waited for until ``ready()``; or, with ``start_together`` (``pagedkv
+  serve``), every child at once, each then waited for until ``ready()``: the scheduler imports and loads its
+  tokenizer while the executor loads the model, and connects once the executor listens. A child that exits
+  before the children listed ahead of it are ready (the scheduler gave up waiting for a slow executor) is
+  started again once they are; one that exits after that fails the start.
 - Children never outlive the supervisor: on Linux each gets ``PR_SET_PDEATHSIG`` (SIGTERM), so even a
   SIGKILLed supervisor takes them down (gracefully: the scheduler drains, the executor detaches). Every child
   is forked from the main thread, because the death signal fires when the *thread* that forked exits.
@@ -109,11 +113,13 @@ class Child:
 
 class Supervisor:
     def __init__(self, specs: list[ChildSpec], log, *, reload: str = "", env: dict[str, str] | None = None,
-                 backoff_start: float = 1.0, backoff_max: float = 30.0, stable_after: float = 60.0) -> None:
+                 backoff_start: float = 1.0, backoff_max: float = 30.0, stable_after: float = 60.0,
+                 start_together: bool = False) -> None:
         env = dict(os.environ if env is None else env)
         self.children = [Child(s, env, backoff_start) for s in specs]
         self.log = log
         self.reload = reload
+        self.start_together = start_together
         self.backoff_start, self.backoff_max, self.stable_after = backoff_start, backoff_max, stable_after
         self.stopping = False  # the first SIGINT/SIGTERM
         self.now = False  # the second one: stop at once
@@ -166,6 +172,8 @@ class Supervisor:
     # ---- start and supervise -----------------------------------------------------------------------
     def _start_all(self) -> bool:
         """Each child in order, until ready; False when a stop signal came first."""
+        if self.start_together:
+            return self._start_together()
         for i, child in enumerate(self.children):
             if self.stopping:
                 return False
@@ -188,6 +196,58 @@ class Supervisor:
             finally:
                 child.spec.close()
         return True
+
+    def _start_together(self) -> bool:
+        """Every child at once, then until each is ready; False when a stop signal came first."""
+        for child in self.children:
+            self._first_start(child)
+        waiting = list(self.children)  # not ready yet, in list order
+        deadline = {c.name: c.started_at + c.spec.ready_timeout for c in self.children}
+        try:
+            while waiting:
+                if self.stopping:
+                    return False
+                now = time.monotonic()
+                for child in list(waiting):
+                    ahead = waiting[:waiting.index(child)]  # listed before it and not ready yet
+                    if ahead:  # its ready_timeout counts from when they are ready (or from its start, if later)
+                        deadline[child.name] = max(deadline[child.name], now + child.spec.ready_timeout)
+                    if child.proc is None:  # exited early: starts again once the children ahead are ready
+                        if not ahead:
+                            child.restarts += 1
+                            child.start()
+                            assert child.proc is not None
+                            deadline[child.name] = child.started_at + child.spec.ready_timeout
+                            self.log.info("child_restarted", child=child.name, pid=child.proc.pid,
+                                          restarts=child.restarts)
+                    elif child.spec.ready():
+                        waiting.remove(child)
+                        child.spec.close()
+                        self.log.info("child_ready", child=child.name, pid=child.proc.pid,
+                                      seconds=round(now - child.started_at, 2))
+                    elif child.proc.poll() is not None:
+                        if not ahead:
+                            raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
+                                             "(see its log above)")
+                        self.log.warning("child_exited", child=child.name, pid=child.proc.pid,
+                                         status=describe_exit(child.proc.returncode),
+                                         restart_when=" and ".join(c.name for c in ahead) + " ready")
+                        child.proc = None
+                    elif now > deadline[child.name]:
+                        raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
+                for child in self.children:  # one that crashed after it was ready is restarted as usual
+                    if child not in waiting:
+                        self._look_after(child, now)
+                time.sleep(POLL)
+        finally:
+            for child in waiting:
+                child.spec.close()
+        return True
+
+    def _first_start(self, child: Child) -> None:
+        child.start()
+        assert child.proc is not None
+        self.log.info("child_started", child=child.name, pid=child.proc.pid)
 
     def _supervise(self) -> None:
         while not self.stopping:
@@ -304,7 +364,7 @@ class HealthProbe:
 
         if self.channel is None:  # reconnect quickly: a server that is still loading is not yet listening
             self.channel = grpc.insecure_channel(self.address, options=[
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)])
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)])
         try:
             reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.RpcError:

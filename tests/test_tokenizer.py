@@ -210,3 +210,13 @@ def test_added_tokens_the_config_declares_but_tokenizer_json_lacks_fall_back_to_
     hf = _transformers(byte_dir)
     hf.save_pretrained(str(copy))
     assert_same(copy)
+
+
+def test_named_special_tokens_become_special_even_when_tokenizer_json_says_not(byte_dir):
+    spec = json.loads((byte_dir / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["special"] = False
+    (byte_dir / "tokenizer.json").write_text(json.dumps(spec))
+    fast = assert_same(byte_dir)
+    h = fast("H", add_special_tokens=False)["input_ids"]
+    assert fast.decode([1, *h, 2], skip_special_tokens=True) == "H"
