@@ -209,32 +209,8 @@ class Supervisor:
                     return False
                 now = time.monotonic()
                 for child in list(waiting):
-                    ahead = waiting[:waiting.index(child)]  # listed before it and not ready yet
-                    if ahead:  # its ready_timeout counts from when they are ready (or from its start, if later)
-                        deadline[child.name] = max(deadline[child.name], now + child.spec.ready_timeout)
-                    if child.proc is None:  # exited early: starts again once the children ahead are ready
-                        if not ahead:
-                            child.restarts += 1
-                            child.start()
-                            assert child.proc is not None
-                            deadline[child.name] = child.started_at + child.spec.ready_timeout
-                            self.log.info("child_restarted", child=child.name, pid=child.proc.pid,
-                                          restarts=child.restarts)
-                    elif child.spec.ready():
+                    if self._look_at_starting(child, waiting[:waiting.index(child)], now, deadline):
                         waiting.remove(child)
-                        child.spec.close()
-                        self.log.info("child_ready", child=child.name, pid=child.proc.pid,
-                                      seconds=round(now - child.started_at, 2))
-                    elif child.proc.poll() is not None:
-                        if not ahead:
-                            raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
-                                             "(see its log above)")
-                        self.log.warning("child_exited", child=child.name, pid=child.proc.pid,
-                                         status=describe_exit(child.proc.returncode),
-                                         restart_when=" and ".join(c.name for c in ahead) + " ready")
-                        child.proc = None
-                    elif now > deadline[child.name]:
-                        raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
                 for child in self.children:  # one that crashed after it was ready is restarted as usual
                     if child not in waiting:
                         self._look_after(child, now)
@@ -243,6 +219,34 @@ class Supervisor:
             for child in waiting:
                 child.spec.close()
         return True
+
+    def _look_at_starting(self, child: Child, ahead: list[Child], now: float, deadline: dict[str, float]) -> bool:
+        """True once ``child`` is ready. ``ahead``: the children listed before it that are not ready yet."""
+        if ahead:  # its ready_timeout counts from when they are ready (or from its start, if later)
+            deadline[child.name] = max(deadline[child.name], now + child.spec.ready_timeout)
+        if child.proc is None:  # it exited early: it starts again once the children ahead are ready
+            if not ahead:
+                child.restarts += 1
+                child.start()
+                assert child.proc is not None
+                deadline[child.name] = child.started_at + child.spec.ready_timeout
+                self.log.info("child_restarted", child=child.name, pid=child.proc.pid, restarts=child.restarts)
+            return False
+        if child.spec.ready():
+            child.spec.close()
+            self.log.info("child_ready", child=child.name, pid=child.proc.pid, seconds=round(now - child.started_at, 2))
+            return True
+        if child.proc.poll() is not None:
+            if not ahead:
+                raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
+                                 "(see its log above)")
+            self.log.warning("child_exited", child=child.name, pid=child.proc.pid,
+                             status=describe_exit(child.proc.returncode),
+                             restart_when=" and ".join(c.name for c in ahead) + " ready")
+            child.proc = None
+        elif now > deadline[child.name]:
+            raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
+        return False
 
     def _first_start(self, child: Child) -> None:
         child.start()

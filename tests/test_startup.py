@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
         time.sleep(0.01)
 """)
 
-# argv: a JSON config {"notes", "child", "children": [{name, crash, ready_after}]}. A child is ready
+# argv: a JSON config {"notes", "child", "children": [{name, crash, ready_after, ready_timeout}]}. A child is ready
 # ``ready_after`` seconds after its latest start.
 RUNNER = textwrap.dedent("""
     import json, sys, time
@@ -58,7 +58,8 @@ RUNNER = textwrap.dedent("""
             return False
         return bool(starts) and time.monotonic() - starts[-1] >= after
     specs = [ChildSpec(c["name"], [sys.executable, cfg["child"], c["name"], cfg["notes"], c.get("crash", "never")],
-                       ready=lambda n=c["name"], a=c.get("ready_after", 0): ready(n, a), ready_timeout=20,
+                       ready=lambda n=c["name"], a=c.get("ready_after", 0): ready(n, a),
+                       ready_timeout=c.get("ready_timeout", 20),
                        stop_timeout=10) for c in cfg["children"]]
     sup = Supervisor(specs, logs.configure("serve", json=True), start_together=True, backoff_start=0.1)
     sys.exit(sup.run(lambda: print("ready", flush=True)))
@@ -140,6 +141,15 @@ def test_a_child_that_exits_while_the_ones_ahead_start_starts_again_once_they_ar
     (exited,) = [e for e in logs if e["event"] == "child_exited"]
     assert exited["child"] == "scheduler" and exited["restart_when"] == "executor ready", exited
     assert not any(e["event"] == "serve_start_failed" for e in logs)
+
+
+def test_a_ready_timeout_counts_from_when_the_children_ahead_are_ready(tmp_path):
+    run = Together(tmp_path, [{"name": "executor", "ready_after": 2.0},
+                              {"name": "scheduler", "ready_after": 2.5, "ready_timeout": 1.5}])
+    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
+    run.proc.send_signal(signal.SIGTERM)
+    code, logs = run.finish()
+    assert code == 0 and not any(e["event"] == "serve_start_failed" for e in logs), logs
 
 
 def test_a_child_that_exits_once_the_ones_ahead_are_ready_fails_the_start(tmp_path):
