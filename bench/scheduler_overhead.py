@@ -52,6 +52,9 @@ class _NullTokenizer:
         return [""] * len(ids)
 
 
+TOKENIZER = None  # --tokenizer: a real one (detokenizing costs), else _NullTokenizer (decodes nothing)
+
+
 def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
     pages = num_pages or n * 24 + 64
     config = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n), max_model_len=pages * BLOCK)
@@ -59,7 +62,7 @@ def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
     for i in range(n):
         prompt = [1] + [3 + (i * 31 + j * 7) % 250 for j in range(PROMPT - 1)]
         s.add(Request(request_id=f"q{i}", prompt_ids=prompt, sampling=Sampling(max_tokens=1 << 20, ignore_eos=True),
-                      arrival=i, detokenizer=IncrementalDetokenizer(_NullTokenizer(), prompt, [], False)))
+                      arrival=i, detokenizer=IncrementalDetokenizer(TOKENIZER or _NullTokenizer(), prompt, [], False)))
     return s
 
 
@@ -174,6 +177,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--real-steps", type=int, default=30, help="steps timed against the real executor")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokenizer", default="", metavar="MODEL",
+                   help="detokenize with this model's tokenizer (a built-in name or a directory, e.g. tiny-llama); "
+                   "default: a tokenizer that decodes nothing (the scheduler's own costs alone)")
     p.add_argument("--against", default="", metavar="DIR",
                    help="another checkout of pagedkv (e.g. a commit before a refactor): measure planning in both, "
                    "alternating, --rounds times, and print the two side by side (no gRPC part)")
@@ -191,6 +197,12 @@ def main(argv=None) -> int:
     if args.quick:
         args.requests, args.steps, args.real_steps = "64,256", 40, 8
     counts = [int(c) for c in args.requests.split(",")]
+    if args.tokenizer and not args.against:
+        global TOKENIZER
+        from transformers import AutoTokenizer
+
+        from pagedkv.models import resolve_model
+        TOKENIZER = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
     import subprocess
 
     if args.against:
@@ -242,8 +254,14 @@ def compare_trees(args, counts: list[int]) -> int:
     import statistics
     import subprocess
 
-    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; from scheduler_overhead import measure_planning; "
-            f"print(json.dumps([measure_planning(n, {args.steps}) for n in {counts!r}]))")
+    tokenizer = ""
+    if args.tokenizer:  # (both trees' new_scheduler build their detokenizers with _NullTokenizer())
+        from pagedkv.models import resolve_model
+        tokenizer = ("from transformers import AutoTokenizer; "
+                     f"tok = AutoTokenizer.from_pretrained({str(resolve_model(args.tokenizer))!r}); "
+                     "so._NullTokenizer = lambda: tok; ")
+    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; import scheduler_overhead as so; " + tokenizer +
+            f"print(json.dumps([so.measure_planning(n, {args.steps}) for n in {counts!r}]))")
     trees = {"this checkout": ROOT, f"against {args.against}": Path(args.against).resolve()}
     runs: dict[str, list] = {name: [] for name in trees}
     for _ in range(args.rounds):

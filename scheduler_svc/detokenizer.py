@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self._prompt_context = list(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset] (changes with them)
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -39,12 +40,15 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if not emit_text:
             return
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix = self._prefix_text
+        if prefix is None:  # NOTE: the same ids decode the same way: once per move of the offsets, not per token
+            prefix = self._prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
         new = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._prefix_text = None
         self._append(new)
 
     def _append(self, new: str) -> None:
@@ -64,6 +68,7 @@ class IncrementalDetokenizer:
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             self.prefix_offset = self.read_offset = len(self.ids)
+            self._prefix_text = None
             if len(full) > len(prefix):
                 self._append(full[len(prefix):])
 
