@@ -19,7 +19,8 @@ among them) from tokenizer.json:
 - ``split_special_tokens`` is honoured; no truncation, no padding.
 
 ``load_tokenizer`` falls back to AutoTokenizer (and says why) for anything else: no tokenizer.json, a
-model-specific tokenizer class (those rebuild the pipeline in their own code), added tokens in the config that
+model-specific tokenizer class (those rebuild the pipeline in their own code; so does a model type that transformers
+maps to its own class whatever the config names, e.g. qwen2), added tokens in the config that
 tokenizer.json lacks, named model-specific special tokens, or a large-vocabulary Mistral tokenizer that
 transformers patches.
 
@@ -44,6 +45,10 @@ from typing import Any
 GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MISTRAL_TYPES = {"mistral", "mistral3", "voxtral", "ministral", "pixtral"}  # transformers may patch their regex
+# config.json model types for which AutoTokenizer loads its own class whatever tokenizer_config.json names
+# (transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS with a model-specific class; a test checks the table)
+OWN_TOKENIZER_TYPES = {"hyperclovax_vision_v2", "qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
+                       "siglip2"}
 MISTRAL_PATCH_VOCAB = 100_000  # ... when the vocabulary is larger than this
 
 
@@ -87,6 +92,8 @@ def fast_path_refusal(path: Path) -> str | None:
     if config.get("auto_map"):
         return "auto_map (a tokenizer class from the checkpoint's own code)"
     model_type = _read_json(path / "config.json").get("model_type")
+    if model_type in OWN_TOKENIZER_TYPES:
+        return f"model_type {model_type!r} (transformers loads that family's own tokenizer class)"
     if model_type in MISTRAL_TYPES:
         from tokenizers import Tokenizer
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.models import build_byte_tokenizer
-from scheduler_svc.tokenizer import FastTokenizer, fast_path_refusal, load_tokenizer
+from scheduler_svc.tokenizer import OWN_TOKENIZER_TYPES, FastTokenizer, fast_path_refusal, load_tokenizer
 from tests.chat_template import TEMPLATE
 
 TEXTS = ["Hello world", "", " leading and  double  spaces\n\ttabs", "héllo ☃ 日本語 🦙", "<s>inside</s> text <unk>",
@@ -99,6 +99,26 @@ def test_tiny_llama(tiny_llama_dir):
     assert fast.chat_template is None
 
 
+# The model types of the checkpoints pagedkv.models.build_random_model writes (ARCHS), each with the byte tokenizer.
+SUITE_MODEL_TYPES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
+                     "mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("model_type", SUITE_MODEL_TYPES)
+def test_the_suites_model_families(byte_dir, model_type):
+    """Whichever way load_tokenizer goes for a family, ids and text are transformers'."""
+    (byte_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if fast_path_refusal(byte_dir) is None:
+        assert_same(byte_dir)
+        return
+    tok, hf = load_tokenizer(byte_dir), _transformers(byte_dir)
+    assert type(tok) is type(hf)
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        assert ids == hf(text, add_special_tokens=True)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
 def test_chat_template_saved_by_transformers(byte_dir, tmp_path):
     """As tests/test_chat.py makes it: transformers 5 writes the template to chat_template.jinja."""
     hf = _transformers(byte_dir)
@@ -181,6 +201,22 @@ def test_special_tokens_given_as_added_token_dicts(byte_dir):
 def test_what_only_transformers_can_load_is_refused(byte_dir, change, reason):
     _write_config(byte_dir, **change)
     assert reason in fast_path_refusal(byte_dir)
+
+
+def test_model_types_transformers_gives_their_own_tokenizer_are_refused(byte_dir):
+    (byte_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert "model_type 'qwen2'" in fast_path_refusal(byte_dir)
+    assert type(_transformers(byte_dir)).__name__ == "Qwen2Tokenizer"
+
+
+def test_own_tokenizer_types_match_transformers_table():
+    """AutoTokenizer ignores a generic tokenizer_class for these model types; the list follows transformers'."""
+    from transformers.models.auto import tokenization_auto as auto
+
+    generic = {"TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast", "MistralCommonBackend", ""}
+    own = {m for m in auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+           if (auto.TOKENIZER_MAPPING_NAMES.get(m) or "").removesuffix("Fast") not in generic}
+    assert own == OWN_TOKENIZER_TYPES
 
 
 def test_no_tokenizer_json_is_refused(byte_dir):
