@@ -2,10 +2,12 @@
 
 Starts ``pagedkv serve`` (tiny-llama by default) ``--runs`` times per checkout and times, from the moment the
 process is spawned: the executor's and the scheduler's ``*_ready`` log lines, serve's ``pagedkv ready`` line, and
-the end of a first 4-token Generate sent as soon as the ready line appears. Each start is stopped (SIGINT) before
-the next begins. With ``--checkout before=/path/to/older/checkout`` the checkouts take turns, run by run (so
-that load from other processes falls on both alike); each runs with its own sources on PYTHONPATH and this
-Python. Prints median/min/max per checkout and writes every start's figures as JSON under bench/results/.
+the end of a first 4-token Generate sent as soon as the ready line appears; and how much of the machine other
+processes used meanwhile (a start that shared the CPUs is slower for reasons of its own). Each start is stopped
+(SIGINT) before the next begins. With ``--checkout before=/path/to/older/checkout`` the checkouts take turns,
+run by run (so that load from other processes falls on both alike); each runs with its own sources on PYTHONPATH
+and this Python. Prints median/min/max per checkout and writes every start's figures as JSON under
+bench/results/.
 
     python bench/startup.py --checkout before=/tmp/startup_before            # before vs this checkout
     python bench/startup.py --runs 5 -- --threads 1                           # flags after -- go to serve
@@ -159,6 +161,7 @@ def report_rows(labels: list[str], starts: list[Start]) -> list[list[str]]:
             med, lo, hi = summary(mine, name)
             row.append(f"{med:.2f} ({lo:.2f}-{hi:.2f})")
         row.append(f"{statistics.fmean(s.load_avg_1m for s in mine):.1f}")
+        row.append(f"{statistics.median(s.cpu.get('foreign_share', 0.0) for s in mine):.0%}")
         rows.append(row)
     return rows
 
@@ -196,8 +199,10 @@ def main() -> int:
             status = f"error: {s.error.splitlines()[0]}" if s.error else (
                 f"executor {s.executor_ready_s:.2f}s, scheduler {s.scheduler_ready_s:.2f}s, ready {s.ready_s:.2f}s, "
                 f"first Generate {s.first_generate_s:.2f}s")
-            print(f"  run {run} {label:>8}: {status} (load {s.load_avg_1m:.1f}, exit {s.exit_code})", flush=True)
-    header = ["checkout", "ok", "executor_ready s", "scheduler_ready s", "ready s", "first Generate s", "load 1m"]
+            print(f"  run {run} {label:>8}: {status} (load {s.load_avg_1m:.1f}, CPU used by others "
+                  f"{s.cpu.get('foreign_share', 0.0):.0%}, exit {s.exit_code})", flush=True)
+    header = ["checkout", "ok", "executor_ready s", "scheduler_ready s", "ready s", "first Generate s", "load 1m",
+              "CPU used by others"]
     print(f"\npagedkv serve {' '.join(args.serve_args) or '(defaults: tiny-llama)'}: seconds from spawn, "
           f"median (min-max) of {args.runs} starts")
     print(format_table(header, report_rows(labels, starts)))
