@@ -1,4 +1,5 @@
-"""The torch paged attention against dense attention on the same K/V, random inputs, several shapes."""
+"""The torch paged attention against dense attention on the same K/V, random inputs, several shapes: both its
+paths, the reference (gather, then SDPA) and the CPU kernel that reads decodes' pages in place."""
 
 from __future__ import annotations
 
@@ -10,10 +11,21 @@ from executor_svc.attention.torch_backend import TorchPagedAttention
 from tests.attention_reference import dense
 
 
+def kernel_built() -> bool:
+    """The CPU kernel is built here; only a machine without a compiler may lack it (then the gather serves)."""
+    from executor_svc.attention import cpu_kernel
+
+    if cpu_kernel.load() is None:
+        assert cpu_kernel.unavailable_reason() is not None, cpu_kernel.reason()
+        return False
+    return True
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32)])
 @pytest.mark.parametrize("window", [None, 13])
-def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("reference", [True, False], ids=["gather", "in_place"])
+def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window, reference):
     g = torch.Generator().manual_seed(block_size * 100 + heads)
     num_pages = 64
     # (context length, new tokens) per request: decodes (1 new token) and prefill chunks with context.
@@ -49,7 +61,8 @@ def test_paged_matches_dense(block_size, heads, kv_heads, head_dim, window):
                              torch.tensor(dec_lens))],
         prefills=prefills, sliding_window=window,
     )
-    attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, reference=reference)
+    assert attn.reads_in_place(q, k_cache) is (not reference and kernel_built())
     attn.write_cache(k_cache, v_cache, new_k, new_v, meta)
     out = attn.forward(q, k_cache, v_cache, meta)
     start = 0
@@ -75,7 +88,8 @@ def dense_sink_window(q, k, v, ctx_len, q_len, scale, sink, window):
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_sink_and_window_with_dropped_pages(block_size):
+@pytest.mark.parametrize("reference", [True, False], ids=["gather", "in_place"])
+def test_sink_and_window_with_dropped_pages(block_size, reference):
     """Requests with their own sink + window: pages wholly outside are gone (read as page 0, which holds
     other data) and must not change the result; one request without a window shares the decode group."""
     g = torch.Generator().manual_seed(block_size)
@@ -109,7 +123,9 @@ def test_sink_and_window_with_dropped_pages(block_size):
                         windows=torch.tensor([d[4] for d in dec]))
     meta = AttentionMetadata(slot_pages=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
                              decodes=[group], prefills=prefills)
-    out = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5).forward(q, k_cache, v_cache, meta)
+    attn = TorchPagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, reference=reference)
+    assert attn.reads_in_place(q, k_cache) is (not reference and kernel_built())
+    out = attn.forward(q, k_cache, v_cache, meta)
     start = 0
     for (ctx, n, sink, window), table in zip(reqs, full_tables):
         k = k_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]

@@ -1,6 +1,12 @@
-"""Reference paged attention in plain PyTorch (CPU and GPU).
+"""Paged attention in plain PyTorch (CPU and GPU), and the reference the CUDA kernels are checked against.
 
-It reads K/V through page tables from the per-layer views of the page pool
+On the CPU, decodes read K/V where they lie in the pool: a small C++ kernel (``paged_attention_cpu.cpp``,
+built once and cached by ``executor_svc.attention.cpu_kernel``) walks each request's page table. Prefill
+chunks gather their context and run SDPA, as the reference does.
+
+The reference path (``reference=True``; also wherever the kernel does not apply: other devices, 8-bit
+pools, a KV dtype other than the model's, no compiler) gathers for decodes too:
+it reads K/V through page tables from the per-layer views of the page pool
 ``[num_pages, block_size, num_kv_heads, head_dim]``: one ``index_select`` of whole pages gives a
 request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
 ``scaled_dot_product_attention`` with grouped-query heads. Positions past a request's context (table
@@ -17,19 +23,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import cpu_kernel
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
+_NONE = torch.empty(0, dtype=torch.long)  # "no per-request windows" / "query i reads table row i"
 
 
 class TorchPagedAttention:
-    """The reference backend (an ``executor_svc.attention.PagedAttention``)."""
+    """The torch backend (an ``executor_svc.attention.PagedAttention``); ``reference=True`` always gathers."""
 
     name = "torch"
     copy_pages = None  # the pool copies pages with torch
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 reference: bool = False) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -37,6 +46,14 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.scale = scale
         self.gqa = num_heads != num_kv_heads
+        self.reference = reference
+
+    def reads_in_place(self, q: torch.Tensor, k_cache: torch.Tensor | QuantizedCache | ChannelScaledCache) -> bool:
+        """Whether forward's decodes read these pages in place (the CPU kernel; built on the first call) or
+        gather them."""
+        if self.reference or q.device.type != "cpu" or not isinstance(k_cache, torch.Tensor):
+            return False
+        return k_cache.dtype == q.dtype and cpu_kernel.load() is not None
 
     def write_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,9 +71,29 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim]; the step's K/V must already be written."""
+        if self.reads_in_place(q, k_cache):
+            return self._forward_in_place(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for group in meta.decodes:
             out[group.token_idx] = self._decode(q[group.token_idx], k_cache, v_cache, group, meta.sliding_window)
+        for seg in meta.prefills:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
+        return out
+
+    def _forward_in_place(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        # NOTE: only decodes go to the kernel. It attends one query at a time, and a prefill chunk's queries
+        # are faster as one SDPA (matrix products) over its gathered context, a copy that is small beside
+        # q_len x ctx of attention (bench/NOTES.md "CPU attention without the gather copy").
+        kernel = cpu_kernel.load()
+        window = meta.sliding_window or 0
+        out = torch.empty_like(q)
+        for group in meta.decodes:
+            sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
+            out[group.token_idx] = kernel.paged_attention(
+                q[group.token_idx], k_cache, v_cache, group.page_tables, _NONE, group.ctx_lens - 1,
+                sinks, windows, window, self.scale)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)

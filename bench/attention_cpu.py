@@ -1,0 +1,150 @@
+"""CPU attention of the torch backend: the gather path (reference) against the in-place kernel.
+
+The uniform workload of issue 17 (64 requests, 128-token prompts, 64 output tokens each, greedy, no early
+stop) on tiny-llama, in one process: the real Scheduler plans each step and the real ModelRunner runs it
+(tests/inprocess.py). For each path: the executor's step time, the attention time inside it (a timer around
+every ``forward``), and a torch.profiler run of the same workload for the share of the KV gather
+(``aten::index_select`` and the copies it feeds) in the executor's CPU time. Outputs of the two paths are
+compared token by token.
+
+    .venv/bin/python bench/attention_cpu.py [--threads 1] [--requests 64] [--prompt 128] [--output 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from executor_svc.attention import cpu_kernel  # noqa: E402
+from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
+from pagedkv.models import build_tiny_llama  # noqa: E402
+from tests.fake_executor import make_request  # noqa: E402
+from tests.inprocess import InProcessServer  # noqa: E402
+
+GATHER_OPS = ("aten::index_select",)
+
+
+class TimedAttention:
+    """The backend, with the wall time of its forward calls summed."""
+
+    def __init__(self, inner: TorchPagedAttention) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.decode_seconds = 0.0  # in steps without prefill chunks
+        self.decode_calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def write_cache(self, *args) -> None:
+        self.inner.write_cache(*args)
+
+    def forward(self, *args) -> torch.Tensor:
+        t = time.perf_counter()
+        out = self.inner.forward(*args)
+        dt = time.perf_counter() - t
+        self.seconds += dt
+        if not args[-1].prefills:
+            self.decode_seconds += dt
+            self.decode_calls += 1
+        return out
+
+
+def run(model_dir: Path, reference: bool, args, profile: bool) -> dict:
+    server = InProcessServer(model_dir, num_pages=args.requests * (-(-(args.prompt + args.output) // 16)) + 16,
+                             max_num_seqs=args.requests, max_num_batched_tokens=2048)
+    cfg = server.cfg
+    attention = TimedAttention(TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                   server.runner.model.scale, reference=reference))
+    server.runner.attention = attention
+    steps = []
+    inner_step = server.runner.step
+
+    def timed_step(plan):
+        t = time.perf_counter()
+        result = inner_step(plan)
+        steps.append(time.perf_counter() - t)
+        return result
+
+    server.runner.step = timed_step
+    prompts = [[1] + [3 + (7 * i + 13 * j) % 250 for j in range(args.prompt - 1)] for i in range(args.requests)]
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        req = make_request(i, 0, args.output, prompt=prompt)
+        req.sampling.ignore_eos = True
+        server.scheduler.add(req)
+        reqs.append(req)
+    prof = None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    t = time.perf_counter()
+    from tests.fake_executor import drive
+
+    drive(server.scheduler, executor=server)
+    wall = time.perf_counter() - t
+    shares = {}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        stats = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in stats)
+        by_name = {e.key: e.self_cpu_time_total for e in stats}
+        shares["gather"] = sum(by_name.get(k, 0) for k in GATHER_OPS) / total
+        shares["sdpa"] = sum(v for k, v in by_name.items() if "scaled_dot_product" in k) / total
+        shares["kernel"] = by_name.get("pagedkv_cpu::paged_attention", 0) / total
+        shares["matmul"] = sum(v for k, v in by_name.items() if k in ("aten::mm", "aten::addmm", "aten::bmm",
+                                                                         "aten::linear", "aten::matmul")) / total
+        shares["profiled_us"] = total
+    decode_steps = steps[-(args.output - 1):]  # the prompts all fit in the first steps
+    return {"wall": wall, "steps": len(steps), "step_mean_ms": 1e3 * sum(steps) / len(steps),
+            "decode_step_ms": 1e3 * sorted(decode_steps)[len(decode_steps) // 2],
+            "attention_ms_per_step": 1e3 * attention.seconds / len(steps),
+            "decode_attention_ms": 1e3 * attention.decode_seconds * cfg.num_layers / max(1, attention.decode_calls),
+            "attention_share": attention.seconds / sum(steps), "tokens": [list(r.output_ids) for r in reqs],
+            **shares}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per path (best kept)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    t = time.perf_counter()
+    kernel = cpu_kernel.load()
+    print(f"kernel: {'loaded' if kernel else cpu_kernel.reason()} ({time.perf_counter() - t:.2f} s)")
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = build_tiny_llama(Path(d) / "tiny-llama")
+        results = {}
+        for reference in (True, False):
+            name = "gather (reference)" if reference else "in place (kernel)"
+            timed = min((run(model_dir, reference, args, profile=False) for _ in range(args.repeats)),
+                        key=lambda r: r["wall"])
+            profiled = run(model_dir, reference, args, profile=True)
+            timed.update({k: profiled[k] for k in ("gather", "sdpa", "kernel", "matmul")})
+            results[name] = timed
+    same = results["gather (reference)"]["tokens"] == results["in place (kernel)"]["tokens"]
+    print(f"threads {args.threads}; {args.requests} x {args.prompt} -> {args.output}; tokens equal: {same}")
+    print("| path | wall s | step ms (mean) | decode step ms (median) | attention ms/step | decode attention ms/step "
+          "| attention share "
+          "| gather share (profiler) | SDPA share | kernel share | matmul share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        cells = [f"{r['wall']:.2f}", f"{r['step_mean_ms']:.2f}", f"{r['decode_step_ms']:.2f}",
+                 f"{r['attention_ms_per_step']:.2f}", f"{r['decode_attention_ms']:.2f}",
+                 *(f"{100 * r[k]:.1f}%" for k in ("attention_share", "gather", "sdpa", "kernel", "matmul"))]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Builds and loads the CPU paged attention kernel (``paged_attention_cpu.cpp``) with torch's extension tooling.
+
+The build (g++ on ATen headers only, ~15-30 s on two busy cores) happens once per source version, compiler
+flags, torch version and CPU, and is cached under ``~/.cache/pagedkv/cpu_attention`` (``cache_dir()``);
+later loads take ~0.1 s. The first CPU forward of the torch backend loads it (in the executor: the prefill
+probe of start-up, executor_svc/costs.py). ``load()`` returns ``torch.ops.pagedkv_cpu``, or None with the
+reason when the kernel is not available (no compiler, the source not installed, a failed build,
+``PAGEDKV_CPU_ATTENTION=reference``): the torch backend then gathers pages, as its reference path does, and
+logs ``cpu_attention_kernel_unavailable`` with the reason."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger("executor_svc.attention")
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "module" and "reason", once tried
+
+
+def cache_dir() -> Path:
+    """``PAGEDKV_KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedkv/cpu_attention`` (~/.cache). Not under
+    PAGEDKV_CACHE_DIR, the model cache, which each test session points at a fresh directory: one build
+    (keyed by source, flags, torch and CPU) serves every session."""
+    if os.environ.get("PAGEDKV_KERNEL_CACHE_DIR"):
+        return Path(os.environ["PAGEDKV_KERNEL_CACHE_DIR"])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "pagedkv" / "cpu_attention"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags (a cache shared between machines)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 _cpu_signature().encode()):
+        h.update(part)
+    return f"pagedkv_attention_cpu_{h.hexdigest()[:16]}"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built here (None: it can)."""
+    if os.environ.get("PAGEDKV_CPU_ATTENTION", "").lower() == "reference":
+        return "PAGEDKV_CPU_ATTENTION=reference"
+    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        return "no C++ compiler (g++)"
+    if not SOURCE.is_file():
+        return f"kernel source {SOURCE} not installed"
+    return None
+
+
+def load() -> Any | None:
+    """``torch.ops.pagedkv_cpu`` once the library is built (on first use, then cached) and loaded, or None;
+    ``reason()`` then says why."""
+    with _lock:
+        if "reason" not in _state:
+            _state["module"], _state["reason"] = _build()
+            if _state["module"] is None:
+                log.warning("cpu_attention_kernel_unavailable", reason=_state["reason"],
+                            fallback="the torch backend gathers each decode's pages (index_select copy)")
+        return _state["module"]  # type: ignore[return-value]
+
+
+def reason() -> str | None:
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def _build() -> tuple[Any | None, str | None]:
+    why = unavailable_reason()
+    if why is not None:
+        return None, why
+    name = build_name()
+    directory = cache_dir() / name
+    start = time.perf_counter()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        module = torch.ops.pagedkv_cpu  # registered by the library's TORCH_LIBRARY block
+    except Exception as exc:  # a failed build must not stop the executor: the gather path serves
+        errors = [ln for ln in str(exc).splitlines() if "error" in ln.lower()] or [type(exc).__name__]
+        return None, f"build failed in {directory}: {errors[-1].strip()[:300]}"
+    log.info("cpu_attention_kernel", path=str(directory), seconds=round(time.perf_counter() - start, 2),
+             note="decodes read KV pages in place")
+    return module, None

@@ -1,0 +1,246 @@
+// Paged attention on the CPU that reads K/V where they lie in the page pool (no gather copy).
+//
+// Built at run time by executor_svc/attention/cpu_kernel.py (torch.utils.cpp_extension, cached under
+// ~/.cache/pagedkv). One task per (query token, KV head), spread over torch's intra-op threads: the task
+// scores the query heads of that KV head against each visible key (read through the page table), takes
+// the softmax in fp32 and sums the values the same way. Visible keys of a query at position p of a request
+// with context table row r:
+//
+//   [lo, min(sink, p + 1))  ++  [max(lo, p + 1 - window_r), p + 1)   when the request has a window (> 0)
+//   [lo, p + 1)                                                     otherwise
+//   lo = max(0, p + 1 - model_window) with a model-wide sliding window, else 0
+//
+// the same positions TorchPagedAttention's masks leave visible (its reference path).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// e^x for x <= 0 (scores less their maximum) in plain arithmetic, so that loops over it vectorize (glibc's
+// expf does not): Cephes' expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp), clamped at -87 where
+// the result (~1.6e-38) is as good as zero beside the maximum's weight of 1.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+struct Range {
+  int64_t begin, end;
+};
+
+// Calls fn(key pointer offset, position) for each visible position, page by page (no division per key).
+// A page id outside the pool is an error (as index_select's), never a read out of bounds.
+template <typename Fn>
+inline void for_each_key(const int64_t* table, int64_t num_pages, int64_t block_size, int64_t page_stride,
+                         int64_t token_stride, const Range* ranges, int n_ranges, Fn fn) {
+  for (int r = 0; r < n_ranges; ++r) {
+    int64_t pos = ranges[r].begin;
+    const int64_t end = ranges[r].end;
+    while (pos < end) {
+      const int64_t page = pos / block_size;
+      const int64_t page_end = std::min(end, (page + 1) * block_size);
+      const int64_t id = table[page];
+      TORCH_CHECK(id >= 0 && id < num_pages, "paged_attention_cpu: page id ", id, " outside the pool of ",
+                  num_pages, " pages");
+      int64_t offset = id * page_stride + (pos - page * block_size) * token_stride;
+      for (; pos < page_end; ++pos, offset += token_stride) fn(offset, pos);
+    }
+  }
+}
+
+// DIM: head_dim known at compile time (straight-line dot products), or 0: q's.
+template <typename scalar_t, int DIM>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& tables, const at::Tensor& q_rows, const at::Tensor& q_pos,
+            const at::Tensor& sinks, const at::Tensor& windows, int64_t model_window, double scale,
+            at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), dim = DIM > 0 ? DIM : q.size(2);
+  const int64_t num_pages = std::min(k_cache.size(0), v_cache.size(0));
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t width = tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t k_page = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_page = v_cache.stride(0), v_tok = v_cache.stride(1), v_head = v_cache.stride(2);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* rows = q_rows.numel() ? q_rows.data_ptr<int64_t>() : nullptr;
+  const int64_t* pos_p = q_pos.data_ptr<int64_t>();
+  const int64_t* sink_p = sinks.numel() ? sinks.data_ptr<int64_t>() : nullptr;
+  const int64_t* win_p = windows.numel() ? windows.data_ptr<int64_t>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+  // NOTE: with enough queries one task takes all KV heads of a query, reading each key's heads (one
+  // contiguous row) together; with few (a small batch) one task per (query, KV head) keeps threads busy.
+  const int64_t per_task = n >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t blocks = kv_heads / per_task;
+  const int64_t rows_per_task = per_task * group;  // query heads of one task
+
+  at::parallel_for(0, n * blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> qf(rows_per_task * dim), acc(rows_per_task * dim), denom(rows_per_task), scores;
+    std::vector<int64_t> k_off, v_off;
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t i = task / blocks, h0 = (task % blocks) * per_task;
+      const int64_t row = rows ? rows[i] : i;
+      TORCH_CHECK(row >= 0 && row < tables.size(0), "paged_attention_cpu: table row ", row, " of ", tables.size(0));
+      const int64_t p = pos_p[i];
+      TORCH_CHECK(p >= 0 && p < width * block_size, "paged_attention_cpu: query position ", p,
+                  " outside its page table of ", width, " pages");
+      const int64_t* table = tp + row * width;
+      const int64_t lo = model_window > 0 ? std::max<int64_t>(0, p + 1 - model_window) : 0;
+      Range ranges[2];
+      int n_ranges = 0;
+      const int64_t w = win_p ? win_p[row] : 0;
+      if (w > 0) {
+        const int64_t sink_end = std::min(sink_p[row], p + 1);
+        const int64_t tail = std::max(lo, p + 1 - w);
+        if (sink_end >= tail) {  // the sink reaches the window: one run
+          ranges[n_ranges++] = {lo, p + 1};
+        } else {
+          if (sink_end > lo) ranges[n_ranges++] = {lo, sink_end};
+          ranges[n_ranges++] = {tail, p + 1};
+        }
+      } else {
+        ranges[n_ranges++] = {lo, p + 1};
+      }
+      int64_t visible = 0;
+      for (int r = 0; r < n_ranges; ++r) visible += ranges[r].end - ranges[r].begin;
+      scores.resize(rows_per_task * visible);
+
+      const scalar_t* qi = qp + (i * heads + h0 * group) * dim;
+      for (int64_t j = 0; j < rows_per_task * dim; ++j) qf[j] = to_f(qi[j]) * fscale;
+
+      // where each visible key's row starts in the K and V views (head h0)
+      k_off.resize(visible);
+      v_off.resize(visible);
+      int64_t idx = 0;
+      for_each_key(table, num_pages, block_size, k_page, k_tok, ranges, n_ranges,
+                   [&](int64_t off, int64_t) { k_off[idx++] = off; });
+      idx = 0;
+      for_each_key(table, num_pages, block_size, v_page, v_tok, ranges, n_ranges,
+                   [&](int64_t off, int64_t) { v_off[idx++] = off; });
+
+      const scalar_t* kh = kp + h0 * k_head;
+      for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
+          const scalar_t* key = kh + k_off[j] + hh * k_head;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float* qr = qf.data() + r * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qr[d] * to_f(key[d]);
+            scores[r * visible + j] = dot;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows_per_task; ++r) {
+        float* sr = scores.data() + r * visible;
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, sr[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < visible; ++j) {
+          sr[j] = exp_nonpositive(sr[j] - mx);
+          sum += sr[j];
+        }
+        denom[r] = sum;
+      }
+
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const scalar_t* vh = vp + h0 * v_head;
+      for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
+          const scalar_t* val = vh + v_off[j] + hh * v_head;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float weight = scores[r * visible + j];
+            float* a = acc.data() + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += weight * to_f(val[d]);
+          }
+        }
+      }
+
+      scalar_t* oi = op + (i * heads + h0 * group) * dim;
+      for (int64_t r = 0; r < rows_per_task; ++r) {
+        const float inv = 1.f / denom[r];
+        for (int64_t d = 0; d < dim; ++d) oi[r * dim + d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename... Args>
+void attend_any_dim(const at::Tensor& q, Args&&... args) {
+  switch (q.size(2)) {  // the common head sizes get straight-line dot products
+    case 32: return attend<scalar_t, 32>(q, args...);
+    case 64: return attend<scalar_t, 64>(q, args...);
+    case 128: return attend<scalar_t, 128>(q, args...);
+    case 256: return attend<scalar_t, 256>(q, args...);
+    default: return attend<scalar_t, 0>(q, args...);
+  }
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "paged_attention_cpu: ", what); }
+
+}  // namespace
+
+// q [N, heads, D] contiguous; k_cache / v_cache [pages, block_size, kv_heads, D] (D contiguous, any other
+// strides); tables [R, W] int64; q_rows [N] (empty: query i uses row i); q_pos [N] the position of each
+// query; sinks / windows [R] (empty: no request has a window). Returns [N, heads, D].
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                              at::Tensor q_rows, at::Tensor q_pos, at::Tensor sinks, at::Tensor windows,
+                              int64_t model_window, double scale) {
+  check(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, heads, head_dim]");
+  check(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [pages, block_size, kv_heads, head_dim]");
+  check(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous in the caches");
+  check(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+        "caches must have q's dtype");
+  check(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes disagree");
+  check(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous(), "tables");
+  check(q_pos.scalar_type() == at::kLong && q_pos.numel() == q.size(0) && q_pos.is_contiguous(), "q_pos");
+  check(q_rows.numel() == 0 || (q_rows.scalar_type() == at::kLong && q_rows.numel() == q.size(0) &&
+                                q_rows.is_contiguous()), "q_rows");
+  check(windows.numel() == 0 || (windows.scalar_type() == at::kLong && sinks.scalar_type() == at::kLong &&
+                                 windows.numel() == tables.size(0) && sinks.numel() == tables.size(0) &&
+                                 windows.is_contiguous() && sinks.is_contiguous()), "sinks/windows");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_cpu", [&] {
+    attend_any_dim<scalar_t>(q, k_cache, v_cache, tables, q_rows, q_pos, sinks, windows, model_window, scale, out);
+  });
+  return out;
+}
+
+// torch.ops.pagedkv_cpu.paged_attention: an operator, so the profiler and the dispatcher see it.
+TORCH_LIBRARY(pagedkv_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_rows, Tensor q_pos, "
+        "Tensor sinks, Tensor windows, int model_window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
