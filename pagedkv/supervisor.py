@@ -1,4 +1,5 @@
-"""``pagedkv serve``'s supervisor: starts its children in order, keeps them running, and stops them in reverse.
+"""``pagedkv serve``'s supervisor: starts its children (in order, or all at once), keeps them running, and stops
+them in reverse order.
 
 - Start: each child in list order, each waited for until ``ready()``; or, with ``start_together`` (``pagedkv
   serve``), every child at once, each then waited for until ``ready()``: the scheduler imports and loads its
