@@ -40,7 +40,6 @@ from common import (
     is_contended,
     latency_summary,
     make_workload,
-    percentile,
     timed_streams,
     wait_idle,
     warm_up,
@@ -50,9 +49,6 @@ from common import (
 from pagedkv.models import resolve_model
 
 PAD_ID = 0
-# bench/tenants.py still imports these from here; new benches take them from bench/common.py
-_contended = is_contended
-__all__ = ["CpuWatch", "Server", "_contended", "percentile", "wait_idle"]
 
 
 # ---- pagedkv -----------------------------------------------------------------------------------

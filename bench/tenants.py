@@ -86,7 +86,7 @@ from typing import Any
 
 import grpc
 import torch
-from e2e_vs_hf import CpuWatch, Server, _contended, percentile, wait_idle
+from common import CpuWatch, Server, is_contended, pages_for, percentile, wait_idle
 
 from pagedkv.models import resolve_model
 from scheduler_svc.tenancy import hash_key
@@ -118,10 +118,6 @@ def make_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
 def make_requests(lengths: list[int], max_tokens: int, seed: int, vocab_size: int) -> list[Request]:
     rng = random.Random(seed)
     return [Request(i, make_prompt(rng, n, vocab_size), max_tokens) for i, n in enumerate(lengths)]
-
-
-def pages_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 # ---- streams and polling -----------------------------------------------------------------------
@@ -736,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     long_reqs = make_requests([args.long_prompt] * args.long_requests, args.long_tokens, args.seed + 4, vocab)
     quota_pages = (int(args.flood_quota * args.num_pages * args.executors) if args.flood_quota <= 1
                    else int(args.flood_quota))
-    window_bound = pages_for(args.window + args.sink, bs) + 2
+    window_bound = pages_for(args.sink, bs) + pages_for(args.window, bs) + 2  # scheduler_svc.fit.window_pages
     cfg = Config(model=args.model, model_dir=str(model_dir), seed=args.seed, block_size=bs,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  num_pages=args.num_pages, flood_requests=args.flood_requests, flood_prompt=args.flood_prompt,
@@ -794,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in all_runs:
         if not run["leak_free"]:
             problems.append(f"{name}: pages still held after the run: {run['leaks']}")
-    contended = [name for name, run in all_runs if _contended(run)]
+    contended = [name for name, run in all_runs if is_contended(run)]
     print()
     for n in notes:
         print(f"NOTE: {n}")
@@ -840,7 +836,7 @@ def noisy_part(args: argparse.Namespace, servers: Servers, flood_reqs: list[Requ
               f"{f['requests']} finished, {f['tokens_per_s']:.1f} tokens/s, wall {run['wall_s']:.2f}s{cancelled}",
               flush=True)
         for name in ([ALONE] if first else []) + [c]:
-            if _contended(runs[name]):
+            if is_contended(runs[name]):
                 print(f"  WARNING: other processes used {runs[name]['cpu']['foreign_share']:.0%} of the machine's "
                       f"CPU during {name}; its timings are not trustworthy", flush=True)
     base = runs[ALONE]["quiet"]["ttft_p99_s"]
@@ -865,7 +861,7 @@ def long_part(args: argparse.Namespace, servers: Servers, reqs: list[Request]) -
         print(f"  {label}: {run['wall_s']:.2f}s, {run['requests']['tokens_per_s']:.1f} tokens/s, at most "
               f"{p['max_running']} running, peak {s['peak_used_pages']} pages, {s['preemptions']} preemptions",
               flush=True)
-        if _contended(run):
+        if is_contended(run):
             print(f"  WARNING: other processes used {run['cpu']['foreign_share']:.0%} of the machine's CPU during "
                   f"the {label} run; its timings are not trustworthy", flush=True)
     return runs
