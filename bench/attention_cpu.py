@@ -8,6 +8,9 @@ every ``forward``), and a torch.profiler run of the same workload for the share 
 compared token by token.
 
     .venv/bin/python bench/attention_cpu.py [--threads 1] [--requests 64] [--prompt 128] [--output 64]
+                                            [--micro-only]
+
+It first times one layer's attention alone (a decode batch, prefill chunks) on both paths.
 """
 
 from __future__ import annotations
@@ -112,6 +115,44 @@ def run(model_dir: Path, reference: bool, args, profile: bool) -> dict:
             **shares}
 
 
+def micro(repeats: int = 100) -> None:
+    """One layer's attention alone, best of ``repeats`` (interleaved): a decode batch shaped like the uniform
+    workload's (tiny-llama heads, 64 requests at context 129-192) and single prefill chunks."""
+    from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs, num_pages = 8, 4, 32, 16, 64 * 13
+    pool = torch.randn(num_pages, 4, 2, bs, kv_heads, dim, generator=g)  # layer 1 of 4: pages strided as served
+    k, v = pool[:, 1, 0], pool[:, 1, 1]
+    empty = torch.zeros(0, dtype=torch.long)
+    perm = torch.randperm(num_pages, generator=g)
+    cases = {"decode 64 x ctx 129-192": (torch.randn(64, heads, dim, generator=g), AttentionMetadata(
+        empty, empty, [DecodeGroup(torch.arange(64), perm[:64 * 12].view(64, 12),
+                                   torch.randint(129, 193, (64,), generator=g))], []))}
+    for ctx, q_len in ((512, 4), (512, 16), (128, 128)):
+        seg = PrefillSegment(0, q_len, ctx, perm[: ctx // bs])
+        cases[f"prefill chunk {q_len} at ctx {ctx}"] = (torch.randn(q_len, heads, dim, generator=g),
+                                                        AttentionMetadata(empty, empty, [], [seg]))
+    paths = {"gather": TorchPagedAttention(heads, kv_heads, dim, dim ** -0.5, reference=True),
+             "in place": TorchPagedAttention(heads, kv_heads, dim, dim ** -0.5)}
+    print("| one layer | gather + SDPA ms | kernel ms |\n|---|---|---|")
+    for name, (q, meta) in cases.items():
+        best = {}
+        for _ in range(repeats):
+            for path, attention in paths.items():
+                t = time.perf_counter()
+                if meta.prefills and path == "in place":  # the backend itself gathers for prefills: the kernel
+                    seg = meta.prefills[0]  # called directly, one query per position
+                    pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len)
+                    t = time.perf_counter()
+                    cpu_kernel.load().paged_attention(q, k, v, seg.page_ids.view(1, -1), torch.zeros_like(pos), pos,
+                                                      empty, empty, 0, dim ** -0.5)
+                else:
+                    attention.forward(q, k, v, meta)
+                best[path] = min(best.get(path, 1e9), time.perf_counter() - t)
+        print(f"| {name} | {1e3 * best['gather']:.3f} | {1e3 * best['in place']:.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
@@ -119,11 +160,16 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per path (best kept)")
+    p.add_argument("--micro-only", action="store_true", help="only the one-layer table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
     kernel = cpu_kernel.load()
     print(f"kernel: {'loaded' if kernel else cpu_kernel.reason()} ({time.perf_counter() - t:.2f} s)")
+    if kernel is not None:
+        micro()
+    if args.micro_only:
+        return
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_tiny_llama(Path(d) / "tiny-llama")
         results = {}

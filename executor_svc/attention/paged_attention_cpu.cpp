@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +48,32 @@ inline float exp_nonpositive(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return y * two_n;
+}
+
+// q . k over DIM channels (0: dim, known at run time).
+typedef float f32x8 __attribute__((vector_size(32)));
+
+template <int DIM, typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t dim) {
+  if constexpr (DIM > 0 && DIM % 8 == 0 && std::is_same_v<scalar_t, float>) {
+    f32x8 acc = {};
+    for (int d = 0; d < DIM; d += 8) {
+      f32x8 a, b;
+      std::memcpy(&a, q + d, sizeof a);
+      std::memcpy(&b, k + d, sizeof b);
+      acc += a * b;
+    }
+    const f32x8 swapped = __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3);
+    acc += swapped;
+    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5);
+    acc += __builtin_shufflevector(acc, acc, 1, 0, 3, 2, 5, 4, 7, 6);
+    return acc[0];
+  } else {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < dim; ++d) sum += q[d] * to_f(k[d]);
+    return sum;
+  }
 }
 
 struct Range {
@@ -151,11 +178,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
           const scalar_t* key = kh + k_off[j] + hh * k_head;
           for (int64_t g = 0; g < group; ++g, ++r) {
-            const float* qr = qf.data() + r * dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qr[d] * to_f(key[d]);
-            scores[r * visible + j] = dot;
+            scores[r * visible + j] = dot<DIM>(qf.data() + r * dim, key, dim);
           }
         }
       }
