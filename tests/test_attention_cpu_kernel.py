@@ -161,3 +161,16 @@ def test_kernel_refuses_reads_outside_the_pool():
         kernel.paged_attention(q, k, k, torch.tensor([[3, 8]]), none, torch.tensor([20]), none, none, 0, 1.0)
     with pytest.raises(RuntimeError, match="outside its page table of 2 pages"):
         kernel.paged_attention(q, k, k, torch.tensor([[3, 4]]), none, torch.tensor([32]), none, none, 0, 1.0)
+
+
+def test_failed_build_falls_back_and_leaves_no_work_directory(monkeypatch, tmp_path):
+    """A build that fails (here: a flag g++ refuses) is a reason, not an error; its private build directory
+    is removed and nothing half-built lands in the cache."""
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", [*cpu_kernel.CFLAGS, "-fno-such-flag-pagedkv"])
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
+    assert cpu_kernel.load() is None
+    assert cpu_kernel.reason().startswith("build of pagedkv_attention_cpu_"), cpu_kernel.reason()
+    assert list(tmp_path.iterdir()) == []
+    q = torch.randn(1, 4, 32)
+    assert not TorchPagedAttention(4, 2, 32, 1.0).reads_in_place(q, torch.zeros(8, 16, 2, 32))

@@ -14,6 +14,7 @@ import hashlib
 import os
 import platform
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -90,18 +91,36 @@ def _build() -> tuple[Any | None, str | None]:
     if why is not None:
         return None, why
     name = build_name()
-    directory = cache_dir() / name
+    target = cache_dir() / f"{name}.so"
     start = time.perf_counter()
+    built = False
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if target.is_file():
+            torch.ops.load_library(str(target))
+        else:
+            _compile(name, target)
+            built = True
         module = torch.ops.pagedkv_cpu  # registered by the library's TORCH_LIBRARY block
     except Exception as exc:  # a failed build must not stop the executor: the gather path serves
-        errors = [ln for ln in str(exc).splitlines() if "error" in ln.lower()] or [type(exc).__name__]
-        return None, f"build failed in {directory}: {errors[-1].strip()[:300]}"
-    log.info("cpu_attention_kernel", path=str(directory), seconds=round(time.perf_counter() - start, 2),
+        errors = [ln for ln in str(exc).splitlines() if "error" in ln.lower()] or [f"{type(exc).__name__}: {exc}"]
+        return None, f"build of {target.name} failed: {errors[-1].strip()[:300]}"
+    log.info("cpu_attention_kernel", path=str(target), built=built, seconds=round(time.perf_counter() - start, 2),
              note="decodes read KV pages in place")
     return module, None
+
+
+def _compile(name: str, target: Path) -> None:
+    """Builds (and loads) the library in a directory of this process's own, then renames it into the cache.
+    NOTE: no shared build directory: torch's lock file there outlives a process killed mid-build, and every
+    later build would wait on it for ever. Two processes building at once both compile; either rename wins
+    (the same bytes)."""
+    from torch.utils import cpp_extension
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(work), extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        os.replace(work / f"{name}.so", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
