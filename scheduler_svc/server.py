@@ -270,12 +270,17 @@ async def serve(args) -> None:
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
                              sink_tokens=args.sink_tokens, model_window=model_window(args, describe))
+    # Tenant limits are the scheduler's, over all its executors: page counts are checked (and fractions resolved)
+    # against the pages the executors found now will hold, assuming each the size of the first; the cluster
+    # resolves them again from the actual pools as executors join and leave (tenant_ledger.py).
+    expected_pages = describe.num_device_pages * max(1, len(addresses))
     try:
-        tenants = Tenants.load(args.tenants_file, describe.num_device_pages) if args.tenants_file else Tenants()
+        tenants = Tenants.load(args.tenants_file, expected_pages) if args.tenants_file else Tenants()
     except InvalidTenant as err:
         raise ValueError(str(err)) from err
     if tenants.multi:
-        log.info("tenants_loaded", path=args.tenants_file, tenants=sorted(tenants.by_id), fairness=args.fairness)
+        log.info("tenants_loaded", path=args.tenants_file, tenants=sorted(tenants.by_id), fairness=args.fairness,
+                 pages=expected_pages, executors=len(addresses))
     else:
         log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
 
