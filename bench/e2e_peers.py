@@ -1,0 +1,284 @@
+"""pagedkv against its two peers on one machine: Hugging Face ``generate`` in static batches, and transformers'
+own continuous batching over a paged cache (``init_continuous_batching``, ``paged|sdpa`` attention).
+
+Three workloads, the same requests for every system (fixed seed, EOS ignored, greedy):
+
+* ``uniform``: 64 x (128 prompt -> 64 output) -- the case static batching is built for (HF: one batch of 64);
+* ``mixed``: ``--mixed-requests`` (128) requests with log-normal prompt (median 96, 8-1024) and output (median 64,
+  4-512) lengths (HF static: batches of 16 in arrival order, each run to its longest output);
+* ``batch1``: one request, 512 -> 128.
+
+Two models: the built-in tiny-llama and a ~40M random Llama (12 layers, hidden 512; built once into the pagedkv
+cache). Every (model, workload, system) runs in a fresh subprocess, after the machine went idle, so peak RSS is
+its own (pagedkv: the scheduler's and the executor's peaks, added) and one run's memory does not linger into the
+next. Per run: output tokens/s, TTFT p50/p99 (HF static: when its batch's first token was sampled; HF paged: the
+first token's timestamp), peak RSS, and the 1-minute load average before and after (a quiet-machine check).
+
+    python bench/e2e_peers.py                       # -> bench/results/e2e_peers.json
+    python bench/e2e_peers.py --quick               # tiny-llama only, 32 mixed requests
+    python bench/e2e_peers.py --pagedkv-root DIR    # pagedkv from another checkout (before/after tables)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import Request, Server, percentile, print_table, timed_streams, wait_idle, warm_up, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("pagedkv", "hf_static", "hf_paged")
+WORKLOADS = ("uniform", "mixed", "batch1")
+MODEL_40M = dict(hidden_size=512, intermediate_size=1376, num_layers=12, num_heads=8, num_kv_heads=4,
+                 max_position_embeddings=2048)
+VOCAB = 259
+PAD_ID = 0
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(math.exp(rng.gauss(math.log(median), sigma))))))
+
+
+def workload(name: str, mixed_requests: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(f"{name}:{seed}")
+
+    def prompt(n: int) -> list[int]:
+        return [1] + [rng.randrange(3, VOCAB) for _ in range(n - 1)]
+    if name == "uniform":
+        return [Request(i, prompt(128), 64) for i in range(64)]
+    if name == "batch1":
+        return [Request(0, prompt(512), 128)]
+    return [Request(i, prompt(_lognormal(rng, 96, 1.0, 8, 1024)), _lognormal(rng, 64, 0.9, 4, 512))
+            for i in range(mixed_requests)]
+
+
+def model_dir(name: str) -> Path:
+    from pagedkv.models import _build_atomically, build_random_model, cache_dir, resolve_model
+
+    if name != "random-40m":
+        return resolve_model(name)
+    path = cache_dir() / "random-llama-40m-v1"
+    if not (path / "config.json").exists():
+        _build_atomically(path, lambda d: build_random_model(d, arch="llama", seed=20261130, **MODEL_40M))
+    return path
+
+
+# ---- one run (in its own process) ----------------------------------------------------------------
+def _vm_hwm_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def run_pagedkv(path: Path, reqs: list[Request]) -> dict[str, Any]:
+    server = Server(["--model", str(path), "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"])
+
+    async def go():
+        from pagedkv.client import Client
+        async with Client(server.address) as client:
+            await warm_up(client)
+            return await timed_streams(client, reqs)
+    try:
+        wall, results, _ = asyncio.run(go())
+        rss = sum(_vm_hwm_kib(p) for p in _children(server.proc.pid))
+    finally:
+        server.stop()
+    if [r.tokens for r in results] != [r.max_tokens for r in reqs]:
+        raise RuntimeError("pagedkv returned other lengths than asked")
+    return {"wall_s": wall, "ttfts_s": [r.ttft_s for r in results], "peak_rss_mib": rss / 1024}
+
+
+def _hf_model(path: Path, attn: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    return model
+
+
+def run_hf_static(path: Path, reqs: list[Request], batch_size: int) -> dict[str, Any]:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstToken(LogitsProcessor):  # the first call of a batch: its first token is being sampled
+        def __init__(self) -> None:
+            self.at = float("nan")
+
+        def __call__(self, input_ids, scores):
+            if math.isnan(self.at):
+                self.at = time.perf_counter()
+            return scores
+
+    model = _hf_model(path, "sdpa")
+
+    def generate(batch: list[Request], new: int, first: FirstToken | None = None) -> None:
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, logits_processor=LogitsProcessorList([first] if first else []))
+        if out.shape[1] - width != new:
+            raise RuntimeError("HF generated another length")
+
+    generate([Request(-1, [1, 72, 105], 4)] * 2, 4)  # warm-up
+    ttfts: list[float] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start:start + batch_size]
+        first = FirstToken()
+        generate(batch, max(r.max_tokens for r in batch), first)
+        ttfts += [first.at - t0] * len(batch)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "ttfts_s": ttfts, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_hf_paged(path: Path, reqs: list[Request]) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    model = _hf_model(path, "paged|sdpa")
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,
+                              max_new_tokens=max(r.max_tokens for r in reqs))
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        warm = manager.add_request([1, 72, 105], max_new_tokens=4)
+        while (r := manager.get_result(timeout=600)) is not None and not (r.request_id == warm and r.is_finished()):
+            pass
+        t0 = time.perf_counter()
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.max_tokens, record_timestamps=True) for r in reqs]
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            res = manager.get_result(timeout=600)
+            if res is None:
+                raise RuntimeError("HF continuous batching stopped answering")
+            if res.is_finished() and res.request_id in ids:
+                done[res.request_id] = res
+        wall = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    outs = [done[i] for i in ids]
+    if [len(o.generated_tokens) for o in outs] != [r.max_tokens for r in reqs]:
+        raise RuntimeError("HF continuous batching returned other lengths than asked")
+    ttfts = [o.timestamps[0] - t0 if o.timestamps else float("nan") for o in outs]  # (perf_counter clock)
+    return {"wall_s": wall, "ttfts_s": ttfts, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child(args: argparse.Namespace) -> int:
+    reqs = workload(args.workload, args.mixed_requests)
+    path = model_dir(args.model)
+    if args.run == "pagedkv":
+        out = run_pagedkv(path, reqs)
+    elif args.run == "hf_static":
+        out = run_hf_static(path, reqs, 64 if args.workload == "uniform" else 16)
+    else:
+        out = run_hf_paged(path, reqs)
+    tokens = sum(r.max_tokens for r in reqs)
+    out.update(tokens=tokens, tokens_per_s=tokens / out["wall_s"], ttft_p50_s=percentile(out["ttfts_s"], 50),
+               ttft_p99_s=percentile(out["ttfts_s"], 99))
+    Path(args.json).write_text(json.dumps(out))
+    return 0
+
+
+# ---- the orchestra -------------------------------------------------------------------------------
+def run_one(args: argparse.Namespace, model: str, wl: str, system: str) -> dict[str, Any]:
+    import tempfile
+
+    wait_idle(args.wait_idle)
+    load_before = os.getloadavg()[0]
+    root = Path(args.pagedkv_root).resolve() if (system == "pagedkv" and args.pagedkv_root) else ROOT
+    env = dict(os.environ, PYTHONPATH=str(root)) if root != ROOT else None
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, str(ROOT / "bench" / "e2e_peers.py"), "--run", system, "--model", model,
+               "--workload", wl, "--mixed-requests", str(args.mixed_requests), "--json", f.name]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        out = json.loads(Path(f.name).read_text())
+    out["load_1m"] = (load_before, os.getloadavg()[0])
+    print(f"  {model} {wl} {system}: {out['tokens_per_s']:.1f} tok/s, TTFT p50 {out['ttft_p50_s']:.3f}s p99 "
+          f"{out['ttft_p99_s']:.3f}s, peak RSS {out['peak_rss_mib']:.0f} MiB, load {load_before:.2f}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny-llama,random-40m")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--mixed-requests", type=int, default=128)
+    p.add_argument("--pagedkv-root", default="", metavar="DIR", help="run pagedkv from this checkout")
+    p.add_argument("--wait-idle", type=float, default=120.0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_peers.json"))
+    p.add_argument("--run", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.run:
+        return child(args)
+    if args.quick:
+        args.models, args.mixed_requests = "tiny-llama", 32
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for model in args.models.split(","):
+        for wl in args.workloads.split(","):
+            print(f"{model} / {wl} ...", flush=True)
+            results.setdefault(model, {})[wl] = {s: run_one(args, model, wl, s) for s in args.systems.split(",")}
+    header = ("model", "workload", "system", "tok/s", "vs HF static", "vs HF paged", "TTFT p50 (s)", "TTFT p99 (s)",
+              "peak RSS (MiB)", "load 1m")
+    rows = []
+    for model, wls in results.items():
+        for wl, runs in wls.items():
+            for system, r in runs.items():
+                if "error" in r:
+                    rows.append((model, wl, system, "error", r["error"][:40], "", "", "", "", ""))
+                    continue
+
+                def ratio(peer: str, r=r, runs=runs) -> str:
+                    ref = runs.get(peer, {}).get("tokens_per_s")
+                    return f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+                rows.append((model, wl, system, f"{r['tokens_per_s']:.1f}", ratio("hf_static"), ratio("hf_paged"),
+                             f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}", f"{r['peak_rss_mib']:.0f}",
+                             f"{r['load_1m'][0]:.2f}/{r['load_1m'][1]:.2f}"))
+    print()
+    print_table(header, rows)
+    write_report(args.out, {"config": vars(args), "cpus": os.cpu_count(), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
