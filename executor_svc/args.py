@@ -39,6 +39,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKEND_NAMES],
                    help="paged attention implementation (auto: torch until the CUDA kernels are verified on a GPU; "
                    "then cuda on a CUDA device with CuPy and a supported dtype/head_dim; cuda: opt in now)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode-only steps (graphs are used on CUDA only)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256, metavar="N",
+                   help="largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, ... up to N; larger "
+                   "decode steps run eager); match the scheduler's --max-num-seqs")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "

@@ -14,6 +14,7 @@ import torch
 
 from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.cuda_graphs import DecodeGraphs, DecodeRow
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.sampler import SamplingParams, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -78,9 +79,16 @@ def _sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
 
 class ModelRunner:
     def __init__(self, model, pool: DevicePagePool, attention: PagedAttention, device: torch.device,
-                 host_pool: HostPagePool | None = None) -> None:
+                 host_pool: HostPagePool | None = None, graphs: DecodeGraphs | None = None) -> None:
+        """``graphs``: decode-only steps replay captured forwards (executor_svc.cuda_graphs); the pool's last
+        page is then their scratch page, kept from the scheduler (``num_pages`` is one less)."""
         self.model = model
         self.pool = pool
+        self.graphs = graphs
+        self.num_pages = pool.num_pages - 1 if graphs is not None else pool.num_pages  # what plans may use
+        if graphs is not None and graphs.scratch_page != self.num_pages:
+            raise ValueError(f"the graphs' scratch page {graphs.scratch_page} is not the pool's last page "
+                             f"{self.num_pages}")
         self.host_pool = host_pool
         self.mover = PageMover(pool, host_pool) if host_pool is not None and host_pool.num_pages else None
         self.attention = attention
@@ -115,15 +123,15 @@ class ModelRunner:
         for p in page_ids:
             if dropped_ok and p == DROPPED_PAGE:
                 continue
-            if not 0 <= p < self.pool.num_pages:
-                raise PlanError(f"request {request_id}: page id {p} outside [0, {self.pool.num_pages})",
+            if not 0 <= p < self.num_pages:
+                raise PlanError(f"request {request_id}: page id {p} outside [0, {self.num_pages})",
                                 [request_id])
 
     def _check_page_ops(self, ops: pb.PageOps) -> None:
         num_host = self.host_pool.num_pages if self.host_pool is not None else 0
-        for name, copies, (src_n, dst_n) in (("swap_out", ops.swap_out, (self.pool.num_pages, num_host)),
-                                            ("swap_in", ops.swap_in, (num_host, self.pool.num_pages)),
-                                            ("copy", ops.copy, (self.pool.num_pages, self.pool.num_pages))):
+        for name, copies, (src_n, dst_n) in (("swap_out", ops.swap_out, (self.num_pages, num_host)),
+                                            ("swap_in", ops.swap_in, (num_host, self.num_pages)),
+                                            ("copy", ops.copy, (self.num_pages, self.num_pages))):
             for c in copies:
                 if not (0 <= c.src < src_n and 0 <= c.dst < dst_n):
                     raise PlanError(f"page_ops.{name}: {c.src} -> {c.dst} outside [0, {src_n}) -> [0, {dst_n})", [])
@@ -294,9 +302,7 @@ class ModelRunner:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
         t2 = time.perf_counter()
         if scheduled:
-            ids, positions, meta, rows = self._build_batch(scheduled)
-            result.num_computed_tokens = int(ids.numel())
-            logits = self.model.forward(ids, positions, meta, self.pool, self.attention, rows)
+            logits = self._forward(scheduled, result)
             t3 = time.perf_counter()
             self._sample(scheduled, logits, result)
         else:
@@ -307,6 +313,26 @@ class ModelRunner:
         result.timings.sample_ms = (t4 - t3) * 1e3
         result.timings.total_ms = (t4 - t0) * 1e3
         return result
+
+    def _forward(self, scheduled: list[_Scheduled], result: pb.StepResult) -> torch.Tensor:
+        """Logits of the step's finishing rows: a captured graph for a decode-only step that fits one, else eager."""
+        if self.graphs is not None and self.graphs.fits(len(scheduled)) and all(i.count == 1 for i in scheduled):
+            result.num_computed_tokens = len(scheduled)
+            logits = self.graphs.run([self._decode_row(item) for item in scheduled])
+            finishing = [i for i, item in enumerate(scheduled) if item.start + 1 == len(item.state.token_ids)]
+            if len(finishing) == len(scheduled):
+                return logits
+            return logits[torch.tensor(finishing, dtype=torch.long, device=logits.device)]
+        ids, positions, meta, rows = self._build_batch(scheduled)
+        result.num_computed_tokens = int(ids.numel())
+        return self.model.forward(ids, positions, meta, self.pool, self.attention, rows)
+
+    def _decode_row(self, item: _Scheduled) -> DecodeRow:
+        st, pos, bs = item.state, item.start, self.block_size
+        table = st.page_ids[: pos // bs + 1]
+        if st.window:  # dropped pages are read as page 0 and masked
+            table = [0 if p == DROPPED_PAGE else p for p in table]
+        return DecodeRow(st.token_ids[pos], pos, st.page_ids[pos // bs], pos % bs, table, st.sink, st.window)
 
     def _sample(self, scheduled: list[_Scheduled], logits: torch.Tensor, result: pb.StepResult) -> None:
         finishing = []

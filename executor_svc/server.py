@@ -15,6 +15,7 @@ from executor_svc import metrics
 from executor_svc.args import BLOCK_SIZES, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
 from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
+from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype, sampling_defaults
@@ -241,6 +242,19 @@ def _num_host_pages(args, num_device_pages: int, per_page: int, log) -> int:
     return pages
 
 
+def _graphs_off_reason(args, device: torch.device, model, kv) -> str | None:
+    """Why decode steps run eager on this executor (None: CUDA graphs for decode-only steps)."""
+    if getattr(args, "cuda_graph_max_batch", 256) < 1:
+        raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {args.cuda_graph_max_batch}")
+    if getattr(args, "enforce_eager", False):
+        return "--enforce-eager"
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this executor runs on {device})"
+    if kv.quantized:
+        return "8-bit KV pages"
+    return graph_blocker(model, None)
+
+
 def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -255,10 +269,16 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     model = load_model(cfg, device, dtype)
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
-    pool = DevicePagePool(cfg, _num_pages(args, cfg, dtype, device, kv), args.block_size, dtype, device, kv)
+    graphs_off = _graphs_off_reason(args, device, model, kv)
+    num_pages = _num_pages(args, cfg, dtype, device, kv)
+    pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
-    host_pool = HostPagePool(pool, _num_host_pages(args, pool.num_pages, pool.page_bytes, log))
-    runner = ModelRunner(model, pool, attention, device, host_pool)
+    host_pool = HostPagePool(pool, _num_host_pages(args, num_pages, pool.page_bytes, log))
+    graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, args.cuda_graph_max_batch,
+                                                 scratch_page=num_pages)
+    runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
+    log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
+             eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
     costs = measure_costs(runner)
     describe = pb.DescribeResponse(
         model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -266,7 +286,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
         dtype=str(dtype).removeprefix("torch."), kv_dtype=pool.kv_dtype,
         kv_bytes_per_token=pool.page_bytes // args.block_size,
-        block_size=args.block_size, num_device_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
+        block_size=args.block_size, num_device_pages=runner.num_pages, num_host_pages=host_pool.num_pages,
         page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
@@ -275,7 +295,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
-             block_size=args.block_size, num_pages=pool.num_pages, num_host_pages=host_pool.num_pages,
+             block_size=args.block_size, num_pages=runner.num_pages, num_host_pages=host_pool.num_pages,
              page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
              swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
              prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1))
