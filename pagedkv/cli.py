@@ -1,4 +1,5 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | generate | bench | hash-key | health | gen-certs."""
+"""The ``pagedkv`` command: serve | scheduler | executor | gateway | generate | bench | hash-key | health |
+gen-certs."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def serve(args) -> int:
 def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) -> int:
     """Runs the two children under pagedkv.supervisor (signals, restarts, ordered shutdown)."""
     from pagedkv import logs
+    from pagedkv.gateway import serve_child_command
     from pagedkv.supervisor import ChildSpec, HealthProbe, ListeningProbe, Supervisor, executor_secret_file
 
     log = logs.configure("serve", json=logs.wants_json(args.log_format))
@@ -66,9 +68,19 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
             ChildSpec("scheduler", sched_cmd, probes[1], ready_timeout=300, close=probes[1].close,
                       stop_timeout=args.shutdown_timeout + STOP_MARGIN),
         ]
+        try:
+            gateway = serve_child_command(args)  # --http-port: the OpenAI-compatible HTTP front, stopped first
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 2
+        if gateway:
+            http = ListeningProbe(f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.http_port}")
+            children.append(ChildSpec("gateway", gateway, http, ready_timeout=60,
+                                      stop_timeout=args.shutdown_timeout + STOP_MARGIN))
         supervisor = Supervisor(children, log, reload="scheduler", env=env, start_together=True)
         return supervisor.run(lambda: print(
-            f"pagedkv ready: model {args.model} at {sched_address} (executor {exec_address}); Ctrl-C stops",
+            f"pagedkv ready: model {args.model} at {sched_address} (executor {exec_address})"
+            + (f"; HTTP (OpenAI API) on {args.host}:{args.http_port}" if gateway else "") + "; Ctrl-C stops",
             flush=True))
 
 
@@ -106,7 +118,14 @@ async def _generate(args) -> int:
 
 
 def health(args) -> int:
-    """Exit 0 when the server at --address answers SERVING (for container health checks)."""
+    """Exit 0 when the server at --address answers SERVING, or with --http when GET URL answers 200 (the
+    gateway's /health), for container health checks."""
+    if args.http:
+        from pagedkv.gateway import check_http
+
+        ok, said = check_http(args.http, args.tls_ca, args.tls_server_name, args.timeout)
+        print(said, file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -146,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine",
                        description=SERVE_DESCRIPTION)
     p.set_defaults(forwarded=add_serve_args(p))
+    from pagedkv.gateway import add_serve_args as add_gateway_serve_args
+
+    add_gateway_serve_args(p)  # --http-port
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
     scheduler_server.add_args(p)
     p = sub.add_parser("executor", help="run the executor service alone (model + page pools)")
@@ -175,10 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
     p = sub.add_parser("hash-key", help="print the sha256:<hex> form of an API key for a tenants file")
     p.add_argument("key")
-    p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING)")
+    p = sub.add_parser("health", help="check a server's grpc health (exit 0 when SERVING), or a gateway's /health")
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--http", default="", metavar="URL",
+                   help="check an HTTP endpoint instead (pagedkv gateway: https://HOST:PORT/health): exit 0 on 200")
     p.add_argument("--timeout", type=float, default=3.0)
     add_tls_client_args(p)
+    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, "
+                       "/v1/models; SSE streaming) of a running scheduler")
+    from pagedkv.gateway import add_args as add_gateway_args
+
+    add_gateway_args(p)
     p = sub.add_parser("gen-certs", help="write a CA, a server certificate and key (and an executor secret) for TLS")
     from pagedkv.certs import add_args as add_certs_args
 
@@ -210,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
+    if args.command == "gateway":
+        from pagedkv.gateway import main as gateway
+
+        return gateway(args)
     if args.command == "bench":
         from pagedkv.loadgen.command import main as bench
 
