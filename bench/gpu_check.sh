@@ -13,8 +13,9 @@
 # then run on the device with carry [".whl"]:   bash bench/gpu_check.sh [--tests-only | --bench-only]
 # (the halves, for a second call when the first ran out of time).
 # Without .whl/ the end-to-end GPU tests skip (with that reason) and the e2e bench is skipped.
-# Results under ${OUT:-bench/results} (11 files: gpu_tests.txt, attention_kernels.{txt,json},
-# attention_kernels_{fp8_e4m3,int8}.json, kv_quant_gpu.{txt,json}, dma.txt, swap_dma.json, e2e_vs_hf.{txt,json}).
+# Results under ${OUT:-bench/results} (13 files: gpu_tests.txt, attention_kernels.{txt,json},
+# attention_kernels_{fp8_e4m3,int8}.json, kv_quant_gpu.{txt,json}, dma.txt, swap_dma.json, cuda_graphs.{txt,json},
+# e2e_vs_hf.{txt,json}).
 set -u
 cd "$(dirname "$0")/.."
 run_tests=1 run_bench=1
@@ -43,7 +44,7 @@ fi
 python3 -c 'import structlog, grpc_health, grpc_reflection, pagedkv.grpc_common' 2>/dev/null || services=0
 [ "$services" = 1 ] || echo "NOTE: services not importable (no carried .whl/, see this script's header): e2e GPU tests skip, e2e bench skipped"
 
-tests_rc=0 attn_rc=0 dma_rc=0 e2e_rc=0
+tests_rc=0 attn_rc=0 dma_rc=0 e2e_rc=0 graphs_rc=0
 if [ "$run_tests" = 1 ]; then
 echo "== GPU tests (PAGEDKV_CUDA_DEBUG=1: every kernel launch checked)"
 PAGEDKV_CUDA_DEBUG=1 timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 \
@@ -79,6 +80,73 @@ timeout 40 python3 bench/kv_quant.py --gpu --out "$OUT_DIR/kv_quant_gpu.json" 2>
 echo "== page DMA (bench/swap.py --dma-only)"
 timeout 40 python3 bench/swap.py --dma-only --out "$OUT_DIR/swap.json" 2>&1 | tee "$OUT_DIR/dma.txt"
 dma_rc=${PIPESTATUS[0]}
+
+echo "== decode step time with vs without CUDA graphs, random 1B Llama fp16, batch 1/8/64 at 512 tokens of context"
+timeout 150 python3 - "$OUT_DIR/cuda_graphs.json" cuda <<'PY' 2>&1 | tee "$OUT_DIR/cuda_graphs.txt"
+import json, statistics, sys, time
+import torch
+from executor_svc.attention import BACKENDS
+from executor_svc.cuda_graphs import DecodeGraphs, eager_capture
+from executor_svc.kv_quant import parse_kv_dtype
+from executor_svc.model import load_model
+from executor_svc.model_config import ModelConfig
+from executor_svc.pages import DevicePagePool
+from executor_svc.runner import ModelRunner
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+out_path, device = sys.argv[1], torch.device(sys.argv[2] if len(sys.argv) > 2 else "cuda")
+if device.type == "cuda":
+    sys.path.insert(0, "bench")
+    from e2e_vs_hf import random_model_dir
+    model_dir, dtype, capture = random_model_dir("1b"), torch.float16, None
+else:  # a dry run of this script on the CPU: tiny-llama, graphs replayed eagerly
+    from pagedkv.models import resolve_model
+    model_dir, dtype, capture = resolve_model("tiny-llama"), torch.float32, eager_capture
+CTX, STEPS, BS, BATCHES = 512, 20, 16, (1, 8, 64)
+cfg = ModelConfig.from_dir(model_dir)
+model = load_model(cfg, device, dtype)
+pages_per = -(-(CTX + STEPS + 2) // BS)
+backends = ["torch"]
+if device.type == "cuda":
+    from kernels_cuda.loader import cupy_import_error
+    if cupy_import_error() is None:
+        backends.append("cuda")
+
+def step_ms(backend, graphs_on, batch):
+    attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+    n = batch * pages_per
+    pool = DevicePagePool(cfg, n + 1, BS, dtype, device, parse_kv_dtype("auto", dtype))
+    pool.copier = attention.copy_pages
+    graphs = DecodeGraphs(model, pool, attention, device, 64, n, capture) if graphs_on else None
+    runner = ModelRunner(model, pool, attention, device, graphs=graphs)
+    g = torch.Generator().manual_seed(0)
+    rids = [f"r{i}" for i in range(batch)]
+    for c in range(0, batch, 8):
+        plan = pb.StepPlan(step_id=0)
+        for i in range(c, min(batch, c + 8)):
+            plan.new_requests.add(request_id=rids[i], token_ids=torch.randint(3, 250, (CTX,), generator=g).tolist(),
+                                  num_scheduled_tokens=CTX, page_ids=range(i * pages_per, (i + 1) * pages_per),
+                                  sampling=pb.SamplingParams())
+        assert not runner.step(plan).error
+    times = []
+    for s in range(STEPS):
+        t0 = time.perf_counter()
+        r = runner.step(pb.StepPlan(step_id=s + 1, decodes=rids))  # sampling reads the tokens: synchronised
+        times.append((time.perf_counter() - t0) * 1e3)
+        assert not r.error, r.error
+    return statistics.median(times[3:])  # the first steps capture
+
+rows = []
+for backend in backends:
+    for batch in BATCHES:
+        eager, graph = step_ms(backend, False, batch), step_ms(backend, True, batch)
+        rows.append(dict(backend=backend, batch=batch, context=CTX, eager_ms=eager, graph_ms=graph,
+                         speedup=eager / graph))
+        print(f"{backend:6s} batch {batch:3d} ctx {CTX}: decode step {eager:.2f} ms eager, {graph:.2f} ms graphs "
+              f"({eager / graph:.2f}x)", flush=True)
+json.dump(dict(model=str(model_dir), dtype=str(dtype), rows=rows), open(out_path, "w"), indent=1)
+PY
+graphs_rc=${PIPESTATUS[0]}
 
 left=$(( 450 - (SECONDS - start) ))
 if [ "$services" = 1 ] && [ "$left" -gt 60 ]; then
@@ -136,10 +204,16 @@ try:
 except Exception as err:  # noqa: BLE001
     print(f"{'page DMA':22s} no result ({err})")
 try:
+    for r in json.loads((out / "cuda_graphs.json").read_text())["rows"]:
+        print(f"{'decode step b' + str(r['batch']) + ' ' + r['backend']:22s} {r['eager_ms']:.2f} ms eager, "
+              f"{r['graph_ms']:.2f} ms CUDA graphs ({r['speedup']:.2f}x), 1B fp16, ctx {r['context']}")
+except Exception as err:  # noqa: BLE001
+    print(f"{'CUDA graphs':22s} no result ({err})")
+try:
     e = json.loads((out / "e2e_vs_hf.json").read_text())
     print(f"{'e2e 1B fp16 vs HF':22s} {e['pagedkv']['tokens_per_s']:.0f} vs {e['hf']['tokens_per_s']:.0f} tokens/s = "
           f"{e['ratio_tokens_per_s']:.2f}x (target {e['target_ratio']:g}x)")
 except Exception as err:  # noqa: BLE001
     print(f"{'e2e vs HF':22s} no result ({err})")
 PY
-exit $(( tests_rc || attn_rc || dma_rc || e2e_rc ))
+exit $(( tests_rc || attn_rc || dma_rc || e2e_rc || graphs_rc ))
