@@ -12,7 +12,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from executor_svc import metrics
-from executor_svc.args import BLOCK_SIZES, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
+from executor_svc.args import BLOCK_SIZES, DEFAULT_GRAPH_MAX_BATCH, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
 from executor_svc.attention import BACKENDS, select_backend
 from executor_svc.costs import measure_costs
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
@@ -242,10 +242,17 @@ def _num_host_pages(args, num_device_pages: int, per_page: int, log) -> int:
     return pages
 
 
+def _graph_max_batch(args) -> int:
+    value = getattr(args, "cuda_graph_max_batch", None)
+    value = DEFAULT_GRAPH_MAX_BATCH if value is None else value
+    if value < 1:
+        raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {value}")
+    return value
+
+
 def _graphs_off_reason(args, device: torch.device, model, kv) -> str | None:
     """Why decode steps run eager on this executor (None: CUDA graphs for decode-only steps)."""
-    if getattr(args, "cuda_graph_max_batch", 256) < 1:
-        raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {args.cuda_graph_max_batch}")
+    _graph_max_batch(args)
     if getattr(args, "enforce_eager", False):
         return "--enforce-eager"
     if device.type != "cuda":
@@ -274,7 +281,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
     host_pool = HostPagePool(pool, _num_host_pages(args, num_pages, pool.page_bytes, log))
-    graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, args.cuda_graph_max_batch,
+    graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
                                                  scratch_page=num_pages)
     runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
