@@ -137,7 +137,7 @@ def cuda_capture(forward: Forward, pool_handle=None) -> Forward:
             forward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool_handle):
+    with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode="thread_local"):  # other threads may use CUDA
         out = forward()
 
     def replay() -> torch.Tensor:

@@ -144,3 +144,32 @@ def test_graphs_are_off_where_they_cannot_run(tiny_llama_dir):
     with pytest.raises(ValueError, match="--cuda-graph-max-batch must be >= 1"):
         _graphs_off_reason(argparse.Namespace(enforce_eager=False, cuda_graph_max_batch=0),
                            torch.device("cuda"), model, plain)
+
+
+def test_single_token_prefill_rows_ride_the_graph_without_sampling(tiny_llama_dir):
+    """A step of one-token rows where one is a prompt chunk (not its last token): the graph path computes it,
+    samples only the finished rows, and agrees with eager step by step."""
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    def plans() -> list[pb.StepPlan]:
+        first = pb.StepPlan(step_id=1)
+        first.new_requests.add(request_id="a", token_ids=[3, 9, 4, 7, 5], num_scheduled_tokens=5, page_ids=[0],
+                               sampling=pb.SamplingParams())
+        second = pb.StepPlan(step_id=2, decodes=["a"])
+        second.new_requests.add(request_id="b", token_ids=[8, 6, 2], num_scheduled_tokens=1, page_ids=[1],
+                                sampling=pb.SamplingParams())
+        third = pb.StepPlan(step_id=3, decodes=["a"])
+        third.continuing.add(request_id="b", num_scheduled_tokens=1)
+        fourth = pb.StepPlan(step_id=4, decodes=["a"])
+        fourth.continuing.add(request_id="b", num_scheduled_tokens=1)
+        return [first, second, third, fourth]
+
+    eager = _server(tiny_llama_dir, 8, False).runner
+    graphed = _graph_server(tiny_llama_dir, 8, max_batch=4, captures=[]).runner
+    for plan in plans():
+        want, got = eager.step(plan), graphed.step(plan)
+        assert not want.error and not got.error, (want.error, got.error)
+        assert [(s.request_id, s.token_id) for s in got.sampled] == [(s.request_id, s.token_id) for s in want.sampled]
+        assert got.num_computed_tokens == want.num_computed_tokens
+    assert [s.request_id for s in want.sampled] == ["b", "a"]  # the last step: b's last prompt token finishes it
+    assert set(graphed.graphs.graphs) == {(2, 1)}  # steps 2-4 went through the graph of two rows
