@@ -4,17 +4,29 @@
 The real Scheduler plans each step and the real ModelRunner runs it on the GPU (in one process, as
 tests/inprocess.py does on the CPU). float32 and a random model with a large initializer_range: greedy
 choices are far from ties, so the graph's one decode group per step (the eager path groups by length) cannot
-flip a token. Skipped without CUDA (and, for the cuda backend, CuPy).
+flip a token. Skipped without CUDA or structlog (and, for the cuda backend, CuPy).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from tests.fake_executor import drive, make_request
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if importlib.util.find_spec("structlog") is None:  # the executor's modules log with it
+        return "needs structlog (carry its wheel: see bench/gpu_check.sh)"
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 NUM_PAGES = 1024
 BLOCK_SIZE = 16
 
