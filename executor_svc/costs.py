@@ -43,7 +43,7 @@ def swap_bandwidth(runner, max_pages: int = 64, repeats: int = 3) -> float:
     mover = runner.mover
     if mover is None:
         return 0.0
-    k = min(max_pages, runner.pool.num_pages, mover.host.num_pages)
+    k = min(max_pages, runner.num_pages, mover.host.num_pages)  # (runner.num_pages: no scratch page)
     dev = list(range(k))
     host = list(range(k))[::-1]  # reversed: no runs to merge, one copy per page
     pairs_out, pairs_in = list(zip(dev, host)), list(zip(host, dev))
@@ -60,7 +60,7 @@ def prefill_cost(runner, max_tokens: int = 256, repeats: int = 2) -> float:
     """Seconds per token of a prefill chunk (one step over a random prompt)."""
     cfg = runner.model.cfg
     bs = runner.block_size
-    n = max(2, min(max_tokens, runner.pool.num_pages * bs, cfg.max_position_embeddings - 1))
+    n = max(2, min(max_tokens, runner.num_pages * bs, cfg.max_position_embeddings - 1))
     rng = random.Random(0)
     tokens = [rng.randrange(cfg.vocab_size) for _ in range(n)]
     counter = iter(range(1 << 30))
