@@ -10,12 +10,15 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     keys = ["sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"]
     revoked_keys = []               # refused with "revoked", not "unknown"
     weight = 2.0                    # fair-share weight
-    page_quota = 0.5                # most device pages held at once: a fraction of the pool or a count
+    page_quota = 0.5                # most device pages held at once: a fraction of all pools or a count
     reserved_pages = 64             # pages kept free for this tenant (a fraction or a count)
     max_concurrent_requests = 128   # 0: no limit
     sliding_window = 0              # attend to the sink plus the last N tokens (0: off)
     sink_tokens = 16
     admin = false                   # true: ModelInfo shows this key the whole cluster (see below)
+
+Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of every
+executor's device pages together, and a tenant capped at 4 concurrent requests runs 4 in total, not 4 on each.
 
 Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
 constant time. Clients send ``authorization: Bearer <key>``. Without a tenants file the server is
