@@ -26,7 +26,7 @@ import torch
 
 from executor_svc.attention.cuda_backend import CudaPagedAttention
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
-from executor_svc.attention.torch_backend import TorchPagedAttention
+from executor_svc.attention.torch_backend import TorchPagedAttention, gather_pages
 from executor_svc.pages import DevicePagePool
 
 TOL = {torch.float16: (1e-2, 2e-3), torch.bfloat16: (1e-2, 4e-3), torch.float32: (2e-5, 2e-6)}
@@ -262,8 +262,8 @@ def gather_q8_matches_reference(env: Env, kv_dtype: str, dtype: torch.dtype, hea
     ctx = 35
     k, v = env.attention(4, kv_heads, head_dim, 1.0).gather_q8(kc, vc, page_ids, ctx, dtype)
     env.sync()
-    want_k = ref._gather(kc, page_ids.view(1, -1), dtype)[:, :, :ctx]
-    want_v = ref._gather(vc, page_ids.view(1, -1), dtype)[:, :, :ctx]
+    want_k = gather_pages(kc, page_ids.view(1, -1), dtype)[:, :, :ctx]
+    want_v = gather_pages(vc, page_ids.view(1, -1), dtype)[:, :, :ctx]
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 

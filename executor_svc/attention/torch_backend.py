@@ -28,6 +28,46 @@ from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, Pref
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
+
+
+def gather_pages(cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Pages [B, n] of one layer's K or V -> [B, kv_heads, n * block_size, head_dim]: one copy (dequantized
+    from an 8-bit pool), then a strided view."""
+    batch = page_ids.shape[0]
+    if isinstance(cache, QUANTIZED):
+        pages = cache.gather(page_ids.reshape(-1), dtype)
+    else:
+        pages = cache.index_select(0, page_ids.reshape(-1)).to(dtype)  # [B * n, bs, H, D] (no-op cast
+        # unless --kv-cache-dtype is a float type other than the model's)
+    return pages.view(batch, -1, pages.shape[-2], pages.shape[-1]).transpose(1, 2)
+
+
+def decode_visible(group: DecodeGroup, window: int | None, length: int, device: torch.device) -> torch.Tensor:
+    """[B, length] bool: the positions each decode of the group sees (its context, within the model's window and
+    its own sink + window)."""
+    batch = group.ctx_lens.numel()
+    pos = torch.arange(length, device=device).view(1, -1)
+    ctx = group.ctx_lens.view(batch, 1)
+    visible = pos < ctx
+    if window:
+        visible &= pos > ctx - 1 - window
+    if group.windows is not None:
+        w = group.windows.view(batch, 1)
+        visible &= (w == 0) | (pos < group.sinks.view(batch, 1)) | (pos > ctx - 1 - w)
+    return visible
+
+
+def prefill_visible(seg: PrefillSegment, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx_len] bool: causal, within the model's window and the request's sink + window."""
+    q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=device).view(-1, 1)
+    k_pos = torch.arange(seg.ctx_len, device=device).view(1, -1)
+    visible = k_pos <= q_pos
+    if window:
+        visible &= k_pos > q_pos - window
+    if seg.window:
+        visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
+    return visible
 _NONE = torch.empty(0, dtype=torch.long)  # "no per-request windows" / "query i reads table row i"
 
 
@@ -99,17 +139,6 @@ class TorchPagedAttention:
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
-    def _gather(self, cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-        """Pages [B, n] -> [B, kv_heads, n * block_size, head_dim]: one copy, then a strided view."""
-        batch, n = page_ids.shape
-        if isinstance(cache, QUANTIZED):
-            pages = cache.gather(page_ids.reshape(-1), dtype)
-        else:
-            pages = cache.index_select(0, page_ids.reshape(-1)).to(dtype)  # [B * n, bs, H, D] (no-op cast
-            # unless --kv-cache-dtype is a float type other than the model's)
-        return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool = False) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
@@ -120,18 +149,10 @@ class TorchPagedAttention:
         window: int | None,
     ) -> torch.Tensor:
         batch = q.shape[0]
-        k = self._gather(k_cache, group.page_tables, q.dtype)  # [B, H, L, D]
-        v = self._gather(v_cache, group.page_tables, q.dtype)
+        k = gather_pages(k_cache, group.page_tables, q.dtype)  # [B, H, L, D]
+        v = gather_pages(v_cache, group.page_tables, q.dtype)
         if group.mask is None:  # the same for every layer of the step
-            pos = torch.arange(k.shape[-2], device=q.device).view(1, -1)
-            ctx = group.ctx_lens.view(batch, 1)
-            visible = pos < ctx
-            if window:
-                visible &= pos > ctx - 1 - window
-            if group.windows is not None:
-                w = group.windows.view(batch, 1)
-                visible &= (w == 0) | (pos < group.sinks.view(batch, 1)) | (pos > ctx - 1 - w)
-            group.mask = visible.view(batch, 1, 1, -1)
+            group.mask = decode_visible(group, window, k.shape[-2], q.device).view(batch, 1, 1, -1)
         # NOTE: the query heads of one KV head go in as rows of that head (q_len = group size) rather than
         # through enable_gqa with q_len = 1: the same arithmetic, ~40% faster in the CPU kernel.
         qg = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
@@ -142,8 +163,8 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
         window: int | None,
     ) -> torch.Tensor:
-        k = self._gather(k_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]  # [1, H, ctx, D]
-        v = self._gather(v_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
+        k = gather_pages(k_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]  # [1, H, ctx, D]
+        v = gather_pages(v_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
         return self.prefill_attend(q, k, v, seg, window)
 
     def prefill_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment,
@@ -154,12 +175,5 @@ class TorchPagedAttention:
         if seg.ctx_len == seg.q_len and not window and not seg.window:
             out = self._attend(qh, k, v, None, causal=True)
         else:
-            q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=q.device).view(-1, 1)
-            k_pos = torch.arange(seg.ctx_len, device=q.device).view(1, -1)
-            visible = k_pos <= q_pos
-            if window:
-                visible &= k_pos > q_pos - window
-            if seg.window:
-                visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
-            out = self._attend(qh, k, v, visible)
+            out = self._attend(qh, k, v, prefill_visible(seg, window, q.device))
         return out[0].transpose(0, 1)

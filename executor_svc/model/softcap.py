@@ -12,14 +12,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata
-
-
-def _gather(cache, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Pages [B, n] of one layer's K or V -> [B, kv_heads, n * block_size, head_dim]."""
-    batch = page_ids.shape[0]
-    flat = page_ids.reshape(-1)
-    pages = cache.index_select(0, flat).to(dtype) if isinstance(cache, torch.Tensor) else cache.gather(flat, dtype)
-    return pages.reshape(batch, -1, pages.shape[-2], pages.shape[-1]).transpose(1, 2)
+from executor_svc.attention.torch_backend import decode_visible, gather_pages, prefill_visible
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
@@ -43,28 +36,15 @@ def softcapped_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetad
         batch = g.token_idx.numel()
         if not batch:
             continue
-        k = _gather(k_cache, g.page_tables, q.dtype)
-        v = _gather(v_cache, g.page_tables, q.dtype)
-        pos = torch.arange(k.shape[-2], device=q.device).view(1, -1)
-        ctx = g.ctx_lens.view(batch, 1)
-        visible = pos < ctx
-        if window:
-            visible &= pos > ctx - 1 - window
-        if g.windows is not None:
-            w = g.windows.view(batch, 1)
-            visible &= (w == 0) | (pos < g.sinks.view(batch, 1)) | (pos > ctx - 1 - w)
+        k = gather_pages(k_cache, g.page_tables, q.dtype)
+        v = gather_pages(v_cache, g.page_tables, q.dtype)
+        visible = decode_visible(g, window, k.shape[-2], q.device)
         qg = q[g.token_idx].view(batch, num_kv_heads, group, 1, dim)
         out[g.token_idx] = _attend(qg, k, v, visible.view(batch, 1, 1, 1, -1), scale, cap).reshape(batch, heads, dim)
     for seg in meta.prefills:
-        k = _gather(k_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
-        v = _gather(v_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
-        q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=q.device).view(-1, 1)
-        k_pos = torch.arange(seg.ctx_len, device=q.device).view(1, -1)
-        visible = k_pos <= q_pos
-        if window:
-            visible &= k_pos > q_pos - window
-        if seg.window:
-            visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
+        k = gather_pages(k_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
+        v = gather_pages(v_cache, seg.page_ids.view(1, -1), q.dtype)[:, :, : seg.ctx_len]
+        visible = prefill_visible(seg, window, q.device)
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         qs = q[rows].view(seg.q_len, num_kv_heads, group, dim).permute(1, 2, 0, 3).unsqueeze(0)
         o = _attend(qs, k, v, visible.view(1, 1, 1, seg.q_len, -1), scale, cap)  # [1, kv_heads, G, q_len, D]
