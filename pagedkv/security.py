@@ -173,7 +173,7 @@ def warn_if_exposed(log, role: str, host: str, port: int, tls: bool) -> None:
     if tls or is_loopback(host):
         return
     log.warning("insecure_listener", role=role, address=f"{host}:{port}",
-                risk="plaintext gRPC beyond loopback: what crosses this port (API keys, the executor secret, "
+                risk="plaintext beyond loopback: what crosses this port (API keys, the executor secret, "
                 "prompts, outputs) can be read and altered on the network",
                 hint="give --tls-cert/--tls-key (pagedkv gen-certs makes a CA and a server certificate), or listen "
                 "on 127.0.0.1 for development")
