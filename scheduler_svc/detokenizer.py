@@ -3,11 +3,87 @@
 Text is emitted only once it is final: never half of a multi-byte character (a decode that ends
 in U+FFFD waits for the next token) and never the first characters of what may turn out to be a
 stop string (the last ``max(len(stop)) - 1`` characters are held back until they can't be).
+
+The rule (vLLM's): keep two offsets into the token ids. ``ids[prefix_offset:read_offset]`` is the
+window of the text last emitted, ``ids[read_offset:]`` the tokens not emitted yet. On each token,
+decode the window with and without them; what the longer decode adds is new text, unless it ends
+in U+FFFD (an unfinished character) or adds nothing. Each step decodes a few tokens, never the
+whole output.
+
+Cost per token (the scheduler runs this for every running request every step): two decodes through
+the tokenizer's Python binding. For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, the built-in
+tiny-llama) most tokens skip them: a byte-level decode is the UTF-8 decode of the tokens' bytes
+joined, so a token whose bytes are whole characters on their own appends exactly its own text --
+what ``decode([token])`` gives, looked up once per token id (``_Pieces``). That holds whenever
+nothing is pending (``ids[read_offset:]`` is empty or only special tokens, which decode skips):
+the window's text then never ends in an unfinished character (it was emitted), and if its bytes
+ended in a broken one, a whole character after it leaves that break as one U+FFFD either way. A
+byte token, a token that decodes to U+FFFD, an added or unknown token, or any token while
+something is pending takes the two decodes, as does every token of any other kind of tokenizer
+(sentencepiece decoders strip and merge by context). tests/test_detokenizer.py checks the streamed
+text against the two-decode rule on random token sequences.
+
+The final text is kept as ``_head`` (chunks already streamed that no stop search can reach) and
+``_win`` (the rest), so appending and stop checks cost what the new text costs, not the output's
+length.
 """
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
+
 PROMPT_CONTEXT_TOKENS = 5  # a few prompt tokens before the output, for tokenizers whose spacing depends on them
+COMPACT_CHARS = 256  # _win longer than this moves its streamed part into _head (at take)
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its _Pieces (or None)
+
+
+class _Pieces(dict):
+    """token id -> the text appending it appends when nothing is pending (a byte-level tokenizer), filled on
+    first use: ``""`` for a special token (decode skips it), None where only a real decode knows (a token that
+    is not whole characters alone, an added or unknown token)."""
+
+    def __init__(self, backend) -> None:
+        super().__init__()
+        self.backend = backend
+        added = backend.get_added_tokens_decoder()
+        self.special = {i for i, t in added.items() if t.special}
+        self.added = set(added)
+
+    def __missing__(self, token):
+        piece = None
+        if token in self.special:
+            piece = ""
+        elif token not in self.added:
+            try:
+                if self.backend.id_to_token(token) is not None:
+                    piece = self.backend.decode([token], skip_special_tokens=True)
+            except (OverflowError, TypeError, ValueError):
+                pass
+            if not piece or "\ufffd" in piece:
+                piece = None
+        self[token] = piece
+        return piece
+
+
+def _pieces_for(tokenizer, backend) -> _Pieces | None:
+    """The piece table of a byte-level fast tokenizer (shared by its detokenizers), else None."""
+    if backend is None:
+        return None
+    try:
+        from tokenizers import decoders
+    except ImportError:
+        return None
+    try:
+        return _TABLES[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: a table of its own
+        return _Pieces(backend) if isinstance(backend.decoder, decoders.ByteLevel) else None
+    table = _Pieces(backend) if isinstance(backend.decoder, decoders.ByteLevel) else None
+    _TABLES[tokenizer] = table
+    return table
 
 
 class IncrementalDetokenizer:
@@ -21,46 +97,80 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""  # all final output text so far
-        self.emitted = 0  # characters of self.text already streamed
+        # the final output text so far is "".join(_head) + _win; _win starts at character _base
+        self._head: list[str] = []
+        self._win = ""
+        self._base = 0
+        self.emitted = 0  # characters of the text already streamed
         self.stopped_by: str | None = None
+        self._stop_at = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip HF's wrapper
+        if backend is not None:
+            self._decode = partial(backend.decode, skip_special_tokens=True)
+        else:
+            self._decode = partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self._pieces = _pieces_for(tokenizer, backend)
+        self._quiet = True  # ids[read_offset:] decodes to nothing (empty, or special tokens only)
 
     def fresh(self) -> IncrementalDetokenizer:
         """A new detokenizer for the same prompt and stop strings (for a fork)."""
         return IncrementalDetokenizer(self.tokenizer, self._prompt_context, self.stop, self.include_stop)
 
-    def _decode(self, ids: list[int]) -> str:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip HF's wrapper
-        if backend is not None:
-            return backend.decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    @property
+    def text(self) -> str:
+        """All final output text so far."""
+        return "".join(self._head) + self._win if self._head else self._win
 
     def add(self, token_id: int, emit_text: bool = True) -> None:
         """Appends one token; sets ``stopped_by`` when a stop string completes."""
-        self.ids.append(token_id)
+        ids = self.ids
+        ids.append(token_id)
+        if self._quiet and self._pieces is not None:
+            piece = self._pieces[token_id]
+            if piece == "":  # a special token: pending, and still nothing to decode
+                return
+            if piece is not None and emit_text:  # what the two decodes would add (see the module doc)
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                self._prefix_text = piece
+                if self.stop:
+                    self._append(piece)
+                else:
+                    self._win += piece
+                return
         if not emit_text:
+            self._quiet = False
             return
         prefix = self._prefix_text
         if prefix is None:  # NOTE: the same ids decode the same way: once per move of the offsets, not per token
-            prefix = self._prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+            prefix = self._prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+        full = self._decode(ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            self._quiet = False
             return
         new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self._prefix_text = None
+        self._quiet = True
         self._append(new)
 
     def _append(self, new: str) -> None:
-        start = max(0, len(self.text) - self.hold)
-        self.text += new
+        hold = self.hold
+        if self._base and len(self._win) < hold:  # (only after a stop string cut the text) search it all
+            self._unsplit()
+        win, base = self._win, self._base
+        start = max(0, len(win) - hold)
+        win += new
         for s in self.stop:
-            at = self.text.find(s, start)
-            if at >= 0 and (self.stopped_by is None or at < self._stop_at):
-                self.stopped_by, self._stop_at = s, at
+            at = win.find(s, start)
+            if at >= 0 and (self.stopped_by is None or base + at < self._stop_at):
+                self.stopped_by, self._stop_at = s, base + at
         if self.stopped_by is not None:
             end = self._stop_at + (len(self.stopped_by) if self.include_stop else 0)
-            self.text = self.text[:end]
+            win = win[:end - base]
+        self._win = win
+
+    def _unsplit(self) -> None:
+        self._win, self._head, self._base = self.text, [], 0
 
     def flush(self) -> None:
         """At the end of a request: whatever is still pending becomes final (even a broken character)."""
@@ -69,13 +179,23 @@ class IncrementalDetokenizer:
             full = self._decode(self.ids[self.prefix_offset:])
             self.prefix_offset = self.read_offset = len(self.ids)
             self._prefix_text = None
+            self._quiet = True
             if len(full) > len(prefix):
                 self._append(full[len(prefix):])
 
     def take(self, final: bool) -> str:
         """The text that became safe to stream since the last call."""
-        end = len(self.text) if final or self.stopped_by is not None else max(self.emitted,
-                                                                                len(self.text) - self.hold)
-        out = self.text[self.emitted:end]
+        win, base, emitted = self._win, self._base, self.emitted
+        if emitted < base:  # (only after a stop string cut the text below what was streamed)
+            self._unsplit()
+            win, base = self._win, 0
+        length = base + len(win)
+        end = length if final or self.stopped_by is not None else max(emitted, length - self.hold)
+        out = win[emitted - base:end - base]
         self.emitted = end
+        if len(win) > COMPACT_CHARS:  # move what no take or stop search reaches again into _head
+            cut = min(end, length - self.hold) - base
+            if cut > 0:
+                self._head.append(win[:cut])
+                self._win, self._base = win[cut:], base + cut
         return out

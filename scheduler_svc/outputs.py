@@ -29,15 +29,17 @@ class OutputProcessor:
 
     def on_token(self, req: Request, token: int) -> TokenOutcome | None:
         """Appends token to req's output and text; why it ends req (None: it goes on)."""
-        req.output_ids.append(token)
+        output_ids = req.output_ids
+        output_ids.append(token)
         s = req.sampling
-        stop_token = token in s.stop_token_ids or (not s.ignore_eos and token in self.eos)
-        req.detokenizer.add(token, emit_text=not stop_token)
-        if stop_token:
+        detokenizer = req.detokenizer
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos):
+            detokenizer.add(token, emit_text=False)
             return TokenOutcome(Finish.STOP, str(token))
-        if req.detokenizer.stopped_by is not None:
-            return TokenOutcome(Finish.STOP, req.detokenizer.stopped_by)
-        if len(req.output_ids) >= s.max_tokens or req.num_tokens >= req.max_len:
+        detokenizer.add(token)
+        if detokenizer.stopped_by is not None:
+            return TokenOutcome(Finish.STOP, detokenizer.stopped_by)
+        if len(output_ids) >= s.max_tokens or req.num_tokens >= req.max_len:
             return TokenOutcome(Finish.LENGTH)
         if (req.page_budget and req.overflow == "stop"
                 and pages_for(req.num_tokens, self.block_size) > req.page_budget):
