@@ -127,15 +127,15 @@ class IncrementalDetokenizer:
         ids.append(token_id)
         if self._quiet and self._pieces is not None:
             piece = self._pieces[token_id]
-            if piece == "":  # a special token: pending, and still nothing to decode
-                return
-            if piece is not None and emit_text:  # what the two decodes would add (see the module doc)
+            if piece and emit_text:  # what the two decodes would add (see the module doc)
                 self.prefix_offset, self.read_offset = self.read_offset, len(ids)
                 self._prefix_text = piece
                 if self.stop:
                     self._append(piece)
                 else:
                     self._win += piece
+                return
+            if piece == "":  # a special token: pending, and still nothing to decode
                 return
         if not emit_text:
             self._quiet = False
@@ -185,17 +185,22 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool) -> str:
         """The text that became safe to stream since the last call."""
-        win, base, emitted = self._win, self._base, self.emitted
-        if emitted < base:  # (only after a stop string cut the text below what was streamed)
+        win = self._win
+        start = self.emitted - self._base  # (positions in _win from here on)
+        if start < 0:  # (only after a stop string cut the text below what was streamed)
             self._unsplit()
-            win, base = self._win, 0
-        length = base + len(win)
-        end = length if final or self.stopped_by is not None else max(emitted, length - self.hold)
-        out = win[emitted - base:end - base]
-        self.emitted = end
-        if len(win) > COMPACT_CHARS:  # move what no take or stop search reaches again into _head
-            cut = min(end, length - self.hold) - base
+            win, start = self._win, self.emitted
+        end = len(win)
+        if self.hold and not final and self.stopped_by is None:
+            end -= self.hold
+            if end < start:
+                end = start
+        out = win[start:end]
+        self.emitted = self._base + end
+        if end > COMPACT_CHARS:  # move what no take or stop search reaches again into _head
+            cut = min(end, len(win) - self.hold)
             if cut > 0:
                 self._head.append(win[:cut])
-                self._win, self._base = win[cut:], base + cut
+                self._win = win[cut:]
+                self._base += cut
         return out
