@@ -11,17 +11,27 @@ in U+FFFD (an unfinished character) or adds nothing. Each step decodes a few tok
 whole output.
 
 Cost per token (the scheduler runs this for every running request every step): two decodes through
-the tokenizer's Python binding. For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, the built-in
-tiny-llama) most tokens skip them: a byte-level decode is the UTF-8 decode of the tokens' bytes
-joined, so a token whose bytes are whole characters on their own appends exactly its own text --
-what ``decode([token])`` gives, looked up once per token id (``_Pieces``). That holds whenever
-nothing is pending (``ids[read_offset:]`` is empty or only special tokens, which decode skips):
-the window's text then never ends in an unfinished character (it was emitted), and if its bytes
-ended in a broken one, a whole character after it leaves that break as one U+FFFD either way. A
-byte token, a token that decodes to U+FFFD, an added or unknown token, or any token while
-something is pending takes the two decodes, as does every token of any other kind of tokenizer
-(sentencepiece decoders strip and merge by context). tests/test_detokenizer.py checks the streamed
-text against the two-decode rule on random token sequences.
+the tokenizer's Python binding. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, the built-in
+tiny-llama) mostly skip them. Their decode is the UTF-8 decode (bad bytes as U+FFFD) of the tokens'
+bytes joined, special tokens skipped, and UTF-8 starts afresh after each whole character, so when the
+window's bytes end with a whole character -- always once text was emitted, as emitted text does not
+end in U+FFFD -- the longer decode is the window's text followed by what the pending tokens decode to
+alone:
+
+- nothing pending but special tokens, and a token whose bytes are whole characters alone: what is
+  added is that token's own text, ``decode([token])``, looked up once per token id (``_Pieces``)
+  (this holds whatever the window ends with: broken bytes before a whole character are one U+FFFD
+  with or without it);
+- otherwise (a character split over byte tokens, a token that decodes to U+FFFD, an added token):
+  the pending tokens' own decode, remembered per short run of ids (``_Pieces.run``: the bytes of one
+  character, mostly), one decode the first time a run is seen.
+
+Before anything was emitted the window is the prompt's last tokens, which may end mid-character: the
+window is decoded once to find out, and the two decodes run until text is emitted. Any other kind of
+tokenizer (sentencepiece decoders strip and merge by context) always takes the two decodes.
+tests/test_detokenizer.py checks the streamed text against the two-decode rule on random token
+sequences. (``decode_batch`` over a step's requests was measured slower than one decode per request
+for windows this short, so decodes are not batched.)
 
 The final text is kept as ``_head`` (chunks already streamed that no stop search can reach) and
 ``_win`` (the rest), so appending and stop checks cost what the new text costs, not the output's
@@ -35,6 +45,7 @@ from functools import partial
 
 PROMPT_CONTEXT_TOKENS = 5  # a few prompt tokens before the output, for tokenizers whose spacing depends on them
 COMPACT_CHARS = 256  # _win longer than this moves its streamed part into _head (at take)
+MAX_RUN, MAX_RUNS = 8, 1 << 16  # _Pieces.run remembers runs of at most MAX_RUN tokens, MAX_RUNS of them
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its _Pieces (or None)
 
@@ -50,6 +61,7 @@ class _Pieces(dict):
         added = backend.get_added_tokens_decoder()
         self.special = {i for i, t in added.items() if t.special}
         self.added = set(added)
+        self.runs: dict[tuple[int, ...], str] = {}
 
     def __missing__(self, token):
         piece = None
@@ -65,6 +77,18 @@ class _Pieces(dict):
                 piece = None
         self[token] = piece
         return piece
+
+    def run(self, ids: list[int]) -> str:
+        """What ``ids`` decode to, remembered for short runs (the bytes of one character, mostly)."""
+        if len(ids) > MAX_RUN:
+            return self.backend.decode(ids, skip_special_tokens=True)
+        key = tuple(ids)
+        text = self.runs.get(key)
+        if text is None:
+            text = self.backend.decode(ids, skip_special_tokens=True)
+            if len(self.runs) < MAX_RUNS:
+                self.runs[key] = text
+        return text
 
 
 def _pieces_for(tokenizer, backend) -> _Pieces | None:
@@ -111,6 +135,7 @@ class IncrementalDetokenizer:
             self._decode = partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self._pieces = _pieces_for(tokenizer, backend)
         self._quiet = True  # ids[read_offset:] decodes to nothing (empty, or special tokens only)
+        self._clean: bool | None = None  # the window's bytes end with a whole character (None: not known yet)
 
     def fresh(self) -> IncrementalDetokenizer:
         """A new detokenizer for the same prompt and stop strings (for a fork)."""
@@ -140,9 +165,20 @@ class IncrementalDetokenizer:
         if not emit_text:
             self._quiet = False
             return
-        prefix = self._prefix_text
-        if prefix is None:  # NOTE: the same ids decode the same way: once per move of the offsets, not per token
-            prefix = self._prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+        if self._pieces is not None:
+            if self._clean is None:
+                self._clean = not self._window_text().endswith("\ufffd")
+            if self._clean:  # the text adds what the pending tokens decode to alone (see the module doc)
+                new = self._pieces.run(ids[self.read_offset:])
+                if not new or new.endswith("\ufffd"):
+                    self._quiet = False
+                    return
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                self._prefix_text = new
+                self._quiet = True
+                self._append(new)
+                return
+        prefix = self._window_text()
         full = self._decode(ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             self._quiet = False
@@ -150,8 +186,15 @@ class IncrementalDetokenizer:
         new = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self._prefix_text = None
-        self._quiet = True
+        self._quiet = self._clean = True
         self._append(new)
+
+    def _window_text(self) -> str:
+        """The decode of ids[prefix_offset:read_offset]."""
+        prefix = self._prefix_text
+        if prefix is None:  # NOTE: the same ids decode the same way: once per move of the offsets, not per token
+            prefix = self._prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        return prefix
 
     def _append(self, new: str) -> None:
         hold = self.hold
@@ -179,7 +222,7 @@ class IncrementalDetokenizer:
             full = self._decode(self.ids[self.prefix_offset:])
             self.prefix_offset = self.read_offset = len(self.ids)
             self._prefix_text = None
-            self._quiet = True
+            self._quiet = self._clean = True  # (an empty window)
             if len(full) > len(prefix):
                 self._append(full[len(prefix):])
 

@@ -199,8 +199,11 @@ def run_both(tok, prompt, tokens, stop, include, stop_ids, takes, keep_going, fl
     for i, t in enumerate(tokens):
         for d, out in zip((new, ref), streams):
             d.add(t, emit_text=t not in stop_ids)
-            if takes[i % len(takes)]:
-                out.append(d.take(final=takes[i % len(takes)] == 2))
+            take = takes[i % len(takes)]
+            if take == 3:  # (a flush before the end: nothing does that, but the two must agree on it too)
+                d.flush()
+            if take:
+                out.append(d.take(final=take == 2))
         assert new.stopped_by == ref.stopped_by
         if not keep_going and (t in stop_ids or new.stopped_by):
             break
@@ -225,7 +228,7 @@ def _case(draw, tok):
         stop=draw(st.lists(st.text(chars, max_size=4), max_size=3)),
         include=draw(st.booleans()),
         stop_ids=set(draw(st.lists(ids, max_size=2))),
-        takes=draw(st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=1, max_size=4)),
+        takes=draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=1, max_size=4)),
         keep_going=draw(st.booleans()),
         flush=draw(st.booleans()),
     )
@@ -273,3 +276,17 @@ def test_long_outputs_keep_a_short_window(tokenizers):
     pieces.append(d.take(final=True))
     assert "".join(pieces) == d.text == "the quick brown fox jumps over the lazy dog. " * 40
     assert len(d._win) <= 2 * COMPACT_CHARS
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "byte-level-bpe"])
+def test_a_flush_in_the_middle_of_a_character(tokenizers, name):
+    """After a flush streams half a character as U+FFFD, the rest of it decodes as the two decodes decode it."""
+    tok = tokenizers[name]
+    lead, *rest = tok.backend_tokenizer.encode("你", add_special_tokens=False).ids if name == "tiny-llama" else [
+        3 + 0xE4, 3 + 0xBD, 3 + 0xA0]
+    calls = [("add", lead), ("flush", None), *[("add", t) for t in rest], ("add", 3 + ord("A")), ("flush", None)]
+    new, ref = IncrementalDetokenizer(tok, [1], [], False), ReferenceDetokenizer(tok, [1], [], False)
+    for d in (new, ref):
+        for op, t in calls:
+            d.add(t) if op == "add" else d.flush()
+    assert new.text == ref.text and new.take(final=True) == ref.take(final=True)
