@@ -104,8 +104,8 @@ def _pieces_for(tokenizer, backend) -> _Pieces | None:
     except KeyError:
         pass
     except TypeError:  # not weakly referenceable: a table of its own
-        return _Pieces(backend) if isinstance(backend.decoder, decoders.ByteLevel) else None
-    table = _Pieces(backend) if isinstance(backend.decoder, decoders.ByteLevel) else None
+        return _Pieces(backend) if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) else None
+    table = _Pieces(backend) if isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) else None
     _TABLES[tokenizer] = table
     return table
 
