@@ -35,7 +35,7 @@ for windows this short, so decodes are not batched.)
 
 The final text is kept as ``_head`` (chunks already streamed that no stop search can reach) and
 ``_win`` (the rest), so appending and stop checks cost what the new text costs, not the output's
-length.
+length; the ids before the window are dropped from ``ids`` now and then (at take).
 """
 
 from __future__ import annotations
@@ -246,4 +246,8 @@ class IncrementalDetokenizer:
                 self._head.append(win[:cut])
                 self._win = win[cut:]
                 self._base += cut
+            if self.prefix_offset > COMPACT_CHARS:  # and forget the ids before the window (none decodes them)
+                del self.ids[:self.prefix_offset]
+                self.read_offset -= self.prefix_offset
+                self.prefix_offset = 0
         return out

@@ -275,7 +275,7 @@ def test_long_outputs_keep_a_short_window(tokenizers):
     d.flush()
     pieces.append(d.take(final=True))
     assert "".join(pieces) == d.text == "the quick brown fox jumps over the lazy dog. " * 40
-    assert len(d._win) <= 2 * COMPACT_CHARS
+    assert len(d._win) <= 2 * COMPACT_CHARS and len(d.ids) <= 2 * COMPACT_CHARS
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "byte-level-bpe"])
