@@ -6,6 +6,9 @@ STEP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0
 
 STEP_SECONDS = Histogram("pagedkv_executor_step_seconds", "Executor time of one step, by part "
                          "(page_ops: swap and copy-on-write; forward; sample; total)", ["part"], buckets=STEP_BUCKETS)
+IDLE_SECONDS = Histogram("pagedkv_executor_idle_seconds", "Between two steps while requests are in progress: from the "
+                         "end of one step to the start of the next (sending the result, reading the next plan, and "
+                         "waiting for it). With async scheduling the next plan is already there", buckets=STEP_BUCKETS)
 TOKENS = Counter("pagedkv_executor_tokens_total", "Tokens run through the model")
 STEPS = Counter("pagedkv_executor_steps_total", "Step plans executed, by outcome (ok or rejected)", ["outcome"])
 PAGE_COPIES = Counter("pagedkv_executor_page_copies_total", "Pages copied, by kind (swap_out, swap_in, copy)",

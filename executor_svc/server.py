@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import uuid
 
 import grpc
@@ -84,11 +85,19 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.log.info("scheduler_attached", peer=peer, pages="kept" if kept else "fresh")
             await asyncio.shield(_in_flight(context.send_initial_metadata(
                 ((PAGES_METADATA, "kept" if kept else "fresh"),))))
+            ended = None  # when the last result went out, if requests were left in progress
             while (plan := await self._next_plan(context, drained)) is not None:
+                waited = time.perf_counter() - ended if ended is not None else 0.0
                 result = self._step(plan)
                 if result is None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed on the executor; "
                                         "its request state is reset (see the executor's log)")
+                result.timings.wait_ms = waited * 1e3
+                metrics.IDLE_SECONDS.observe(waited)
+                # The gap to the next step counts from here: writing this result, reading the next plan, and any
+                # wait for it (none with async scheduling, where it is already queued). With no request left the
+                # executor waits for new work, not for the scheduler: not counted.
+                ended = time.perf_counter() if self.runner.requests else None
                 await asyncio.shield(_in_flight(context.write(result)))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

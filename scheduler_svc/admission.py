@@ -69,7 +69,7 @@ def _swap_in(s: Scheduler, req: Request, budget: int, seats: int, scheduled: lis
     seats are short (wait), None when its own tenant's limits hold it back (others may go)."""
     if seats + req.n > s.config.max_num_seqs:
         return 0
-    if s.limits.at_seat_limit(req.tenant, req.n):
+    if s.limits.at_seat_limit(req.tenant, req.n) or req.in_flight:  # (swapped out under a plan in flight)
         return None
     s.drop_outside_window(req)  # host pages outside the window are not worth copying back
     n = s.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
@@ -104,6 +104,9 @@ def _admit_waiting(s: Scheduler, budget: int, scheduled: list[tuple[Request, int
         if seats + req.n > s.config.max_num_seqs:
             blocked = True
             break
+        if req.in_flight:  # preempted under a plan in flight: its sample comes first
+            skip.add(id(req))
+            continue
         tenant = s.limits.get(req.tenant)
         if s.limits.at_seat_limit(req.tenant, req.n, running_by_tenant.get(req.tenant, 0)):
             skip_tenants.add(req.tenant)

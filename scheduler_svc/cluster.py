@@ -73,7 +73,7 @@ class Cluster:
     def __init__(self, reference, make_scheduler: Callable[[object], Scheduler], log, *,
                  step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
                  unplaced_timeout: float = 30.0, link: ExecutorLink | None = None,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, async_scheduling: bool = True) -> None:
         self.reference = reference  # the first executor's DescribeResponse: every other must serve the same
         self._make_scheduler = make_scheduler
         self.ledger = TenantLedger(tenants)  # every executor's scheduler joins it
@@ -81,6 +81,7 @@ class Cluster:
         self.step_timeout = step_timeout
         self.check_every_step = check_every_step
         self.drain_timeout = drain_timeout
+        self.async_scheduling = async_scheduling
         self.unplaced_timeout = unplaced_timeout
         self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
@@ -102,7 +103,8 @@ class Cluster:
         """Adds an engine per new address; drains and drops those no longer listed."""
         for address in sorted(addresses - self.engines.keys()):
             engine = Engine(self._hooks, ExecutorClient(address, self.step_timeout, self.link), self.log,
-                            check_every_step=self.check_every_step, drain_timeout=self.drain_timeout)
+                            check_every_step=self.check_every_step, drain_timeout=self.drain_timeout,
+                            async_scheduling=self.async_scheduling)
             self.engines[address] = engine
             engine.start()
             self.log.info("executor_added", executor=address)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class EngineHooks:
 
 class Engine:
     def __init__(self, hooks: EngineHooks, client: ExecutorClient, log, check_every_step: bool = False,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_timeout: float = 30.0, async_scheduling: bool = True) -> None:
         self.hooks = hooks
         self.client = client
         self.address = client.address
@@ -72,6 +73,10 @@ class Engine:
         self.removed = False  # no longer configured: drain, then stop for good
         self.stopping = False  # stop() was called: the loop ends at its next turn
         self._counted: dict[str, int] = {}
+        # Async scheduling: the next plan is built and sent while the executor runs the last one, so the
+        # executor finds it waiting when it ends a step (plans in flight: at most 2; 1 without).
+        self.depth = 2 if async_scheduling else 1
+        self.in_flight: deque[tuple[int, float, float]] = deque()  # (step id, sent at, planning seconds)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +159,7 @@ class Engine:
             self.client.drop()
             await asyncio.sleep(RECONNECT_POLL)
             return
+        self.in_flight.clear()  # (results of an earlier stream never come)
         self.client.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
         self.state = State.UP
         self.executor_id = describe.executor_id
@@ -192,6 +198,9 @@ class Engine:
                 self._executor_lost("the executor closed its Run stream")
             return
         if self.state is State.DRAINING or self.removed:
+            if self.in_flight:  # nothing moves while a plan computes for it
+                await self._receive()
+                return
             if self._drain_step():
                 return
         t0 = time.perf_counter()
@@ -200,7 +209,9 @@ class Engine:
         deliver(outputs)
         self._count()
         if plan is None:
-            if not s.has_work:
+            if self.in_flight:
+                await self._receive()
+            elif not s.has_work:
                 self.wake.clear()
                 s.check_integrity()  # idle: every page must be accounted for
                 self.hooks.gauges(True)
@@ -209,11 +220,31 @@ class Engine:
             return
         t1 = time.perf_counter()
         try:
-            result = await self.client.step(plan)
+            await self.client.send(plan)
         except ExecutorUnavailable as err:
             self._executor_lost(str(err))
             return
+        self.in_flight.append((plan.step_id, t1, t1 - t0))
+        if len(self.in_flight) >= self.depth:
+            await self._receive()
+
+    async def _receive(self) -> None:
+        """Reads and applies the result of the oldest plan in flight."""
+        step_id, sent_at, plan_s = self.in_flight[0]
+        try:
+            result = await self.client.receive(step_id)
+        except ExecutorUnavailable as err:
+            self._executor_lost(str(err))
+            return
+        self.in_flight.popleft()
+        if result.error and self.in_flight:
+            # The plan after it was built on what this one would have done: both are void. As for a lost
+            # stream, the requests are recomputed (the executor forgets them all when the stream is dropped).
+            self._executor_lost(f"the executor rejected step {step_id} with step {self.in_flight[0][0]} in "
+                                f"flight: {result.error}")
+            return
         t2 = time.perf_counter()
+        s = self.scheduler
         deliver(s.process(result))
         if result.draining and self.state is State.UP:
             self._start_drain("the executor is shutting down")
@@ -221,10 +252,12 @@ class Engine:
             s.check_integrity()
         self.steps += 1
         self.hooks.gauges(False)
-        metrics.STEP_SECONDS.labels("plan").observe(t1 - t0)
-        metrics.STEP_SECONDS.labels("executor").observe(t2 - t1)
+        metrics.STEP_SECONDS.labels("plan").observe(plan_s)
+        metrics.STEP_SECONDS.labels("process").observe(time.perf_counter() - t2)
+        metrics.STEP_SECONDS.labels("executor").observe(t2 - sent_at)
         metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
-        metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - t1 - result.timings.total_ms / 1e3))
+        metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - sent_at - result.timings.total_ms / 1e3))
+        metrics.STEP_SECONDS.labels("executor_idle").observe(result.timings.wait_ms / 1e3)
 
     # ---- leaving: drain or failure ---------------------------------------------------------------
     def _start_drain(self, why: str) -> None:
@@ -263,6 +296,7 @@ class Engine:
         """Nothing is left on a draining executor: close the stream (it exits) and forget its pages."""
         self.scheduler.drained()  # a process that comes back at this address starts empty
         self.client.drop()
+        self.in_flight.clear()
         self.state = State.DOWN
         self.log.info("executor_drained", steps=self.steps)
         self.hooks.gauges(True)
@@ -272,6 +306,7 @@ class Engine:
         the executor went with the stream). Published pages stay findable, but only once the executor is up
         again (nothing is placed here meanwhile): _adopt forgets them if another process answers."""
         self.client.drop()
+        self.in_flight.clear()
         was = self.state
         self.state = State.DOWN
         if self.scheduler is None:
@@ -291,6 +326,7 @@ class Engine:
         """A scheduler bug mid-step: which tokens reached which client is uncertain, so the requests on this
         executor end with the error instead of moving (a move could recompute a token no client saw)."""
         self.client.drop()  # the executor's request state goes with the stream
+        self.in_flight.clear()
         self.state = State.DOWN
         if self.scheduler is not None:
             deliver(self.scheduler.fail_all(error))

@@ -110,23 +110,39 @@ class ExecutorClient:
         return ""
 
     async def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        """Sends a plan and reads its result (one plan in flight)."""
+        await self.send(plan)
+        return await self.receive(plan.step_id)
+
+    async def send(self, plan: pb.StepPlan) -> None:
+        """Writes a plan on the Run stream. With async scheduling the next goes before the last result is read:
+        the executor finds it waiting when it ends a step."""
         if self.call is None:
             raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
         try:
             # NOTE: the write has a deadline too: a hung executor that stops reading blocks it on flow control.
             await asyncio.wait_for(self.call.write(plan), self.step_timeout)
-            result = await asyncio.wait_for(self.call.read(), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             self.drop()
             raise ExecutorUnavailable(f"executor {self.address} failed during step {plan.step_id}: "
                                       f"{type(err).__name__}: {err}") from err
+
+    async def receive(self, step_id: int) -> pb.StepResult:
+        """Reads the result of the oldest plan sent (``step_id``): results come back in order."""
+        if self.call is None:
+            raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
+        try:
+            result = await asyncio.wait_for(self.call.read(), self.step_timeout)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+            self.drop()
+            raise ExecutorUnavailable(f"executor {self.address} failed during step {step_id}: "
+                                      f"{type(err).__name__}: {err}") from err
         if result is grpc.aio.EOF:
             self.drop()
             raise ExecutorUnavailable(f"executor {self.address} closed its Run stream")
-        if result.step_id != plan.step_id:
+        if result.step_id != step_id:
             self.drop()
-            raise ExecutorUnavailable(f"executor {self.address} answered step {result.step_id} "
-                                      f"to plan {plan.step_id}")
+            raise ExecutorUnavailable(f"executor {self.address} answered step {result.step_id} to plan {step_id}")
         return result
 
     def drop(self) -> None:

@@ -14,6 +14,9 @@ same page operations rejected that often means the executor's state cannot be tr
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.kv_manager import PageOps
 from scheduler_svc.request import Request, Status
@@ -25,13 +28,27 @@ class PlanLoopError(RuntimeError):
     """The executor keeps rejecting page operations: its state cannot be trusted any more."""
 
 
+@dataclass(slots=True)
+class InFlight:
+    """One plan sent and not yet answered: its requests (tokens each, whether it samples), its page operations,
+    whether it is a resend of page operations alone."""
+
+    step_id: int
+    scheduled: list[tuple[Request, int, bool]]
+    ops: PageOps
+    resending: bool = False
+
+
 class ExecutorSession:
+    """Plans go out in order and results come back in order. With async scheduling one more plan is sent
+    before the last result is read, so up to two are in flight; planning then counts what those will have
+    done (``Request.num_inflight_tokens`` in ``num_computed``, ``Request.num_pending`` samples) and the
+    result confirms it."""
+
     def __init__(self) -> None:
         self.forget: list[str] = []  # request ids the executor drops with the next plan
-        self.scheduled: list[tuple[Request, int]] = []  # (request, tokens) of the plan in flight
-        self.sent_ops = PageOps()  # page operations of the plan in flight
+        self.in_flight: deque[InFlight] = deque()  # sent, not yet answered (oldest first)
         self.resend_ops: PageOps | None = None  # those of a rejected plan: sent again, alone, first
-        self.resending = False  # the plan in flight is a resend of page operations
         self.ops_failures = 0  # consecutive rejections of such resends
         self.plan_failures = 0  # consecutive rejections of plans
 
@@ -39,60 +56,76 @@ class ExecutorSession:
     def has_work(self) -> bool:
         return bool(self.forget or self.resend_ops)
 
+    @property
+    def resending(self) -> bool:
+        """The oldest plan in flight is a resend of page operations."""
+        return bool(self.in_flight) and self.in_flight[0].resending
+
     # ---- encoding ------------------------------------------------------------------------------
     def encode(self, step_id: int, scheduled: list[tuple[Request, int]], ops: PageOps) -> pb.StepPlan:
+        """The plan on the wire; what it will compute is counted at once (optimistically: the next plan may be
+        built before its result is read)."""
         plan = pb.StepPlan(step_id=step_id, forget=self.forget)
         self.forget = []
-        self.sent_ops = ops
         _add_ops(plan, ops)
-        self.resending = False
         decodes = []
+        entries = []
         for req, n in scheduled:
             if n == 1 and req.num_pages_sent == len(req.page_table) and not req.dropped_pending:
                 decodes.append(req.request_id)
                 req.last_scheduled = step_id
             else:
                 _add_request(plan, req, n)
+            req.num_computed += n
+            req.num_inflight_tokens += n
+            samples = req.n == 1 and req.num_computed == req.num_tokens + req.num_pending
+            if samples:
+                req.num_pending += 1
+            entries.append((req, n, samples))
         plan.decodes.extend(decodes)
-        self.scheduled = scheduled
+        self.in_flight.append(InFlight(step_id, entries, ops))
         return plan
 
     def resend(self, step_id: int) -> pb.StepPlan:
         """The page operations of a rejected plan, alone, before anything planned later."""
         plan = pb.StepPlan(step_id=step_id, forget=self.forget)
         self.forget = []
-        self.sent_ops, self.resend_ops = self.resend_ops, None
-        _add_ops(plan, self.sent_ops)
-        self.resending = True
+        ops, self.resend_ops = self.resend_ops, None
+        _add_ops(plan, ops)
+        self.in_flight.append(InFlight(step_id, [], ops, resending=True))
         return plan
 
     # ---- results -------------------------------------------------------------------------------
-    def accepted(self) -> tuple[list[tuple[Request, int]], PageOps, bool]:
-        """The executor ran the plan in flight: (its requests and tokens, its page operations to confirm,
-        whether it was a resend -- then only page operations ran, its requests are still to go)."""
-        scheduled, self.scheduled = self.scheduled, []
-        ops, self.sent_ops = self.sent_ops, PageOps()
+    def accepted(self) -> InFlight:
+        """The executor ran the oldest plan in flight: it leaves the queue (its requests' in-flight counts are
+        the caller's to settle, its page operations to confirm)."""
+        sent = self.in_flight.popleft()
         self.ops_failures = 0
-        if not self.resending:
+        if not sent.resending:
             self.plan_failures = 0
-        return scheduled, ops, self.resending
+        return sent
 
     def rejected(self, error: str, desynced: set[str]) -> list[Request]:
-        """The executor disagreed and ran nothing of the plan in flight: its page operations go again, its
-        requests in full. Returns the running requests that must end with an error (after MAX_PLAN_RETRIES
-        rejections in a row: those the executor named, all of the plan's if it named none)."""
-        scheduled, self.scheduled = self.scheduled, []
-        if self.resending:
+        """The executor disagreed and ran nothing of the oldest plan in flight (the only one: a rejection
+        with another in flight is a lost executor, see Engine): what it counted is taken back, its page
+        operations go again, its requests in full. Returns the running requests that must end with an error
+        (after MAX_PLAN_RETRIES rejections in a row: those the executor named, all of the plan's if it named
+        none)."""
+        sent = self.in_flight.popleft()
+        assert not self.in_flight, "a rejected plan with another in flight"
+        if sent.resending:
             self.ops_failures += 1
             if self.ops_failures >= MAX_PLAN_RETRIES:
                 raise PlanLoopError(f"executor rejected the same page operations {self.ops_failures} times: {error}")
         else:
             self.plan_failures += 1
-        if self.sent_ops:
-            self.resend_ops = self.sent_ops
-        self.sent_ops = PageOps()
+        if sent.ops:
+            self.resend_ops = sent.ops
+        _uncount(sent)
         ended = []
-        for req, _ in scheduled:
+        for req, n, _samples in sent.scheduled:
+            if req.status is Status.RUNNING:  # (an ended request's count went with its pages)
+                req.num_computed -= n
             req.num_pages_sent = -1
             named = not desynced or req.request_id in desynced
             if self.plan_failures >= MAX_PLAN_RETRIES and named and req.status is Status.RUNNING:
@@ -102,20 +135,31 @@ class ExecutorSession:
     # ---- a lost stream -------------------------------------------------------------------------
     def unconfirmed_ops(self) -> list[PageOps]:
         """Page operations sent (or to be resent) that the executor has not confirmed."""
-        return [ops for ops in (self.sent_ops, self.resend_ops) if ops is not None]
+        return [*(sent.ops for sent in self.in_flight), *([self.resend_ops] if self.resend_ops is not None else [])]
 
     def drop_inflight(self) -> list[PageOps]:
-        """Forgets the plan in flight and any resend; returns their page operations (to release)."""
+        """Forgets the plans in flight and any resend; returns their page operations (to release). What they
+        counted is taken back (their requests are recomputed, or end)."""
         ops = self.unconfirmed_ops()
-        self.scheduled = []
-        self.sent_ops, self.resend_ops = PageOps(), None
-        self.resending, self.ops_failures = False, 0
+        for sent in self.in_flight:
+            _uncount(sent)
+        self.in_flight.clear()
+        self.resend_ops = None
+        self.ops_failures = 0
         return ops
 
     def reset(self) -> None:
         """A new stream (or none): nothing to forget, no failures counted."""
         self.forget = []
         self.plan_failures = 0
+
+
+def _uncount(sent: InFlight) -> None:
+    """A plan's in-flight counts leave its requests (it was answered, rejected or lost)."""
+    for req, n, samples in sent.scheduled:
+        req.num_inflight_tokens -= n
+        if samples:
+            req.num_pending -= 1
 
 
 def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:

@@ -5,6 +5,8 @@ The facade between scheduling policy and the page pool. Token regions of a reque
     | cached (hit pages) | computed here | scheduled this step | not yet scheduled |
     0                    hits*bs         num_computed         +n                  compute_target
 
+(num_computed counts the tokens of plans still in flight: ``Request.num_confirmed`` are those confirmed.)
+
 Pages [0, hits) are shared with the cache; a page becomes findable (published) only once the
 executor confirmed the step that filled it. Full pages of the prompt that a running request is
 still computing are "in flight": another request that needs them waits instead of computing them too.
@@ -277,7 +279,7 @@ class KVManager:
         """The steady decode: one token into the request's own last page (not shared, not full), no window.
         Nothing to allocate, copy or drop for it."""
         computed = req.num_computed
-        return bool(computed % self.bs and not req.window_tokens and req.compute_target - computed == 1
+        return bool(computed % self.bs and not req.window_tokens and req.num_uncomputed == 1
                     and self.pool.refcounts[req.page_table[computed // self.bs]] == 1)
 
     def _shared_write_page(self, req: Request) -> int | None:
@@ -286,6 +288,10 @@ class KVManager:
         if req.num_computed % self.bs and idx < len(req.page_table) and self.pool.refcount(req.page_table[idx]) > 1:
             return idx
         return None
+
+    def writes_shared_page(self, req: Request) -> bool:
+        """The next token goes into a page other tables hold: growing copies it (the table changes in place)."""
+        return self._shared_write_page(req) is not None
 
     def pages_to_grow(self, req: Request, num_tokens: int) -> int:
         cow = 1 if self._shared_write_page(req) is not None else 0
@@ -316,10 +322,11 @@ class KVManager:
 
     # ---- confirmation and release --------------------------------------------------------------
     def publish(self, req: Request) -> None:
-        """After the executor confirmed a step: make the request's newly full pages findable."""
+        """After the executor confirmed a step: make the request's newly full pages findable (those the
+        confirmed tokens filled; a plan still in flight may be filling the next)."""
         if not self.caching:
             return
-        full = min(req.num_computed // self.bs, len(req.page_table))
+        full = min(req.num_confirmed // self.bs, len(req.page_table))
         if full <= req.num_published:
             return
         extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self.bs, full)

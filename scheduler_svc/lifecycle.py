@@ -23,6 +23,7 @@ def detach(s: Scheduler, req: Request) -> None:
     """Takes a live request away from the executor, to be placed on another: its pages here are freed (both
     tiers; its KV is recomputed there, prompt and the tokens streamed so far), and the executor is told to
     forget it. Only between steps (never while a plan holding it is in flight)."""
+    assert not req.in_flight, f"{req.request_id}: detached while a plan in flight computes for it"
     if req.status is Status.RUNNING:
         s.running.remove(req)
         s.session.forget.append(req.request_id)
@@ -186,3 +187,13 @@ def check_integrity(s: Scheduler) -> None:
         assert not r.page_table and r.status is Status.SWAPPED, f"swapped request {r.request_id} holds device pages"
         assert len(r.host_table) == s.pool.pages_for(r.num_computed), f"{r.request_id}: host table size"
     assert len(s.running) + len(s.waiting) + len(s.swapped) == len(s.requests), "request lists disagree"
+    tokens: dict[int, int] = {}
+    samples: dict[int, int] = {}
+    for sent in s.session.in_flight:
+        for r, n, sampled in sent.scheduled:
+            tokens[id(r)] = tokens.get(id(r), 0) + n
+            samples[id(r)] = samples.get(id(r), 0) + sampled
+    for r in s.requests.values():
+        assert r.num_inflight_tokens == tokens.get(id(r), 0) and r.num_pending == samples.get(id(r), 0), (
+            f"{r.request_id}: in-flight counts {r.num_inflight_tokens}/{r.num_pending} disagree with the plans "
+            f"in flight")

@@ -52,9 +52,10 @@ ITL_SECONDS = Histogram("pagedkv_inter_token_latency_seconds", "Gap between cons
                         buckets=TOKEN_GAP_BUCKETS)
 E2E_SECONDS = Histogram("pagedkv_request_latency_seconds", "Request received to its last message", ["tenant"],
                         buckets=LATENCY_BUCKETS)
-STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step by part: plan (the scheduler), executor "
-                         "(the round trip), forward (the executor's model time), rpc (round trip less the executor's "
-                         "own step time)", ["part"],
+STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step by part: plan and process (the scheduler), "
+                         "executor (plan sent to result read; with async scheduling it includes the wait behind the "
+                         "plan before), forward (the executor's model time), rpc (that less the executor's own step "
+                         "time), executor_idle (the executor waiting for this plan after its last result)", ["part"],
                          buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))
 EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
 EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])

@@ -81,7 +81,7 @@ class Request:
     # ---- progress (the scheduler: scheduler.py, admission.py, lifecycle.py) ------------------------
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)  # (outputs.py appends)
-    num_computed: int = 0  # tokens whose KV is in this request's pages
+    num_computed: int = 0  # tokens whose KV is in this request's pages, counting those of plans in flight
     max_len: int = 1 << 30  # prompt + output it may reach (from its tenant's capacity: tenant_limits.apply)
     page_limit: int = 0  # pages a windowed request without a budget holds at most (tenant_limits.apply)
     budget_hit: bool = False
@@ -104,6 +104,11 @@ class Request:
 
     # ---- on the wire (executor_session.py) ---------------------------------------------------------
     num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
+    # Plans in flight (async scheduling: the next plan is built before the last result is read): the tokens
+    # they compute (already in num_computed, not yet confirmed) and the tokens they sample (the executor
+    # feeds them to the next decode itself; output_ids gets them when the result comes).
+    num_inflight_tokens: int = 0
+    num_pending: int = 0
     dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent
 
     def __post_init__(self) -> None:
@@ -126,5 +131,16 @@ class Request:
         return self.num_tokens - 1 if self.n > 1 else self.num_tokens
 
     @property
+    def num_confirmed(self) -> int:
+        """Tokens whose KV the executor confirmed it wrote."""
+        return self.num_computed - self.num_inflight_tokens
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.compute_target - self.num_computed
+        """Tokens to compute before the next sample, counting the samples of plans in flight."""
+        return self.compute_target + self.num_pending - self.num_computed
+
+    @property
+    def in_flight(self) -> bool:
+        """A plan in flight computes for it: it may not be admitted or swapped in until that plan is answered."""
+        return bool(self.num_inflight_tokens)

@@ -186,6 +186,9 @@ class Scheduler:
         kv = self.kv
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if (req.num_pending and not self._plans_ahead(req)) or req.num_uncomputed <= 0:
+                i += 1  # this step goes without it: its result comes first (a fork parent's: the fork)
+                continue
             if kv.decodes_in_place(req):  # the steady decode: nothing to allocate, copy or drop
                 scheduled.append((req, 1))
                 budget -= 1
@@ -204,6 +207,19 @@ class Scheduler:
         elif self.tenants.total_reserved:  # pages are short, but reserved pages are there for their tenants
             admission.admit(self, budget, scheduled, only_reserved=True)
         return scheduled
+
+    def _plans_ahead(self, req: Request) -> bool:
+        """Whether a request whose sample is still in flight (async scheduling) goes on in this plan as if that
+        sample did not end it. Not when the sample ends it by length (max_tokens, max_len, a 'stop' page budget:
+        known now), nor when its table would have to go in full (a copy-on-write, a resend: the executor's copy
+        of its tokens holds the sample, the scheduler's not yet). A stop token or stop string is known only from
+        the result: then the token computed ahead is discarded."""
+        if req.num_pages_sent < 0 or self.kv.writes_shared_page(req):
+            return False
+        total = req.num_tokens + req.num_pending
+        if len(req.output_ids) + req.num_pending >= req.sampling.max_tokens or total >= req.max_len:
+            return False
+        return not (req.page_budget and req.overflow == "stop" and self.pool.pages_for(total) > req.page_budget)
 
     def _reserve(self, req: Request, n: int, unscheduled: list[Request]) -> tuple[bool, int]:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req); returns
@@ -242,7 +258,8 @@ class Scheduler:
     def _preempt(self, req: Request, now: int) -> None:
         """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
         self.running.remove(req)
-        pages = self.kv.swap_out_cost(req)
+        # (a fork parent under a plan in flight is recomputed: swapped, it would miss its fork)
+        pages = None if req.n > 1 and req.in_flight else self.kv.swap_out_cost(req)
         if self.policy.should_swap(pages, req.num_computed - self.kv.shared_cached_tokens(req)):
             self.kv.swap_out(req)
             req.status = Status.SWAPPED
@@ -261,28 +278,32 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def process(self, result: pb.StepResult) -> Outputs:
+        """Applies the result of the oldest plan in flight. A request preempted while that plan was in flight
+        (async scheduling) still gets its sample: it was drawn from what the request had confirmed."""
         if result.error:
             ended = self.session.rejected(result.error, set(result.desynced_request_ids))
             return [(req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {result.error}"))
                     for req in ended]
-        scheduled, ops, resent = self.session.accepted()
-        self.kv.confirm(ops)
-        if resent:  # only page operations ran: the requests of the rejected plan are still to go
+        sent = self.session.accepted()
+        self.kv.confirm(sent.ops)
+        if sent.resending:  # only page operations ran: the requests of the rejected plan are still to go
             return []
         self.counters.computed_tokens += result.num_computed_tokens
         bs, publish = self.pool.block_size, self.kv.publish
-        for req, n in scheduled:
+        for req, n, samples in sent.scheduled:
+            req.num_inflight_tokens -= n
+            if samples:
+                req.num_pending -= 1
             if req.status is Status.RUNNING:
-                req.num_computed += n
-                if req.num_computed >= (req.num_published + 1) * bs:  # a page filled up
+                if req.num_confirmed >= (req.num_published + 1) * bs:  # a page filled up
                     publish(req)
-                if req.n > 1 and req.num_computed == req.compute_target:
+                if req.n > 1 and req.num_confirmed == req.compute_target:
                     self._fork(req)
         outputs = []
         requests, on_token, charge = self.requests, self.outputs.on_token, self.waiting.charge
         for s in result.sampled:
             req = requests.get(s.request_id)
-            if req is None or req.status is not Status.RUNNING or req.aborted or req.n > 1:
+            if req is None or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is not used)
                 continue
             token = s.token_id
             charge(req.tenant, output_tokens=1)

@@ -82,6 +82,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="build and send each step's plan while the executor still runs the one before, so it never "
+                   "waits for the scheduler (a sample that ends a request wastes the one token computed ahead)")
     p.add_argument("--check-integrity", action="store_true",
                    help="check page accounting after every step (always checked when idle)")
     p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
@@ -292,7 +295,8 @@ async def serve(args) -> None:
     # NOTE: the cluster owns the tenants: their limits hold for the sum over its executors (tenant_ledger.py)
     cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
                       check_every_step=args.check_integrity, drain_timeout=args.drain_timeout,
-                      unplaced_timeout=args.unplaced_timeout, link=link, tenants=tenants)
+                      unplaced_timeout=args.unplaced_timeout, link=link, tenants=tenants,
+                      async_scheduling=args.async_scheduling)
     cluster.start()
     cluster.set_addresses(addresses)
     try:

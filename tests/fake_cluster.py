@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 
 import structlog
 
@@ -61,6 +62,7 @@ class FakeClient:
     def __init__(self, address: str, step_timeout: float, link=None) -> None:
         self.address = address
         self.call = None
+        self.sent: deque = deque()  # plans sent, not yet answered
 
     @property
     def box(self) -> Box:
@@ -72,9 +74,22 @@ class FakeClient:
             await asyncio.sleep(timeout)
             raise ExecutorUnavailable(f"{self.address} down")
         self.call = FakeCall()
+        self.sent.clear()
         return pb.DescribeResponse(model="m", vocab_size=300, block_size=BS, max_position_embeddings=4096,
                                    num_device_pages=self.box.pages, eos_token_ids=[2],
                                    executor_id=self.box.executor_id)
+
+    async def send(self, plan) -> None:
+        """Plans run in order, when their result is read (``step``: tests replace it to watch each step)."""
+        if self.call is None or self.call.done() or not self.box.alive:
+            self.drop()
+            raise ExecutorUnavailable(f"{self.address} gone")
+        self.sent.append(plan)
+
+    async def receive(self, step_id: int):
+        plan = self.sent.popleft()
+        assert plan.step_id == step_id
+        return await self.step(plan)
 
     async def step(self, plan):
         await asyncio.sleep(self.box.delay)
@@ -89,6 +104,7 @@ class FakeClient:
         if self.call is not None:
             self.call.cancel()
         self.call = None
+        self.sent.clear()
 
     async def close(self) -> None:
         self.drop()

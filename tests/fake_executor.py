@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections import deque
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -125,21 +127,36 @@ class FakeExecutor:
 _EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Async scheduling, as the engine runs it by default: the next plan is built (and run) before the last result is
+# processed. PAGEDKV_TEST_OVERLAP=0 drives one plan at a time.
+OVERLAP = os.environ.get("PAGEDKV_TEST_OVERLAP", "1") != "0"
+
+
 def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None = None,
-          executor: FakeExecutor | None = None, on_step=None, feed_ticks: int = 0) -> list:
+          executor: FakeExecutor | None = None, on_step=None, feed_ticks: int = 0,
+          overlap: bool | None = None) -> list:
     """Runs the scheduler against a FakeExecutor (page contents checked unless ``known`` comes from
-    earlier steps the executor did not see) until nothing is left; returns the finished requests."""
+    earlier steps the executor did not see) until nothing is left; returns the finished requests. With
+    ``overlap`` (default: OVERLAP) each plan is built while the one before it is still unanswered, as the
+    engine's async scheduling does; the executor runs plans in order, as a real one would."""
+    overlap = OVERLAP if overlap is None else overlap
     if executor is None and known is None:
         executor = _EXECUTORS.setdefault(s, FakeExecutor(s.pool.block_size))  # one per scheduler: pages persist
     elif executor is None:
         executor = FakeExecutor(s.pool.block_size, known, check_contents=False)
     finished = []
+    unanswered: deque = deque()  # results the executor gave that the scheduler has not processed yet
     ticks = 0  # loop turns; on_step(s) adds work for feed_ticks of them
     for _ in range(max_steps):
         if on_step is not None:
             on_step(s)
         plan, outs = s.schedule()
         finished += [req for req, o in outs if o.finish is not None]
+        if plan is None and unanswered:
+            outs = s.process(unanswered.popleft())
+            s.check_integrity()
+            finished += [req for req, o in outs if o.finish is not None]
+            continue
         if plan is None and not s.has_work:
             if on_step is not None and ticks < feed_ticks:
                 ticks += 1
@@ -149,7 +166,13 @@ def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None =
         assert plan is not None
         assert sum(n for _, n in scheduled(plan)) <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
-        outs = s.process(executor.step(plan))
+        unanswered.append(executor.step(plan))
+        if len(unanswered) > (1 if overlap else 0):
+            outs = s.process(unanswered.popleft())
+            finished += [req for req, o in outs if o.finish is not None]
+        s.check_integrity()
+    while unanswered:  # (max_steps ran out with a plan in flight: its result still counts)
+        outs = s.process(unanswered.popleft())
         s.check_integrity()
         finished += [req for req, o in outs if o.finish is not None]
     return finished

@@ -4,7 +4,8 @@ A real Scheduler drives a FakeExecutor (tests/fake_executor.py: it checks that e
 back exactly the KV it wrote, through swaps, spills and copies). Rules admit requests (random lengths, shared
 prefixes, tenants with quotas, reserves and concurrency limits, n > 1 forks, page budgets with the window and
 stop policies, sliding windows), plan and complete steps (separately, so cancels and failures land while a plan
-is in flight), cancel, reject a plan (a desync), and fail the executor (evacuate, then the requests come back on
+is in flight; with async scheduling drawn on, a second plan is built and sent before the first is answered),
+cancel, reject a plan (a desync), and fail the executor (evacuate, then the requests come back on
 a fresh executor, as the cluster re-places them). Small pools make preemption (swap and recompute), spills to the
 host tier and copy-on-write happen all the time.
 
@@ -16,7 +17,7 @@ machine drains: every client stream ends exactly once with every token it was ow
 from __future__ import annotations
 
 import inspect
-from collections import Counter
+from collections import Counter, deque
 from types import SimpleNamespace
 
 from hypothesis import strategies as st
@@ -68,8 +69,9 @@ class PageAccounting(RuleBasedStateMachine):
                 token_budget=st.sampled_from([4, 8, 16, 64]), seqs=st.sampled_from([2, 3, 8]),
                 mode=st.sampled_from(list(Mode)), caching=st.booleans(), multi=st.booleans(),
                 hot=st.sampled_from([0, 2, 64]), max_wait=st.sampled_from([0, 3, 64]),
-                watermark=st.sampled_from([0.0, 0.1]), sliding=st.sampled_from([0, 0, 7]))
-    def setup(self, pages, host_pages, token_budget, seqs, mode, caching, multi, hot, max_wait, watermark, sliding):
+                watermark=st.sampled_from([0.0, 0.1]), sliding=st.sampled_from([0, 0, 7]), overlap=st.booleans())
+    def setup(self, pages, host_pages, token_budget, seqs, mode, caching, multi, hot, max_wait, watermark, sliding,
+              overlap):
         cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=token_budget, max_model_len=MAX_MODEL_LEN,
                               watermark=watermark, enable_prefix_caching=caching, sliding_window=sliding,
                               sink_tokens=2 if sliding else 0,
@@ -81,7 +83,8 @@ class PageAccounting(RuleBasedStateMachine):
         self.api = SimpleNamespace(cluster=SimpleNamespace(  # for the API's own validation
             tenant_capacity=self.s.tenant_capacity, block_size=BS, scheduler_config=self.s.config))
         self.ex = FakeExecutor(BS)
-        self.pending: pb.StepPlan | None = None
+        self.pending: deque[pb.StepPlan] = deque()  # sent, not yet answered (oldest first)
+        self.depth = 2 if overlap else 1  # plans in flight at most (async scheduling: the next before the last result)
         self.next_id = 0
         self.groups: dict[str, Request] = {}  # client requests (the first Request object of each)
         self.cancelled: set[str] = set()
@@ -143,50 +146,58 @@ class PageAccounting(RuleBasedStateMachine):
         s.add(req)
         self.events["admitted"] += 1
 
-    @precondition(lambda self: self.pending is None)
+    @precondition(lambda self: len(self.pending) < self.depth)
     @rule()
     def plan(self) -> None:
         plan, outputs = self.s.schedule()
         self._deliver(outputs)
-        self.pending = plan
+        if plan is not None:
+            self.pending.append(plan)
 
-    @precondition(lambda self: self.pending is not None)
+    @precondition(lambda self: self.pending)
     @rule()
     def complete(self) -> None:
-        plan, self.pending = self.pending, None
+        plan = self.pending.popleft()
         self._note(plan)
         self._deliver(self.s.process(self.ex.step(plan)))
 
     @rule(steps=st.integers(1, 12))
     def run_steps(self, steps: int) -> None:
+        """Steps as the engine runs them: plan (while the last plan is in flight, with async scheduling), then
+        complete the oldest once ``depth`` are in flight or nothing more could be planned."""
         for _ in range(steps):
-            if self.pending is None:
+            before = len(self.pending)
+            if before < self.depth:
                 self.plan()
-            if self.pending is None:
+            if not self.pending:
                 return
-            self.complete()
+            if len(self.pending) >= self.depth or len(self.pending) == before:  # (full, or nothing more to plan)
+                self.complete()
 
-    @precondition(lambda self: self.pending is not None and not self.s.session.resending)
+    # (a rejection with another plan in flight is a lost executor: see executor_fails)
+    @precondition(lambda self: len(self.pending) == 1 and not self.s.session.resending)
     @rule(name_them=st.booleans(), odds=st.integers(0, 3))
     def reject(self, name_them: bool, odds: int) -> None:
         """The executor disagreed with the plan and ran nothing of it (a desync)."""
         if odds:
             return
-        plan, self.pending = self.pending, None
+        plan = self.pending.popleft()
         named = [r.request_id for r in plan.new_requests][:1] if name_them else []
         self._deliver(self.s.process(pb.StepResult(step_id=plan.step_id, error="injected desync",
                                                    desynced_request_ids=named)))
         self.events["rejected"] += 1
 
-    @precondition(lambda self: self.s is not None and self.pending is None and self.s.running)
+    @precondition(lambda self: self.s is not None and len(self.pending) < self.depth and self.s.running)
     @rule(data=st.data())
     def preempt(self, data) -> None:
-        """A running request gives its pages back between steps (swapped or recomputed, as the policy picks),
-        as the fair-share rules do it."""
+        """A running request gives its pages back while planning (swapped or recomputed, as the policy picks), as
+        the fair-share rules do it: with async scheduling, possibly while a plan computing for it is in flight."""
         s = self.s
         victim = data.draw(st.sampled_from(sorted(s.running, key=lambda r: r.request_id)))
         s._preempt(victim, s.step_id + 1)
         self.events["forced_preemptions"] += 1
+        if self.pending:  # planning under a plan in flight: what it decided goes out before that plan's result
+            self.plan()
 
     @precondition(lambda self: self.s is not None and self.s.tenants.multi)
     @rule(odds=st.integers(0, 5))
@@ -233,10 +244,11 @@ class PageAccounting(RuleBasedStateMachine):
             return
         s = self.s
         keep = how != "restart" and KEEP_CACHE
-        if keep and how == "stream_lost_after_run" and self.pending is not None:
-            self.ex.step(self.pending)  # it ran; the result never arrived
+        if keep and how == "stream_lost_after_run":
+            for plan in self.pending:
+                self.ex.step(plan)  # they ran; the results never arrived
         moved, ended = s.evacuate(keep_cache=True) if keep else s.evacuate()
-        self.pending = None
+        self.pending.clear()
         self._deliver(ended)
         s.check_integrity()
         assert s.pool.num_used == 0 and not s.requests, "pages or requests left on a failed executor"
@@ -301,15 +313,13 @@ class PageAccounting(RuleBasedStateMachine):
         s = self.s
         if s is None:
             return
-        if self.pending is not None:
-            self.complete()
         for _ in range(DRAIN_STEPS):
-            self.plan()
-            if self.pending is None and not s.has_work:
+            self.run_steps(1)
+            if not self.pending and not s.has_work:
                 break
-            if self.pending is not None:
-                self.complete()
             self.accounting_holds()
+        while self.pending:
+            self.complete()
         assert not s.has_work, f"not drained after {DRAIN_STEPS} steps: {self._describe()}"
         s.check_integrity()
         assert s.pool.num_used == 0, f"{s.pool.num_used} device pages leaked"

@@ -41,7 +41,9 @@ def test_swapped_request_finishes_under_a_steady_stream_of_new_prefills():
             if long_req.finish is not None and "long" not in finished_at:
                 finished_at["long"] = sched.step_id
 
-        drive(s, on_step=feed)
+        # (one plan at a time: with async scheduling the long request is always planned first and grows before
+        # the others need pages, so it is never the victim this test needs; the wait bound is the same code)
+        drive(s, on_step=feed, overlap=False)
         assert_empty(s)
         return long_req, finished_at["long"]
 

@@ -159,16 +159,18 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms")
+    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms")
     PAGE_OPS_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     page_ops_ms: float
     forward_ms: float
     sample_ms: float
     total_ms: float
-    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    wait_ms: float
+    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining")
