@@ -289,30 +289,35 @@ class Scheduler:
         if sent.resending:  # only page operations ran: the requests of the rejected plan are still to go
             return []
         self.counters.computed_tokens += result.num_computed_tokens
-        bs, publish = self.pool.block_size, self.kv.publish
+        bs, publish, running = self.pool.block_size, self.kv.publish, Status.RUNNING
         for req, n, samples in sent.scheduled:
             req.num_inflight_tokens -= n
             if samples:
                 req.num_pending -= 1
-            if req.status is Status.RUNNING:
-                if req.num_confirmed >= (req.num_published + 1) * bs:  # a page filled up
+            if req.status is running:
+                confirmed = req.num_computed - req.num_inflight_tokens  # (req.num_confirmed)
+                if confirmed >= (req.num_published + 1) * bs:  # a page filled up
                     publish(req)
-                if req.n > 1 and req.num_confirmed == req.compute_target:
+                if req.n > 1 and confirmed == req.compute_target:
                     self._fork(req)
         outputs = []
-        requests, on_token, charge = self.requests, self.outputs.on_token, self.waiting.charge
+        append, requests, on_token, charge = outputs.append, self.requests, self.outputs.on_token, self.waiting.charge
+        charged: dict[str, int] = {}  # output tokens per tenant, charged once (before a finish: it may idle the tenant)
         for s in result.sampled:
             req = requests.get(s.request_id)
             if req is None or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is not used)
                 continue
-            token = s.token_id
-            charge(req.tenant, output_tokens=1)
+            token, tenant = s.token_id, req.tenant
+            charged[tenant] = charged.get(tenant, 0) + 1
             outcome = on_token(req, token)
             if outcome is None:
-                outputs.append((req, Output(req.detokenizer.take(False), [token],
-                                            [s.logprob] if req.sampling.logprobs else [], index=req.index)))
+                append((req, Output(req.detokenizer.take(False), [token],
+                                    [s.logprob] if req.sampling.logprobs else [], index=req.index)))
             else:
-                outputs.append((req, self._ended_by_token(req, token, s.logprob, outcome)))
+                charge(tenant, output_tokens=charged.pop(tenant))
+                append((req, self._ended_by_token(req, token, s.logprob, outcome)))
+        for tenant, k in charged.items():
+            charge(tenant, output_tokens=k)
         return outputs
 
     def _ended_by_token(self, req: Request, token: int, logprob: float, outcome: TokenOutcome) -> Output:
