@@ -97,8 +97,8 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def run_pagedkv(path: Path, reqs: list[Request]) -> dict[str, Any]:
-    server = Server(["--model", str(path), "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"])
+def run_pagedkv(path: Path, reqs: list[Request], extra: list[str] = ()) -> dict[str, Any]:
+    server = Server(["--model", str(path), "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", *extra])
 
     async def go():
         from pagedkv.client import Client
@@ -200,7 +200,7 @@ def child(args: argparse.Namespace) -> int:
     reqs = workload(args.workload, args.mixed_requests)
     path = model_dir(args.model)
     if args.run == "pagedkv":
-        out = run_pagedkv(path, reqs)
+        out = run_pagedkv(path, reqs, args.pagedkv_args.split())
     elif args.run == "hf_static":
         out = run_hf_static(path, reqs, 64 if args.workload == "uniform" else 16)
     else:
@@ -222,7 +222,8 @@ def run_one(args: argparse.Namespace, model: str, wl: str, system: str) -> dict[
     env = dict(os.environ, PYTHONPATH=str(root)) if root != ROOT else None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, str(ROOT / "bench" / "e2e_peers.py"), "--run", system, "--model", model,
-               "--workload", wl, "--mixed-requests", str(args.mixed_requests), "--json", f.name]
+               "--workload", wl, "--mixed-requests", str(args.mixed_requests), "--json", f.name,
+               f"--pagedkv-args={args.pagedkv_args}"]
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
         if proc.returncode:
             print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--mixed-requests", type=int, default=128)
     p.add_argument("--pagedkv-root", default="", metavar="DIR", help="run pagedkv from this checkout")
+    p.add_argument("--pagedkv-args", default="", metavar="FLAGS",
+                   help="more `pagedkv serve` flags, e.g. '--threads 1 --no-async-scheduling'")
     p.add_argument("--wait-idle", type=float, default=120.0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_peers.json"))
