@@ -32,8 +32,16 @@ def scheduled(plan: pb.StepPlan) -> list[tuple[str, int]]:
             + [(c.request_id, c.num_scheduled_tokens) for c in plan.continuing] + [(rid, 1) for rid in plan.decodes])
 
 
+def sample_seven(request_id: str, position: int) -> int:
+    return 7
+
+
+SAMPLE = sample_seven  # the token 'sampled' at a position (tests may put a deterministic function of both here)
+
+
 def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
-    """A stand-in executor: tracks computed counts and 'samples' token 7 when a request is caught up."""
+    """A stand-in executor: tracks computed counts and 'samples' SAMPLE(request, position) (token 7 unless a test
+    says otherwise) when a request is caught up."""
     result = pb.StepResult(step_id=plan.step_id)
     for rid in plan.forget:
         known.pop(rid, None)
@@ -46,7 +54,7 @@ def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
         assert done <= total
         if done == total:
             total += 1
-            result.sampled.add(request_id=rid, token_id=7)
+            result.sampled.add(request_id=rid, token_id=SAMPLE(rid, total))
         known[rid] = [total, done]
     return result
 
