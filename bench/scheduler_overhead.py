@@ -235,6 +235,10 @@ def main(argv=None) -> int:
         TOKENIZER = load_tokenizer(resolve_model(args.tokenizer))
         if args.text:
             TEXT_IDS = load_text_ids(TOKENIZER)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # as the scheduler does once it has started (scheduler_svc/server.py)
     import subprocess
 
     if args.against:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 
@@ -335,6 +336,11 @@ async def serve(args) -> None:
         import prometheus_client
 
         prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
+    # NOTE: what start-up built (modules, the tokenizer and its tables) lives as long as the process: frozen out of
+    # the collector, a full collection no longer walks it. Measured in-process at 1,024 running: the p99 of result
+    # processing 17-20 ms -> 8 ms (bench/NOTES.md).
+    gc.collect()
+    gc.freeze()
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
