@@ -39,10 +39,11 @@ class OutputProcessor:
         detokenizer.add(token)
         if detokenizer.stopped_by is not None:
             return TokenOutcome(Finish.STOP, detokenizer.stopped_by)
-        if len(output_ids) >= s.max_tokens or req.num_tokens >= req.max_len:
+        num_tokens = len(req.prompt_ids) + len(output_ids)  # (req.num_tokens)
+        if len(output_ids) >= s.max_tokens or num_tokens >= req.max_len:
             return TokenOutcome(Finish.LENGTH)
         if (req.page_budget and req.overflow == "stop"
-                and pages_for(req.num_tokens, self.block_size) > req.page_budget):
+                and pages_for(num_tokens, self.block_size) > req.page_budget):
             # the next token's KV would need a page beyond the request's budget
             return TokenOutcome(Finish.LENGTH, f"page_budget: {req.page_budget} pages reached", budget_hit=True)
         return None

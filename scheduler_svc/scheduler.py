@@ -310,9 +310,9 @@ class Scheduler:
             token, tenant = s.token_id, req.tenant
             charged[tenant] = charged.get(tenant, 0) + 1
             outcome = on_token(req, token)
-            if outcome is None:
+            if outcome is None:  # (Output, positional: text, token_ids, logprobs, finish, stop_reason, error, index)
                 append((req, Output(req.detokenizer.take(False), [token],
-                                    [s.logprob] if req.sampling.logprobs else [], index=req.index)))
+                                    [s.logprob] if req.sampling.logprobs else [], None, "", "", req.index)))
             else:
                 charge(tenant, output_tokens=charged.pop(tenant))
                 append((req, self._ended_by_token(req, token, s.logprob, outcome)))
