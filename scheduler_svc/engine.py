@@ -37,6 +37,7 @@ class State(enum.Enum):
 
 
 RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
+SYNC_AFTER_REJECTION = 64  # steps planned one at a time after the executor rejected a plan
 RECONNECT_LOG_EVERY = 60.0
 
 
@@ -77,6 +78,11 @@ class Engine:
         # executor finds it waiting when it ends a step (plans in flight: at most 2; 1 without).
         self.depth = 2 if async_scheduling else 1
         self.in_flight: deque[tuple[int, float, float]] = deque()  # (step id, sent at, planning seconds)
+        # After a rejected plan, plans go one at a time for a while: a rejection with the next plan in flight can
+        # only drop the stream, and a request the executor keeps refusing must reach the resend protocol's limit
+        # (MAX_PLAN_RETRIES, then it ends with the error) instead of being recomputed forever.
+        self.sync_steps = 0
+        self.last_read_at = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,6 +197,9 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
     async def _iteration(self) -> None:
         await self.wake.wait()
+        if self.in_flight and self.client.call is not None and self.client.call.done():
+            await self._receive()  # results the executor sent before its stream ended are read first
+            return
         if self.client.call is None or self.client.call.done():
             if self.state is State.DRAINING and not self.scheduler.live_requests():
                 self._drained()  # the executor ended the stream itself once nothing was left on it
@@ -225,7 +234,7 @@ class Engine:
             self._executor_lost(str(err))
             return
         self.in_flight.append((plan.step_id, t1, t1 - t0))
-        if len(self.in_flight) >= self.depth:
+        if len(self.in_flight) >= (1 if self.sync_steps else self.depth):
             await self._receive()
 
     async def _receive(self) -> None:
@@ -237,13 +246,19 @@ class Engine:
             self._executor_lost(str(err))
             return
         self.in_flight.popleft()
-        if result.error and self.in_flight:
-            # The plan after it was built on what this one would have done: both are void. As for a lost
-            # stream, the requests are recomputed (the executor forgets them all when the stream is dropped).
-            self._executor_lost(f"the executor rejected step {step_id} with step {self.in_flight[0][0]} in "
-                                f"flight: {result.error}")
-            return
+        if result.error:
+            self.sync_steps = SYNC_AFTER_REJECTION
+            if self.in_flight:
+                # The plan after it was built on what this one would have done: both are void. As for a lost
+                # stream, the requests are recomputed (the executor forgets them all when the stream is dropped).
+                self._executor_lost(f"the executor rejected step {step_id} with step {self.in_flight[0][0]} in "
+                                    f"flight: {result.error}")
+                return
+        elif self.sync_steps:
+            self.sync_steps -= 1
         t2 = time.perf_counter()
+        started = max(sent_at, self.last_read_at)  # (with async scheduling: when the executor could start it)
+        self.last_read_at = t2
         s = self.scheduler
         deliver(s.process(result))
         if result.draining and self.state is State.UP:
@@ -256,7 +271,7 @@ class Engine:
         metrics.STEP_SECONDS.labels("process").observe(time.perf_counter() - t2)
         metrics.STEP_SECONDS.labels("executor").observe(t2 - sent_at)
         metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
-        metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - sent_at - result.timings.total_ms / 1e3))
+        metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - started - result.timings.total_ms / 1e3))
         metrics.STEP_SECONDS.labels("executor_idle").observe(result.timings.wait_ms / 1e3)
 
     # ---- leaving: drain or failure ---------------------------------------------------------------

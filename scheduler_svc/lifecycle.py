@@ -80,6 +80,7 @@ def drained(s: Scheduler) -> None:
     """Nothing is left on a draining executor that is about to close: nothing to forget, every page accounted
     for, and no prefix-cache hit may point there (a process that comes back at its address starts empty)."""
     s.session.forget = []
+    _drop_inflight(s)  # (plans of the closed stream, if any, are never answered)
     check_integrity(s)
     s.kv.forget_cached()
 

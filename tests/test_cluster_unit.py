@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from scheduler_svc import engine as engine_mod
 from tests.fake_cluster import Box, FakeClient, collect, new_cluster, until  # the boxes fixture: tests/conftest.py
 from tests.fake_executor import make_request
@@ -238,3 +240,44 @@ def test_a_tenant_quota_given_as_a_fraction_is_of_every_executor_together(boxes,
         await c.stop()
         return two, three
     assert asyncio.run(scenario()) == (32, 64)
+
+
+# ---- a request the executor keeps rejecting (found in review of async scheduling) ---------------------
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_the_executor_always_rejects_ends_with_the_error(boxes, monkeypatch, async_scheduling):
+    """With async scheduling a rejection usually comes with the next plan in flight: the stream is dropped and the
+    requests recomputed. Plans then go one at a time for a while, so the resend protocol's limit is reached and the
+    refused request ends with the executor's error; before, it was recomputed forever and its stream never ended.
+    The other request is untouched either way."""
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    original = FakeClient.step
+
+    async def step(self, plan):
+        if any(n.request_id == "r99" for n in plan.new_requests):
+            await asyncio.sleep(0.001)
+            return pb.StepResult(step_id=plan.step_id, error="r99: token outside the vocabulary",
+                                 desynced_request_ids=["r99"])
+        return await original(self, plan)
+    monkeypatch.setattr(FakeClient, "step", step)
+
+    async def scenario():
+        boxes["a:1"] = Box(64)
+        c = new_cluster(async_scheduling=async_scheduling)
+        c.start()
+        c.set_addresses({"a:1"})
+        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        boxes["a:1"].delay = 0.002
+        good = make_request(1, 20, 40)
+        c.add_request(good)
+        t_good = asyncio.create_task(collect(good))
+        await until(lambda: len(good.output_ids) >= 3)
+        bad = make_request(99, 20, 5)
+        c.add_request(bad)
+        try:
+            return await asyncio.wait_for(collect(bad), 10), await asyncio.wait_for(t_good, 10)
+        finally:
+            await c.stop()
+    (_, bad_error), (good_tokens, good_error) = asyncio.run(scenario())
+    assert bad_error and "rejected" in bad_error and "r99" in bad_error
+    assert good_error is None and len(good_tokens) == 40

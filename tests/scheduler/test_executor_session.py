@@ -111,3 +111,25 @@ def test_counters_survive_a_new_pool_geometry():
     s.fail_all("executor restarted")
     s.reset_pool(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
     assert (s.counters.pages_swapped_out, s.counters.pages_swapped_in) == swaps and s.host.num_pages == 10
+
+
+def test_drained_forgets_plans_its_closed_stream_never_answered():
+    """The executor closes its stream once a draining executor is empty, possibly with a plan unanswered (one that
+    only forgets a cancelled request): that plan leaves the session, or every later result was settled against
+    the plan before it (found in review of async scheduling)."""
+    s = new_scheduler()
+    r = make_request(1, 6, 5)
+    s.add(r)
+    plan, _ = s.schedule()
+    FakeExecutor(BS).step(plan)  # run, but the result is never read
+    s.abort(r.group)
+    s.schedule()  # the reaped abort: a plan that only forgets it
+    assert not s.live_requests()
+    s.drained()
+    assert not s.session.in_flight
+    s.forget_cached_pages()  # another process answers at the address
+    r2 = make_request(2, 6, 5)
+    s.add(r2)
+    done = drive(s, max_steps=200, executor=FakeExecutor(BS))
+    assert r2 in done and len(r2.output_ids) == 5
+    assert_empty(s)
