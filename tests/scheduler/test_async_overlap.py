@@ -2,8 +2,8 @@
 nothing a client sees. The same requests run one plan at a time and overlapped, against a FakeExecutor whose
 'samples' depend only on the request and the position (so recompute reproduces them): every request ends with
 the same tokens, text, finish and stop reason, through EOS, stop tokens, stop strings, max_tokens, page budgets
-(window and stop policies), n > 1 forks and preemption (swap and recompute) in small pools; page accounting is
-checked after every step (drive)."""
+(window and stop policies), n > 1 forks, shared prefixes (cache hits, host-tier spills) and preemption (swap and
+recompute) in small pools; page accounting is checked after every step (drive)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ def varied(request_id: str, position: int) -> int:
     return 2 + zlib.crc32(f"{request_id}@{position}".encode()) % 40  # 2 is EOS
 
 
-def _requests(seed: int) -> list[Request]:
+def _requests(seed: int, shared: bool = False) -> list[Request]:
     rng = random.Random(seed)
+    base = [rng.randrange(3, 200) for _ in range(12)]  # with ``shared``: a prefix many prompts start with
     reqs = []
     for i in range(18):
         budget = rng.choice([0, 0, 4, 5])
         # (as the API allows: a budgeted prompt fits its budget less a page)
         prompt = [rng.randrange(3, 200) for _ in range(rng.randint(2, (budget - 1) * BS - 1 if budget else 30))]
+        if shared and not budget and rng.random() < 0.6:
+            prompt = base[:rng.randint(4, 12)] + prompt[:rng.randint(1, 8)]
         stop = [rng.choice(["ab", "qz", "k", "mno"])] if i % 4 == 1 else []
         sampling = Sampling(max_tokens=rng.randint(1, 40), stop=stop, ignore_eos=i % 3 != 0,
                             stop_token_ids=[rng.randrange(3, 42)] if i % 5 == 2 else [])
@@ -46,10 +49,10 @@ def _requests(seed: int) -> list[Request]:
     return reqs
 
 
-def _run(seed: int, overlap: bool, **sched) -> dict:
+def _run(seed: int, overlap: bool, shared: bool = False, **sched) -> dict:
     s = new_scheduler(tenants=Tenants([Tenant("default"), Tenant("stop", overflow="stop")]), **sched)
     outputs: dict[tuple[str, int], list] = {}
-    reqs = _requests(seed)
+    reqs = _requests(seed, shared)
     for r in reqs:
         s.add(r)
 
@@ -69,9 +72,11 @@ def _run(seed: int, overlap: bool, **sched) -> dict:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("mode", [Mode.SWAP, Mode.RECOMPUTE])
-def test_overlapped_plans_stream_what_one_plan_at_a_time_streams(seed, mode, monkeypatch):
+@pytest.mark.parametrize("shared", [False, True], ids=["own_prompts", "shared_prefixes"])
+def test_overlapped_plans_stream_what_one_plan_at_a_time_streams(seed, mode, shared, monkeypatch):
+    """(shared prefixes: prefix-cache hits, pages spilled to a small host tier and found there)"""
     monkeypatch.setattr(fx, "SAMPLE", varied)
-    kw = dict(pages=14, host_pages=24, mode=mode, budget=16, seqs=6)
+    kw = dict(pages=14, host_pages=10 if shared else 24, mode=mode, budget=16, seqs=6, shared=shared)
     one_at_a_time = _run(seed, overlap=False, **kw)
     overlapped = _run(seed, overlap=True, **kw)
     assert overlapped.keys() == one_at_a_time.keys()
