@@ -15,7 +15,7 @@ same page operations rejected that often means the executor's state cannot be tr
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.kv_manager import PageOps
@@ -37,6 +37,7 @@ class InFlight:
     scheduled: list[tuple[Request, int, bool]]
     ops: PageOps
     resending: bool = False
+    forget: list[str] = field(default_factory=list)  # the request ids it told the executor to drop
 
 
 class ExecutorSession:
@@ -66,7 +67,7 @@ class ExecutorSession:
         """The plan on the wire; what it will compute is counted at once (optimistically: the next plan may be
         built before its result is read)."""
         plan = pb.StepPlan(step_id=step_id, forget=self.forget)
-        self.forget = []
+        forget, self.forget = self.forget, []
         _add_ops(plan, ops)
         decodes = []
         entries = []
@@ -83,16 +84,16 @@ class ExecutorSession:
                 req.num_pending += 1
             entries.append((req, n, samples))
         plan.decodes.extend(decodes)
-        self.in_flight.append(InFlight(step_id, entries, ops))
+        self.in_flight.append(InFlight(step_id, entries, ops, forget=forget))
         return plan
 
     def resend(self, step_id: int) -> pb.StepPlan:
         """The page operations of a rejected plan, alone, before anything planned later."""
         plan = pb.StepPlan(step_id=step_id, forget=self.forget)
-        self.forget = []
+        forget, self.forget = self.forget, []
         ops, self.resend_ops = self.resend_ops, None
         _add_ops(plan, ops)
-        self.in_flight.append(InFlight(step_id, [], ops, resending=True))
+        self.in_flight.append(InFlight(step_id, [], ops, resending=True, forget=forget))
         return plan
 
     # ---- results -------------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class ExecutorSession:
             self.plan_failures += 1
         if sent.ops:
             self.resend_ops = sent.ops
+        self.forget[:0] = sent.forget  # (it dropped none of them either)
         _uncount(sent)
         ended = []
         for req, n, _samples in sent.scheduled:

@@ -133,3 +133,23 @@ def test_drained_forgets_plans_its_closed_stream_never_answered():
     done = drive(s, max_steps=200, executor=FakeExecutor(BS))
     assert r2 in done and len(r2.output_ids) == 5
     assert_empty(s)
+
+
+def test_a_rejected_plan_tells_the_executor_to_forget_again():
+    """A rejected plan ran nothing, its forget list included: the ids go again with the next plan (else the
+    executor kept the state of requests that ended, until its stream was reset)."""
+    s = new_scheduler()
+    a, b = make_request(1, 6, 1), make_request(2, 6, 30)
+    s.add(a)
+    s.add(b)
+    ex = FakeExecutor(BS)
+    plan, _ = s.schedule()
+    s.process(ex.step(plan))  # a's one token: it ended, and the next plan tells the executor to forget it
+    plan, _ = s.schedule()
+    assert list(plan.forget) == [a.request_id]
+    s.process(pb.StepResult(step_id=plan.step_id, error="desync", desynced_request_ids=[b.request_id]))
+    again, _ = s.schedule()
+    assert a.request_id in again.forget
+    s.process(ex.step(again))
+    drive(s, executor=ex)
+    assert_empty(s)
