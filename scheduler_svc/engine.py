@@ -1,5 +1,9 @@
 """One executor's loop: plan a step, send it, apply the result, stream outputs to clients.
 
+With async scheduling (the default) the loop sends step N+1's plan before it reads step N's result, so the
+executor finds the next plan waiting when it ends a step; the scheduler's planning, result processing and client
+streaming run while the executor computes.
+
 Each executor the scheduler drives has its own ``Engine``: its own ``Scheduler`` (page accounting for that
 executor's pools), its own Run stream and its own loop. The ``Cluster`` (cluster.py) places requests on the
 engines and moves them between engines when an executor fails or drains; an engine reaches back only through

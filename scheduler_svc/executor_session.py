@@ -3,11 +3,13 @@
 ``Scheduler.schedule`` decides, in plain data, which requests compute how many tokens and which page
 operations run; the session encodes that as a ``StepPlan`` (deltas: a request's full page table the first
 time, or after its table changed in place; appended page ids and dropped page indices after that; a bare id
-in ``decodes`` for the steady one-token decode) and remembers it until the result comes back.
+in ``decodes`` for the steady one-token decode) and remembers it until the result comes back. With async
+scheduling (engine.py) up to two plans are in flight, answered in order.
 
 The resend protocol: a plan the executor rejects ran nothing. Its page operations must still run before
 anything planned later (a later plan's swap-ins and copies may read what they write), so they go again,
-alone, in the next plan; every request of the rejected plan is sent in full next time. After
+alone, in the next plan, and so do the ids it told the executor to forget; every request of the rejected plan
+is sent in full next time. (A rejection with another plan in flight is a lost stream instead: engine.py.) After
 MAX_PLAN_RETRIES rejections in a row the requests the executor named end with an error, and a resend of the
 same page operations rejected that often means the executor's state cannot be trusted (PlanLoopError).
 """
