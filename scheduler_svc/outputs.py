@@ -39,12 +39,16 @@ class OutputProcessor:
         detokenizer.add(token)
         if detokenizer.stopped_by is not None:
             return TokenOutcome(Finish.STOP, detokenizer.stopped_by)
-        num_tokens = len(req.prompt_ids) + len(output_ids)  # (req.num_tokens)
-        if len(output_ids) >= s.max_tokens or num_tokens >= req.max_len:
+        return self.length_end(req, len(req.prompt_ids) + len(output_ids), len(output_ids))
+
+    def length_end(self, req: Request, num_tokens: int, num_outputs: int) -> TokenOutcome | None:
+        """Whether a request holding ``num_tokens`` tokens, ``num_outputs`` of them sampled, has reached its length:
+        max_tokens, max_len, or (the 'stop' policy) the page budget the next token's KV would exceed. The one rule
+        for a sampled token (on_token) and for planning past a sample still in flight (the scheduler)."""
+        if num_outputs >= req.sampling.max_tokens or num_tokens >= req.max_len:
             return TokenOutcome(Finish.LENGTH)
         if (req.page_budget and req.overflow == "stop"
                 and pages_for(num_tokens, self.block_size) > req.page_budget):
-            # the next token's KV would need a page beyond the request's budget
             return TokenOutcome(Finish.LENGTH, f"page_budget: {req.page_budget} pages reached", budget_hit=True)
         return None
 

@@ -216,10 +216,8 @@ class Scheduler:
         the result: then the token computed ahead is discarded."""
         if req.num_pages_sent < 0 or self.kv.writes_shared_page(req):
             return False
-        total = req.num_tokens + req.num_pending
-        if len(req.output_ids) + req.num_pending >= req.sampling.max_tokens or total >= req.max_len:
-            return False
-        return not (req.page_budget and req.overflow == "stop" and self.pool.pages_for(total) > req.page_budget)
+        pending = req.num_pending
+        return self.outputs.length_end(req, req.num_tokens + pending, len(req.output_ids) + pending) is None
 
     def _reserve(self, req: Request, n: int, unscheduled: list[Request]) -> tuple[bool, int]:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req); returns
