@@ -31,6 +31,8 @@ from common import Server, print_table, wait_idle, warm_up, write_report
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from pagedkv.cli import free_port  # noqa: E402
 from pagedkv.client import Client  # noqa: E402
 
@@ -39,18 +41,15 @@ NUM_PAGES = 16_000
 MODES = {"sync": ["--no-async-scheduling"], "async": ["--async-scheduling"]}
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """Every sample of a /metrics page by (name, its ``part`` label or '')."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return {(x.name, x.labels.get("part", "")): float(x.value)
+            for family in text_string_to_metric_families(text) for x in family.samples}
 
 
-def delta(after: dict, before: dict, name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
+def delta(after: dict, before: dict, name: str, part: str = "") -> float:
+    return after.get((name, part), 0.0) - before.get((name, part), 0.0)
 
 
 async def measure(server: Server, metrics_port: int, running: int, window: float, settle: float) -> dict:
@@ -70,14 +69,14 @@ async def measure(server: Server, metrics_port: int, running: int, window: float
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    steps = delta(ex1, ex0, 'pagedkv_executor_step_seconds_count{part="total"}')
-    step = delta(ex1, ex0, 'pagedkv_executor_step_seconds_sum{part="total"}')
-    forward = delta(ex1, ex0, 'pagedkv_executor_step_seconds_sum{part="forward"}')
+    steps = delta(ex1, ex0, "pagedkv_executor_step_seconds_count", "total")
+    step = delta(ex1, ex0, "pagedkv_executor_step_seconds_sum", "total")
+    forward = delta(ex1, ex0, "pagedkv_executor_step_seconds_sum", "forward")
     idle = delta(ex1, ex0, "pagedkv_executor_idle_seconds_sum")
     tokens = delta(ex1, ex0, "pagedkv_executor_tokens_total")
-    plan = delta(sc1, sc0, 'pagedkv_step_seconds_sum{part="plan"}')
-    process = delta(sc1, sc0, 'pagedkv_step_seconds_sum{part="process"}')
-    sc_steps = max(1.0, delta(sc1, sc0, 'pagedkv_step_seconds_count{part="plan"}'))
+    plan = delta(sc1, sc0, "pagedkv_step_seconds_sum", "plan")
+    process = delta(sc1, sc0, "pagedkv_step_seconds_sum", "process")
+    sc_steps = max(1.0, delta(sc1, sc0, "pagedkv_step_seconds_count", "plan"))
     wall = idle + step
     return {
         "steps": steps, "running_at_end": info.num_running, "tokens_per_s": tokens / (t1 - t0),
