@@ -281,3 +281,32 @@ def test_a_request_the_executor_always_rejects_ends_with_the_error(boxes, monkey
     (_, bad_error), (good_tokens, good_error) = asyncio.run(scenario())
     assert bad_error and "rejected" in bad_error and "r99" in bad_error
     assert good_error is None and len(good_tokens) == 40
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_scheduling_sends_the_next_plan_before_reading_the_last_result(boxes, monkeypatch, async_scheduling):
+    """The engine really overlaps: with async scheduling two plans are sent and unanswered at once; without, one."""
+    most = {"in_flight": 0}
+    original = FakeClient.send
+
+    async def send(self, plan):
+        await original(self, plan)
+        most["in_flight"] = max(most["in_flight"], len(self.sent))
+    monkeypatch.setattr(FakeClient, "send", send)
+
+    async def scenario():
+        boxes["a:1"] = Box(64)
+        c = new_cluster(async_scheduling=async_scheduling)
+        c.start()
+        c.set_addresses({"a:1"})
+        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        reqs = [make_request(i, 20, 30) for i in range(3)]
+        for r in reqs:
+            c.add_request(r)
+        try:
+            return [await asyncio.wait_for(collect(r), 10) for r in reqs]
+        finally:
+            await c.stop()
+    outs = asyncio.run(scenario())
+    assert all(err is None and len(tokens) == 30 for tokens, err in outs)
+    assert most["in_flight"] == (2 if async_scheduling else 1)
