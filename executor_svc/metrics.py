@@ -5,7 +5,8 @@ from prometheus_client import Counter, Gauge, Histogram
 STEP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 STEP_SECONDS = Histogram("pagedkv_executor_step_seconds", "Executor time of one step, by part "
-                         "(page_ops: swap and copy-on-write; forward; sample; total)", ["part"], buckets=STEP_BUCKETS)
+                         "(page_ops: swap and copy-on-write; prepare: the forward's inputs; forward; sample; total)",
+                         ["part"], buckets=STEP_BUCKETS)
 IDLE_SECONDS = Histogram("pagedkv_executor_idle_seconds", "Between two steps while requests are in progress: from the "
                          "end of one step to the start of the next (sending the result, reading the next plan, and "
                          "waiting for it). With async scheduling the next plan is already there", buckets=STEP_BUCKETS)
@@ -25,8 +26,8 @@ def observe_step(plan, result, num_requests: int) -> None:
         return
     STEPS.labels("ok").inc()
     t = result.timings
-    for part, ms in (("page_ops", t.page_ops_ms), ("forward", t.forward_ms), ("sample", t.sample_ms),
-                     ("total", t.total_ms)):
+    for part, ms in (("page_ops", t.page_ops_ms), ("prepare", t.prepare_ms), ("forward", t.forward_ms),
+                     ("sample", t.sample_ms), ("total", t.total_ms)):
         STEP_SECONDS.labels(part).observe(ms / 1e3)
     TOKENS.inc(result.num_computed_tokens)
     ops = plan.page_ops

@@ -188,8 +188,12 @@ class ModelRunner:
                             len(state.page_ids))
             staged.append((new.request_id, state, new.num_scheduled_tokens))
         forget = set(plan.forget)
-        missing = [c.request_id for c in plan.continuing if c.request_id not in self.requests or c.request_id in forget]
-        missing += [rid for rid in plan.decodes if rid not in self.requests or rid in forget]
+        decodes = list(plan.decodes)  # (read once: each read of a repeated string field builds new str objects)
+        requests = self.requests
+        missing = [c.request_id for c in plan.continuing if c.request_id not in requests or c.request_id in forget]
+        decoding = [requests.get(rid) for rid in decodes]
+        if None in decoding or (forget and not forget.isdisjoint(decodes)):
+            missing += [rid for rid in decodes if rid not in requests or rid in forget]
         if missing:
             raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
         for c in plan.continuing:
@@ -209,10 +213,15 @@ class ModelRunner:
                 return DROPPED_PAGE if i in dropped else st.page_ids[i] if i < old else added[i - old]
 
             self._check_fit(c.request_id, st, c.num_scheduled_tokens, page_at, table)
-        for rid in plan.decodes:
-            once(rid)
-            st = self.requests[rid]
-            self._check_fit(rid, st, 1, st.page_ids.__getitem__, len(st.page_ids))
+        if not scheduled.isdisjoint(decodes) or len(set(decodes)) != len(decodes):
+            for rid in decodes:
+                once(rid)
+        bs, limit = self.block_size, self.max_positions
+        for rid, st in zip(decodes, decoding):  # (the common case inline; _check_fit words a refusal)
+            at = st.num_computed
+            if (at >= len(st.token_ids) or at // bs >= len(st.page_ids) or st.page_ids[at // bs] == DROPPED_PAGE
+                    or (limit is not None and at >= limit)):
+                self._check_fit(rid, st, 1, st.page_ids.__getitem__, len(st.page_ids))
         # The plan is consistent: commit.
         for rid in forget:
             self.requests.pop(rid, None)
@@ -227,9 +236,7 @@ class ModelRunner:
         for c in plan.continuing:
             st = self.requests[c.request_id]
             out.append(_Scheduled(c.request_id, st, st.num_computed, c.num_scheduled_tokens))
-        for rid in plan.decodes:
-            st = self.requests[rid]
-            out.append(_Scheduled(rid, st, st.num_computed, 1))
+        out += [_Scheduled(rid, st, st.num_computed, 1) for rid, st in zip(decodes, decoding)]
         return out
 
     # ---- state -> tensors ----------------------------------------------------------------------
@@ -241,6 +248,23 @@ class ModelRunner:
         for item in scheduled:
             st, start, n = item.state, item.start, item.count
             q_start = len(ids)
+            if n == 1:  # (a decode: one position, no ranges)
+                page = start // bs
+                ids.append(st.token_ids[start])
+                positions.append(start)
+                slot_pages.append(st.page_ids[page])
+                slot_offsets.append(start % bs)
+                table = st.page_ids[:page + 1]
+                if st.window:  # dropped pages are read as page 0 and masked
+                    table = [0 if p == DROPPED_PAGE else p for p in table]
+                decode_idx.append(q_start)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+                decode_sinks.append(st.sink)
+                decode_windows.append(st.window)
+                if start + 1 == len(st.token_ids):
+                    logits_rows.append(q_start)
+                continue
             ids.extend(st.token_ids[start:start + n])
             pos = range(start, start + n)
             positions.extend(pos)
@@ -250,15 +274,8 @@ class ModelRunner:
             table = st.page_ids[: -(-ctx // bs)]
             if st.window:  # dropped pages are read as page 0 and masked
                 table = [0 if p == DROPPED_PAGE else p for p in table]
-            if n == 1:
-                decode_idx.append(q_start)
-                decode_tables.append(table)
-                decode_lens.append(ctx)
-                decode_sinks.append(st.sink)
-                decode_windows.append(st.window)
-            else:
-                pages = torch.tensor(table, dtype=torch.long, device=self.device)
-                prefills.append(PrefillSegment(q_start, n, ctx, pages, st.sink, st.window))
+            pages = torch.tensor(table, dtype=torch.long, device=self.device)
+            prefills.append(PrefillSegment(q_start, n, ctx, pages, st.sink, st.window))
             if ctx == len(st.token_ids):
                 logits_rows.append(len(ids) - 1)
 
@@ -267,8 +284,11 @@ class ModelRunner:
 
         groups = []
         for members, width in _group_by_length([len(t) for t in decode_tables]):
-            group = DecodeGroup(tensor([decode_idx[i] for i in members]),
-                                tensor([decode_tables[i] + [0] * (width - len(decode_tables[i])) for i in members]),
+            zeros, flat = [0] * width, []  # (the padded rows as one flat list: torch reads it at once)
+            for i in members:
+                flat += decode_tables[i]
+                flat += zeros[len(decode_tables[i]):]
+            group = DecodeGroup(tensor([decode_idx[i] for i in members]), tensor(flat).view(len(members), width),
                                 tensor([decode_lens[i] for i in members]))
             if any(decode_windows[i] for i in members):
                 group.sinks = tensor([decode_sinks[i] for i in members])
@@ -301,31 +321,37 @@ class ModelRunner:
         if plan.page_ops.copy:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
         t2 = time.perf_counter()
+        prepared = t2
         if scheduled:
-            logits = self._forward(scheduled, result)
+            logits, prepared = self._forward(scheduled, result)
             t3 = time.perf_counter()
             self._sample(scheduled, logits, result)
         else:
             t3 = time.perf_counter()
         t4 = time.perf_counter()
         result.timings.page_ops_ms = (t2 - t1) * 1e3
-        result.timings.forward_ms = (t3 - t2) * 1e3
+        result.timings.prepare_ms = (prepared - t2) * 1e3
+        result.timings.forward_ms = (t3 - prepared) * 1e3
         result.timings.sample_ms = (t4 - t3) * 1e3
         result.timings.total_ms = (t4 - t0) * 1e3
         return result
 
-    def _forward(self, scheduled: list[_Scheduled], result: pb.StepResult) -> torch.Tensor:
-        """Logits of the step's finishing rows: a captured graph for a decode-only step that fits one, else eager."""
+    def _forward(self, scheduled: list[_Scheduled], result: pb.StepResult) -> tuple[torch.Tensor, float]:
+        """Logits of the step's finishing rows: a captured graph for a decode-only step that fits one, else eager;
+        and when the inputs were ready (perf_counter; a graph's rows are built, its buffers filled in its run)."""
         if self.graphs is not None and self.graphs.fits(len(scheduled)) and all(i.count == 1 for i in scheduled):
             result.num_computed_tokens = len(scheduled)
-            logits = self.graphs.run([self._decode_row(item) for item in scheduled])
+            rows = [self._decode_row(item) for item in scheduled]
+            prepared = time.perf_counter()
+            logits = self.graphs.run(rows)
             finishing = [i for i, item in enumerate(scheduled) if item.start + 1 == len(item.state.token_ids)]
             if len(finishing) == len(scheduled):
-                return logits
-            return logits[torch.tensor(finishing, dtype=torch.long, device=logits.device)]
+                return logits, prepared
+            return logits[torch.tensor(finishing, dtype=torch.long, device=logits.device)], prepared
         ids, positions, meta, rows = self._build_batch(scheduled)
         result.num_computed_tokens = int(ids.numel())
-        return self.model.forward(ids, positions, meta, self.pool, self.attention, rows)
+        prepared = time.perf_counter()
+        return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
 
     def _decode_row(self, item: _Scheduled) -> DecodeRow:
         st, pos, bs = item.state, item.start, self.block_size
@@ -335,16 +361,19 @@ class ModelRunner:
         return DecodeRow(st.token_ids[pos], pos, st.page_ids[pos // bs], pos % bs, table, st.sink, st.window)
 
     def _sample(self, scheduled: list[_Scheduled], logits: torch.Tensor, result: pb.StepResult) -> None:
-        finishing = []
-        for item in scheduled:
-            item.state.num_computed = item.start + item.count
-            if item.state.num_computed == len(item.state.token_ids):
-                finishing.append(item)
+        finishing, rows = [], []
+        for row, item in enumerate(scheduled):  # (scheduled is in plan order: its index is the plan row)
+            st = item.state
+            st.num_computed = done = item.start + item.count
+            if done == len(st.token_ids):
+                finishing.append(st)
+                rows.append(row)
         if not finishing:
             return
-        tokens, logprobs = sample(logits, [f.state.sampling for f in finishing],
-                                  [f.state.num_output for f in finishing])
-        for item, token, lp in zip(finishing, tokens, logprobs):
-            item.state.token_ids.append(token)
-            item.state.num_output += 1
-            result.sampled.add(request_id=item.request_id, token_id=token, logprob=lp)
+        tokens, logprobs = sample(logits, [st.sampling for st in finishing], [st.num_output for st in finishing])
+        for st, token in zip(finishing, tokens):
+            st.token_ids.append(token)
+            st.num_output += 1
+        result.sampled_rows.extend(rows)
+        result.sampled_token_ids.extend(tokens)
+        result.sampled_logprobs.extend(logprobs)

@@ -22,7 +22,7 @@ from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype, sampling_defaults
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
-from pagedkv import grpc_common, logs, security
+from pagedkv import grpc_common, logs, runtime, security
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.models import resolve_model
@@ -86,10 +86,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             await asyncio.shield(_in_flight(context.send_initial_metadata(
                 ((PAGES_METADATA, "kept" if kept else "fresh"),))))
             ended = None  # when the last result went out, if requests were left in progress
+            writing = None  # the last result's write, not yet confirmed
             while (plan := await self._next_plan(context, drained)) is not None:
                 waited = time.perf_counter() - ended if ended is not None else 0.0
                 result = self._step(plan)
                 if result is None:
+                    if writing is not None:  # (the last result first: the scheduler has it before the error)
+                        await asyncio.shield(writing)
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed on the executor; "
                                         "its request state is reset (see the executor's log)")
                 result.timings.wait_ms = waited * 1e3
@@ -98,7 +101,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 # wait for it (none with async scheduling, where it is already queued). With no request left the
                 # executor waits for new work, not for the scheduler: not counted.
                 ended = time.perf_counter() if self.runner.requests else None
-                await asyncio.shield(_in_flight(context.write(result)))
+                if writing is not None:  # (one write at a time on a stream: the last one went out during the step)
+                    await asyncio.shield(writing)
+                # NOTE: the write is started, not awaited: its bytes leave at once, and the next plan (already
+                # queued with async scheduling) is read and run while grpc confirms it.
+                writing = _in_flight(context.write(result))
+            if writing is not None:
+                await asyncio.shield(writing)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:  # noqa: BLE001 - the stream broke under a write: the scheduler is gone
@@ -307,7 +316,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
         default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
-        model_sliding_window=cfg.model_window,
+        model_sliding_window=cfg.model_window, protocol=grpc_common.EXECUTOR_PROTOCOL,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
@@ -354,6 +363,7 @@ async def serve(args) -> None:
         import prometheus_client
 
         prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
+    runtime.settle_gc()  # (the model's modules and parameters, frozen; young collections less often: as the scheduler)
     await server.start()
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("executor_ready", address=f"{args.host}:{port}", pid=os.getpid(), tls=credentials is not None,

@@ -14,10 +14,14 @@ from pagedkv.serve_args import EXECUTOR_DRAIN_TIMEOUT, EXECUTOR_HOST
 STOP_MARGIN = 10.0  # seconds past a child's own drain bound before serve SIGKILLs it
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid=()) -> int:
+    """A port free on ``host`` now, none of ``avoid`` (ports chosen for others that may not be bound yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def _run_async(coro) -> None:
@@ -41,7 +45,11 @@ even a SIGKILLed one (Linux: parent-death signal)."""
 def serve(args) -> int:
     from pagedkv.serve_args import child_commands
 
-    exec_port = args.executor_port or free_port(EXECUTOR_HOST)
+    # (not a port the scheduler, its metrics or the gateway will take: they start at the same time)
+    taken = {args.port, getattr(args, "http_port", 0)}
+    if getattr(args, "metrics_port", 0):
+        taken |= {args.metrics_port, args.metrics_port + 1}
+    exec_port = args.executor_port or free_port(EXECUTOR_HOST, avoid=taken)
     exec_cmd, sched_cmd = child_commands(args, args.forwarded, exec_port)
     return _supervise(args, exec_port, exec_cmd, sched_cmd)
 

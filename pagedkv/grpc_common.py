@@ -7,6 +7,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20
+# The scheduler <-> executor protocol's version (DescribeResponse.protocol): raised when either end would
+# misread the other's messages. 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
+EXECUTOR_PROTOCOL = 2
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -53,6 +56,10 @@ def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, interceptors=()) -> g
     options = [*CHANNEL_OPTIONS, *SERVER_KEEPALIVE_OPTIONS]
     options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    # NOTE: grpc binds with SO_REUSEPORT by default: a second server on a port in use then binds too, and the
+    # kernel splits new connections between the two (a client of one gets answers from the other). A port in use
+    # must fail the bind instead (bind() names it).
+    options.append(("grpc.so_reuseport", 0))
     return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
@@ -74,7 +81,10 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
     """Listens on host:port, with TLS when ``credentials`` are given (pagedkv.security.server_credentials)."""
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # (grpc's "Failed to bind")
+        bound = 0
     if bound == 0:
         raise OSError(f"--port {port}: cannot bind {host}:{port} (in use?)")
     return bound

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.grpc_common import EXECUTOR_PROTOCOL
 from scheduler_svc import metrics
 from scheduler_svc.engine import Engine, EngineHooks, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
@@ -137,6 +138,9 @@ class Cluster:
         Another KV cache dtype (--kv-cache-dtype) is no reason: pages never move between executors (a moved
         request is recomputed on its new executor, whose page count already reflects its bytes per token),
         so executors with fp8, int8 and full-precision pages serve side by side."""
+        if describe.protocol != EXECUTOR_PROTOCOL:
+            return (f"protocol {describe.protocol} is not this scheduler's {EXECUTOR_PROTOCOL} (the executor "
+                    f"runs another pagedkv version: run the same version on both sides)")
         ref = self.reference
         for field in ("model", "vocab_size", "block_size", "max_position_embeddings"):
             if getattr(describe, field) != getattr(ref, field):

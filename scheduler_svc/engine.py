@@ -69,6 +69,7 @@ class Engine:
         self.state = State.CONNECTING
         self.executor_id = ""
         self.kv_dtype, self.kv_bytes_per_token = "", 0  # the executor's KV cache format (Describe)
+        self.vocab_size = 0  # the executor's (Describe): a sampled token outside it is a malformed result
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -174,6 +175,7 @@ class Engine:
         self.state = State.UP
         self.executor_id = describe.executor_id
         self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
+        self.vocab_size = describe.vocab_size
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
                       num_host_pages=describe.num_host_pages, pages="kept" if self.client.pages_kept else "fresh",
                       cached_pages=self.scheduler.snapshot().pool.num_cached)
@@ -249,6 +251,10 @@ class Engine:
         except ExecutorUnavailable as err:
             self._executor_lost(str(err))
             return
+        problem = self.scheduler.malformed(result, self.vocab_size)
+        if problem:  # (the plans in flight are void: its requests are recomputed, here or elsewhere)
+            self._executor_lost(f"the executor's result for step {step_id} is malformed: {problem}")
+            return
         self.in_flight.popleft()
         if result.error:
             self.sync_steps = SYNC_AFTER_REJECTION
@@ -274,6 +280,7 @@ class Engine:
         metrics.STEP_SECONDS.labels("plan").observe(plan_s)
         metrics.STEP_SECONDS.labels("process").observe(time.perf_counter() - t2)
         metrics.STEP_SECONDS.labels("executor").observe(t2 - sent_at)
+        metrics.STEP_SECONDS.labels("prepare").observe(result.timings.prepare_ms / 1e3)
         metrics.STEP_SECONDS.labels("forward").observe(result.timings.forward_ms / 1e3)
         metrics.STEP_SECONDS.labels("rpc").observe(max(0.0, t2 - started - result.timings.total_ms / 1e3))
         metrics.STEP_SECONDS.labels("executor_idle").observe(result.timings.wait_ms / 1e3)

@@ -40,6 +40,7 @@ class InFlight:
     ops: PageOps
     resending: bool = False
     forget: list[str] = field(default_factory=list)  # the request ids it told the executor to drop
+    rows: list[Request] = field(default_factory=list)  # its requests in plan order (StepResult.sampled_rows)
 
 
 class ExecutorSession:
@@ -71,13 +72,15 @@ class ExecutorSession:
         plan = pb.StepPlan(step_id=step_id, forget=self.forget)
         forget, self.forget = self.forget, []
         _add_ops(plan, ops)
-        decodes = []
-        entries = []
+        decodes, decoding = [], []
+        entries, new, continuing = [], [], []  # (rows: new_requests, continuing, then decodes)
         for req, n in scheduled:
             if n == 1 and req.num_pages_sent == len(req.page_table) and not req.dropped_pending:
                 decodes.append(req.request_id)
+                decoding.append(req)
                 req.last_scheduled = step_id
             else:
+                (new if req.num_pages_sent < 0 else continuing).append(req)
                 _add_request(plan, req, n)
             req.num_computed += n
             req.num_inflight_tokens += n
@@ -86,7 +89,7 @@ class ExecutorSession:
                 req.num_pending += 1
             entries.append((req, n, samples))
         plan.decodes.extend(decodes)
-        self.in_flight.append(InFlight(step_id, entries, ops, forget=forget))
+        self.in_flight.append(InFlight(step_id, entries, ops, forget=forget, rows=new + continuing + decoding))
         return plan
 
     def resend(self, step_id: int) -> pb.StepPlan:
@@ -99,6 +102,29 @@ class ExecutorSession:
         return plan
 
     # ---- results -------------------------------------------------------------------------------
+    def malformed(self, result: pb.StepResult, vocab_size: int = 0) -> str:
+        """Why the result cannot be the answer to the oldest plan in flight, or '' (a peer is not trusted: a
+        sample for a row the plan does not have, twice for one row, a token outside [0, vocab_size) when that is
+        known, or lists of different lengths)."""
+        if result.error:
+            return ""
+        rows = result.sampled_rows
+        if not len(rows) == len(result.sampled_token_ids) == len(result.sampled_logprobs):
+            return (f"sampled_rows, sampled_token_ids and sampled_logprobs differ in length ({len(rows)}, "
+                    f"{len(result.sampled_token_ids)}, {len(result.sampled_logprobs)})")
+        if not rows:
+            return ""
+        planned = len(self.in_flight[0].rows) if self.in_flight else 0
+        if max(rows) >= planned:
+            return f"sampled_rows: row {max(rows)} but the plan has {planned} rows"
+        if len(set(rows)) != len(rows):
+            return "sampled_rows: a row sampled twice"
+        tokens = result.sampled_token_ids
+        if min(tokens) < 0 or (vocab_size and max(tokens) >= vocab_size):
+            bad = next(t for t in tokens if t < 0 or (vocab_size and t >= vocab_size))
+            return f"sampled_token_ids: token {bad} outside the vocabulary [0, {vocab_size or 'its size'})"
+        return ""
+
     def accepted(self) -> InFlight:
         """The executor ran the oldest plan in flight: it leaves the queue (its requests' in-flight counts are
         the caller's to settle, its page operations to confirm)."""

@@ -11,6 +11,7 @@ from collections import deque
 import structlog
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.grpc_common import EXECUTOR_PROTOCOL
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.executor_client import ExecutorUnavailable
@@ -75,8 +76,8 @@ class FakeClient:
             raise ExecutorUnavailable(f"{self.address} down")
         self.call = FakeCall()
         self.sent.clear()
-        return pb.DescribeResponse(model="m", vocab_size=300, block_size=BS, max_position_embeddings=4096,
-                                   num_device_pages=self.box.pages, eos_token_ids=[2],
+        return pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
+                                   max_position_embeddings=4096, num_device_pages=self.box.pages, eos_token_ids=[2],
                                    executor_id=self.box.executor_id)
 
     async def send(self, plan) -> None:
@@ -124,9 +125,19 @@ def new_cluster(**kw) -> cluster_mod.Cluster:
 
     def make_scheduler(d) -> Scheduler:
         return Scheduler(PagePool(d.num_device_pages, d.block_size), config, list(d.eos_token_ids))
-    reference = pb.DescribeResponse(model="m", vocab_size=300, block_size=BS, max_position_embeddings=4096)
+    reference = pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
+                                    max_position_embeddings=4096)
     kw.setdefault("step_timeout", 5)
     return cluster_mod.Cluster(reference, make_scheduler, structlog.get_logger(), check_every_step=True, **kw)
+
+
+async def up_cluster(addresses: set[str], **kw) -> cluster_mod.Cluster:
+    """A started cluster (new_cluster's keywords) on the Boxes at ``addresses``, once every engine is up."""
+    c = new_cluster(**kw)
+    c.start()
+    c.set_addresses(addresses)
+    await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+    return c
 
 
 async def collect(req) -> tuple[list[int], str | None]:

@@ -47,16 +47,30 @@ def fake_result(plan: pb.StepPlan, known: dict[str, list]) -> pb.StepResult:
         known.pop(rid, None)
     for new in plan.new_requests:
         known[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
-    for rid, n in scheduled(plan):
+    for row, (rid, n) in enumerate(scheduled(plan)):
         result.num_computed_tokens += n
         total, done = known[rid]
         done += n
         assert done <= total
         if done == total:
             total += 1
-            result.sampled.add(request_id=rid, token_id=SAMPLE(rid, total))
+            add_sample(result, row, SAMPLE(rid, total))
         known[rid] = [total, done]
     return result
+
+
+def add_sample(result: pb.StepResult, row: int, token: int, logprob: float = 0.0) -> None:
+    """One sampled token for the plan's row ``row`` (rows: new_requests, continuing, then decodes)."""
+    result.sampled_rows.append(row)
+    result.sampled_token_ids.append(token)
+    result.sampled_logprobs.append(logprob)
+
+
+def samples(plan: pb.StepPlan, result: pb.StepResult) -> list[tuple[str, int, float]]:
+    """(request id, token, logprob) of every token a result sampled, in plan order."""
+    ids = [rid for rid, _ in scheduled(plan)]
+    return [(ids[row], token, lp) for row, token, lp in
+            zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs)]
 
 
 class FakeExecutor:
@@ -127,8 +141,8 @@ class FakeExecutor:
             for pos in range(start, start + n):
                 page, off = self._slot(rid, pos)
                 page[off] = fps[pos]
-        for sampled in result.sampled:
-            self.tokens[sampled.request_id].append(sampled.token_id)
+        for rid, token, _ in samples(plan, result):
+            self.tokens[rid].append(token)
         return result
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from executor_svc.model_config import ModelConfig
+from tests.fake_executor import samples
 from tests.hf_reference import hf_greedy, random_prompts
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -52,10 +53,10 @@ def paged_greedy(path: Path, prompts: list[list[int]], max_new: int, block_size:
                 plan.continuing.add(request_id=rid, num_scheduled_tokens=1)
         result = runner.step(plan)
         assert not result.error, result.error
-        for s in result.sampled:
-            outs[s.request_id].append(s.token_id)
-            if s.token_id in stop_ids:
-                live.discard(s.request_id)
+        for rid, token, _ in samples(plan, result):
+            outs[rid].append(token)
+            if token in stop_ids:
+                live.discard(rid)
         if not live:
             break
     return [outs[str(i)] for i in range(len(prompts))]

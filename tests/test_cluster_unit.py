@@ -9,17 +9,16 @@ import asyncio
 import pytest
 
 from scheduler_svc import engine as engine_mod
-from tests.fake_cluster import Box, FakeClient, collect, new_cluster, until  # the boxes fixture: tests/conftest.py
+
+# (the boxes fixture: tests/conftest.py)
+from tests.fake_cluster import Box, FakeClient, collect, new_cluster, until, up_cluster
 from tests.fake_executor import make_request
 
 
 def test_executor_failure_moves_a_stream_with_no_token_lost_or_repeated(boxes):
     async def scenario():
         boxes.update({"a:1": Box(64), "b:1": Box(64)})
-        c = new_cluster()
-        c.start()
-        c.set_addresses({"a:1", "b:1"})
-        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        c = await up_cluster({"a:1", "b:1"})
         boxes["a:1"].delay = boxes["b:1"].delay = 0.002
         req = make_request(1, 40, 60)
         c.add_request(req)
@@ -263,10 +262,7 @@ def test_a_request_the_executor_always_rejects_ends_with_the_error(boxes, monkey
 
     async def scenario():
         boxes["a:1"] = Box(64)
-        c = new_cluster(async_scheduling=async_scheduling)
-        c.start()
-        c.set_addresses({"a:1"})
-        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        c = await up_cluster({"a:1"}, async_scheduling=async_scheduling)
         boxes["a:1"].delay = 0.002
         good = make_request(1, 20, 40)
         c.add_request(good)
@@ -296,10 +292,7 @@ def test_async_scheduling_sends_the_next_plan_before_reading_the_last_result(box
 
     async def scenario():
         boxes["a:1"] = Box(64)
-        c = new_cluster(async_scheduling=async_scheduling)
-        c.start()
-        c.set_addresses({"a:1"})
-        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        c = await up_cluster({"a:1"}, async_scheduling=async_scheduling)
         reqs = [make_request(i, 20, 30) for i in range(3)]
         for r in reqs:
             c.add_request(r)
@@ -310,3 +303,67 @@ def test_async_scheduling_sends_the_next_plan_before_reading_the_last_result(box
     outs = asyncio.run(scenario())
     assert all(err is None and len(tokens) == 30 for tokens, err in outs)
     assert most["in_flight"] == (2 if async_scheduling else 1)
+
+
+def test_an_executor_speaking_another_protocol_version_is_refused_naming_both():
+    """A scheduler and an executor of different pagedkv versions would misread each other's step messages (an
+    executor from before packed samples sends them in a field this scheduler does not read: every stream would
+    hang): the executor is refused, and the reason says which versions met."""
+    from pagedkv.executor.v1 import executor_pb2 as pb
+    from pagedkv.grpc_common import EXECUTOR_PROTOCOL
+
+    c = new_cluster()
+    same = pb.DescribeResponse()
+    same.CopyFrom(c.reference)
+    assert c.check_compatible(same) == ""
+    for other in (0, EXECUTOR_PROTOCOL + 1):
+        same.protocol = other
+        assert c.check_compatible(same).startswith(f"protocol {other} is not this scheduler's {EXECUTOR_PROTOCOL}")
+
+
+@pytest.mark.parametrize("fault", ["row past the plan", "row twice", "lengths differ", "token past the vocabulary",
+                                   "negative token"])
+def test_a_malformed_result_is_a_lost_executor_and_no_token_is_lost_or_repeated(boxes, monkeypatch, fault):
+    """A result whose samples name a row the plan does not have, name one row twice, hold a token outside the
+    vocabulary, or whose packed lists differ in length is not applied (no request gets a token it was not sent):
+    the executor is treated as lost, and its requests move on, each stream whole."""
+    from tests import fake_executor
+
+    monkeypatch.setattr(fake_executor, "SAMPLE", lambda rid, position: position)  # a repeat or a gap shows
+    original = FakeClient.step
+    spoiled = {"done": False}
+
+    async def step(self, plan):
+        result = await original(self, plan)
+        if self.address == "a:1" and not spoiled["done"] and len(result.sampled_rows) >= 2 and plan.step_id > 12:
+            spoiled["done"] = True
+            if fault == "row past the plan":
+                result.sampled_rows[-1] = len(plan.new_requests) + len(plan.continuing) + len(plan.decodes)
+            elif fault == "row twice":
+                result.sampled_rows[1] = result.sampled_rows[0]
+            elif fault == "token past the vocabulary":  # (the executors' Describe: vocab_size 300)
+                result.sampled_token_ids[1] = 300
+            elif fault == "negative token":
+                result.sampled_token_ids[0] = -1
+            else:
+                result.sampled_logprobs.append(0.0)
+        return result
+    monkeypatch.setattr(FakeClient, "step", step)
+
+    async def scenario():
+        boxes.update({"a:1": Box(64)})
+        c = await up_cluster({"a:1"})
+        boxes["a:1"].delay = 0.001
+        reqs = [make_request(i, 20, 40) for i in range(3)]
+        for r in reqs:
+            c.add_request(r)
+        boxes["b:1"] = Box(64)
+        c.set_addresses({"a:1", "b:1"})
+        try:
+            return [await asyncio.wait_for(collect(r), 10) for r in reqs], c.engines["a:1"].num_migrated_out
+        finally:
+            await c.stop()
+    outs, migrated = asyncio.run(scenario())
+    assert spoiled["done"]
+    assert all(err is None and tokens == list(range(21, 61)) for tokens, err in outs), outs
+    assert migrated >= 1

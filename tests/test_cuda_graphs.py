@@ -19,6 +19,7 @@ from executor_svc.cuda_graphs import (
     graph_blocker,
     width_for,
 )
+from tests.fake_executor import samples
 from tests.inprocess import InProcessServer
 
 
@@ -169,7 +170,7 @@ def test_single_token_prefill_rows_ride_the_graph_without_sampling(tiny_llama_di
     for plan in plans():
         want, got = eager.step(plan), graphed.step(plan)
         assert not want.error and not got.error, (want.error, got.error)
-        assert [(s.request_id, s.token_id) for s in got.sampled] == [(s.request_id, s.token_id) for s in want.sampled]
+        assert [s[:2] for s in samples(plan, got)] == [s[:2] for s in samples(plan, want)]
         assert got.num_computed_tokens == want.num_computed_tokens
-    assert [s.request_id for s in want.sampled] == ["b", "a"]  # the last step: b's last prompt token finishes it
+    assert [s[0] for s in samples(plan, want)] == ["b", "a"]  # the last step: b's last prompt token finishes it
     assert set(graphed.graphs.graphs) == {(2, 1)}  # steps 2-4 went through the graph of two rows

@@ -69,7 +69,7 @@ async def decode(stub, metadata, first: pb.NewRequest, steps: int) -> tuple[list
             await call.write(pb.StepPlan(step_id=step + 1, decodes=[first.request_id]))
         result = await call.read()
         assert not result.error, result.error
-        tokens.append(result.sampled[0].token_id)
+        tokens.append(result.sampled_token_ids[0])
     pages = dict(await call.initial_metadata()).get("x-pagedkv-pages", "")
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
@@ -107,7 +107,7 @@ def test_a_dropped_stream_leaves_no_unretrieved_task_in_the_log(executor):
             for _ in range(3):
                 call = stub.Run(metadata=session("eof"))
                 await call.write(pb.StepPlan(step_id=1, new_requests=[new_request("a", PROMPT, [3, 4, 5])]))
-                assert (await call.read()).sampled
+                assert (await call.read()).sampled_token_ids
                 call.cancel()
             tokens, _ = await decode(stub, session("eof"), new_request("a", PROMPT, [3, 4, 5]), 1)
             assert len(tokens) == 2
@@ -218,19 +218,19 @@ def test_bad_plans_are_refused_naming_the_field_and_change_nothing(executor):
             stub = pb_grpc.ExecutorStub(ch)
             call = stub.Run(metadata=session("v"))
             await call.write(pb.StepPlan(step_id=1, new_requests=[new_request("good", PROMPT[:8], [7])]))
-            first = (await call.read()).sampled[0].token_id
+            first = (await call.read()).sampled_token_ids[0]
             for field, plan in bad_plans():
                 await call.write(plan)
                 result = await call.read()
                 assert field in result.error, (field, result.error)
-                assert not result.sampled and result.num_computed_tokens == 0
+                assert not result.sampled_token_ids and result.num_computed_tokens == 0
             # Nothing of those plans was committed: "good" decodes as if none had come, and a temperature
             # of 1e-38 is greedy (it sampled token 0 every time).
             await call.write(pb.StepPlan(step_id=2, decodes=["good"]))
-            second = (await call.read()).sampled[0].token_id
+            second = (await call.read()).sampled_token_ids[0]
             await call.write(pb.StepPlan(step_id=3, new_requests=[
                 new_request("tiny", PROMPT[:8], [8], temperature=1e-38, seed=5)]))
-            tiny = (await call.read()).sampled[0].token_id
+            tiny = (await call.read()).sampled_token_ids[0]
             call.cancel()
             again, _ = await decode(stub, session("v"), new_request("good", PROMPT[:8], [7]), 1)
             assert again == [first, second] and tiny == first != 0
@@ -279,7 +279,7 @@ async def cancel_in_phase(stub, phase: int, rng: random.Random) -> None:
         else:  # the scheduler closes the stream itself (the plain disconnect)
             await call.write(long_plan())
             await call.done_writing()
-            assert (await call.read()).sampled
+            assert (await call.read()).sampled_token_ids
             assert await call.read() is grpc.aio.EOF
     except grpc.aio.AioRpcError as err:
         raise AssertionError(f"phase {phase}: {err.code()} {err.details()}") from err
@@ -361,6 +361,6 @@ def test_drain_while_idle_ends_the_stream_cleanly(executor):
             assert await call.code() == grpc.StatusCode.OK
             return result
 
-    assert run(main()).sampled
+    assert run(main()).sampled_token_ids
     assert executor.wait(30) == 0
     assert_healthy(executor, alive=False)

@@ -14,6 +14,7 @@ from kernels_cuda import specs
 from tests import cuda_attention_cases as cases
 from tests.cuda_attention_cases import SINK_WINDOW, SPLIT, Env, Request
 from tests.cuda_emulator import EmulatedLibrary, unavailable_reason
+from tests.fake_executor import samples
 
 SKIP = unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -141,7 +142,7 @@ def test_runner_greedy_matches_torch_backend(emu, tmp_path, kv_dtype):
     for plan in plans:
         results = [r.step(plan) for r in runners]
         assert not results[0].error and not results[1].error, (results[0].error, results[1].error)
-        got = [{s.request_id: (s.token_id, s.logprob) for s in r.sampled} for r in results]
+        got = [{rid: (token, lp) for rid, token, lp in samples(plan, r)} for r in results]
         assert got[0].keys() == got[1].keys()
         for rid, (token, logprob) in got[0].items():
             assert got[1][rid][0] == token, f"step {plan.step_id}, request {rid}: tokens differ"

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
-from tests.fake_cluster import Box, FakeClient, collect, new_cluster, until
+from tests.fake_cluster import Box, FakeClient, collect, until, up_cluster
 from tests.fake_executor import make_request
 
 KV = {"a:1": ("fp8_e4m3", 1088), "b:1": ("int8", 1088), "c:1": ("float32", 4096)}
@@ -34,10 +34,7 @@ def boxes(monkeypatch):
 def test_mixed_kv_dtypes_join_report_and_migrate(boxes):
     async def scenario():
         boxes.update({"a:1": Box(64), "b:1": Box(64), "c:1": Box(16)})
-        c = new_cluster()
-        c.start()
-        c.set_addresses(set(boxes))
-        await until(lambda: all(e.state is engine_mod.State.UP for e in c.engines.values()))
+        c = await up_cluster(set(boxes))
         infos = {i.address: (i.kv_dtype, i.kv_bytes_per_token, i.state) for i in c.executor_infos()}
         boxes["b:1"].delay = boxes["a:1"].delay = 0.002
         boxes["c:1"].alive = False  # the float32 executor leaves: only fp8 and int8 remain

@@ -17,6 +17,7 @@ import torch
 
 from executor_svc.model_config import ModelConfig
 from pagedkv.models import build_random_model
+from tests.fake_executor import samples
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.inprocess import InProcessServer
 from tests.model_helpers import SMALL, VOCAB, with_config
@@ -277,7 +278,7 @@ def _paged_first_logprobs(path: Path, prompts: list[list[int]], kv_dtype: str = 
                               sampling=pb.SamplingParams(logprobs=True))
     result = runner.step(plan)
     assert not result.error, result.error
-    by_id = {s.request_id: (s.token_id, s.logprob) for s in result.sampled}
+    by_id = {rid: (token, lp) for rid, token, lp in samples(plan, result)}
     return [by_id[str(i)] for i in range(len(prompts))]
 
 
@@ -500,5 +501,5 @@ def test_the_executor_builds_and_runs_the_new_families(arch, tmp_path):
             plan.continuing.add(request_id="a", num_scheduled_tokens=1)
         result = runner.step(plan)
         assert not result.error, result.error
-        out.append(result.sampled[0].token_id)
+        out.append(result.sampled_token_ids[0])
     assert out == hf_greedy(path, [prompt], [8])[0]

@@ -133,10 +133,10 @@ CASES = [
 async def good_stream(stub, metadata, steps: int) -> list[int]:
     call = stub.Run(metadata=metadata)
     await call.write(pb.StepPlan(step_id=1, new_requests=[new("good", pages=[7])]))
-    tokens = [(await call.read()).sampled[0].token_id]
+    tokens = [(await call.read()).sampled_token_ids[0]]
     for step in range(steps):
         await call.write(pb.StepPlan(step_id=2 + step, decodes=["good"]))
-        tokens.append((await call.read()).sampled[0].token_id)
+        tokens.append((await call.read()).sampled_token_ids[0])
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     return tokens
@@ -160,18 +160,18 @@ def test_bad_plan_is_refused_and_changes_nothing(executor, reference, name, bad,
         async with grpc.aio.insecure_channel(executor.address) as ch:
             call = pb_grpc.ExecutorStub(ch).Run(metadata=(*AUTH, ("x-pagedkv-session", "cases")))
             await call.write(pb.StepPlan(step_id=1, new_requests=[new("good", pages=[7])]))
-            first = (await call.read()).sampled[0].token_id
+            first = (await call.read()).sampled_token_ids[0]
             await call.write(bad)
             refused = await call.read()
             await call.write(pb.StepPlan(step_id=6, decodes=["good"]))
-            second = (await call.read()).sampled[0].token_id
+            second = (await call.read()).sampled_token_ids[0]
             await call.done_writing()
             return refused, [first, second]
 
     refused, tokens = asyncio.run(main())
     assert refused.error, f"{name}: accepted"
     assert why in refused.error, f"{name}: {refused.error!r} does not name {why!r}"
-    assert not refused.sampled and refused.num_computed_tokens == 0
+    assert not refused.sampled_token_ids and refused.num_computed_tokens == 0
     assert tokens == reference, f"{name}: the good request changed after the refused plan"
     assert_alive(executor)
 
@@ -231,6 +231,9 @@ def test_random_plans_get_an_answer_and_the_executor_stays_correct(executor, ref
     results, tokens = asyncio.run(main())
     for p, r in zip(plans, results):
         assert r.step_id == p.step_id
-        assert all(0 <= s.token_id < VOCAB for s in r.sampled)
+        assert all(0 <= t < VOCAB for t in r.sampled_token_ids)
+        assert len(r.sampled_rows) == len(r.sampled_token_ids) == len(r.sampled_logprobs)
+        assert list(r.sampled_rows) == sorted(set(r.sampled_rows))
+        assert all(row < len(p.new_requests) + len(p.continuing) + len(p.decodes) for row in r.sampled_rows)
     assert tokens == reference
     assert_alive(executor)

@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window")
+    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class DescribeResponse(_message.Message):
     DEFAULT_TOP_P_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODEL_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_layers: int
@@ -64,7 +65,8 @@ class DescribeResponse(_message.Message):
     default_top_p: float
     default_top_k: int
     model_sliding_window: int
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ...) -> None: ...
+    protocol: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
@@ -148,44 +150,40 @@ class StepPlan(_message.Message):
     decodes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., forget: _Optional[_Iterable[str]] = ..., page_ops: _Optional[_Union[PageOps, _Mapping]] = ..., decodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class SampledToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_id: int
-    logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
 class StepTimings(_message.Message):
-    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms")
+    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms", "prepare_ms")
     PAGE_OPS_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
     page_ops_ms: float
     forward_ms: float
     sample_ms: float
     total_ms: float
     wait_ms: float
-    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
+    prepare_ms: float
+    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining")
+    __slots__ = ("step_id", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining", "sampled_rows", "sampled_token_ids", "sampled_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DESYNCED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     timings: StepTimings
     error: str
     desynced_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_computed_tokens: int
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    sampled_rows: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step_id: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

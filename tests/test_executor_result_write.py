@@ -1,0 +1,77 @@
+"""The executor starts writing a step's result and runs the next plan without waiting for the write to be
+confirmed (executor_svc/server.py, Run). That only pays if the result's bytes leave when the write starts: were
+they held until the handler next yields to its event loop, a result would reach the scheduler a whole step late
+and async scheduling would lose its overlap. Here the scheduler side reads on its own thread while the executor's
+second step blocks its event loop (as a forward does): the first result must arrive during that step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import structlog
+
+from executor_svc.server import ExecutorService
+from pagedkv import grpc_common
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+SLOW_STEP_S = 2.0  # (wide margins: a behaviour, not a speed, is checked)
+
+
+class SlowRunner:
+    """What ExecutorService asks of a ModelRunner; step 2 holds the event loop's thread for SLOW_STEP_S."""
+
+    def __init__(self) -> None:
+        self.requests = {"r": object()}  # (requests in progress: the idle gap is measured)
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        time.sleep(SLOW_STEP_S if plan.step_id == 2 else 0.01)
+        result = pb.StepResult(step_id=plan.step_id, num_computed_tokens=1)
+        result.sampled_rows.append(0)
+        result.sampled_token_ids.append(plan.step_id)
+        result.sampled_logprobs.append(0.0)
+        return result
+
+    def reset(self) -> None:
+        pass
+
+    def wipe_pages(self) -> bool:
+        return False
+
+
+def test_a_result_leaves_while_the_next_step_runs():
+    arrived: dict[int, float] = {}
+    ready = threading.Event()
+    port: list[int] = []
+
+    async def serve(stop: asyncio.Event) -> None:
+        server = grpc_common.new_server()
+        pb_grpc.add_ExecutorServicer_to_server(ExecutorService(SlowRunner(), pb.DescribeResponse(),
+                                                               structlog.get_logger()), server)
+        port.append(grpc_common.bind(server, "127.0.0.1", 0))
+        await server.start()
+        ready.set()
+        await stop.wait()
+        await server.stop(None)
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(stop),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port[0]}") as channel:
+            stub = pb_grpc.ExecutorStub(channel)
+            start = time.perf_counter()
+            plans = [pb.StepPlan(step_id=1, decodes=["r"]), pb.StepPlan(step_id=2, decodes=["r"])]
+            for result in stub.Run(iter(plans), timeout=10):  # (both plans go at once: async scheduling)
+                arrived[result.step_id] = time.perf_counter() - start
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+    assert set(arrived) == {1, 2}
+    assert arrived[1] < SLOW_STEP_S / 2, arrived  # during step 2, not after it
+    assert arrived[2] - arrived[1] > SLOW_STEP_S / 2, arrived
