@@ -41,6 +41,8 @@ TENANT_FAIR_PREEMPTIONS = Counter("pagedkv_tenant_fair_share_preemptions_total",
 SPILL_HITS = Counter("pagedkv_prefix_spill_hits_total", "Prefix-cache pages served from the host tier")
 FINISHED = Counter("pagedkv_requests_finished_total", "Requests finished", ["reason"])
 GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and streamed")
+COALESCED_MESSAGES = Counter("pagedkv_stream_messages_coalesced_total",
+                             "Messages sent inside an earlier one of their stream (the client stream fell behind)")
 PROMPT_TOKENS = Counter("pagedkv_prompt_tokens_total", "Prompt tokens admitted")
 PREFIX_QUERY_TOKENS = Counter("pagedkv_prefix_cache_query_tokens_total",
                               "Prompt tokens of requests admitted for the first time (the prefix cache's lookups)")

@@ -2,12 +2,14 @@
 
 ``OutputProcessor.on_token`` appends one sampled token to a request and decides whether it ends the request
 (a stop token or EOS, a stop string, max_tokens or max_len, the 'stop' policy of a page budget); the scheduler
-then frees what the request held. ``final`` is the last message of a request, with its usage. ``deliver`` puts
-messages on the clients' streams and counts them.
+then frees what the request held; a request that goes on gets the text it can stream now. ``final`` is the last
+message of a request, with its usage. ``deliver`` puts messages on the clients' streams and counts them.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc import metrics
@@ -27,8 +29,9 @@ class OutputProcessor:
         self.eos = eos_token_ids
         self.block_size = block_size
 
-    def on_token(self, req: Request, token: int) -> TokenOutcome | None:
-        """Appends token to req's output and text; why it ends req (None: it goes on)."""
+    def on_token(self, req: Request, token: int) -> str | TokenOutcome:
+        """Appends token to req's output and text. Returns why it ends req (then ``final`` has the text left), or,
+        when req goes on, the text it can stream now (``req.detokenizer.take(False)``)."""
         output_ids = req.output_ids
         output_ids.append(token)
         s = req.sampling
@@ -36,10 +39,17 @@ class OutputProcessor:
         if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos):
             detokenizer.add(token, emit_text=False)
             return TokenOutcome(Finish.STOP, str(token))
+        num_outputs = len(output_ids)
+        num_tokens = len(req.prompt_ids) + num_outputs
+        if num_outputs < s.max_tokens and num_tokens < req.max_len and not req.page_budget:  # (no length end)
+            text = detokenizer.push(token)
+            if text is not None:
+                return text
         detokenizer.add(token)
         if detokenizer.stopped_by is not None:
             return TokenOutcome(Finish.STOP, detokenizer.stopped_by)
-        return self.length_end(req, len(req.prompt_ids) + len(output_ids), len(output_ids))
+        outcome = self.length_end(req, num_tokens, num_outputs)
+        return detokenizer.take(False) if outcome is None else outcome
 
     def length_end(self, req: Request, num_tokens: int, num_outputs: int) -> TokenOutcome | None:
         """Whether a request holding ``num_tokens`` tokens, ``num_outputs`` of them sampled, has reached its length:
@@ -64,9 +74,39 @@ class OutputProcessor:
 
 def deliver(outputs: list[tuple[Request, Output]]) -> None:
     """Puts each message on its client's stream."""
+    tokens = 0
     for req, out in outputs:
         req.queue.put_nowait(out)
-        if out.token_ids:
-            metrics.GENERATED_TOKENS.inc(len(out.token_ids))
+        tokens += len(out.token_ids)
         if out.finish is not None:
             metrics.FINISHED.labels(out.finish.value).inc()
+    if tokens:
+        metrics.GENERATED_TOKENS.inc(tokens)
+
+
+def coalesce(first: Output, queue: asyncio.Queue, held: deque) -> Output:
+    """``first`` and the messages already waiting behind it on its stream's queue, for the same fork, as one
+    message: their text joined, their tokens and logprobs in order, and the finish of the last if it ends the
+    fork. A stream that fell behind (a slow client, or more tokens per step than the event loop writes) then
+    catches up in one write instead of one per token; one that keeps up is untouched. A message of another fork,
+    or an error, stops the merge and waits in ``held`` (read before the queue, so the order stays)."""
+    if first.finish is not None or queue.empty():
+        return first
+    texts, token_ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
+    last, merged = first, 0
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if nxt.index != first.index or nxt.error:
+            held.append(nxt)
+            break
+        texts.append(nxt.text)
+        token_ids += nxt.token_ids
+        logprobs += nxt.logprobs
+        last, merged = nxt, merged + 1
+        if nxt.finish is not None:
+            break
+    if not merged:
+        return first
+    metrics.COALESCED_MESSAGES.inc(merged)
+    return Output("".join(texts), token_ids, logprobs, last.finish, last.stop_reason, "", first.index,
+                  last.prompt_tokens, last.completion_tokens, last.cached_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -41,8 +42,8 @@ class Output:
     """One message for the client stream."""
 
     text: str
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: Sequence[int]  # (a tuple, per token: cheaper than a list)
+    logprobs: Sequence[float]
     finish: Finish | None = None
     stop_reason: str = ""
     error: str = ""  # set when the server ends the request abnormally (e.g. the executor failed)

@@ -275,6 +275,11 @@ class Scheduler:
         self.counters.preemptions += 1
 
     # ---- results -------------------------------------------------------------------------------
+    def malformed(self, result: pb.StepResult, vocab_size: int = 0) -> str:
+        """Why ``result`` cannot answer the oldest plan in flight (its samples name rows the plan lacks, or tokens
+        outside the vocabulary), or ''."""
+        return self.session.malformed(result, vocab_size)
+
     def process(self, result: pb.StepResult) -> Outputs:
         """Applies the result of the oldest plan in flight. A request preempted while that plan was in flight
         (async scheduling) still gets its sample: it was drawn from what the request had confirmed."""
@@ -299,21 +304,24 @@ class Scheduler:
                 if req.n > 1 and confirmed == req.compute_target:
                     self._fork(req)
         outputs = []
-        append, requests, on_token, charge = outputs.append, self.requests, self.outputs.on_token, self.waiting.charge
+        append, rows, on_token, charge = outputs.append, sent.rows, self.outputs.on_token, self.waiting.charge
+        finished = Status.FINISHED
         charged: dict[str, int] = {}  # output tokens per tenant, charged once (before a finish: it may idle the tenant)
-        for s in result.sampled:
-            req = requests.get(s.request_id)
-            if req is None or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is not used)
+        for row, token, logprob in zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs):
+            req = rows[row]  # (rows checked by malformed())
+            if req.status is finished or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is unused)
                 continue
-            token, tenant = s.token_id, req.tenant
+            tenant = req.tenant
             charged[tenant] = charged.get(tenant, 0) + 1
             outcome = on_token(req, token)
-            if outcome is None:  # (Output, positional: text, token_ids, logprobs, finish, stop_reason, error, index)
-                append((req, Output(req.detokenizer.take(False), [token],
-                                    [s.logprob] if req.sampling.logprobs else [], None, "", "", req.index)))
+            if outcome.__class__ is str:  # it goes on: the text to stream
+                # (Output, positional: text, token_ids, logprobs, finish, stop_reason, error, index; tuples: a list
+                # is one more object for the collector to track, per token)
+                append((req, Output(outcome, (token,), (logprob,) if req.sampling.logprobs else (), None, "", "",
+                                    req.index)))
             else:
                 charge(tenant, output_tokens=charged.pop(tenant))
-                append((req, self._ended_by_token(req, token, s.logprob, outcome)))
+                append((req, self._ended_by_token(req, token, logprob, outcome)))
         for tenant, k in charged.items():
             charge(tenant, output_tokens=k)
         return outputs
