@@ -6,8 +6,9 @@ their steady decode (one token per request per step, EOS ignored); then ``--step
 ``Scheduler.schedule()`` (the plan) and ``Scheduler.process()`` (applying the sampled tokens), median and
 p99. Target: planning <= 0.5 ms per step at 256 running (DESIGN.md). With ``--tokenizer`` the requests detokenize
 with that model's tokenizer as the scheduler loads it (scheduler_svc.tokenizer.load_tokenizer); every sampled token
-is then token 7 (one ASCII byte for tiny-llama), or with ``--text`` the next token of a mixed English, accented,
-CJK and emoji text (each request at its own offset), so that multi-byte characters cost what they cost. Target for
+is then token 7 (one ASCII byte for tiny-llama; ``--tokenizer sentencepiece``, a Llama-2-style tokenizer built here:
+the word "▁the"), or with ``--text`` the next token of a mixed English, accented, CJK and emoji text (each request at
+its own offset), so that multi-byte characters cost what they cost. Target for
 ``process`` with tiny-llama's tokenizer (#17): <= 0.3 ms at 256 running, <= 1.2 ms at 1,024.
 
 Round trip: the same scheduler drives, over a real gRPC Run stream on loopback, (a) a no-op executor (a
@@ -63,18 +64,48 @@ TEXT = ("The quick brown fox jumps over the lazy dog; naïve café, déjà vu, S
         "東京の天気は晴れです。你好，世界！서울 날씨 🎉🚀 — “quotes” and ‘more’ … ¿qué tal? Ünïcödé 123.\n")
 
 
+SENTENCEPIECE_WORD = "▁the"  # what every request samples with --tokenizer sentencepiece and no --text
+
+
+def build_sentencepiece_tokenizer(out_dir: Path) -> Path:
+    """A Llama-2-style tokenizer for ``--tokenizer sentencepiece``: a unigram vocabulary of ▁-words (TEXT's and
+    some common ones), single characters and 256 byte-fallback tokens, with Llama 2's decoder (spaces as ▁, byte
+    fallback, one leading space stripped). Saved as a checkpoint's tokenizer files are."""
+    import re
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = set(re.findall(r"[A-Za-z]+", TEXT)) | {"the", "of", "and", "to", "in", "is", "that", "for", "it", "on"}
+    chars = {c for c in TEXT if ord(c) < 0x250 and not c.isspace()}  # (CJK, Hangul, emoji: byte fallback)
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), *[(f"<0x{b:02X}>", -20.0) for b in range(256)], ("▁", -3.0)]
+    pieces += [(c, -6.0) for c in sorted(chars)]
+    pieces += [(f"▁{w}", -2.0) for w in sorted(words)]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(out_dir))
+    return out_dir
+
+
 def load_text_ids(tokenizer) -> list[int]:
     return tokenizer(TEXT, add_special_tokens=False)["input_ids"]
 
 
-def follow_text(result: pb.StepResult, positions: dict[str, int]) -> None:
+def follow_text(plan: pb.StepPlan, result: pb.StepResult, positions: dict[str, int]) -> None:
     """Rewrites the sampled tokens: request i's k-th token is TEXT_IDS[(37 * i + k) % len(TEXT_IDS)]."""
-    for s in result.sampled:
-        k = positions.get(s.request_id)
+    ids = [r.request_id for r in plan.new_requests] + [c.request_id for c in plan.continuing] + list(plan.decodes)
+    tokens = []
+    for row in result.sampled_rows:
+        rid = ids[row]
+        k = positions.get(rid)
         if k is None:
-            k = 37 * int(s.request_id[1:])
-        s.token_id = TEXT_IDS[k % len(TEXT_IDS)]
-        positions[s.request_id] = k + 1
+            k = 37 * int(rid[1:])
+        tokens.append(TEXT_IDS[k % len(TEXT_IDS)])
+        positions[rid] = k + 1
+    result.sampled_token_ids[:] = tokens
 
 
 def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
@@ -98,21 +129,22 @@ def _result_for(plan: pb.StepPlan, known: dict[str, list[int]]) -> pb.StepResult
     sampled = []
     items = [(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests]
     items += [(c.request_id, c.num_scheduled_tokens) for c in plan.continuing]
-    for rid, n in items:
+    for row, (rid, n) in enumerate(items):
         total, done = known[rid]
         done += n
         if done == total:
             total += 1
-            sampled.append(rid)
+            sampled.append(row)
         known[rid] = [total, done]
-    for rid in plan.decodes:  # caught up by definition: one more token
+    for row, rid in enumerate(plan.decodes, len(items)):  # caught up by definition: one more token
         st = known[rid]
         st[0] += 1
         st[1] += 1
-        sampled.append(rid)
+        sampled.append(row)
     result.num_computed_tokens = sum(n for _, n in items) + len(plan.decodes)
-    for rid in sampled:
-        result.sampled.add(request_id=rid, token_id=7)
+    result.sampled_rows.extend(sampled)  # (rows: new_requests, continuing, then decodes)
+    result.sampled_token_ids.extend([7] * len(sampled))
+    result.sampled_logprobs.extend([0.0] * len(sampled))
     return result
 
 
@@ -130,7 +162,7 @@ def measure_planning(n: int, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         result = _result_for(plan, known)
         if TEXT_IDS:
-            follow_text(result, positions)
+            follow_text(plan, result, positions)
         t2 = time.perf_counter()
         s.process(result)
         t3 = time.perf_counter()
@@ -150,7 +182,8 @@ def _ms(values: list[float], q: float) -> float:
 # ---- the no-op executor ------------------------------------------------------------------------------
 class NoopExecutor(pb_grpc.ExecutorServicer):
     def __init__(self, num_pages: int) -> None:
-        self.describe = pb.DescribeResponse(model="noop", num_device_pages=num_pages, block_size=BLOCK,
+        self.describe = pb.DescribeResponse(model="noop", protocol=grpc_common.EXECUTOR_PROTOCOL,
+                                            num_device_pages=num_pages, block_size=BLOCK,
                                             vocab_size=259, max_position_embeddings=1 << 20, executor_id="noop")
 
     async def Describe(self, request, context):  # noqa: N802
@@ -203,8 +236,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--real-steps", type=int, default=30, help="steps timed against the real executor")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tokenizer", default="", metavar="MODEL",
-                   help="detokenize with this model's tokenizer (a built-in name or a directory, e.g. tiny-llama); "
-                   "default: a tokenizer that decodes nothing (the scheduler's own costs alone)")
+                   help="detokenize with this model's tokenizer (a built-in name or a directory, e.g. tiny-llama; "
+                   "'sentencepiece': a Llama-2-style one built here); default: a tokenizer that decodes nothing "
+                   "(the scheduler's own costs alone)")
     p.add_argument("--text", action="store_true",
                    help="with --tokenizer: sampled tokens follow a mixed-language text instead of one ASCII token")
     p.add_argument("--planning-only", action="store_true", help="measure plan and process only (no gRPC part)")
@@ -232,13 +266,18 @@ def main(argv=None) -> int:
         from pagedkv.models import resolve_model
         from scheduler_svc.tokenizer import load_tokenizer
 
-        TOKENIZER = load_tokenizer(resolve_model(args.tokenizer))
+        if args.tokenizer == "sentencepiece":
+            import tempfile
+            TOKENIZER = load_tokenizer(build_sentencepiece_tokenizer(Path(tempfile.mkdtemp())))
+        else:
+            TOKENIZER = load_tokenizer(resolve_model(args.tokenizer))
         if args.text:
             TEXT_IDS = load_text_ids(TOKENIZER)
-    import gc
+        elif args.tokenizer == "sentencepiece":  # (token 7 is a byte there: every sample a word instead)
+            TEXT_IDS = [TOKENIZER.backend_tokenizer.token_to_id(SENTENCEPIECE_WORD)]
+    from pagedkv.runtime import settle_gc
 
-    gc.collect()
-    gc.freeze()  # as the scheduler does once it has started (scheduler_svc/server.py)
+    settle_gc()  # as the scheduler does once it has started (scheduler_svc/server.py)
     import subprocess
 
     if args.against:
@@ -313,14 +352,23 @@ def compare_trees(args, counts: list[int]) -> int:
 
     tokenizer = ""
     if args.tokenizer:  # (both trees' new_scheduler build their detokenizers with _NullTokenizer())
+        import tempfile
+
         from pagedkv.models import resolve_model
+        path = (build_sentencepiece_tokenizer(Path(tempfile.mkdtemp())) if args.tokenizer == "sentencepiece" else
+                resolve_model(args.tokenizer))
         tokenizer = ("from scheduler_svc.tokenizer import load_tokenizer; "
-                     f"tok = load_tokenizer({str(resolve_model(args.tokenizer))!r}); "
+                     f"tok = load_tokenizer({str(path)!r}); "
                      "so._NullTokenizer = lambda: tok; ")
         if args.text:  # (a tree whose bench has no --text fails here rather than measure token 7)
             tokenizer += "so.TEXT_IDS = so.load_text_ids(tok); "
-    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; import scheduler_overhead as so; " + tokenizer +
-            f"print(json.dumps([so.measure_planning(n, {args.steps}) for n in {counts!r}]))")
+        elif args.tokenizer == "sentencepiece":  # (token 7 is a byte there: every sample a word instead)
+            tokenizer += f"so.TEXT_IDS = [tok.backend_tokenizer.token_to_id({SENTENCEPIECE_WORD!r})]; "
+    # each tree's collector set-up as its scheduler makes it (pagedkv.runtime.settle_gc, or gc.freeze before it)
+    gc_setup = ("import gc; gc.collect(); gc.freeze()\ntry:\n from pagedkv.runtime import settle_gc; settle_gc()\n"
+                "except ImportError:\n pass\n")
+    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; import scheduler_overhead as so; " + tokenizer + "\n" +
+            gc_setup + f"print(json.dumps([so.measure_planning(n, {args.steps}) for n in {counts!r}]))")
     trees = {"this checkout": ROOT, f"against {args.against}": Path(args.against).resolve()}
     runs: dict[str, list] = {name: [] for name in trees}
     for _ in range(args.rounds):
