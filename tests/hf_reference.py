@@ -46,3 +46,23 @@ def hf_windowed_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, 
             logits = model(torch.tensor([ids]), attention_mask=mask).logits
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+
+def hf_margins(model_dir: Path, cases: list[tuple[list[int], int, int]],
+               dtype: torch.dtype) -> list[tuple[float, float]]:
+    """For each (context, token a, token b), at the context's next position: |logit a - logit b| by transformers
+    in fp32 (eager), and how far its ``dtype`` run's logits there stray from fp32 (max over the vocabulary): how
+    close a tie a ``dtype`` run is entitled to break either way."""
+    from transformers import AutoModelForCausalLM
+
+    exact = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    low = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa", dtype=dtype)
+    out = []
+    with torch.inference_mode():
+        for context, a, b in cases:
+            ids = torch.tensor([context])
+            ref = exact(ids).logits[0, -1]
+            noise = (low(ids).logits[0, -1].float() - ref).abs().max()
+            out.append((abs(float(ref[a] - ref[b])), float(noise)))
+    return out

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pagedkv.client import Client
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.hf_reference import hf_greedy, hf_margins, random_prompts
 
 PROMPT_LENS = [3, 9, 17, 31, 16, 15, 33, 64, 100, 130, 200, 47, 5, 80, 250, 12, 1, 2]
 OUTPUT_LENS = [40, 8, 24, 16, 33, 48, 10, 20, 31, 9, 17, 45, 60, 12, 25, 38, 20, 30]
@@ -119,15 +119,23 @@ def test_mistral_sliding_window_matches_transformers(start_server, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_matches_transformers(start_server, tiny_llama_dir, dtype):
-    """In 16-bit, a flat batch and HF's one-prompt run round differently (other GEMM shapes), so a late
-    near-tie may flip. The reference is HF's sdpa attention (its default; like ours it accumulates the
-    softmax in fp32 inside the kernel). Tolerance: every request agrees on its first 8 tokens, and 6 of 8
-    agree fully."""
+    """In 16-bit, a flat batch and HF's one-prompt run round differently (other GEMM shapes, and other kernels on
+    other CPUs: AVX2 and AVX-512 machines differ), so a near-tie may flip either way. The reference is HF's sdpa
+    attention (its default; like ours it accumulates the softmax in fp32 inside the kernel). Tolerance: 6 of 8
+    requests agree fully, and where one first differs the two tokens were a near-tie by HF's own fp32 logits:
+    closer than twice what HF's own 16-bit run strays from fp32 there (never a clear winner lost)."""
     import torch
 
     prompts = random_prompts(5, PROMPT_LENS[:8], VOCAB)
     expected = hf_greedy(tiny_llama_dir, prompts, OUTPUT_LENS[:8], dtype=getattr(torch, dtype), attn="sdpa")
     server = start_server("--dtype", dtype, "--num-pages", "256", "--max-num-batched-tokens", "160")
     outs = asyncio.run(run_all(server.address, prompts, OUTPUT_LENS[:8]))
-    assert all(o.token_ids[:8] == ref[:8] for o, ref in zip(outs, expected))
-    assert sum(o.token_ids == ref for o, ref in zip(outs, expected)) >= 6
+    got = [list(o.token_ids) for o in outs]
+    first_diff = [next((i for i, (a, b) in enumerate(zip(g, ref)) if a != b), None) for g, ref in zip(got, expected)]
+    # (after a flip anything may follow, an early EOS too; before it, the two agree to the token, length included)
+    assert all(len(g) == len(ref) for g, ref, d in zip(got, expected, first_diff) if d is None)
+    assert sum(d is None for d in first_diff) >= 6, f"first differing token per request: {first_diff}"
+    cases = [(prompt + ref[:d], ref[d], g[d]) for prompt, g, ref, d in zip(prompts, got, expected, first_diff)
+             if d is not None]
+    margins = hf_margins(tiny_llama_dir, cases, getattr(torch, dtype))
+    assert all(m <= 2 * noise for m, noise in margins), f"first differences {first_diff}, (margin, noise) {margins}"
