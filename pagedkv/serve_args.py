@@ -146,4 +146,6 @@ def child_commands(args: argparse.Namespace, forwarded: dict[str, Forwarded],
     for f in forwarded.values():
         for service in f.services:
             commands[service] += f.argv(getattr(args, f.dest))
+    if getattr(args, "cuda_graph_max_batch", None) is None:  # (graphs for every decode batch the scheduler plans)
+        exec_cmd += [f"--cuda-graph-max-batch={args.max_num_seqs}"]
     return exec_cmd, sched_cmd

@@ -16,6 +16,7 @@ from scheduler_svc import server as scheduler_server
 
 EXEC_PORT = 5999
 ADD_ARGS = {"scheduler": scheduler_server.add_args, "executor": executor_args.add_args}
+FOLLOWS = {"--cuda-graph-max-batch": "--max-num-seqs"}  # serve's default for the first is the second's value
 
 
 def service_parser(service: str) -> argparse.ArgumentParser:
@@ -81,9 +82,10 @@ def test_each_forwarded_flag_reaches_the_child_with_its_value(service, flag):
     args, parsed = children(other_value(action))
     assert getattr(args, action.dest) != action.default
     assert getattr(parsed[service], action.dest) == getattr(args, action.dest)
-    # ...and nothing else changed: every other forwarded flag of either child keeps its default.
+    # ...and nothing else changed: every other forwarded flag of either child keeps its default (but the one that
+    # follows another: FOLLOWS).
     for other_service, other_flag in forwarded_flags():
-        if (other_service, other_flag) != (service, flag) and other_flag != flag:
+        if (other_service, other_flag) != (service, flag) and other_flag != flag and other_flag not in FOLLOWS:
             other = flags(service_parser(other_service))[other_flag]
             assert getattr(parsed[other_service], other.dest) == other.default, (other_service, other_flag)
 
@@ -98,6 +100,22 @@ def test_serve_sets_ports_addresses_and_the_secret_itself():
     assert (sched.metrics_port, sched.metrics_host, sched.tls_cert, sched.tls_key) == (9000, "0.0.0.0", "c.pem",
                                                                                       "k.pem")
     assert ex.executor_secret_file == sched.executor_secret_file == ""  # serve's _supervise adds its own
+
+
+@pytest.mark.parametrize("argv,expected", [([], 256), (["--max-num-seqs", "48"], 48),
+                                           (["--max-num-seqs", "48", "--cuda-graph-max-batch", "16"], 16)])
+def test_serve_captures_graphs_up_to_the_scheduler_batch_unless_told(argv, expected):
+    args, parsed = children(argv)
+    assert parsed["executor"].cuda_graph_max_batch == expected
+    assert parsed["scheduler"].max_num_seqs == (48 if argv else 256)
+
+
+def test_an_executor_alone_captures_up_to_the_scheduler_default():
+    from executor_svc.server import _graph_max_batch
+
+    assert service_parser("executor").parse_args([]).cuda_graph_max_batch is None
+    assert _graph_max_batch(service_parser("executor").parse_args([])) == 256
+    assert service_parser("scheduler").parse_args([]).max_num_seqs == 256
 
 
 @pytest.mark.parametrize("argv", [["--insecure"], ["--executors-file", "x"], ["--drain-timeout", "5"],
