@@ -115,6 +115,26 @@ def _check_links(services: dict) -> None:
     assert port["host_ip"] == "127.0.0.1" and str(port["published"]) == "50051"
 
 
+@pytest.mark.unit
+def test_every_published_port_is_loopback_and_prometheus_scrapes_each_service():
+    """Read as written (no docker-compose needed): each service publishes on PAGEDKV_PUBLISH_HOST, loopback by
+    default; Prometheus scrapes the scheduler, the executors and the gateway, the gateway over verified HTTPS."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    published = {n: s["ports"] for n, s in services.items() if s.get("ports")}
+    assert {"scheduler", "gateway", "prometheus"} <= set(published)
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("${PAGEDKV_PUBLISH_HOST:-127.0.0.1}:"), (name, port)
+    scrape = {j["job_name"]: j for j in yaml.safe_load((procs.ROOT / "deploy/prometheus.yml").read_text())[
+        "scrape_configs"]}
+    assert set(scrape) == {"pagedkv-scheduler", "pagedkv-executor", "pagedkv-gateway"}
+    gateway = scrape["pagedkv-gateway"]
+    assert gateway["scheme"] == "https" and gateway["tls_config"]["ca_file"] == f"{CERTS}/ca.pem"
+    assert not gateway["tls_config"].get("insecure_skip_verify")
+    assert gateway["dns_sd_configs"][0]["port"] == int(_flag(services["gateway"]["command"], "--port"))
+    assert f"certs:{CERTS}:ro" in services["prometheus"]["volumes"]
+
+
 def _services(profile: str) -> dict[str, dict]:
     """docker-compose.yml's services active under one profile (merge keys resolved by PyYAML)."""
     cfg = yaml.safe_load(COMPOSE.read_text())
