@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -16,7 +15,6 @@ from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc import fit, metrics
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.outputs import coalesce
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.snapshot import SchedulerSnapshot
@@ -248,10 +246,9 @@ class GenerationService(api_grpc.GenerationServicer):
         self.cluster.add_request(req)
         finished = 0
         last_token_at = 0.0
-        held: deque[Output] = deque()  # messages read past while coalescing (another fork's, an error)
         try:
             while finished < req.n:
-                out: Output = coalesce(held.popleft() if held else await req.queue.get(), req.queue, held)
+                out: Output = await req.queue.get()  # (what waited for this stream, in one message: Outbox)
                 if out.token_ids:
                     now = time.perf_counter()
                     if last_token_at:

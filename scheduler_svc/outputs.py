@@ -8,8 +8,6 @@ message of a request, with its usage. ``deliver`` puts messages on the clients' 
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc import metrics
@@ -83,30 +81,3 @@ def deliver(outputs: list[tuple[Request, Output]]) -> None:
     if tokens:
         metrics.GENERATED_TOKENS.inc(tokens)
 
-
-def coalesce(first: Output, queue: asyncio.Queue, held: deque) -> Output:
-    """``first`` and the messages already waiting behind it on its stream's queue, for the same fork, as one
-    message: their text joined, their tokens and logprobs in order, and the finish of the last if it ends the
-    fork. A stream that fell behind (a slow client, or more tokens per step than the event loop writes) then
-    catches up in one write instead of one per token; one that keeps up is untouched. A message of another fork,
-    or an error, stops the merge and waits in ``held`` (read before the queue, so the order stays)."""
-    if first.finish is not None or queue.empty():
-        return first
-    texts, token_ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
-    last, merged = first, 0
-    while not queue.empty():
-        nxt = queue.get_nowait()
-        if nxt.index != first.index or nxt.error:
-            held.append(nxt)
-            break
-        texts.append(nxt.text)
-        token_ids += nxt.token_ids
-        logprobs += nxt.logprobs
-        last, merged = nxt, merged + 1
-        if nxt.finish is not None:
-            break
-    if not merged:
-        return first
-    metrics.COALESCED_MESSAGES.inc(merged)
-    return Output("".join(texts), token_ids, logprobs, last.finish, last.stop_reason, "", first.index,
-                  last.prompt_tokens, last.completion_tokens, last.cached_tokens)

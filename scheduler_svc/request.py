@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from scheduler_svc import metrics
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 
 
@@ -53,6 +55,99 @@ class Output:
     cached_tokens: int = 0
 
 
+class _Run:
+    """Tokens of one fork that wait on a stream, to be read as one message."""
+
+    __slots__ = ("index", "texts", "token_ids", "logprobs")
+
+    def __init__(self, index: int, text: str, token_id: int, logprob: float | None) -> None:
+        self.index, self.texts, self.token_ids = index, [text], [token_id]
+        self.logprobs = [] if logprob is None else [logprob]
+
+
+class Outbox:
+    """A client stream's messages, in order (a request and its forks share one; ``Output.index`` tells them apart).
+
+    The scheduler puts each sampled token with ``token`` (no message object per token) and every other message
+    (a request's final one, an error) with ``put_nowait``. The reader (the Generate handler) takes messages with
+    ``get``: the tokens of one fork that arrived one after another while it was away come as one message, and so
+    does such a run with the fork's final message right behind it (never an error). A stream that keeps up gets one
+    message per token; one that fell behind (a slow client, or more tokens per step than the event loop writes)
+    catches up in one write. Nothing is lost or reordered; ``pagedkv_stream_messages_coalesced_total`` counts the
+    messages saved. The API of ``asyncio.Queue`` that the server and tests use: get, get_nowait, put_nowait,
+    empty, qsize."""
+
+    __slots__ = ("_items", "_tail", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Output | _Run] = deque()
+        self._tail: _Run | None = None  # the last item while tokens may still join it
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits
+
+    def token(self, index: int, text: str, token_id: int, logprob: float | None) -> None:
+        """One sampled token of fork ``index`` (``logprob`` None: the client did not ask for logprobs)."""
+        tail = self._tail
+        if tail is not None and tail.index == index:
+            tail.texts.append(text)
+            tail.token_ids.append(token_id)
+            if logprob is not None:
+                tail.logprobs.append(logprob)
+        else:
+            self._tail = _Run(index, text, token_id, logprob)
+            self._items.append(self._tail)
+        if self._waiter is not None:
+            self._wake()
+
+    def put_nowait(self, out: Output) -> None:
+        self._items.append(out)
+        self._tail = None
+        if self._waiter is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    async def get(self) -> Output:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
+
+    def get_nowait(self) -> Output:
+        items = self._items
+        if not items:
+            raise asyncio.QueueEmpty
+        item = items.popleft()
+        if item.__class__ is not _Run:
+            return item
+        if item is self._tail:
+            self._tail = None
+        n = len(item.token_ids)
+        text = item.texts[0] if n == 1 else "".join(item.texts)
+        after = items[0] if items else None
+        if (after is not None and after.__class__ is not _Run and after.index == item.index and not after.error
+                and after.finish is not None):  # (the fork's final message: one message with the run)
+            items.popleft()
+            metrics.COALESCED_MESSAGES.inc(n)
+            return Output(text + after.text, item.token_ids + list(after.token_ids),
+                          item.logprobs + list(after.logprobs), after.finish, after.stop_reason, "", item.index,
+                          after.prompt_tokens, after.completion_tokens, after.cached_tokens)
+        if n > 1:
+            metrics.COALESCED_MESSAGES.inc(n - 1)
+        return Output(text, item.token_ids, item.logprobs, None, "", "", item.index)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence. Each group of fields has one writer, named in its heading; the others only read it."""
@@ -77,7 +172,7 @@ class Request:
     group: str = ""  # the internal id of the client request (shared by its forks)
     client_id: str = ""  # the id the client knows (responses and logs)
     index: int = 0  # fork index
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # the client stream's messages (outputs.deliver)
+    queue: Outbox = field(default_factory=Outbox)  # the client stream's messages (Scheduler.process, outputs.deliver)
 
     # ---- progress (the scheduler: scheduler.py, admission.py, lifecycle.py) ------------------------
     status: Status = Status.WAITING

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc import admission, fair_share, lifecycle
+from scheduler_svc import admission, fair_share, lifecycle, metrics
 from scheduler_svc.executor_session import ExecutorSession
 from scheduler_svc.fairness import WaitQueue
 from scheduler_svc.kv_manager import KVManager, held
@@ -282,7 +282,9 @@ class Scheduler:
 
     def process(self, result: pb.StepResult) -> Outputs:
         """Applies the result of the oldest plan in flight. A request preempted while that plan was in flight
-        (async scheduling) still gets its sample: it was drawn from what the request had confirmed."""
+        (async scheduling) still gets its sample: it was drawn from what the request had confirmed. A token that
+        does not end its request goes straight to the request's stream (``Outbox.token``); the messages returned
+        (for ``outputs.deliver``) are those of requests that ended."""
         if result.error:
             ended = self.session.rejected(result.error, set(result.desynced_request_ids))
             return [(req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {result.error}"))
@@ -304,9 +306,10 @@ class Scheduler:
                 if req.n > 1 and confirmed == req.compute_target:
                     self._fork(req)
         outputs = []
-        append, rows, on_token, charge = outputs.append, sent.rows, self.outputs.on_token, self.waiting.charge
+        rows, on_token, charge = sent.rows, self.outputs.on_token, self.waiting.charge
         finished = Status.FINISHED
         charged: dict[str, int] = {}  # output tokens per tenant, charged once (before a finish: it may idle the tenant)
+        streamed = 0
         for row, token, logprob in zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs):
             req = rows[row]  # (rows checked by malformed())
             if req.status is finished or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is unused)
@@ -314,16 +317,16 @@ class Scheduler:
             tenant = req.tenant
             charged[tenant] = charged.get(tenant, 0) + 1
             outcome = on_token(req, token)
-            if outcome.__class__ is str:  # it goes on: the text to stream
-                # (Output, positional: text, token_ids, logprobs, finish, stop_reason, error, index; tuples: a list
-                # is one more object for the collector to track, per token)
-                append((req, Output(outcome, (token,), (logprob,) if req.sampling.logprobs else (), None, "", "",
-                                    req.index)))
+            if outcome.__class__ is str:  # it goes on: its token and the text to stream, straight to its stream
+                req.queue.token(req.index, outcome, token, logprob if req.sampling.logprobs else None)
+                streamed += 1
             else:
                 charge(tenant, output_tokens=charged.pop(tenant))
-                append((req, self._ended_by_token(req, token, logprob, outcome)))
+                outputs.append((req, self._ended_by_token(req, token, logprob, outcome)))
         for tenant, k in charged.items():
             charge(tenant, output_tokens=k)
+        if streamed:
+            metrics.GENERATED_TOKENS.inc(streamed)
         return outputs
 
     def _ended_by_token(self, req: Request, token: int, logprob: float, outcome: TokenOutcome) -> Output:

@@ -1,11 +1,13 @@
-"""A client stream that falls behind catches up in fewer messages: outputs.coalesce merges the messages waiting on
-a stream's queue (same fork) into one, and the Generate handler sends that. Nothing is lost, reordered or
-duplicated: per fork the text, tokens, logprobs and the finish are what one message per token would carry."""
+"""A client stream that falls behind catches up in fewer messages: its Outbox (scheduler_svc/request.py) gives the
+tokens of one fork that waited for the reader, and the fork's final message right behind them, as one message, and
+the Generate handler sends that. Nothing is lost, reordered or duplicated: per fork the text, tokens, logprobs and
+the finish are what one message per token would carry."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -17,8 +19,7 @@ from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
-from scheduler_svc.outputs import coalesce
-from scheduler_svc.request import Finish, Output
+from scheduler_svc.request import Finish, Outbox, Output
 from scheduler_svc.validation import Limits
 from tests.fake_cluster import Box, FakeClient, new_cluster
 from tests.fake_executor import NullTokenizer
@@ -47,33 +48,42 @@ def _stream(forks: int, lengths: list[int], order: list[int], error_fork: int | 
     return out
 
 
+def _put(box: Outbox, m: Output) -> None:
+    """As the scheduler puts it: a token of a request that goes on by itself, anything else as a message."""
+    if m.finish is None and not m.error and len(m.token_ids) == 1:
+        box.token(m.index, m.text, m.token_ids[0], m.logprobs[0] if m.logprobs else None)
+    else:
+        box.put_nowait(m)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(forks=st.integers(1, 3), lengths=st.lists(st.integers(0, 6), min_size=3, max_size=3),
        order=st.lists(st.integers(0, 5), max_size=30), bursts=st.lists(st.integers(0, 5), min_size=1, max_size=8),
-       error=st.booleans())
-def test_coalescing_keeps_each_fork_whole_and_in_order(forks, lengths, order, bursts, error):
+       error=st.booleans(), logprobs=st.booleans())
+def test_coalescing_keeps_each_fork_whole_and_in_order(forks, lengths, order, bursts, error, logprobs):
     messages = _stream(forks, lengths, order, 0 if error else None)
+    if not logprobs:
+        messages = [replace(m, logprobs=[]) for m in messages]
 
     async def consume():
-        queue: asyncio.Queue = asyncio.Queue()
-        held: deque = deque()
+        box = Outbox()
         pending = deque(messages)
         got: list[Output] = []
         finished, i = 0, 0
         while finished < forks:
             for _ in range(bursts[i % len(bursts)]):  # the engine delivers a few before the handler runs again
                 if pending:
-                    queue.put_nowait(pending.popleft())
+                    _put(box, pending.popleft())
             i += 1
-            if not held and queue.empty():
-                queue.put_nowait(pending.popleft())
-            out = coalesce(held.popleft() if held else queue.get_nowait(), queue, held)
+            if box.empty():
+                _put(box, pending.popleft())
+            out = await box.get()
             got.append(out)
             if out.error:  # the handler aborts the call here
                 return got
             if out.finish is not None:
                 finished += 1
-        assert not held and queue.empty() and not pending
+        assert box.empty() and not pending
         return got
     got = asyncio.run(consume())
     for f in range(forks):
@@ -83,13 +93,26 @@ def test_coalescing_keeps_each_fork_whole_and_in_order(forks, lengths, order, bu
             cut = next(k for k, m in enumerate(messages) if m.error)
             want = [m for m in messages[:cut + 1] if m.index == f]
         assert "".join(m.text for m in mine) == "".join(m.text for m in want)
-        assert sum((m.token_ids for m in mine), []) == sum((m.token_ids for m in want), [])
-        assert sum((m.logprobs for m in mine), []) == sum((m.logprobs for m in want), [])
+        assert sum((list(m.token_ids) for m in mine), []) == sum((list(m.token_ids) for m in want), [])
+        assert sum((list(m.logprobs) for m in mine), []) == sum((list(m.logprobs) for m in want), [])
         assert [m.finish for m in mine if m.finish] == [m.finish for m in want if m.finish]
         assert all(m.finish is None for m in mine[:-1])  # the finish comes last, once
         if mine and mine[-1].finish is Finish.LENGTH:
             assert (mine[-1].prompt_tokens, mine[-1].completion_tokens) == (3, lengths[f])
     assert len(got) <= len(messages)
+
+
+async def _reader_wakes_for_a_token() -> list[int]:
+    box = Outbox()
+    reader = asyncio.ensure_future(box.get())
+    await asyncio.sleep(0)  # (the reader waits)
+    box.token(0, "a", 5, None)
+    out = await asyncio.wait_for(reader, 1)
+    return list(out.token_ids)
+
+
+def test_a_waiting_reader_wakes_for_a_token():
+    assert asyncio.run(_reader_wakes_for_a_token()) == [5]
 
 
 def test_a_stream_that_falls_behind_catches_up_in_one_message(monkeypatch):
@@ -130,14 +153,17 @@ def test_a_stream_that_falls_behind_catches_up_in_one_message(monkeypatch):
 
 @pytest.mark.parametrize("finish_first", [True, False])
 def test_a_final_message_alone_is_sent_as_is(finish_first):
-    queue: asyncio.Queue = asyncio.Queue()
+    box = Outbox()
     final = Output("x", [], [], Finish.STOP, "2", index=0)
-    token = Output("a", [1], [], index=0)
-    queue.put_nowait(token if finish_first else final)
-    first = final if finish_first else token
-    held: deque = deque()
-    out = coalesce(first, queue, held)
-    if finish_first:  # a final is never merged with what follows
-        assert out is final and queue.qsize() == 1
+    if finish_first:
+        box.put_nowait(final)
+        box.token(0, "a", 1, None)
     else:
-        assert out.text == "ax" and out.token_ids == [1] and out.finish is Finish.STOP and out.stop_reason == "2"
+        box.token(0, "a", 1, None)
+        box.put_nowait(final)
+    out = box.get_nowait()
+    if finish_first:  # a final is never merged with what follows
+        assert out is final and box.qsize() == 1
+    else:
+        assert out.text == "ax" and list(out.token_ids) == [1] and out.finish is Finish.STOP and out.stop_reason == "2"
+        assert box.empty()

@@ -99,16 +99,25 @@ class PageAccounting(RuleBasedStateMachine):
 
     # ---- outputs as a client would see them ----------------------------------------------------
     def _deliver(self, outputs) -> None:
+        """The tokens on the streams (Scheduler.process puts them there), then ``outputs`` (what the engine's
+        deliver would put there after them)."""
+        for group in self.groups.values():
+            box = group.queue
+            while not box.empty():
+                self._see(group, box.get_nowait())
         for req, out in outputs:
-            key = (req.group, out.index)
-            assert self.finals[key] == 0, f"{key}: output after its stream ended"
-            self.tokens[key] += len(out.token_ids)
-            if out.finish is not None:
-                self.finals[key] += 1
-                self.final_outputs[key] = out
-                self.max_len_at_end[key] = req.max_len  # (a reload may change it later)
-                assert out.completion_tokens == self.tokens[key], (
-                    f"{key}: {self.tokens[key]} tokens streamed, final says {out.completion_tokens}")
+            self._see(req, out)
+
+    def _see(self, req, out) -> None:
+        key = (req.group, out.index)
+        assert self.finals[key] == 0, f"{key}: output after its stream ended"
+        self.tokens[key] += len(out.token_ids)
+        if out.finish is not None:
+            self.finals[key] += 1
+            self.final_outputs[key] = out
+            self.max_len_at_end[key] = req.max_len  # (a reload may change it later)
+            assert out.completion_tokens == self.tokens[key], (
+                f"{key}: {self.tokens[key]} tokens streamed, final says {out.completion_tokens}")
 
     # ---- rules ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from([t.id for t in TENANTS]), prefix=st.sampled_from([None, 0, 1, 2]),
