@@ -94,8 +94,7 @@ class Cluster:
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
         self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
-                                  up=self.engine_up, down=self.engine_down, relocate=self.relocate,
-                                  gauges=self._gauges)
+                                  up=self.engine_up, relocate=self.relocate, gauges=self._gauges)
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,16 +153,10 @@ class Cluster:
         scheduler.join(self.ledger)
         return scheduler
 
-    def engine_down(self, engine: Engine) -> None:
-        """Its requests have left (moved or ended): until it is up again, the tenants' quota fractions, reserves
-        and fair shares are of the executors that serve."""
-        self.ledger.leave(engine.scheduler)
-
     def _gauges(self, force: bool) -> None:
         self.update_gauges(force=force)
 
     def engine_up(self, engine: Engine) -> None:
-        self.ledger.join(engine.scheduler)  # (again, after it was down: its pages count for the tenants' quotas)
         self.any_up.set()
         self._pick_largest()
         waiting, self.unplaced = self.unplaced, deque()

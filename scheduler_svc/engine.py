@@ -52,7 +52,6 @@ class EngineHooks:
     make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a scheduler for that executor
     check_compatible: Callable[[object], str]  # a DescribeResponse -> why it cannot join, or ''
     up: Callable[[Engine], None]  # the executor is up: requests may be placed here
-    down: Callable[[Engine], None]  # it is down (lost, drained or failed): its pages count for no tenant now
     relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
     gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
 
@@ -326,7 +325,6 @@ class Engine:
         self.in_flight.clear()
         self.state = State.DOWN
         self.log.info("executor_drained", steps=self.steps)
-        self.hooks.down(self)
         self.hooks.gauges(True)
 
     def _executor_lost(self, error: str) -> None:
@@ -347,7 +345,6 @@ class Engine:
             self.log.exception("integrity_after_failure")
         if was is not State.DRAINING or moved:
             self.log.error("executor_failed", error=error, requests_moved=len(moved))
-        self.hooks.down(self)
         self._migrated(moved, "failure")
         self.hooks.gauges(True)
 
@@ -359,7 +356,6 @@ class Engine:
         self.state = State.DOWN
         if self.scheduler is not None:
             deliver(self.scheduler.fail_all(error))
-            self.hooks.down(self)
         self.hooks.gauges(True)
 
     def _migrated(self, moved: list[Request], cause: str) -> None:

@@ -241,36 +241,6 @@ def test_a_tenant_quota_given_as_a_fraction_is_of_every_executor_together(boxes,
     assert asyncio.run(scenario()) == (32, 64)
 
 
-def test_a_down_executor_leaves_the_tenant_ledger_until_it_is_up_again(boxes, tmp_path):
-    """page_quota = 0.25 of two 64-page executors is 32 pages; while one is down the quota is of the one that
-    serves (16: the noisy tenant cannot take the whole survivor's share of a pool that is gone), and it is 32 again
-    once the lost one is back. Each step, the ledger's members are the executors up."""
-    path = tmp_path / "tenants.toml"
-    path.write_text('[tenants.noisy]\npage_quota = 0.25\n[tenants.quiet]\n')
-
-    async def scenario():
-        from scheduler_svc.tenancy import Tenants
-
-        boxes.update({"a:1": Box(64), "b:1": Box(64)})
-        c = await up_cluster({"a:1", "b:1"}, tenants=Tenants.load(path, 64))
-        quotas = [c.tenants.get("noisy").page_quota]
-        boxes["b:1"].alive = False
-        c.engines["b:1"].client.drop()  # (its Run stream ends, as a real executor's does when it dies)
-        await until(lambda: c.engines["b:1"].state is engine_mod.State.DOWN)
-        quotas.append(c.tenants.get("noisy").page_quota)
-        members = len(c.ledger.members)
-        req = make_request(1, 20, 10, tenant="noisy")  # the survivor still serves
-        c.add_request(req)
-        tokens, error = await asyncio.wait_for(collect(req), 5)
-        boxes["b:1"].alive = True
-        await until(lambda: c.engines["b:1"].state is engine_mod.State.UP)
-        quotas.append(c.tenants.get("noisy").page_quota)
-        members = (members, len(c.ledger.members))
-        await c.stop()
-        return quotas, members, (len(tokens), error)
-    assert asyncio.run(scenario()) == ([32, 16, 32], (1, 2), (10, None))
-
-
 # ---- a request the executor keeps rejecting (found in review of async scheduling) ---------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_the_executor_always_rejects_ends_with_the_error(boxes, monkeypatch, async_scheduling):
