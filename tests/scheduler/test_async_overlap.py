@@ -58,11 +58,21 @@ def _run(seed: int, overlap: bool, shared: bool = False, **sched) -> dict:
 
     original = s.process
 
+    def see(group: str, out) -> None:  # per stream: every token and all the text, in order, then the finish
+        seen = outputs.setdefault((group, out.index), [[], "", None, ""])
+        seen[0] += out.token_ids
+        seen[1] += out.text
+        if out.finish is not None:
+            assert seen[2] is None, "a second final"
+            seen[2], seen[3] = out.finish, out.stop_reason
+
     def process(result):
         outs = original(result)
+        for r in reqs:  # the tokens process streamed (forks share their parent's stream), then the finals
+            while not r.queue.empty():
+                see(r.group, r.queue.get_nowait())
         for req, out in outs:
-            outputs.setdefault((req.group, out.index), []).append(
-                (tuple(out.token_ids), out.text, out.finish, out.stop_reason))
+            see(req.group, out)
         return outs
     s.process = process
     drive(s, overlap=overlap)
@@ -81,8 +91,8 @@ def test_overlapped_plans_stream_what_one_plan_at_a_time_streams(seed, mode, sha
     overlapped = _run(seed, overlap=True, **kw)
     assert overlapped.keys() == one_at_a_time.keys()
     for key, want in one_at_a_time.items():
-        got = overlapped[key]
-        flat = lambda msgs: ([t for m in msgs for t in m[0]], "".join(m[1] for m in msgs), msgs[-1][2:])  # noqa: E731
-        assert flat(got) == flat(want), f"{key}: overlapped plans streamed something else"
-    finishes = {m[-1][2] for m in one_at_a_time.values()}
+        assert overlapped[key] == want, f"{key}: overlapped plans streamed something else"
+        assert want[2] is not None, f"{key}: no final"
+    assert sum(len(w[0]) for w in one_at_a_time.values()) > 2 * len(one_at_a_time), "few tokens were streamed"
+    finishes = {w[2] for w in one_at_a_time.values()}
     assert len(finishes) >= 2, "the scenario was meant to end requests in more than one way"
