@@ -43,25 +43,28 @@ class NoChatTemplate(Exception):
     """The model has no chat template: a chat prompt cannot be rendered (FAILED_PRECONDITION)."""
 
 
-def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant) -> api.TenantInfo:
-    """A tenant's settings and, added up over the executors, its usage."""
+def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int]) -> api.TenantInfo:
+    """A tenant's settings and, added up over the executors, its usage: what it holds, runs and is entitled to
+    now (its fair share) over those that serve (indices in ``live``: up or draining, the tenant ledger's
+    members), its counts since start over all."""
     info = api.TenantInfo(
         id=tenant.id, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
         overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens)
-    for snap in snapshots:
+    for i, snap in enumerate(snapshots):
         u = snap.tenants.get(tenant.id)
         if u is None:
             continue
-        info.used_pages += u.used_pages
+        if i in live:
+            info.used_pages += u.used_pages
+            info.num_running += u.num_running
+            info.num_waiting += u.num_waiting
+            info.num_swapped += u.num_swapped
+            info.fair_share_pages += u.fair_share_pages
         info.peak_used_pages += u.peak_used_pages
-        info.num_running += u.num_running
-        info.num_waiting += u.num_waiting
-        info.num_swapped += u.num_swapped
         info.service = max(info.service, u.service)
         info.budget_hits += u.budget_hits
         info.fair_share_preemptions += u.fair_share_preemptions
-        info.fair_share_pages += u.fair_share_pages
     return info
 
 
@@ -297,7 +300,7 @@ class GenerationService(api_grpc.GenerationServicer):
             info.executors.extend(cluster.executor_infos())
             add_cluster_counts(info, snapshots, live)
             info.num_waiting += len(cluster.unplaced)
-        info.tenant.CopyFrom(tenant_info(snapshots, tenant))
+        info.tenant.CopyFrom(tenant_info(snapshots, tenant, live))
         if request.reset_peak:
             cluster.reset_peak(tenant, sees_cluster)
         return info

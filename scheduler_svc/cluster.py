@@ -94,7 +94,8 @@ class Cluster:
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
         self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
-                                  up=self.engine_up, relocate=self.relocate, gauges=self._gauges)
+                                  up=self.engine_up, down=self.engine_down, relocate=self.relocate,
+                                  gauges=self._gauges)
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,10 +154,32 @@ class Cluster:
         scheduler.join(self.ledger)
         return scheduler
 
+    def engine_down(self, engine: Engine) -> None:
+        """Its requests have left (moved or ended): until it is up again its pages count for no tenant, so the
+        quotas, reserves and fair shares are of the executors that serve."""
+        self.ledger.leave(engine.scheduler)
+        self.apply_limits()
+
+    def apply_limits(self) -> int:
+        """The tenants' settings or the executors that serve changed: every live request gets its limits again
+        (``Scheduler.set_tenants``), as at admission; those that no longer fit end with an error. Returns how
+        many ended."""
+        ended = 0
+        for engine in self.engines.values():
+            if engine.scheduler is None:
+                continue
+            outputs = engine.scheduler.set_tenants()
+            deliver(outputs)
+            ended += len(outputs)
+            engine.wake.set()
+        return ended
+
     def _gauges(self, force: bool) -> None:
         self.update_gauges(force=force)
 
     def engine_up(self, engine: Engine) -> None:
+        self.ledger.join(engine.scheduler)  # (again, after it was down; a new one joined in _new_scheduler)
+        self.apply_limits()
         self.any_up.set()
         self._pick_largest()
         waiting, self.unplaced = self.unplaced, deque()
@@ -231,18 +254,14 @@ class Cluster:
         self._fail_unplaced(lambda _deadline: True, error)
 
     def set_tenants(self, path: str) -> int:
-        """Reloads the tenants file (quotas given as fractions: of every executor's pages together); returns
-        how many live requests no longer fit and ended. Raises InvalidTenant."""
-        self.ledger.tenants = Tenants.load(path, self.ledger.total_pages or self.reference.num_device_pages)
-        ended = 0
-        for engine in self.engines.values():
-            if engine.scheduler is None:
-                continue
-            outputs = engine.scheduler.set_tenants()
-            deliver(outputs)
-            ended += len(outputs)
-            engine.wake.set()
-        return ended
+        """Reloads the tenants file, checked against every executor's pages (up or down: an executor down for a
+        while does not make a file for the whole cluster wrong), then fitted to those of the executors that
+        serve (``TenantLedger.resize``); returns how many live requests no longer fit and ended. Raises
+        InvalidTenant."""
+        pages = sum(e.scheduler.pool.num_pages for e in self.engines.values() if e.scheduler is not None)
+        self.ledger.tenants = Tenants.load(path, pages or self.reference.num_device_pages)
+        self.ledger.resize()
+        return self.apply_limits()
 
     # ---- placement -----------------------------------------------------------------------------
     def _place(self, req: Request, front: bool = False, exclude: Engine | None = None,

@@ -52,6 +52,7 @@ class EngineHooks:
     make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a scheduler for that executor
     check_compatible: Callable[[object], str]  # a DescribeResponse -> why it cannot join, or ''
     up: Callable[[Engine], None]  # the executor is up: requests may be placed here
+    down: Callable[[Engine], None]  # it is down (drained, lost or failed) and holds no request: it serves no tenant
     relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
     gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
 
@@ -163,7 +164,7 @@ class Engine:
         if not problem:
             try:
                 self._adopt(describe)
-            except Exception as err:  # noqa: BLE001 - e.g. a tenants file that does not fit this pool
+            except Exception as err:  # noqa: BLE001 - e.g. a pool geometry the scheduler cannot account for
                 problem = f"cannot account for its pools: {err}"
         if problem:
             self.log.error("executor_refused", reason=problem, hint="retried every few seconds")
@@ -325,6 +326,7 @@ class Engine:
         self.in_flight.clear()
         self.state = State.DOWN
         self.log.info("executor_drained", steps=self.steps)
+        self.hooks.down(self)
         self.hooks.gauges(True)
 
     def _executor_lost(self, error: str) -> None:
@@ -345,6 +347,7 @@ class Engine:
             self.log.exception("integrity_after_failure")
         if was is not State.DRAINING or moved:
             self.log.error("executor_failed", error=error, requests_moved=len(moved))
+        self.hooks.down(self)  # (first: the moved requests are placed under the limits of the executors that serve)
         self._migrated(moved, "failure")
         self.hooks.gauges(True)
 
@@ -356,6 +359,7 @@ class Engine:
         self.state = State.DOWN
         if self.scheduler is not None:
             deliver(self.scheduler.fail_all(error))
+            self.hooks.down(self)
         self.hooks.gauges(True)
 
     def _migrated(self, moved: list[Request], cause: str) -> None:

@@ -275,7 +275,8 @@ async def serve(args) -> None:
                              sink_tokens=args.sink_tokens, model_window=model_window(args, describe))
     # Tenant limits are the scheduler's, over all its executors: page counts are checked (and fractions resolved)
     # against the pages the executors found now will hold, assuming each the size of the first; the cluster
-    # resolves them again from the actual pools as executors join and leave (tenant_ledger.py).
+    # resolves them again from the actual pools of the executors that serve as executors join, leave, go down
+    # and come back, and cuts a count that does not fit them (tenant_ledger.py, Tenants.resolve).
     expected_pages = describe.num_device_pages * max(1, len(addresses))
     try:
         tenants = Tenants.load(args.tenants_file, expected_pages) if args.tenants_file else Tenants()

@@ -17,8 +17,10 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     sink_tokens = 16
     admin = false                   # true: ModelInfo shows this key the whole cluster (see below)
 
-Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of every
-executor's device pages together, and a tenant capped at 4 concurrent requests runs 4 in total, not 4 on each.
+Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of the
+device pages of every executor that serves (up or draining) together, and a tenant capped at 4 concurrent
+requests runs 4 in total, not 4 on each. While fewer pages serve than the file was checked for (an executor down),
+a count that no longer fits is cut to them (``Tenants.resolve``).
 
 Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
 constant time. Clients send ``authorization: Bearer <key>``. Without a tenants file the server is
@@ -38,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import tomllib
@@ -83,7 +85,14 @@ class Tenant:
     revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
 
 
-def _pages(value, name: str, num_pages: int) -> int:
+def _unless_fitting(fit: bool, message: str) -> None:
+    """A setting that does not fit the pool: an error when the file is loaded; when it is fitted to the pages
+    that serve now (``fit``, see ``Tenants.resolve``) the caller cuts the setting instead."""
+    if not fit:
+        raise InvalidTenant(message)
+
+
+def _pages(value, name: str, num_pages: int, fit: bool = False) -> int:
     """A page count given as a fraction of the pool (float in (0, 1]) or a number of pages (int)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidTenant(f"{name}: must be a number of pages or a fraction of the pool, got {value!r}")
@@ -92,7 +101,8 @@ def _pages(value, name: str, num_pages: int) -> int:
             raise InvalidTenant(f"{name}: a fraction must be in [0, 1], got {value}")
         return int(value * num_pages)
     if not 0 <= value <= num_pages:
-        raise InvalidTenant(f"{name}: {value} pages; must be in [0, {num_pages}] (the device pool)")
+        _unless_fitting(fit and value > 0, f"{name}: {value} pages; must be in [0, {num_pages}] (the device pool)")
+        return num_pages
     return value
 
 
@@ -110,7 +120,7 @@ _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "ma
            "page_budget", "overflow", "sliding_window", "sink_tokens", "admin"}
 
 
-def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
+def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
     where = f"tenants.{tid}"
     if not _TENANT_RE.match(tid):
         raise InvalidTenant(f"{where}: a tenant id is 1 to 64 characters of [A-Za-z0-9._-]")
@@ -120,12 +130,14 @@ def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
     weight = raw.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1e6:
         raise InvalidTenant(f"{where}.weight: must be a number in (0, 1e6], got {weight!r}")
-    quota = _pages(raw.get("page_quota", num_pages), f"{where}.page_quota", num_pages)
-    reserved = _pages(raw.get("reserved_pages", 0), f"{where}.reserved_pages", num_pages)
+    quota = _pages(raw.get("page_quota", num_pages), f"{where}.page_quota", num_pages, fit)
+    reserved = _pages(raw.get("reserved_pages", 0), f"{where}.reserved_pages", num_pages, fit)
     if quota < 1:
-        raise InvalidTenant(f"{where}.page_quota: {quota} pages; a tenant needs at least 1")
+        _unless_fitting(fit, f"{where}.page_quota: {quota} pages; a tenant needs at least 1")
+        quota = 1  # (0 would mean no quota)
     if reserved > quota:
-        raise InvalidTenant(f"{where}.reserved_pages: {reserved} is above its page_quota {quota}")
+        _unless_fitting(fit, f"{where}.reserved_pages: {reserved} is above its page_quota {quota}")
+        reserved = quota
     ints = {}
     for name in ("max_concurrent_requests", "page_budget", "sliding_window", "sink_tokens"):
         value = raw.get(name, 0)
@@ -133,7 +145,8 @@ def _tenant(tid: str, raw: dict, num_pages: int) -> Tenant:
             raise InvalidTenant(f"{where}.{name}: must be an integer in [0, {MAX_INT}], got {value!r}")
         ints[name] = value
     if ints["page_budget"] > quota:
-        raise InvalidTenant(f"{where}.page_budget: {ints['page_budget']} pages is above its page_quota {quota}")
+        _unless_fitting(fit, f"{where}.page_budget: {ints['page_budget']} pages is above its page_quota {quota}")
+        ints["page_budget"] = quota
     overflow = raw.get("overflow", "window")
     if overflow not in OVERFLOW_POLICIES:
         raise InvalidTenant(f"{where}.overflow: {overflow!r}; must be one of {list(OVERFLOW_POLICIES)}")
@@ -168,11 +181,23 @@ class Tenants:
         return cls.parse(raw, path, num_pages)
 
     def resolve(self, num_pages: int) -> Tenants:
-        """The same file's settings (as read then, not re-read) with fractions resolved against num_pages."""
-        return self if self.raw is None else Tenants.parse(self.raw, self.path, num_pages)
+        """The same file's settings (as read then, not re-read) on a pool of num_pages: fractions resolved
+        against it, and every count fitted to it. The file was checked when it was loaded; on fewer pages (an
+        executor down or gone) a setting that no longer fits is cut instead of refused, so the settings always
+        describe the pages that serve:
+
+        - a page count (quota, reserve, budget) is at most the pool, and a quota at least 1 page;
+        - a reserve is at most its tenant's quota, and reserves that add up to more than the pool are scaled
+          down together, each in proportion (rounded down);
+        - a page budget is at most what its tenant can hold (its quota, less the others' reserves).
+
+        On pages where the file fits, this is what loading it there gives."""
+        return self if self.raw is None else Tenants.parse(self.raw, self.path, num_pages, fit=True)
 
     @classmethod
-    def parse(cls, raw: dict, path: Path, num_pages: int) -> Tenants:
+    def parse(cls, raw: dict, path: Path, num_pages: int, fit: bool = False) -> Tenants:
+        """The parsed file, page counts resolved against num_pages; fit: a count that does not fit is cut to
+        the pool (``resolve``), not an InvalidTenant."""
         defaults = raw.get("defaults", {})
         tables = raw.get("tenants", {})
         if set(raw) - {"defaults", "tenants"}:
@@ -180,16 +205,19 @@ class Tenants:
                                 f"{sorted(set(raw) - {'defaults', 'tenants'})}; expected [defaults] and [tenants.ID]")
         if not tables:
             raise InvalidTenant(f"--tenants-file {path}: no [tenants.ID] table")
-        tenants = [_tenant(tid, {**defaults, **t}, num_pages) for tid, t in tables.items()]
+        tenants = [_tenant(tid, {**defaults, **t}, num_pages, fit) for tid, t in tables.items()]
         reserved = sum(t.reserved_pages for t in tenants)
-        for t in tenants:
+        if reserved > num_pages:
+            _unless_fitting(fit, f"--tenants-file {path}: reserved_pages add up to {reserved}, more than the "
+                                 f"{num_pages} device pages")
+            tenants = [replace(t, reserved_pages=t.reserved_pages * num_pages // reserved) for t in tenants]
+            reserved = sum(t.reserved_pages for t in tenants)
+        for i, t in enumerate(tenants):
             capacity = min(t.page_quota, num_pages - (reserved - t.reserved_pages))
             if t.page_budget > capacity:
-                raise InvalidTenant(f"tenants.{t.id}.page_budget: {t.page_budget} pages; it can hold at most "
-                                    f"{capacity} (its quota, less other tenants' reserved pages)")
-        if reserved > num_pages:
-            raise InvalidTenant(f"--tenants-file {path}: reserved_pages add up to {reserved}, more than the "
-                                f"{num_pages} device pages")
+                _unless_fitting(fit, f"tenants.{t.id}.page_budget: {t.page_budget} pages; it can hold at most "
+                                     f"{capacity} (its quota, less other tenants' reserved pages)")
+                tenants[i] = replace(t, page_budget=capacity)  # (0 where it can hold nothing: none of it fits)
         seen: dict[bytes, str] = {}
         for t in tenants:
             for h in t.key_hashes:

@@ -12,8 +12,12 @@ request lists when asked (a handful of executors; the single-executor case costs
 - **fair share**: the scheduler's device pages split by weight among the tenants active anywhere;
 - **weighted service**: one VTC counter per tenant (``Service``), shared by every member's wait queue.
 
+The members are the executors that serve (up or draining): one that goes down leaves until it is up again.
 Quotas and reserves given as fractions are fractions of all members' device pages; the ledger resolves them
-again whenever a member joins or leaves (``resize``). Across several schedulers limits stay per scheduler.
+again whenever a member joins or leaves (``resize``), and fits every count to those pages (``Tenants.resolve``:
+on fewer pages a reserve or quota is cut, never left larger than the pool). Live requests get their limits
+again from the new settings (``Cluster``: ``Scheduler.set_tenants``). Across several schedulers limits stay per
+scheduler.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduler_svc.fairness import Service
-from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants
+from scheduler_svc.tenancy import Tenant, Tenants
 
 if TYPE_CHECKING:
     from scheduler_svc.pages import PagePool
@@ -46,13 +50,9 @@ class TenantLedger:
             self.resize()
 
     def resize(self) -> None:
-        """Fractions in the tenants file follow the members' pools (a file that no longer fits keeps the old
-        settings; the next reload reports its error)."""
+        """The tenants file's settings follow the members' pools: fractions resolved, counts fitted to them."""
         if self.members:
-            try:
-                self.tenants = self.tenants.resolve(self.total_pages)
-            except InvalidTenant:
-                pass
+            self.tenants = self.tenants.resolve(self.total_pages)
 
     @property
     def total_pages(self) -> int:
@@ -120,10 +120,10 @@ class TenantLedger:
 
     def capacity(self, tenant_id: str, pool: PagePool) -> int:
         """The most pages one request of the tenant can ever get on pool: its quota, less the part of every
-        other tenant's reserved minimum that pool keeps."""
+        other tenant's reserved minimum that pool keeps; never below 0 (0: nothing of the tenant fits)."""
         t = self.tenants.get(tenant_id)
         others = self.tenants.total_reserved - (t.reserved_pages if t.id in self.tenants.by_id else 0)
-        return min(t.page_quota or pool.num_pages, pool.num_pages - self._share_of(others, pool))
+        return max(0, min(t.page_quota or pool.num_pages, pool.num_pages - self._share_of(others, pool)))
 
     def fair_shares(self) -> dict[str, float]:
         """Pages each active tenant is entitled to under pressure: all members' pages split by weight, at

@@ -241,6 +241,190 @@ def test_a_tenant_quota_given_as_a_fraction_is_of_every_executor_together(boxes,
     assert asyncio.run(scenario()) == (32, 64)
 
 
+# ---- an executor that is down serves no tenant: the ledger's members are the executors that serve ----------
+def _tenants(tmp_path, text: str, num_pages: int):
+    from scheduler_svc.tenancy import Tenants
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    return Tenants.load(path, num_pages)
+
+
+async def _take_down(c, boxes, address: str) -> None:
+    boxes[address].alive = False
+    c.engines[address].client.drop()  # (its Run stream ends, as a real executor's does when it dies)
+    await until(lambda: c.engines[address].state is engine_mod.State.DOWN)
+
+
+async def _bring_up(c, boxes, address: str) -> None:
+    boxes[address].alive = True
+    await until(lambda: c.engines[address].state is engine_mod.State.UP)
+
+
+def _caller(key: str):
+    from tests.fake_grpc import Context
+
+    class Caller(Context):
+        def invocation_metadata(self):
+            return (("authorization", f"Bearer {key}"),)
+    return Caller()
+
+
+def _service(c):
+    import structlog
+
+    from scheduler_svc.api import GenerationService
+    from scheduler_svc.validation import Limits
+    from tests.fake_executor import NullTokenizer
+
+    return GenerationService(c, NullTokenizer(), Limits(max_model_len=2048, vocab_size=300), {},
+                             structlog.get_logger())
+
+
+def test_a_down_executor_leaves_the_tenant_ledger_until_it_is_up_again(boxes, tmp_path):
+    """page_quota = 0.25 of two 64-page executors is 32 pages; while one is down the quota is of the one that
+    serves (16), and it is 32 again once the lost one is back. The survivor serves meanwhile."""
+    tenants = _tenants(tmp_path, '[tenants.noisy]\npage_quota = 0.25\n[tenants.quiet]\n', 64)
+
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = await up_cluster({"a:1", "b:1"}, tenants=tenants)
+        quotas, members = [c.tenants.get("noisy").page_quota], [len(c.ledger.members)]
+        await _take_down(c, boxes, "b:1")
+        quotas.append(c.tenants.get("noisy").page_quota)
+        members.append(len(c.ledger.members))
+        req = make_request(1, 20, 10, tenant="noisy")
+        c.add_request(req)
+        tokens, error = await asyncio.wait_for(collect(req), 5)
+        await _bring_up(c, boxes, "b:1")
+        quotas.append(c.tenants.get("noisy").page_quota)
+        members.append(len(c.ledger.members))
+        await c.stop()
+        return quotas, members, (len(tokens), error)
+    assert asyncio.run(scenario()) == ([32, 16, 32], [2, 1, 2], (10, None))
+
+
+def test_a_reserve_larger_than_the_survivors_pool_is_cut_to_it_and_no_capacity_goes_negative(boxes, tmp_path):
+    """quiet reserves 48 pages of a 64 + 32 page cluster. With the 64-page executor down the 32 pages that serve
+    cannot keep 48 free: the reserve is cut to 32 (before, the file's 48 stayed and noisy's capacity was -16).
+    noisy can hold nothing now and the API refuses its request with the limit named; quiet is served. Once the
+    executor is back, the reserve is 48 again."""
+    from scheduler_svc.tenancy import hash_key
+    from tests.fake_grpc import Aborted
+
+    tenants = _tenants(tmp_path, f'[tenants.noisy]\nkeys = ["{hash_key("n")}"]\n'
+                                 f'[tenants.quiet]\nkeys = ["{hash_key("q")}"]\nreserved_pages = 48\n', 64)
+
+    async def generate(service, key: str):
+        from pagedkv.client import Client
+
+        req = Client.build_request([5] * 20, max_tokens=4, request_id=key)
+        try:
+            return [m async for m in service.Generate(req, _caller(key))][-1].usage.completion_tokens
+        except Aborted as err:
+            return err.code.name, err.details
+
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(32)})
+        c = await up_cluster({"a:1", "b:1"}, tenants=tenants)
+        service = _service(c)
+        await _take_down(c, boxes, "a:1")
+        survivor = c.engines["b:1"].scheduler
+        down = (c.tenants.get("quiet").reserved_pages,
+                {t: survivor.tenant_capacity(t) for t in ("noisy", "quiet")},
+                await generate(service, "n"), await generate(service, "q"))
+        await _bring_up(c, boxes, "a:1")
+        up = (c.tenants.get("quiet").reserved_pages, c.tenant_capacity("noisy"), await generate(service, "n"))
+        await c.stop()
+        return down, up
+    (reserve, capacities, noisy, quiet), up = asyncio.run(scenario())
+    assert reserve == 32 and capacities == {"noisy": 0, "quiet": 32}
+    assert noisy[0] == "INVALID_ARGUMENT" and "the 0 pages tenant noisy can hold" in noisy[1], noisy
+    assert quiet == 4
+    assert up == (48, 32, 4)  # (a's part of the reserve: 48 * 64 / 96 = 32 of its 64 pages)
+
+
+def test_live_requests_get_their_limits_again_when_an_executor_goes_down_and_comes_back(boxes, tmp_path):
+    """noisy's quota is 0.25 of the pages that serve: 32 of two 64-page executors, 16 with one. A request
+    running on the survivor holds max_len 512 tokens (32 pages), 256 while the other is down, 512 again after
+    (it then finishes all its 400 tokens, which 256 would cut short); a request already longer than 256 tokens
+    when the other goes down ends with the error a reload gives."""
+    tenants = _tenants(tmp_path, '[tenants.noisy]\npage_quota = 0.25\n', 64)
+
+    def home_and_other(c, req) -> tuple[str, str]:
+        home = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.requests)
+        return home, next(a for a in c.engines if a != home)
+
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = await up_cluster({"a:1", "b:1"}, tenants=tenants)
+        small = make_request(1, 20, 400, tenant="noisy")
+        c.add_request(small)
+        home, other = home_and_other(c, small)
+        boxes[home].delay = 0.01  # (it must not reach 256 tokens while the other is down)
+        task = asyncio.create_task(collect(small))
+        await until(lambda: len(small.output_ids) >= 2)
+        max_lens = [small.max_len]
+        await _take_down(c, boxes, other)
+        max_lens.append(small.max_len)
+        await _bring_up(c, boxes, other)
+        max_lens.append(small.max_len)
+        boxes[home].delay = 0.0
+        tokens, error = await asyncio.wait_for(task, 10)
+
+        big = make_request(2, 300, 400, tenant="noisy")  # 300 tokens: 19 pages, more than 16
+        c.add_request(big)
+        home, other = home_and_other(c, big)
+        boxes[home].delay = 0.01
+        task = asyncio.create_task(collect(big))
+        await until(lambda: len(big.output_ids) >= 1)
+        await _take_down(c, boxes, other)
+        ended = big.finish is not None  # (at once: not when it next grows)
+        c.abort(big.group)
+        big_tokens, big_error = await asyncio.wait_for(task, 5)
+        await c.stop()
+        return max_lens, (len(tokens), error), ended, big_error, len(big_tokens)
+    max_lens, small, ended, big_error, big_tokens = asyncio.run(scenario())
+    assert max_lens == [512, 256, 512] and small == (400, None)
+    assert ended and big_error == "tenant noisy's new limits hold 16 pages; this request needs more"
+    assert 1 <= big_tokens < 400
+
+
+def test_model_info_adds_up_the_fair_shares_of_the_executors_that_serve(boxes, tmp_path):
+    """noisy, the only active tenant, is entitled to every page that serves: 128 of two 64-page executors, 64
+    with one down. The down executor (which served noisy before) adds nothing to ModelInfo's fair share, as it
+    adds nothing to num_pages; before, its snapshot still added 64."""
+    from pagedkv.api.v1 import api_pb2 as api
+    from scheduler_svc.tenancy import hash_key
+
+    tenants = _tenants(tmp_path, f'[tenants.noisy]\nkeys = ["{hash_key("n")}"]\n[tenants.quiet]\n', 64)
+
+    async def model_info(service) -> tuple[float, int]:
+        info = await service.ModelInfo(api.ModelInfoRequest(), _caller("n"))
+        return round(info.tenant.fair_share_pages, 3), info.num_pages
+
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = await up_cluster({"a:1", "b:1"}, tenants=tenants)
+        service = _service(c)
+        short, long = make_request(1, 20, 2, tenant="noisy"), make_request(2, 20, 10_000, tenant="noisy")
+        c.add_request(long)
+        c.add_request(short)
+        homes = {a for a, e in c.engines.items() if {long.request_id, short.request_id} & e.scheduler.requests.keys()}
+        for box in boxes.values():
+            box.delay = 0.005
+        assert (await asyncio.wait_for(collect(short), 5))[1] is None
+        await until(lambda: len(long.output_ids) >= 1)
+        both = await model_info(service)
+        other = next(a for a, e in c.engines.items() if long.request_id not in e.scheduler.requests)
+        await _take_down(c, boxes, other)
+        one = await model_info(service)
+        c.abort(long.group)
+        await c.stop()
+        return len(homes), both, one
+    assert asyncio.run(scenario()) == (2, (128.0, 128), (64.0, 64))
+
+
 # ---- a request the executor keeps rejecting (found in review of async scheduling) ---------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_the_executor_always_rejects_ends_with_the_error(boxes, monkeypatch, async_scheduling):

@@ -64,6 +64,33 @@ def test_tenants_file_errors_name_the_field(tmp_path, text, words):
         load(tmp_path, text)
 
 
+def test_a_file_resolved_on_fewer_pages_is_cut_to_them_and_comes_back_on_more(tmp_path):
+    """Loaded for 100 pages and resolved for the 40 that serve (an executor down): a count above the pool is cut
+    to it, reserves that add up to more are scaled down together, a budget is cut to what its tenant can hold
+    and a fraction that rounds to 0 pages is 1 (0 would be no quota). On 100 pages again the file's settings
+    come back. Loading the file for 40 pages is still an error."""
+    text = """
+[tenants.a]
+page_quota = 60
+reserved_pages = 50
+page_budget = 40
+[tenants.b]
+reserved_pages = 30
+[tenants.c]
+page_quota = 0.02
+"""
+    full = load(tmp_path, text)
+
+    def settings(t: Tenants) -> dict:
+        return {x.id: (x.page_quota, x.reserved_pages, x.page_budget) for x in t}
+    few = full.resolve(40)
+    assert settings(few) == {"a": (40, 22, 23), "b": (40, 17, 0), "c": (1, 0, 0)}
+    assert few.total_reserved == 39
+    assert settings(few.resolve(100)) == settings(full) == {"a": (60, 50, 40), "b": (100, 30, 0), "c": (2, 0, 0)}
+    with pytest.raises(InvalidTenant, match="page_quota: 60 pages"):
+        load(tmp_path, text, num_pages=40)
+
+
 def test_vtc_serves_the_tenant_with_least_weighted_service():
     weights = {"a": 1.0, "b": 1.0, "c": 4.0}
     q = WaitQueue(fair=True, weight=weights.__getitem__)
@@ -90,6 +117,18 @@ def two_tenants(a: Tenant, b: Tenant, pages: int = 24, seqs: int = 8, fair: bool
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=64, max_model_len=96, watermark=0,
                           fairness=fair)
     return Scheduler(PagePool(pages, BS), cfg, [2], tenants=Tenants([a, b]))
+
+
+def test_a_capacity_is_never_negative_and_a_request_that_cannot_fit_ends_with_the_limit_named():
+    """Tenants made in code are not fitted to the pool (no file to resolve): b reserves 40 of 24 pages. a's
+    capacity is 0, not -16, and a's request ends at once with an error that names what a can hold."""
+    s = two_tenants(Tenant("a"), Tenant("b", reserved_pages=40), pages=24)
+    assert (s.tenant_capacity("a"), s.tenant_capacity("b")) == (0, 24)
+    req = make_request(0, 8, 4, tenant="a")
+    s.add(req)
+    _, outputs = s.schedule()
+    assert [(r, o.error) for r, o in outputs] == [
+        (req, "8 tokens (prompt and output so far) do not fit what tenant a can hold (0 pages)")]
 
 
 def test_quota_holds_while_the_other_tenant_runs():
