@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, long_tensor
 
 Forward = Callable[[], torch.Tensor]  # runs the model on the static buffers, returns logits [bucket, vocab]
 Capture = Callable[[Forward], Forward]  # a forward -> its replay (same output tensor each call)
@@ -115,11 +115,15 @@ class StaticDecodeBatch:
             (self.ctx_lens, [r.position + 1 for r in rows] + [1] * pad),
             (self.sinks, [r.sink for r in rows] + [0] * pad),
             (self.windows, [r.window for r in rows] + [0] * pad),
-            (self.page_tables, [r.table + [0] * (self.width - len(r.table)) for r in rows]
-             + [[scratch] + [0] * (self.width - 1)] * pad),
         )
         for static, values in columns:
-            static.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            static.copy_(long_tensor(values), non_blocking=True)
+        zeros, tables = [0] * self.width, []  # (one flat list: one conversion)
+        for r in rows:
+            tables += r.table
+            tables += zeros[len(r.table):]
+        tables += ([scratch] + zeros[1:]) * pad
+        self.page_tables.copy_(long_tensor(tables).view(self.bucket, self.width), non_blocking=True)
 
 
 def eager_capture(forward: Forward) -> Forward:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention.interface import PagedAttention
-from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, DecodeGroup, PrefillSegment, long_tensor
 from executor_svc.cuda_graphs import DecodeGraphs, DecodeRow
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.sampler import SamplingParams, sample
@@ -49,9 +49,11 @@ class _Scheduled:
     count: int
 
 
-def _group_by_length(num_pages: list[int], slack: float = 1.25) -> list[tuple[list[int], int]]:
+def _group_by_length(num_pages: list[int], slack: float = DECODE_SLACK) -> list[tuple[list[int], int]]:
     """Indices grouped so that within a group the longest table is at most ``slack`` x the shortest
-    (padding waste stays small); returns (members, padded width) pairs."""
+    (padding waste stays small); returns (members, padded width) pairs. An infinite slack: one group."""
+    if slack == math.inf:
+        return [(list(range(len(num_pages))), max(num_pages))] if num_pages else []
     order = sorted(range(len(num_pages)), key=num_pages.__getitem__)
     groups: list[tuple[list[int], int]] = []
     for i in order:
@@ -61,6 +63,21 @@ def _group_by_length(num_pages: list[int], slack: float = 1.25) -> list[tuple[li
         else:
             groups.append(([i], num_pages[i]))
     return groups
+
+
+def _padded_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """[len(tables), width]: each table, padded with page 0 (the rows' own pages only cross from Python to
+    torch; the padding is written by one masked scatter)."""
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+    pages = long_tensor(flat)
+    if len(flat) == len(tables) * width:
+        return pages.view(len(tables), width).to(device)
+    lens = long_tensor([len(t) for t in tables])
+    out = torch.zeros(len(tables), width, dtype=torch.long)
+    out.masked_scatter_(torch.arange(width) < lens[:, None], pages)
+    return out.to(device)
 
 
 def _sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
@@ -98,6 +115,7 @@ class ModelRunner:
         cfg = getattr(model, "cfg", None)  # None: a stand-in model in tests (no token or position limits)
         self.vocab_size: int | None = cfg.vocab_size if cfg is not None else None
         self.max_positions: int | None = cfg.max_position_embeddings if cfg is not None else None
+        self.decode_slack: float | None = None  # how decodes are grouped (the backend's say; on the first decode)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
 
@@ -274,21 +292,22 @@ class ModelRunner:
             table = st.page_ids[: -(-ctx // bs)]
             if st.window:  # dropped pages are read as page 0 and masked
                 table = [0 if p == DROPPED_PAGE else p for p in table]
-            pages = torch.tensor(table, dtype=torch.long, device=self.device)
+            pages = long_tensor(table, self.device)
             prefills.append(PrefillSegment(q_start, n, ctx, pages, st.sink, st.window))
             if ctx == len(st.token_ids):
                 logits_rows.append(len(ids) - 1)
 
+        device = self.device
+
         def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
+            return long_tensor(values, device)
 
         groups = []
-        for members, width in _group_by_length([len(t) for t in decode_tables]):
-            zeros, flat = [0] * width, []  # (the padded rows as one flat list: torch reads it at once)
-            for i in members:
-                flat += decode_tables[i]
-                flat += zeros[len(decode_tables[i]):]
-            group = DecodeGroup(tensor([decode_idx[i] for i in members]), tensor(flat).view(len(members), width),
+        if decode_tables and self.decode_slack is None:
+            self.decode_slack = self._decode_slack()
+        for members, width in _group_by_length([len(t) for t in decode_tables], self.decode_slack or DECODE_SLACK):
+            group = DecodeGroup(tensor([decode_idx[i] for i in members]),
+                                _padded_tables([decode_tables[i] for i in members], width, device),
                                 tensor([decode_lens[i] for i in members]))
             if any(decode_windows[i] for i in members):
                 group.sinks = tensor([decode_sinks[i] for i in members])
@@ -299,6 +318,14 @@ class ModelRunner:
             prefills=prefills, sliding_window=self.model.cfg.sliding_window,
         )
         return tensor(ids), tensor(positions), meta, tensor(logits_rows)
+
+    def _decode_slack(self) -> float:
+        """The backend's grouping of decodes by table length (``decode_group_slack``), else DECODE_SLACK."""
+        ask = getattr(self.attention, "decode_group_slack", None)
+        dtype = getattr(self.model, "dtype", None)
+        if ask is None or not isinstance(dtype, torch.dtype):
+            return DECODE_SLACK
+        return ask(self.pool.layer(0)[0], dtype)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
@@ -347,7 +374,7 @@ class ModelRunner:
             finishing = [i for i, item in enumerate(scheduled) if item.start + 1 == len(item.state.token_ids)]
             if len(finishing) == len(scheduled):
                 return logits, prepared
-            return logits[torch.tensor(finishing, dtype=torch.long, device=logits.device)], prepared
+            return logits[long_tensor(finishing, logits.device)], prepared
         ids, positions, meta, rows = self._build_batch(scheduled)
         result.num_computed_tokens = int(ids.numel())
         prepared = time.perf_counter()

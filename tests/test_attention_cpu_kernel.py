@@ -174,3 +174,35 @@ def test_failed_build_falls_back_and_leaves_no_work_directory(monkeypatch, tmp_p
     assert list(tmp_path.iterdir()) == []
     q = torch.randn(1, 4, 32)
     assert not TorchPagedAttention(4, 2, 32, 1.0).reads_in_place(q, torch.zeros(8, 16, 2, 32))
+
+
+def test_the_runner_puts_every_decode_in_one_group_when_they_are_read_in_place(tiny_llama_dir):
+    """Read in place, decodes of very different lengths go to the kernel in one call per layer (one group; the
+    kernel reads each row to its own length, so the padding costs nothing); gathering, they are grouped by length
+    (the copy is padded to a group's longest). Tokens equal either way."""
+    from tests.inprocess import InProcessServer
+
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(3 + 37 * i)] for i in range(7)]  # 1 to 15 pages
+    max_tokens = [12] * 7
+    widths: dict[str, list[list[int]]] = {}
+    outputs = {}
+    for path in ("in place", "gather"):
+        server = InProcessServer(tiny_llama_dir, num_pages=160, max_num_seqs=8)
+        if path == "gather":
+            a = server.runner.attention
+            server.runner.attention = TorchPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.scale,
+                                                          reference=True)
+        build = server.runner._build_batch
+        seen = widths.setdefault(path, [])
+
+        def spy(scheduled, build=build, seen=seen):
+            out = build(scheduled)
+            if out[2].decodes:
+                seen.append([g.page_tables.shape[0] for g in out[2].decodes])
+            return out
+
+        server.runner._build_batch = spy
+        outputs[path] = [r.output_ids for r in server.generate(prompts, max_tokens)]
+    assert outputs["in place"] == outputs["gather"]
+    assert widths["in place"] and all(len(groups) == 1 for groups in widths["in place"])
+    assert max(len(groups) for groups in widths["gather"]) > 3

@@ -20,11 +20,13 @@ pages (a copy that the gather makes anyway), so attention itself runs in the mod
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import cpu_kernel
-from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
@@ -94,6 +96,16 @@ class TorchPagedAttention:
         if self.reference or q.device.type != "cpu" or not isinstance(k_cache, torch.Tensor):
             return False
         return k_cache.dtype == q.dtype and cpu_kernel.load() is not None
+
+    def decode_group_slack(self, k_cache: torch.Tensor | QuantizedCache | ChannelScaledCache,
+                           dtype: torch.dtype) -> float:
+        """How the runner groups decodes by table length (``executor_svc.runner``): in place, one group (the
+        kernel reads each row to its own length, so padding costs nothing, and one call per layer beats one
+        per group: bench/NOTES.md "One decode group"); gathering, groups of similar length (the copy is
+        padded to the group's longest table)."""
+        if self.reads_in_place(torch.empty(0, dtype=dtype), k_cache):
+            return math.inf
+        return DECODE_SLACK
 
     def write_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
