@@ -25,7 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(n: int, steps: int) -> dict[str, float]:
+SAMPLING = {  # --sampling: what every request asks for (temperature, top_p, top_k)
+    "greedy": (0.0, 1.0, 0),
+    "temperature": (0.8, 1.0, 0),
+    "top-p": (0.8, 0.95, 0),
+    "top-k-top-p": (0.8, 0.95, 50),
+}
+
+
+def measure(n: int, steps: int, sampling: str = "greedy") -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
@@ -40,6 +48,8 @@ def measure(n: int, steps: int) -> dict[str, float]:
     for i in range(n):
         req = make_request(i, 0, 1 << 20, prompt=[1] + [3 + (i * 7 + j) % 250 for j in range(31)])
         req.sampling.ignore_eos = True
+        req.sampling.temperature, req.sampling.top_p, req.sampling.top_k = SAMPLING[sampling]
+        req.sampling.seed = i
         scheduler.add(req)
     while True:  # to the steady decode: every request in plan.decodes
         plan, _ = scheduler.schedule()
@@ -90,14 +100,14 @@ def measure(n: int, steps: int) -> dict[str, float]:
 
 
 def child(args) -> int:
-    print(json.dumps({n: measure(n, args.steps) for n in args.counts}))
+    print(json.dumps({n: measure(n, args.steps, args.sampling) for n in args.counts}))
     return 0
 
 
 def run_tree(tree: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, str(ROOT / "bench" / "executor_host.py"), "--child", "--steps", str(args.steps),
-           "--requests", ",".join(map(str, args.counts))]
+           "--requests", ",".join(map(str, args.counts)), "--sampling", args.sampling]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
@@ -108,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--against", default="", metavar="DIR", help="another checkout, measured alternately")
     p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per tree (medians reported)")
+    p.add_argument("--sampling", choices=list(SAMPLING), default="greedy",
+                   help="what every request samples with (temperature 0.8; top-p 0.95; top-k 50)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "executor_host.json"))
     args = p.parse_args(argv)
@@ -124,7 +136,8 @@ def main(argv=None) -> int:
     keys = ("apply", "prepare", "sample", "parse", "serialize", "host", "forward", "step")
     table = {name: {n: {k: statistics.median(r[n][k] for r in rs) for k in keys} for n in args.counts}
              for name, rs in runs.items()}
-    print(f"\nexecutor host time per step (tiny-llama, CPU, 1 torch thread; ms, medians of {args.steps} steps"
+    print(f"\nexecutor host time per step (tiny-llama, CPU, 1 torch thread, sampling {args.sampling}; ms, medians "
+          f"of {args.steps} steps"
           f"{f', then of {args.rounds} rounds' if args.against else ''}; load {os.getloadavg()[0]:.2f})\n")
     print("| tree | decodes | apply | prepare | sample | parse | serialize | host total | forward | step |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executor_svc.sampler import SamplingParams, filter_logits, sample, sample_one
@@ -50,3 +51,57 @@ def test_logprobs_are_of_the_raw_distribution():
     tokens, lps = sample(logits, [SamplingParams(logprobs=True), SamplingParams()], [0, 0])
     assert abs(lps[0] - torch.log_softmax(logits[0], -1)[tokens[0]].item()) < 1e-6
     assert lps[1] == 0.0
+
+
+# ---- the batched sampler against the one-row definition ----------------------------------------------
+def _weights_in_vocab_order(scaled, top_k, top_p):
+    from executor_svc.sampler import distribution
+
+    weights, order = distribution(scaled, top_k, top_p)
+    full = torch.zeros_like(scaled).scatter_(1, order, weights)
+    return full / full.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("candidates", [256, 8], ids=["candidates", "past-the-candidates"])
+def test_batched_filters_equal_filter_logits_row_by_row(monkeypatch, candidates):
+    """Every combination of top-k (off, small, past the vocabulary) and top-p (off, tight, loose) in one batch;
+    with 8 candidates most top-p rows reach past them and are sorted whole."""
+    from executor_svc import sampler
+
+    monkeypatch.setattr(sampler, "CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(11)
+    combos = [(k, p) for k in (0, 1, 5, 40, 500) for p in (1.0, 0.3, 0.9, 0.999)]
+    combos = [c for c in combos if c != (0, 1.0) and c != (500, 1.0)]  # (every row here has a filter)
+    scaled = torch.randn(len(combos), 300, generator=g) * torch.rand(len(combos), 1, generator=g) * 4
+    got = _weights_in_vocab_order(scaled, [k for k, _ in combos], [p for _, p in combos])
+    for row, (k, p) in enumerate(combos):
+        want = torch.softmax(filter_logits(scaled[row], k, p), -1)
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-6, msg=f"top_k={k} top_p={p}")
+
+
+def test_a_rows_token_does_not_depend_on_its_batch(monkeypatch):
+    """Alone or among greedy rows, unfiltered rows and rows whose filters widen the candidates (a large top-k),
+    each row draws the same tokens from the same (seed, draw)."""
+    from executor_svc import sampler
+
+    monkeypatch.setattr(sampler, "CANDIDATES", 16)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 200, generator=g) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.8, seed=1), SamplingParams(),
+              SamplingParams(temperature=1.3, seed=2), SamplingParams(temperature=1.0, top_k=150, seed=3),
+              SamplingParams(temperature=0.9, top_k=7, top_p=0.95, seed=4),
+              SamplingParams(temperature=2.0, top_p=0.999, seed=5)]  # (past 16 candidates: sorted whole)
+    for draw in range(30):
+        together, _ = sample(logits, params, [draw] * 6)
+        alone = [sample(logits[i:i + 1], [p], [draw])[0][0] for i, p in enumerate(params)]
+        assert together == alone, draw
+
+
+def test_filtered_sampling_follows_the_filtered_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    p = SamplingParams(temperature=1.0, top_k=4, top_p=0.8, seed=9)
+    want = torch.softmax(filter_logits(logits, 4, 0.8), -1)
+    counts = torch.bincount(torch.tensor([sample_one(logits, p, i) for i in range(4000)]), minlength=6)
+    freq = counts.float() / counts.sum()
+    assert counts[want == 0].sum() == 0
+    assert torch.allclose(freq, want, atol=0.03), (freq, want)
