@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,26 @@ def start_server():
         s = Server(*args)
         servers.append(s)
         return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def start_servers():
+    """``start_servers(args, args, ...)``: servers started side by side (start-up is most of a short e2e test's
+    time), returned in that order; stopped at teardown (those that started, when one fails to)."""
+    servers: list[Server] = []
+
+    def start(*arg_lists: tuple[str, ...]) -> list[Server]:
+        with ThreadPoolExecutor(len(arg_lists)) as pool:
+            starting = [pool.submit(Server, *args) for args in arg_lists]
+        servers.extend(f.result() for f in starting if not f.exception())
+        for f in starting:
+            if f.exception():
+                raise f.exception()
+        return [f.result() for f in starting]
 
     yield start
     for s in servers:
