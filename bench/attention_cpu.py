@@ -151,6 +151,48 @@ def micro(repeats: int = 100) -> None:
                     attention.forward(q, k, v, meta)
                 best[path] = min(best.get(path, 1e9), time.perf_counter() - t)
         print(f"| {name} | {1e3 * best['gather']:.3f} | {1e3 * best['in place']:.3f} |")
+    groups_vs_one(repeats)
+
+
+def groups_vs_one(repeats: int) -> None:
+    """The kernel over 256 decodes of log-normal context lengths (30-2,000 tokens, as a mixed workload's), one
+    layer: one call per group of similar length (slack 1.25, as the gather path groups them) against one call
+    for all (what the runner now sends when decodes are read in place)."""
+    import random
+
+    from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
+    from executor_svc.runner import _group_by_length, _padded_tables
+
+    rng, g = random.Random(0), torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs, n = 8, 4, 32, 16, 256
+    lens = [int(min(2000, max(30, rng.lognormvariate(5.5, 0.9)))) for _ in range(n)]
+    num_pages = sum(-(-c // bs) for c in lens) + 8
+    pool = torch.randn(num_pages, 4, 2, bs, kv_heads, dim, generator=g)
+    k, v = pool[:, 1, 0], pool[:, 1, 1]
+    perm, tables = torch.randperm(num_pages, generator=g).tolist(), []
+    for c in lens:
+        tables.append([perm.pop() for _ in range(-(-c // bs))])
+    q = torch.randn(n, heads, dim, generator=g)
+    empty = torch.zeros(0, dtype=torch.long)
+
+    def meta(slack: float) -> AttentionMetadata:
+        decodes = [DecodeGroup(torch.tensor(m), _padded_tables([tables[i] for i in m], w, torch.device("cpu")),
+                               torch.tensor([lens[i] for i in m]))
+                   for m, w in _group_by_length([len(t) for t in tables], slack)]
+        return AttentionMetadata(empty, empty, decodes, [])
+    metas = {"length groups": meta(1.25), "one group": meta(float("inf"))}
+    attention = TorchPagedAttention(heads, kv_heads, dim, dim ** -0.5)
+    torch.testing.assert_close(attention.forward(q, k, v, metas["length groups"]),
+                               attention.forward(q, k, v, metas["one group"]))
+    best = {}
+    for _ in range(repeats):
+        for name, m in metas.items():
+            t = time.perf_counter()
+            attention.forward(q, k, v, m)
+            best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+    groups = len(metas["length groups"].decodes)
+    print(f"\n| kernel, 256 decodes at ctx {min(lens)}-{max(lens)} | {groups} length groups ms | one group ms |")
+    print(f"|---|---|---|\n| one layer | {1e3 * best['length groups']:.3f} | {1e3 * best['one group']:.3f} |")
 
 
 def main() -> None:
