@@ -115,7 +115,6 @@ class ModelRunner:
         cfg = getattr(model, "cfg", None)  # None: a stand-in model in tests (no token or position limits)
         self.vocab_size: int | None = cfg.vocab_size if cfg is not None else None
         self.max_positions: int | None = cfg.max_position_embeddings if cfg is not None else None
-        self.decode_slack: float | None = None  # how decodes are grouped (the backend's say; on the first decode)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
 
@@ -303,9 +302,8 @@ class ModelRunner:
             return long_tensor(values, device)
 
         groups = []
-        if decode_tables and self.decode_slack is None:
-            self.decode_slack = self._decode_slack()
-        for members, width in _group_by_length([len(t) for t in decode_tables], self.decode_slack or DECODE_SLACK):
+        slack = self._decode_slack() if decode_tables else DECODE_SLACK
+        for members, width in _group_by_length([len(t) for t in decode_tables], slack):
             group = DecodeGroup(tensor([decode_idx[i] for i in members]),
                                 _padded_tables([decode_tables[i] for i in members], width, device),
                                 tensor([decode_lens[i] for i in members]))
@@ -320,7 +318,8 @@ class ModelRunner:
         return tensor(ids), tensor(positions), meta, tensor(logits_rows)
 
     def _decode_slack(self) -> float:
-        """The backend's grouping of decodes by table length (``decode_group_slack``), else DECODE_SLACK."""
+        """The backend's grouping of decodes by table length (``decode_group_slack``, asked each step: cheap, and
+        tests swap backends), else DECODE_SLACK."""
         ask = getattr(self.attention, "decode_group_slack", None)
         dtype = getattr(self.model, "dtype", None)
         if ask is None or not isinstance(dtype, torch.dtype):

@@ -1,9 +1,9 @@
 """Sampling: greedy, temperature, top-k, top-p, with a per-request seed stream.
 
-Draw number i of a request inverts its filtered distribution at a uniform number made from (seed, i) alone,
-so what a request samples depends neither on the other requests in the batch nor on whether it was preempted
-and recomputed or migrated: the same seed gives the same tokens. Every row of a step is sampled at once
-(batched torch ops, no loop over rows).
+Draw number i of a request inverts its filtered distribution (in token order) at a uniform number made from
+(seed, i) alone, so what a request samples depends neither on the other requests in the batch nor on whether it
+was preempted and recomputed or migrated: the same seed gives the same tokens. Every row of a step is sampled at
+once (batched torch ops, no loop over rows).
 """
 
 from __future__ import annotations
@@ -46,72 +46,75 @@ def uniform(seed: int, draw: int) -> float:
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits [V] (already divided by temperature) with the tokens outside top-k / top-p set to -inf: the
-    definition of the filters, one row at a time (``distribution`` applies them to a batch)."""
+    definition of the filters, one row at a time (``thresholds`` applies them to a batch). Each filter is a cut
+    by value, so tokens tied at a cut are all kept (which of equal logits comes first never matters):
+
+    - top-k keeps the logits >= the k-th largest;
+    - top-p then keeps the logits >= the smallest one of the shortest run of largest (kept) logits whose
+      probability reaches top_p."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
-        drop[0] = False
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        values = torch.sort(logits, descending=True).values
+        probs = torch.softmax(values, dim=-1)
+        kept = int((probs.cumsum(-1) - probs < top_p).sum())  # before it, less than top_p: kept
+        logits = logits.masked_fill(logits < values[max(kept, 1) - 1], float("-inf"))
     return logits
 
 
-# A row with top-p but no top-k first looks for its kept set among this many most likely tokens (a partial
-# selection: a full sort of every row costs ~30x more on the CPU); a row whose set reaches past them is sorted.
+# Top-p looks for its cut among this many largest logits of a row first (a partial selection: sorting every row
+# whole costs ~30x more on the CPU); a row whose cut lies past them is sorted whole.
 CANDIDATES = 256
 
 
-def distribution(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """scaled [S, V] (logits already divided by each row's temperature), every row with a filter -> (weights
-    [S, W], order [S, W]): each row's W most likely tokens, largest first (``order``: their ids), weighted by
-    their probability after the row's top-k then top-p filter (as ``filter_logits``; not normalized; 0: filtered
-    out). Ties at a cut keep the first of equal logits in ``torch.topk``'s order."""
+def thresholds(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
+               candidates: int | None = None) -> torch.Tensor:
+    """scaled [S, V] (logits already divided by each row's temperature) -> [S, 1]: the smallest logit each row
+    keeps under its top-k then top-p filter (``filter_logits``; -inf: no filter). The cuts are computed from the
+    rows' largest values alone (``torch.topk(...).values``, the same whatever the order of ties and however many
+    are asked for), so a row's threshold depends on the row and its parameters, never on the batch."""
     rows, vocab = scaled.shape
     device = scaled.device
     ks = [k if 0 < k < vocab else 0 for k in top_k]
-    width = min(vocab, max(max(ks), CANDIDATES if any(k == 0 and p < 1.0 for k, p in zip(ks, top_p)) else 0))
-    values, order = torch.topk(scaled, width, dim=-1)
-    k = torch.tensor([k or width for k in ks], device=device).view(-1, 1)
-    values = values.masked_fill(torch.arange(width, device=device) >= k, float("-inf"))
-    has_k = torch.tensor([k > 0 for k in ks], device=device)
-    norm = torch.where(has_k, torch.logsumexp(values, -1), torch.logsumexp(scaled, -1)).view(-1, 1)
-    probs = torch.exp(values - norm)  # of the whole row, or of its top k
-    p = torch.tensor(top_p, dtype=probs.dtype, device=device).view(-1, 1)
+    wants_p = [p < 1.0 for p in top_p]
+    width = min(vocab, max(1, max(ks), (candidates or CANDIDATES) if any(wants_p) else 0))
+    values = torch.topk(scaled, width, dim=-1).values
+    has_k = torch.tensor([k > 0 for k in ks], device=device).view(-1, 1)
+    kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).view(-1, 1))
+    kth = torch.where(has_k, kth, torch.full_like(kth, float("-inf")))
+    if not any(wants_p):
+        return kth
+    norm = torch.logsumexp(scaled.masked_fill(scaled < kth, float("-inf")), -1, keepdim=True)  # of what top-k kept
+    probs = torch.exp(values.masked_fill(values < kth, float("-inf")) - norm)
     cum = probs.cumsum(-1)
-    drop = (cum - probs >= p) & (p < 1.0)  # keep the smallest set reaching top_p
-    drop[:, 0] = False
-    short = ~has_k & (p.view(-1) < 1.0) & (cum[:, -1] < p.view(-1))  # the set reaches past the candidates
+    p = torch.tensor(top_p, dtype=probs.dtype, device=device).view(-1, 1)
+    kept = (cum - probs < p).sum(-1, keepdim=True).clamp_(min=1)  # the shortest run reaching top_p
+    cut = torch.maximum(kth, values.gather(1, kept - 1))
+    wants = torch.tensor(wants_p, device=device).view(-1, 1)
+    short = wants & (cum[:, -1:] < p)  # the run reaches past the candidates: sort the row whole
     if width < vocab and bool(short.any()):
-        idx = short.nonzero().view(-1)
+        idx = short.view(-1).nonzero().view(-1)
         sub = idx.tolist()
-        full, full_order = distribution_sorted(scaled[idx], [top_p[i] for i in sub])
-        weights = torch.zeros(rows, vocab, dtype=probs.dtype, device=device)
-        weights[:, :width] = probs.masked_fill(drop, 0.0)
-        orders = torch.zeros(rows, vocab, dtype=order.dtype, device=device)
-        orders[:, :width] = order
-        weights[idx], orders[idx] = full, full_order
-        return weights, orders
-    return probs.masked_fill(drop, 0.0), order
+        cut[idx] = thresholds(scaled[idx], [ks[i] for i in sub], [top_p[i] for i in sub], candidates=vocab)
+    return torch.where(wants, cut, kth)
 
 
-def distribution_sorted(scaled: torch.Tensor, top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows with top-p alone whose kept set is not among the CANDIDATES: ``distribution`` over a full sort."""
-    values, order = torch.sort(scaled, dim=-1, descending=True)
-    probs = torch.softmax(values, dim=-1)
-    p = torch.tensor(top_p, dtype=probs.dtype, device=scaled.device).view(-1, 1)
-    drop = probs.cumsum(-1) - probs >= p
-    drop[:, 0] = False
-    return probs.masked_fill(drop, 0.0), order
-
-
-def _invert(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The column where each row's cumulative weights first exceed u x its total."""
-    cdf = weights.cumsum(-1)
-    return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
+def _draw(scaled: torch.Tensor, threshold: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[S] token ids: each row's logits >= its threshold, weighted by their probability, in token order; the
+    token where the cumulative weights (float64) first exceed u x their total. The target stays below the total,
+    so the token found always has a weight (never a filtered one). A row with no finite weight: its argmax."""
+    top = scaled.amax(-1, keepdim=True)
+    weights = torch.exp((scaled - top).masked_fill(scaled < threshold, float("-inf"))).to(torch.float64)
+    weights = torch.nan_to_num_(weights, nan=0.0, posinf=0.0)
+    cdf = weights.cumsum_(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+    at = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).view(-1)
+    bad = ~(total.view(-1) > 0)
+    if bool(bad.any()):
+        at = torch.where(bad, scaled.argmax(-1), at)
+    return at
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
@@ -122,31 +125,27 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int]) -> tuple[list[int], list[float]]:
     """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
 
-    Greedy rows take the argmax. The others, all at once: divided by their temperature, filtered (top-k, top-p:
-    ``distribution``), and drawn by inverting the cumulative distribution (in float64) at ``uniform(seed,
-    draw)``: the token depends on the row's logits, seed and draw number alone, never on the batch."""
+    Greedy rows take the argmax. The others, all at once: divided by their temperature, cut by their top-k and
+    top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token order, at
+    ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number alone, never
+    on the batch."""
     greedy = torch.argmax(logits, dim=-1).tolist()
     tokens = greedy
-    vocab = logits.shape[-1]
-    plain = [i for i, p in enumerate(params) if not p.greedy and not 0 < p.top_k < vocab and not p.top_p < 1.0]
-    filtered = [i for i, p in enumerate(params) if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
-    for rows in (plain, filtered):
-        if not rows:
-            continue
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
         device = logits.device
+        vocab = logits.shape[-1]
         picked = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in picked], dtype=logits.dtype, device=device).view(-1, 1)
         scaled = (logits if len(rows) == len(params) else logits[long_rows(rows, device)]) / temps
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in picked):
+            threshold = thresholds(scaled, [p.top_k for p in picked], [p.top_p for p in picked])
+        else:
+            threshold = torch.full((len(rows), 1), float("-inf"), dtype=scaled.dtype, device=device)
         u = torch.tensor([uniform(p.seed, draws[i]) for p, i in zip(picked, rows)], dtype=torch.float64,
                          device=device).view(-1, 1)
-        if rows is plain:
-            at = _invert(torch.exp(scaled - scaled.amax(-1, keepdim=True)), u)
-        else:
-            weights, order = distribution(scaled, [p.top_k for p in picked], [p.top_p for p in picked])
-            at = order.gather(1, _invert(weights, u))
-        if tokens is greedy:
-            tokens = list(greedy)
-        for i, token in zip(rows, at.view(-1).tolist()):
+        tokens = list(greedy)
+        for i, token in zip(rows, _draw(scaled, threshold, u).tolist()):
             tokens[i] = token
     logprobs = [0.0] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs]

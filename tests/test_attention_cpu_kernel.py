@@ -206,3 +206,23 @@ def test_the_runner_puts_every_decode_in_one_group_when_they_are_read_in_place(t
     assert outputs["in place"] == outputs["gather"]
     assert widths["in place"] and all(len(groups) == 1 for groups in widths["in place"])
     assert max(len(groups) for groups in widths["gather"]) > 3
+
+
+def test_decodes_stay_in_length_groups_where_they_are_gathered():
+    """One group only where the kernel reads the pages: pages on another device than the CPU (here 'meta', as a
+    CUDA pool would be), 8-bit pages and the reference path keep the length groups (the gather pads each group's
+    copy to its longest table)."""
+    import math
+
+    from executor_svc.attention.metadata import DECODE_SLACK
+
+    fast, ref = TorchPagedAttention(8, 4, 32, 32 ** -0.5), TorchPagedAttention(8, 4, 32, 32 ** -0.5, reference=True)
+    cpu = torch.zeros(4, 16, 4, 32)
+    assert fast.decode_group_slack(cpu, torch.float32) == math.inf
+    assert fast.decode_group_slack(torch.zeros(4, 16, 4, 32, device="meta"), torch.float32) == DECODE_SLACK
+    assert fast.decode_group_slack(cpu, torch.bfloat16) == DECODE_SLACK  # (a KV dtype other than the model's)
+    assert ref.decode_group_slack(cpu, torch.float32) == DECODE_SLACK
+    fmt = parse_kv_dtype("fp8_e4m3", torch.float32)
+    quantized = QuantizedCache(torch.zeros(4, 16, 4, 32, dtype=torch.float8_e4m3fn),
+                               torch.ones(4, 16, 4, dtype=torch.bfloat16), fmt)
+    assert fast.decode_group_slack(quantized, torch.float32) == DECODE_SLACK

@@ -103,7 +103,8 @@ class TorchPagedAttention:
         kernel reads each row to its own length, so padding costs nothing, and one call per layer beats one
         per group: bench/NOTES.md "One decode group"); gathering, groups of similar length (the copy is
         padded to the group's longest table)."""
-        if self.reads_in_place(torch.empty(0, dtype=dtype), k_cache):
+        if isinstance(k_cache, torch.Tensor) and self.reads_in_place(
+                torch.empty(0, dtype=dtype, device=k_cache.device), k_cache):
             return math.inf
         return DECODE_SLACK
 
