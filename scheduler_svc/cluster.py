@@ -254,12 +254,14 @@ class Cluster:
         self._fail_unplaced(lambda _deadline: True, error)
 
     def set_tenants(self, path: str) -> int:
-        """Reloads the tenants file, checked against every executor's pages (up or down: an executor down for a
-        while does not make a file for the whole cluster wrong), then fitted to those of the executors that
-        serve (``TenantLedger.resize``); returns how many live requests no longer fit and ended. Raises
-        InvalidTenant."""
-        pages = sum(e.scheduler.pool.num_pages for e in self.engines.values() if e.scheduler is not None)
-        self.ledger.tenants = Tenants.load(path, pages or self.reference.num_device_pages)
+        """Reloads the tenants file, checked against the pages of every executor not removed, up or down (an
+        executor down for a while does not make a file for the whole cluster wrong; one never up yet counts as
+        big as the first, as at start-up), then fitted to those of the executors that serve
+        (``TenantLedger.resize``); returns how many live requests no longer fit and ended. Raises InvalidTenant."""
+        ref = self.reference.num_device_pages
+        pages = sum(e.scheduler.pool.num_pages if e.scheduler is not None else ref
+                    for e in self.engines.values() if not e.removed)
+        self.ledger.tenants = Tenants.load(path, pages or ref)
         self.ledger.resize()
         return self.apply_limits()
 

@@ -551,3 +551,36 @@ def test_a_malformed_result_is_a_lost_executor_and_no_token_is_lost_or_repeated(
     assert spoiled["done"]
     assert all(err is None and tokens == list(range(21, 61)) for tokens, err in outs), outs
     assert migrated >= 1
+
+
+def test_a_reload_counts_an_executor_never_up_as_big_as_the_first(boxes, tmp_path):
+    """Two 64-page addresses, the second never up: start-up checked the file against 2 x 64 pages, and so does a
+    reload (a quota of 100 pages fits 128; before, only the 64 pages that had connected counted and the reload
+    refused it). A removed address no longer counts."""
+    from scheduler_svc.tenancy import InvalidTenant
+
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.big]\npage_quota = 100\n")
+
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        boxes["b:1"].alive = False
+        c = new_cluster()
+        c.reference.num_device_pages = 64  # (the first executor's Describe, as serve gives it)
+        c.start()
+        c.set_addresses({"a:1", "b:1"})
+        await until(lambda: c.engines["a:1"].state is engine_mod.State.UP)
+        ended = c.set_tenants(str(path))
+        quota = c.tenants.get("big").page_quota  # fitted to the 64 pages that serve
+        c.set_addresses({"a:1"})
+        await until(lambda: "b:1" not in c.engines or c.engines["b:1"].removed)
+        try:
+            c.set_tenants(str(path))
+            refused = ""
+        except InvalidTenant as err:
+            refused = str(err)
+        await c.stop()
+        return ended, quota, refused
+    ended, quota, refused = asyncio.run(scenario())
+    assert (ended, quota) == (0, 64)
+    assert "100 pages; must be in [0, 64]" in refused

@@ -49,9 +49,11 @@ class Chaos:
         self.file = tmp_path / "executors.txt"
         self.stopped: set[int] = set()
         # the four processes start side by side (the scheduler waits for the first executor); wait_up, for all
-        self.execs = [procs.executor("--num-pages", "64", wait=False) for _ in range(3)]
+        self.execs = []
         self.sched = None
         try:
+            for _ in range(3):
+                self.execs.append(procs.executor("--num-pages", "64", wait=False))
             self.file.write_text("".join(f"{e.address}\n" for e in self.execs))
             self.sched = procs.scheduler(args=("--executors-file", str(self.file), "--resolve-interval", "0.3",
                                                "--unplaced-timeout", "120", "--step-timeout", str(STEP_TIMEOUT),
