@@ -78,7 +78,9 @@ def thresholds(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
     device = scaled.device
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     wants_p = [p < 1.0 for p in top_p]
-    width = min(vocab, max(1, max(ks), (candidates or CANDIDATES) if any(wants_p) else 0))
+    # (top-p after a top-k cuts inside the top k, ties apart: a top-k row needs no more candidates than its k)
+    only_p = any(w and not k for k, w in zip(ks, wants_p))
+    width = min(vocab, max(1, max(ks), (candidates or CANDIDATES) if only_p else 0))
     values = torch.topk(scaled, width, dim=-1).values
     has_k = torch.tensor([k > 0 for k in ks], device=device).view(-1, 1)
     kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).view(-1, 1))
@@ -92,7 +94,7 @@ def thresholds(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
     kept = (cum - probs < p).sum(-1, keepdim=True).clamp_(min=1)  # the shortest run reaching top_p
     cut = torch.maximum(kth, values.gather(1, kept - 1))
     wants = torch.tensor(wants_p, device=device).view(-1, 1)
-    short = wants & (cum[:, -1:] < p)  # the run reaches past the candidates: sort the row whole
+    short = wants & (cum[:, -1:] < p)  # the run reaches past the candidates (or ties at the k-th): sort whole
     if width < vocab and bool(short.any()):
         idx = short.view(-1).nonzero().view(-1)
         sub = idx.tolist()
