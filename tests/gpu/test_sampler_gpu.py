@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.sampler import SamplingParams, distribution, filter_logits, sample
+from executor_svc.sampler import SamplingParams, filter_logits, sample, thresholds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -16,13 +16,12 @@ def test_filters_and_tokens_on_the_gpu_equal_the_cpu():
     g = torch.Generator().manual_seed(3)
     vocab = 32000  # a real vocabulary's size: top-k / top-p over a partial selection
     combos = [(0, 0.9), (50, 1.0), (50, 0.95), (1, 1.0), (0, 0.5), (0, 1.0)]
-    logits = torch.randn(len(combos), vocab, generator=g) * 4
+    logits = (torch.randn(len(combos), vocab, generator=g) * 4).bfloat16().float()  # (ties, as a bf16 model's)
     params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(combos)]
     filtered = [i for i, (k, p) in enumerate(combos) if k or p < 1.0]
     scaled = (logits[filtered] / 0.8).cuda()
-    weights, order = distribution(scaled, [combos[i][0] for i in filtered], [combos[i][1] for i in filtered])
-    full = torch.zeros_like(scaled).scatter_(1, order, weights)
-    full = (full / full.sum(-1, keepdim=True)).cpu()
+    cut = thresholds(scaled, [combos[i][0] for i in filtered], [combos[i][1] for i in filtered])
+    full = torch.softmax(scaled.masked_fill(scaled < cut, float("-inf")), -1).cpu()
     for row, i in enumerate(filtered):
         want = torch.softmax(filter_logits(logits[i] / 0.8, *combos[i]), -1)
         torch.testing.assert_close(full[row], want, rtol=1e-4, atol=1e-6)
