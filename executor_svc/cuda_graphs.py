@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, long_tensor
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
+from executor_svc.tensors import long_tensor
 
 Forward = Callable[[], torch.Tensor]  # runs the model on the static buffers, returns logits [bucket, vocab]
 Capture = Callable[[Forward], Forward]  # a forward -> its replay (same output tensor each call)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention.interface import PagedAttention
-from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, DecodeGroup, PrefillSegment, long_tensor
+from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.cuda_graphs import DecodeGraphs, DecodeRow
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.sampler import SamplingParams, sample
+from executor_svc.tensors import long_tensor
 from pagedkv.executor.v1 import executor_pb2 as pb
 
 # A page-table entry whose page a sliding window dropped (executor.proto: NewRequest.page_ids). Attention reads

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.tensors import long_tensor
+
 _MASK64 = (1 << 64) - 1
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a tiny temperature overflows to
 # inf, softmax turns inf - inf into NaN, and the draw then always picks token 0.
@@ -139,7 +141,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
         vocab = logits.shape[-1]
         picked = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in picked], dtype=logits.dtype, device=device).view(-1, 1)
-        scaled = (logits if len(rows) == len(params) else logits[long_rows(rows, device)]) / temps
+        scaled = (logits if len(rows) == len(params) else logits[long_tensor(rows, device)]) / temps
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in picked):
             threshold = thresholds(scaled, [p.top_k for p in picked], [p.top_p for p in picked])
         else:
@@ -152,13 +154,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
     logprobs = [0.0] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
-        rows_t = torch.tensor(want, device=logits.device)
-        lp = torch.log_softmax(logits[rows_t], dim=-1)
-        chosen_lp = lp.gather(1, torch.tensor([tokens[i] for i in want], device=logits.device).view(-1, 1))
+        lp = torch.log_softmax(logits[long_tensor(want, logits.device)], dim=-1)
+        chosen_lp = lp.gather(1, long_tensor([tokens[i] for i in want], logits.device).view(-1, 1))
         for i, value in zip(want, chosen_lp.view(-1).tolist()):
             logprobs[i] = value
     return tokens, logprobs
-
-
-def long_rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)

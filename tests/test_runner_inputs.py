@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor_svc.attention.metadata import long_tensor
 from executor_svc.runner import _group_by_length, _padded_tables
+from executor_svc.tensors import long_tensor
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
