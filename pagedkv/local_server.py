@@ -22,7 +22,8 @@ TEST_EXECUTOR_SECRET = "pagedkv-test-executor-secret-0123456789abcdef"
 
 
 class LocalServer:
-    """Starts ``pagedkv serve --port <free> *args`` and waits for its ready line; keeps its output."""
+    """Starts ``pagedkv serve --port <free> *args`` and waits for its ready line; keeps its output, and the JSON
+    log events of its children when ``*args`` asks for ``--log-format json``."""
 
     def __init__(self, *args: str, timeout: float = 180.0) -> None:
         self.port = free_port()
@@ -30,6 +31,7 @@ class LocalServer:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      cwd=ROOT, start_new_session=True)
         self.lines: deque[str] = deque(maxlen=400)
+        self.events: list[dict] = []
         self.ready = threading.Event()  # set on the ready line, or when the output ends
         self.serving = False
         threading.Thread(target=self._pump, daemon=True).start()
@@ -48,6 +50,11 @@ class LocalServer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError:
+                    pass
             if "pagedkv ready" in line:
                 self.serving = True
                 self.ready.set()

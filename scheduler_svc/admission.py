@@ -129,6 +129,8 @@ def _admit_waiting(s: Scheduler, budget: int, scheduled: list[tuple[Request, int
         if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
             s.waiting.charge(req.tenant, prompt_tokens=req.compute_target - len(hits) * s.pool.block_size)
         req.status = Status.RUNNING
+        if req.admitted_at_step < 0:
+            req.admitted_at_step = s.step_id + 1
         s.running.append(req)
         running_by_tenant[req.tenant] = running_by_tenant.get(req.tenant, 0) + req.n
         seats += req.n

@@ -273,7 +273,8 @@ class GenerationService(api_grpc.GenerationServicer):
                                                  cached_tokens=out.cached_tokens))
                     log.info("request_finished", index=out.index, reason=out.finish.value,
                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                             preemptions=req.num_preemptions)
+                             preemptions=req.num_preemptions, queued_at_step=req.queued_at_step,
+                             admitted_at_step=req.admitted_at_step)
                 yield msg
             metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:

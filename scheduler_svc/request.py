@@ -186,6 +186,11 @@ class Request:
     num_preemptions: int = 0
     num_migrations: int = 0  # moves to another executor (its executor failed or drained)
     num_cached_tokens: int = 0
+    # Queueing, in the step ids of the executor that first admitted it: the last plan built there when it was
+    # queued, and the plan that admitted it (-1: not yet). Fairness is checked by the order these give (logged
+    # with request_finished), not by the clock.
+    queued_at_step: int = -1
+    admitted_at_step: int = -1
     finish: Finish | None = None
     aborted: bool = False  # the client went away (Cluster.abort): reaped at the next plan
 

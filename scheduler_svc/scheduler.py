@@ -105,6 +105,8 @@ class Scheduler:
         """A new request, or (front) one migrated from another executor, which goes ahead of new work as a
         recompute-preempted one would."""
         t = req.tenant
+        if req.admitted_at_step < 0:  # (a migrated request admitted elsewhere keeps that executor's figures)
+            req.queued_at_step = self.step_id
         if self.config.fairness and not self.waiting.tenant_len(t) and not any(r.tenant == t for r in self.running):
             self.waiting.lift(t, self.ledger.active())  # no credit banked while idle
         self.limits.apply(req)
@@ -346,6 +348,7 @@ class Scheduler:
                     client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
                     overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
                     max_len=parent.max_len, page_limit=parent.page_limit,
+                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
                     num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
             for i in range(parent.n)
         ]

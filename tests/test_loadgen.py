@@ -195,7 +195,10 @@ def test_scraper_keeps_the_kv_gauges_of_a_prometheus_endpoint():
         async def run():
             stop = asyncio.Event()
             task = asyncio.create_task(scraper.run(time.perf_counter(), stop))
-            await asyncio.sleep(0.3)
+            for _ in range(200):  # (3 scrapes take ~0.15 s; 10 s only catches a hang)
+                if len(scraper.samples) >= 3:
+                    break
+                await asyncio.sleep(0.05)
             stop.set()
             await task
 

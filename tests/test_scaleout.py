@@ -225,14 +225,25 @@ def test_two_schedulers_round_robin_and_graceful_scheduler_shutdown(model_cache)
     s1 = procs.scheduler(e1.address, args=("--shutdown-timeout", "60"))
     s2 = procs.scheduler(e2.address)
     try:
-        async def spread():
+        async def spread() -> tuple[int, list[int]]:
+            """Rounds of 8 requests until both schedulers got some: round robin spreads over the subchannels that
+            are connected, and the second may connect after the first round (20 rounds only catch a hang)."""
             async with Client(f"{s1.address},{s2.address}") as client:
                 await client.wait_ready()
-                await asyncio.sleep(1.0)  # round robin spreads over the subchannels that are connected
-                await asyncio.gather(*(client.complete(p, **kw) for p, kw in workload(8, seed=8)))
-        asyncio.run(spread())
-        placed = [sum(e.num_placed for e in info(s.address).executors) for s in (s1, s2)]
-        assert sum(placed) == 8 and min(placed) > 0  # round robin over the two
+                rounds = 0
+                while rounds < 20:
+                    rounds += 1
+                    await asyncio.gather(*(client.complete(p, **kw) for p, kw in workload(8, seed=8)))
+                    placed = []
+                    for s in (s1, s2):
+                        async with Client(s.address) as one:
+                            placed.append(sum(e.num_placed for e in (await one.model_info()).executors))
+                    if min(placed) > 0:
+                        break
+                    await asyncio.sleep(0.2)
+            return rounds, placed
+        rounds, placed = asyncio.run(spread())
+        assert sum(placed) == 8 * rounds and min(placed) > 0  # round robin over the two
 
         async def scenario():
             async with Client(s1.address) as client:

@@ -168,7 +168,9 @@ def test_second_signal_stops_at_once(tmp_path):
     t0 = time.monotonic()
     run.proc.send_signal(signal.SIGINT)
     code, logs = run.finish(timeout=20)
-    assert time.monotonic() - t0 < 8, "a second Ctrl-C must stop within seconds, not after the drain"
+    took = time.monotonic() - t0
+    print(f"\nstopped {took:.2f} s after the second Ctrl-C (the drain would take 60 s)")
+    assert took < 8, "a second Ctrl-C must stop within seconds, not after the drain"
     assert run.saw("scheduler", "term-now"), "the scheduler gets its own stop-now signal"
     assert code == 0 and run.saw("executor", "exit"), logs
 
