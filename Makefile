@@ -1,4 +1,5 @@
-# make serve   - install into .venv (first time) and serve the built-in tiny-llama on 127.0.0.1:50051
+# make serve   - install into .venv (first time) and serve the built-in smollm2-135m-instruct on 127.0.0.1:50051
+#                (MODEL=tiny-llama for the random test model, MODEL=/path/to/hf-dir for a checkpoint)
 # make test    - install into .venv (first time) and run the test suite
 # make test-fast - the fast tier only (no process started; pytest -m unit): run it on every edit
 # make test-unit - the same as test-fast
@@ -7,6 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+MODEL ?= smollm2-135m-instruct
 
 .PHONY: install serve test test-fast test-unit lint bench proto clean
 
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: install
-	$(VENV)/bin/pagedkv serve $(ARGS)
+	$(VENV)/bin/pagedkv serve --model $(MODEL) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

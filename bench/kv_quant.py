@@ -22,6 +22,8 @@
 
     python bench/kv_quant.py            # full run -> bench/results/kv_quant.json
     python bench/kv_quant.py --quick    # fewer sequences and steps (a smoke test)
+    python bench/kv_quant.py --model smollm2-135m-instruct --threads 2 --out bench/results/kv_quant_smollm2.json
+                                        # 3. and 4. on the built-in real model, over CPython's pydoc_data text
     python bench/kv_quant.py --gpu --out bench/results/kv_quant_gpu.json   # 5. only (bench/gpu_check.sh)
 
 5. (--gpu) One layer's decode attention, 64 requests x 4096 tokens, through the torch backend on the GPU, per
@@ -61,6 +63,7 @@ from executor_svc.model import load_model  # noqa: E402
 from executor_svc.model.trained_tiny import held_out_tokens, trained_tiny_llama  # noqa: E402
 from executor_svc.model_config import ModelConfig  # noqa: E402
 from executor_svc.pages import DevicePagePool  # noqa: E402
+from pagedkv.models import resolve_model  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 QUANT = ("fp8_e4m3", "int8")
@@ -227,34 +230,46 @@ class Harness:
                                   torch.arange(b))
 
 
+def fixed_text_tokens(model_dir: Path) -> list[int]:
+    """A fixed English text for a real model: the documentation topics that ship with CPython (pydoc_data), in
+    their sorted order, tokenized with the model's own tokenizer."""
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return AutoTokenizer.from_pretrained(str(model_dir))(text, add_special_tokens=False).input_ids
+
+
 def quality(model_dir: Path, num_seqs: int, seq_len: int, chunk: int, num_greedy: int, prompt_len: int,
-            gen_len: int) -> dict:
+            gen_len: int, data: list[int] | None = None) -> dict:
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(cfg, torch.device("cpu"), torch.float32)
-    data = held_out_tokens()
+    data = held_out_tokens() if data is None else data
     seqs = [data[i * seq_len:(i + 1) * seq_len] for i in range(num_seqs)]
     pages = list(range(seq_len // 16))
-    logits = {}
-    for name in KV_DTYPES:
-        h = Harness(model, cfg, name, len(pages))
-        per = []
-        for s in seqs:
-            per.append(torch.cat([h.prefill(s[i:i + chunk], i, pages) for i in range(0, seq_len, chunk)]))
-        logits[name] = torch.stack(per)  # [S, L, V]
-    target = torch.tensor(seqs)[:, 1:]
-    ref = logits["float32"][:, :-1]
-    ref_logp = F.log_softmax(ref, -1)
-    out = {}
-    for name in KV_DTYPES:
-        lg = logits[name][:, :-1]
-        logp = F.log_softmax(lg, -1)
-        nll = -logp.gather(-1, target.unsqueeze(-1)).mean()
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-        out[name] = dict(perplexity=float(nll.exp()), top1_agreement=float((lg.argmax(-1) == ref.argmax(-1))
-                                                                           .float().mean()),
-                         mean_kl=float(kl.mean()), max_kl=float(kl.max()), tokens=int(target.numel()))
+    harness = {name: Harness(model, cfg, name, len(pages)) for name in KV_DTYPES}  # (float32 first: the reference)
+    sums = {name: dict(nll=0.0, agree=0, kl=0.0, max_kl=0.0) for name in KV_DTYPES}
+    tokens = 0
+    for s in seqs:  # one sequence's logits at a time (a 49k vocabulary x 1,024 positions is 200 MB a dtype)
+        target = torch.tensor(s)[1:]
+        tokens += target.numel()
+        for name, h in harness.items():
+            lg = torch.cat([h.prefill(s[i:i + chunk], i, pages) for i in range(0, seq_len, chunk)])[:-1]
+            logp = F.log_softmax(lg, -1)
+            if name == "float32":
+                ref, ref_logp = lg.argmax(-1), logp
+            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+            acc = sums[name]
+            acc["nll"] -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
+            acc["agree"] += int((lg.argmax(-1) == ref).sum())
+            acc["kl"] += float(kl.sum())
+            acc["max_kl"] = max(acc["max_kl"], float(kl.max()))
+    out = {name: dict(perplexity=math.exp(acc["nll"] / tokens), top1_agreement=acc["agree"] / tokens,
+                      mean_kl=acc["kl"] / tokens, max_kl=acc["max_kl"], tokens=tokens) for name, acc in sums.items()}
     # greedy continuations of held-out prompts, all sequences decoded together (one decode group)
-    prompts = [data[200_000 + i * 997:200_000 + i * 997 + prompt_len] for i in range(num_greedy)]
+    start = min(200_000, len(data) // 2)  # (past the perplexity sequences)
+    prompts = [data[start + i * 997:start + i * 997 + prompt_len] for i in range(num_greedy)]
     per_seq_pages = -(-(prompt_len + gen_len) // 16)
     tables = [list(range(i * per_seq_pages, (i + 1) * per_seq_pages)) for i in range(num_greedy)]
     gens = {}
@@ -352,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_quant.json")
     ap.add_argument("--gpu", action="store_true", help="only the GPU decode attention table (bench/gpu_check.sh)")
+    ap.add_argument("--model", default="", help="3. and 4. on this model (a built-in name such as "
+                    "smollm2-135m-instruct, or an HF directory) instead of the trained tiny Llama; its text is "
+                    "CPython's pydoc_data documentation")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -381,14 +399,21 @@ def main(argv: list[str] | None = None) -> int:
                    f"{r['attn_rel_err']:.4f}", f"{r['scale_overhead_d128']:.4f}", f"{r['scale_overhead_d64']:.4f}")
                   for r in report["granularity"]]))
 
-    model_dir = trained_tiny_llama()
-    report["model"] = json.loads((model_dir / "training.json").read_text())
     q = (dict(num_seqs=2, seq_len=512, chunk=128, num_greedy=2, prompt_len=128, gen_len=32) if args.quick else
          dict(num_seqs=16, seq_len=1024, chunk=128, num_greedy=16, prompt_len=256, gen_len=256))
     report["quality_setup"] = q
-    report["quality"] = quality(model_dir, **q)
-    print(f"\n3. Quality on the trained tiny Llama ({report['model']['steps']} steps on Python's stdlib, final train "
-          f"loss {report['model']['final_loss']}), {q['num_seqs']} held-out sequences of {q['seq_len']} tokens "
+    if args.model:
+        model_dir = resolve_model(args.model)
+        report["model"] = {"name": args.model, "text": "CPython's pydoc_data topics"}
+        report["quality"] = quality(model_dir, **q, data=fixed_text_tokens(model_dir))
+        what = f"{args.model}, on CPython's pydoc_data documentation text,"
+    else:
+        model_dir = trained_tiny_llama()
+        report["model"] = json.loads((model_dir / "training.json").read_text())
+        report["quality"] = quality(model_dir, **q)
+        what = (f"the trained tiny Llama ({report['model']['steps']} steps on Python's stdlib, final train loss "
+                f"{report['model']['final_loss']}),")
+    print(f"\n3. Quality on {what} {q['num_seqs']} held-out sequences of {q['seq_len']} tokens "
           f"(chunked prefill of {q['chunk']}); greedy: {q['num_greedy']} prompts of {q['prompt_len']}, "
           f"{q['gen_len']} tokens\n")
     ref_ppl = report["quality"]["float32"]["perplexity"]

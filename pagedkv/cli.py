@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except Exception as err:  # noqa: BLE001 - start-up failures of other kinds
+        from pagedkv.model_fetch import ModelFetchError
         from scheduler_svc.executor_client import ExecutorUnavailable
 
-        if isinstance(err, ExecutorUnavailable):
+        if isinstance(err, (ExecutorUnavailable, ModelFetchError)):
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
         raise

@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time (loggers cached on first use keep this object, not a stream
+    that a caller's redirection, or a test's capture, has closed since)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(service: str, json: bool | None = None, level: str = "info") -> structlog.stdlib.BoundLogger:
     if json is None:
         json = not sys.stderr.isatty()
@@ -23,7 +34,7 @@ def configure(service: str, json: bool | None = None, level: str = "info") -> st
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger(service=service)

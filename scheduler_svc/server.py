@@ -79,6 +79,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink-tokens", type=int, default=0, metavar="S",
                    help="attention-sink tokens kept at the start of a windowed request")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
+    p.add_argument("--served-model-name", default="", metavar="NAME",
+                   help="the model's name in ModelInfo, and so in the gateway's /v1/models and the model field "
+                   "clients send (default: the executor's --model as given: a built-in name, or the directory)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")
@@ -315,7 +318,7 @@ async def serve(args) -> None:
     defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
                     sampling_defaults=defaults)
-    info = dict(model=describe.model, max_model_len=max_len, block_size=describe.block_size,
+    info = dict(model=args.served_model_name or describe.model, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
                 sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,

@@ -40,7 +40,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory) -> Path:
-    """Every test (and every process it starts) builds tiny-llama into a fresh cache of its own."""
+    """Every test (and every process it starts) builds tiny-llama into a fresh cache of its own. Models fetched from
+    a package registry (smollm2-135m-instruct) stay in the user's cache ($PAGEDKV_MODEL_CACHE, else the
+    PAGEDKV_CACHE_DIR or ~/.cache/pagedkv the suite started with): fetched once per machine."""
+    from pagedkv.models import cache_dir
+
+    os.environ.setdefault("PAGEDKV_MODEL_CACHE", str(cache_dir()))
     path = tmp_path_factory.mktemp("pagedkv-cache")
     os.environ["PAGEDKV_CACHE_DIR"] = str(path)
     return path
@@ -59,6 +64,14 @@ def tiny_llama_dir(model_cache) -> Path:
     from pagedkv.models import resolve_model
 
     return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache) -> Path:
+    """The built-in real model (30 layers, a 49,152-token vocabulary, a ChatML template), fetched on first use."""
+    from pagedkv.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
