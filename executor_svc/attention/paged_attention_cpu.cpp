@@ -25,6 +25,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
@@ -79,6 +83,86 @@ inline float dot(const float* q, const scalar_t* k, int64_t dim) {
 struct Range {
   int64_t begin, end;
 };
+
+#if defined(__AVX512F__)
+// AVX-512 inner loops for float32 pages at head_dim DIM (64 or 128): NR query rows of one KV head at a time,
+// held in registers. Scores: each key row is loaded once for the NR rows (GQA: the query heads that share it),
+// one horizontal sum per dot. Values: the NR output rows stay in registers across all keys (one FMA per 16
+// channels per row per key), instead of a load and a store of the accumulator per key.
+constexpr int kLanes = 16;
+
+template <int DIM, int NR>
+inline void scores_avx512(const float* q, const float* kh, const int64_t* k_off, int64_t visible, float* scores,
+                          int64_t stride) {
+  constexpr int C = DIM / kLanes;
+  __m512 qv[NR][C];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < C; ++c) qv[r][c] = _mm512_loadu_ps(q + r * DIM + c * kLanes);
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* key = kh + k_off[j];
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(key + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[r][c], kv[c], acc);
+      scores[r * stride + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <int DIM, int NR>
+inline void values_avx512(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
+                          int64_t visible, const float* denom, float* out) {
+  constexpr int C = DIM / kLanes;
+  __m512 acc[NR][C];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* val = vh + v_off[j];
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(val + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * stride + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * DIM + c * kLanes, _mm512_mul_ps(acc[r][c], inv));
+  }
+}
+
+// The rows of one KV head in blocks of at most 4 (64: 4 x 4 registers of q or of accumulators; 128: 4 x 8).
+template <int DIM>
+inline void scores_rows_avx512(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
+                               float* scores, int64_t rows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const float* qr = q + r0 * DIM;
+    float* sr = scores + r0 * visible;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: scores_avx512<DIM, 1>(qr, kh, k_off, visible, sr, visible); break;
+      case 2: scores_avx512<DIM, 2>(qr, kh, k_off, visible, sr, visible); break;
+      case 3: scores_avx512<DIM, 3>(qr, kh, k_off, visible, sr, visible); break;
+      default: scores_avx512<DIM, 4>(qr, kh, k_off, visible, sr, visible); break;
+    }
+  }
+}
+
+template <int DIM>
+inline void values_rows_avx512(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
+                               const float* denom, float* out, int64_t rows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const float* wr = weights + r0 * visible;
+    float* o = out + r0 * DIM;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: values_avx512<DIM, 1>(wr, visible, vh, v_off, visible, denom + r0, o); break;
+      case 2: values_avx512<DIM, 2>(wr, visible, vh, v_off, visible, denom + r0, o); break;
+      case 3: values_avx512<DIM, 3>(wr, visible, vh, v_off, visible, denom + r0, o); break;
+      default: values_avx512<DIM, 4>(wr, visible, vh, v_off, visible, denom + r0, o); break;
+    }
+  }
+}
+#endif
 
 // Calls fn(key pointer offset, position) for each visible position, page by page (no division per key).
 // A page id outside the pool is an error (as index_select's), never a read out of bounds.
@@ -173,7 +257,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for_each_key(table, num_pages, block_size, v_page, v_tok, ranges, n_ranges,
                    [&](int64_t off, int64_t) { v_off[idx++] = off; });
 
+#if defined(__AVX512F__)
+      constexpr bool kFast = std::is_same_v<scalar_t, float> && (DIM == 64 || DIM == 128);
+#else
+      constexpr bool kFast = false;
+#endif
       const scalar_t* kh = kp + h0 * k_head;
+      if constexpr (kFast) {
+        for (int64_t hh = 0; hh < per_task; ++hh)
+          scores_rows_avx512<DIM>(qf.data() + hh * group * DIM, reinterpret_cast<const float*>(kh + hh * k_head),
+                                  k_off.data(), visible, scores.data() + hh * group * visible, group);
+      } else {
       for (int64_t j = 0; j < visible; ++j) {
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
           const scalar_t* key = kh + k_off[j] + hh * k_head;
@@ -181,6 +275,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             scores[r * visible + j] = dot<DIM>(qf.data() + r * dim, key, dim);
           }
         }
+      }
       }
       for (int64_t r = 0; r < rows_per_task; ++r) {
         float* sr = scores.data() + r * visible;
@@ -196,8 +291,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         denom[r] = sum;
       }
 
-      std::fill(acc.begin(), acc.end(), 0.f);
+      scalar_t* oi = op + (i * heads + h0 * group) * dim;
       const scalar_t* vh = vp + h0 * v_head;
+      if constexpr (kFast) {
+        for (int64_t hh = 0; hh < per_task; ++hh)
+          values_rows_avx512<DIM>(scores.data() + hh * group * visible,
+                                  reinterpret_cast<const float*>(vh + hh * v_head), v_off.data(), visible,
+                                  denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group);
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < visible; ++j) {
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
           const scalar_t* val = vh + v_off[j] + hh * v_head;
@@ -210,7 +313,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       }
 
-      scalar_t* oi = op + (i * heads + h0 * group) * dim;
       for (int64_t r = 0; r < rows_per_task; ++r) {
         const float inv = 1.f / denom[r];
         for (int64_t d = 0; d < dim; ++d) oi[r * dim + d] = static_cast<scalar_t>(acc[r * dim + d] * inv);

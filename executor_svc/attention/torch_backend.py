@@ -108,6 +108,10 @@ class TorchPagedAttention:
             return math.inf
         return DECODE_SLACK
 
+    # write_cache stores K/V as they are into plain tensor pages: a model may store them itself the same way
+    # (executor_svc/model/cpu_ops.cpp rotary_write).
+    plain_cache_writes = True
+
     def write_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: AttentionMetadata,
@@ -141,11 +145,16 @@ class TorchPagedAttention:
         # q_len x ctx of attention (bench/NOTES.md "CPU attention without the gather copy").
         kernel = cpu_kernel.load()
         window = meta.sliding_window or 0
+        if meta.one_decode_group:  # (a decode-only step: no gather of q's rows, no scatter of the output)
+            group = meta.decodes[0]
+            sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
+            return kernel.paged_attention(q, k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
+                                          sinks, windows, window, self.scale)
         out = torch.empty_like(q)
         for group in meta.decodes:
             sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
             out[group.token_idx] = kernel.paged_attention(
-                q[group.token_idx], k_cache, v_cache, group.page_tables, _NONE, group.ctx_lens - 1,
+                q[group.token_idx], k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
                 sinks, windows, window, self.scale)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -109,6 +109,7 @@ class LlamaModel:
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         del self.raw
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self._fused = None  # fused_ops(), decided on the first forward
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
@@ -183,10 +184,28 @@ class LlamaModel:
             other.append(self.lm_head)
         return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other)}
 
+    def fused_ops(self):
+        """``torch.ops.pagedkv_cpu`` when this model runs its layers with the fused CPU ops (cpu_ops.cpp: RMSNorm,
+        residual add + RMSNorm, rotary + cache write, SiLU x up), else None: a float32 model on the CPU with
+        Llama's norms (not Gemma's), once the CPU kernel library loads. Its torch ops stay the reference (and the
+        path of every other dtype and device); PAGEDKV_CPU_ATTENTION=reference turns both off."""
+        if self._fused is None:
+            ops = None
+            if self.device.type == "cpu" and self.dtype == torch.float32 and not self.cfg.gemma \
+                    and not self.cfg.sandwich_norms:
+                from executor_svc.attention import cpu_kernel
+
+                ops = cpu_kernel.load()
+            self._fused = ops if ops is not None and hasattr(ops, "add_rms_norm") else False
+        return self._fused or None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
         """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx."""
+        ops = self.fused_ops()
+        if ops is not None:
+            return self._forward_fused(ops, input_ids, positions, meta, pool, attention, logits_idx)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
@@ -229,6 +248,58 @@ class LlamaModel:
             a = softcapped_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale, cfg.attn_softcap)
         else:
             a = attention.forward(q, k_cache, v_cache, meta)
+        return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+    def _forward_fused(self, ops, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
+        """forward with the fused CPU ops: the residual stream x is updated in place, and each layer's last add
+        goes into the next layer's norm (one pass over x per norm)."""
+        eps = self.cfg.rms_norm_eps
+        x = F.embedding(input_ids, self.embed)
+        rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
+        metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
+        layers = self.layers
+        h = ops.rms_norm(x, layers[0]["in_norm"], eps)
+        for i, lw in enumerate(layers):
+            a = self._attention_fused(ops, i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
+            h = ops.add_rms_norm(x, a, lw["mlp_norm"], eps)  # x += a
+            mlp = lw["mlp"]
+            if isinstance(mlp, DenseMlp) and self.act is F.silu:
+                m = mlp.down(ops.silu_mul(mlp.gate_up(h)))
+            else:
+                m = mlp(h)
+            if i + 1 < len(layers):
+                h = ops.add_rms_norm(x, m, layers[i + 1]["in_norm"], eps)  # x += m
+            else:
+                x.add_(m)
+        logits = F.linear(ops.rms_norm(x[logits_idx], self.final_norm, eps), self.lm_head)
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits.float()
+
+    def _attention_fused(self, ops, i: int, lw: dict, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata, pool: DevicePagePool, attention) -> torch.Tensor:
+        cfg = self.cfg
+        n = h.shape[0]
+        q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self.norm(q, lw["q_norm"], cfg.rms_norm_eps)
+            k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
+        k_cache, v_cache = pool.layer(i)
+        cos, sin = cos_sin
+        if (getattr(attention, "plain_cache_writes", False) and isinstance(k_cache, torch.Tensor)
+                and k_cache.dtype == torch.float32):
+            q = ops.rotary_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
+        else:  # (8-bit pages, or a backend with writes of its own)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attention.write_cache(k_cache, v_cache, k, v, meta)
+        a = attention.forward(q, k_cache, v_cache, meta)
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
