@@ -17,6 +17,17 @@ first token's timestamp), peak RSS, and the 1-minute load average before and aft
     python bench/e2e_peers.py                       # -> bench/results/e2e_peers.json
     python bench/e2e_peers.py --quick               # tiny-llama only, 32 mixed requests
     python bench/e2e_peers.py --pagedkv-root DIR    # pagedkv from another checkout (before/after tables)
+
+Against vLLM's CPU build (and llama.cpp's server for 4-bit), with ``--systems pagedkv,vllm[,llamacpp]``: the server
+systems are all driven over HTTP by one client, vLLM's ``vllm bench serve`` (bench/peers_http.py: pagedkv through
+its gateway, ``pagedkv serve --http-port``), on the workloads uniform, mixed, batch1, shared (a 1,024-token
+prefix), poisson (4 req/s) and concurrency8, in ``--rounds`` alternating rounds (medians reported); HF systems in the
+same call run as above::
+
+    python bench/e2e_peers.py --systems pagedkv,vllm --models tiny-llama,smollm2-135m-instruct --rounds 3
+    python bench/e2e_peers.py --systems pagedkv,vllm --models smollm2-135m-instruct --dtype bfloat16
+    python bench/e2e_peers.py --systems pagedkv,llamacpp --models smollm2-135m-instruct --four-bit \
+        --workloads batch1,concurrency8,uniform
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from common import Request, Server, percentile, print_table, timed_streams, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("pagedkv", "hf_static", "hf_paged")
+HTTP_PEERS = ("vllm", "llamacpp")  # with one of these, pagedkv too is measured over HTTP (bench/peers_http.py)
 WORKLOADS = ("uniform", "mixed", "batch1")
 MODEL_40M = dict(hidden_size=512, intermediate_size=1376, num_layers=12, num_heads=8, num_kv_heads=4,
                  max_position_embeddings=2048)
@@ -249,18 +261,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_peers.json"))
     p.add_argument("--run", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=2, help="HTTP peers: alternating rounds (medians reported)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="HTTP peers: the weights' dtype on both servers (float32: the headline)")
+    p.add_argument("--four-bit", action="store_true",
+                   help="HTTP peers: pagedkv serves a GPTQ 4-bit group-32 copy (quantize_checkpoint) and llama.cpp "
+                   "the Q4_1 GGUF of the built-in model")
     args = p.parse_args(argv)
     if args.run:
         return child(args)
     if args.quick:
         args.models, args.mixed_requests = "tiny-llama", 32
+    systems = [s.replace("-", "_") for s in args.systems.split(",")]
+    if any(s in HTTP_PEERS for s in systems):
+        return http_main(args, systems)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for model in args.models.split(","):
         for wl in args.workloads.split(","):
             print(f"{model} / {wl} ...", flush=True)
-            results.setdefault(model, {})[wl] = {s: run_one(args, model, wl, s) for s in args.systems.split(",")}
+            results.setdefault(model, {})[wl] = {s: run_one(args, model, wl, s) for s in systems}
     header = ("model", "workload", "system", "tok/s", "vs HF static", "vs HF paged", "TTFT p50 (s)", "TTFT p99 (s)",
               "peak RSS (MiB)", "load 1m")
     rows = []
@@ -281,6 +302,56 @@ def main(argv: list[str] | None = None) -> int:
     print_table(header, rows)
     write_report(args.out, {"config": vars(args), "cpus": os.cpu_count(), "results": results})
     return 0
+
+
+def http_main(args: argparse.Namespace, systems: list[str]) -> int:
+    """The server systems over HTTP, one client (bench/peers_http.py); HF systems in this call as usual."""
+    import peers_http
+
+    servers = [s for s in systems if s in peers_http.SERVER_SYSTEMS]
+    before = Path(args.pagedkv_root).resolve() if args.pagedkv_root else None
+    if before is not None and "pagedkv" in servers:
+        servers.insert(servers.index("pagedkv") + 1, "pagedkv_before")
+    hf = [s for s in systems if s in SYSTEMS and s != "pagedkv"]
+    workloads = ("uniform,mixed,batch1,shared,poisson" if args.workloads == ",".join(WORKLOADS)
+                 else args.workloads).split(",")
+    report: dict[str, Any] = {"config": vars(args), "cpus": os.cpu_count(), "client": "vllm bench serve",
+                              "models": {}}
+    rows = []
+    for model in args.models.split(","):
+        path = model_dir(model)
+        extra, gguf = tuple(args.pagedkv_args.split()), None
+        if args.four_bit:
+            path, gguf = four_bit_copy(model, path), peers_http.gguf_of(model)
+        print(f"{model} ({path}): {', '.join(servers)} over HTTP, {args.rounds} rounds of {', '.join(workloads)}",
+              flush=True)
+        got = peers_http.measure_servers(servers, model, path, workloads, args.rounds, dtype=args.dtype,
+                                         pagedkv_args=extra, gguf=gguf, before=before,
+                                         log=lambda m: print(m, flush=True))
+        got["hf"] = {wl: {s: run_one(args, model, wl, s) for s in hf} for wl in workloads if wl in WORKLOADS}
+        report["models"][model] = got
+        for wl, by_system in got["median"].items():
+            ref = by_system.get("vllm") or by_system.get("llamacpp")
+            for s, r in by_system.items():
+                vs = f"{r['output_throughput'] / ref['output_throughput']:.2f}x" if ref else "-"  # (pagedkv ÷ peer)
+                rows.append((model, wl, s, f"{r['output_throughput']:.1f}", vs if s.startswith("pagedkv") else "",
+                             f"{r['p50_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", f"{r['mean_tpot_ms']:.1f}",
+                             f"{r['load_1m']:.2f}", str(r["runs"])))
+    print()
+    print_table(("model", "workload", "system", "out tok/s", "pagedkv / peer", "TTFT p50 ms", "TTFT p99 ms",
+                 "TPOT mean ms", "load 1m", "runs"), rows)
+    write_report(args.out, report)
+    return 0
+
+
+def four_bit_copy(model: str, path: Path) -> Path:
+    """A GPTQ 4-bit group-32 copy of the model (pagedkv.models.quantize_checkpoint), built once."""
+    from pagedkv.models import _build_atomically, cache_dir, quantize_checkpoint
+
+    out = cache_dir() / f"{model}-gptq4-g32-v1"
+    if not (out / "config.json").exists():
+        _build_atomically(out, lambda d: quantize_checkpoint(path, d, method="gptq", group_size=32))
+    return out
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ class GenerationService(api_grpc.GenerationServicer):
         self.live.add(req.client_id)
         self.cluster.add_request(req)
         finished = 0
-        last_token_at = 0.0
+        last_token_at = first_token_s = 0.0
         try:
             while finished < req.n:
                 out: Output = await req.queue.get()  # (what waited for this stream, in one message: Outbox)
@@ -258,6 +258,7 @@ class GenerationService(api_grpc.GenerationServicer):
                         metrics.ITL_SECONDS.observe(now - last_token_at)
                     else:
                         metrics.TTFT_SECONDS.labels(req.tenant).observe(now - received)
+                        first_token_s = now - received
                     last_token_at = now
                 if out.error:
                     log.warning("request_failed", error=out.error)
@@ -274,7 +275,7 @@ class GenerationService(api_grpc.GenerationServicer):
                     log.info("request_finished", index=out.index, reason=out.finish.value,
                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                              preemptions=req.num_preemptions, queued_at_step=req.queued_at_step,
-                             admitted_at_step=req.admitted_at_step)
+                             admitted_at_step=req.admitted_at_step, ttft_s=round(first_token_s, 4))
                 yield msg
             metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:

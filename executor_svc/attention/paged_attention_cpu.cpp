@@ -85,7 +85,7 @@ struct Range {
 };
 
 #if defined(__AVX512F__)
-// AVX-512 inner loops for float32 pages at head_dim DIM (64 or 128): NR query rows of one KV head at a time,
+// AVX-512 inner loops for float32 pages at head_dim DIM (32, 64, 128, 256): NR query rows of one KV head at a time,
 // held in registers. Scores: each key row is loaded once for the NR rows (GQA: the query heads that share it),
 // one horizontal sum per dot. Values: the NR output rows stay in registers across all keys (one FMA per 16
 // channels per row per key), instead of a load and a store of the accumulator per key.
@@ -132,34 +132,44 @@ inline void values_avx512(const float* weights, int64_t stride, const float* vh,
   }
 }
 
-// The rows of one KV head in blocks of at most 4 (64: 4 x 4 registers of q or of accumulators; 128: 4 x 8).
+// The rows of one KV head in blocks that keep q (or the accumulators) and a key in registers: DIM / 16 registers a
+// row, so 8 rows at 32, 4 at 64, 2 at 128, 1 at 256.
+template <int DIM>
+constexpr int64_t kRowBlock = DIM <= 32 ? 8 : 256 / DIM;
+
+#define PAGEDKV_ROW_BLOCK_CASES(F)                                                    \
+  switch (std::min<int64_t>(kRowBlock<DIM>, rows - r0)) {                              \
+    case 1: F(1); break;                                                               \
+    case 2: if constexpr (kRowBlock<DIM> >= 2) { F(2); } break;                        \
+    case 3: if constexpr (kRowBlock<DIM> >= 3) { F(3); } break;                        \
+    case 4: if constexpr (kRowBlock<DIM> >= 4) { F(4); } break;                        \
+    case 5: if constexpr (kRowBlock<DIM> >= 5) { F(5); } break;                        \
+    case 6: if constexpr (kRowBlock<DIM> >= 6) { F(6); } break;                        \
+    case 7: if constexpr (kRowBlock<DIM> >= 7) { F(7); } break;                        \
+    default: if constexpr (kRowBlock<DIM> >= 8) { F(8); } break;                       \
+  }
+
 template <int DIM>
 inline void scores_rows_avx512(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
                                float* scores, int64_t rows) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* qr = q + r0 * DIM;
     float* sr = scores + r0 * visible;
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: scores_avx512<DIM, 1>(qr, kh, k_off, visible, sr, visible); break;
-      case 2: scores_avx512<DIM, 2>(qr, kh, k_off, visible, sr, visible); break;
-      case 3: scores_avx512<DIM, 3>(qr, kh, k_off, visible, sr, visible); break;
-      default: scores_avx512<DIM, 4>(qr, kh, k_off, visible, sr, visible); break;
-    }
+#define PAGEDKV_SCORES(NR) scores_avx512<DIM, NR>(qr, kh, k_off, visible, sr, visible)
+    PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_SCORES)
+#undef PAGEDKV_SCORES
   }
 }
 
 template <int DIM>
 inline void values_rows_avx512(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
                                const float* denom, float* out, int64_t rows) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* wr = weights + r0 * visible;
     float* o = out + r0 * DIM;
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: values_avx512<DIM, 1>(wr, visible, vh, v_off, visible, denom + r0, o); break;
-      case 2: values_avx512<DIM, 2>(wr, visible, vh, v_off, visible, denom + r0, o); break;
-      case 3: values_avx512<DIM, 3>(wr, visible, vh, v_off, visible, denom + r0, o); break;
-      default: values_avx512<DIM, 4>(wr, visible, vh, v_off, visible, denom + r0, o); break;
-    }
+#define PAGEDKV_VALUES(NR) values_avx512<DIM, NR>(wr, visible, vh, v_off, visible, denom + r0, o)
+    PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_VALUES)
+#undef PAGEDKV_VALUES
   }
 }
 #endif
@@ -258,7 +268,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                    [&](int64_t off, int64_t) { v_off[idx++] = off; });
 
 #if defined(__AVX512F__)
-      constexpr bool kFast = std::is_same_v<scalar_t, float> && (DIM == 64 || DIM == 128);
+      constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % 16 == 0;
 #else
       constexpr bool kFast = false;
 #endif
