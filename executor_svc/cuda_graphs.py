@@ -99,7 +99,7 @@ class StaticDecodeBatch:
         self.page_tables, self.ctx_lens = longs(bucket, width), longs(bucket)
         self.sinks, self.windows = longs(bucket), longs(bucket)  # always given: a window of 0 means none
         self.rows = torch.arange(bucket, device=device)
-        self.group = DecodeGroup(self.rows, self.page_tables, self.ctx_lens, self.sinks, self.windows)
+        self.group = DecodeGroup(self.rows, self.page_tables, self.ctx_lens, self.sinks, self.windows, in_order=True)
         self.meta = AttentionMetadata(self.slot_pages, self.slot_offsets, [self.group], [], sliding_window)
 
     def fill(self, rows: list[DecodeRow]) -> None:
@@ -177,7 +177,7 @@ class DecodeGraphs:
             static = StaticDecodeBatch(bucket, width, self.device, self.scratch_page, self.model.cfg.sliding_window)
 
             def forward() -> torch.Tensor:
-                static.group.mask = None  # a backend caches the mask per step (eager replays recompute it)
+                static.group.new_step()  # a backend caches the mask and positions per step (eager replays remake them)
                 return self.model.forward(static.ids, static.positions, static.meta, self.pool, self.attention,
                                           static.rows)
 

@@ -41,6 +41,12 @@ class DecodeGroup:
             self.last_pos = self.ctx_lens - 1
         return self.last_pos
 
+    def new_step(self) -> None:
+        """Drops what was made from this step's values (mask, query positions): for a group whose tensors are
+        refilled in place for the next step (the static batch of a CUDA graph)."""
+        self.mask = None
+        self.last_pos = None
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
