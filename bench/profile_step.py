@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GROUPS = (  # (group, substrings of aten op names), first match wins
     ("linear (matmul)", ("addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn", "onednn",
                          "int4", "_weight_int4")),
-    ("attention (paged)", ("pagedkv", "scaled_dot_product", "softmax", "index_select", "attention")),
+    ("attention (paged)", ("paged_attention", "scaled_dot_product", "softmax", "index_select")),
+    ("fused layer ops (cpu_ops.cpp)", ("pagedkv_cpu::",)),
     ("embedding", ("embedding",)),
     ("norm (rsqrt, mean, pow)", ("rsqrt", "aten::mean", "aten::pow", "rms_norm")),
     ("rotary (cat, neg, slice)", ("aten::cat", "aten::neg", "aten::slice", "aten::cos", "aten::sin")),
