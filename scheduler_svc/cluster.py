@@ -301,7 +301,7 @@ class Cluster:
             if self.unplaced and self.unplaced[0][1] <= now:
                 self._fail_unplaced(lambda deadline, now=now: deadline <= now,
                                     f"no executor that can hold this request was available for "
-                                    f"{self.unplaced_timeout:.0f}s")
+                                    f"{self.unplaced_timeout:g}s")
 
     def _fail_unplaced(self, expired: Callable[[float], bool], error: str) -> None:
         kept = deque()

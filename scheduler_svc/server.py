@@ -253,7 +253,8 @@ async def serve(args) -> None:
     log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
     preemption = PreemptionConfig(mode=Mode(args.preemption_mode), hot_steps=args.hot_steps,
                                   cold_steps=args.cold_steps, swap_in_max_wait=args.swap_in_max_wait)
-    for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval"):
+    for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval", "step_timeout",
+                 "connect_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     link = _executor_link(args, log)

@@ -8,11 +8,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pagedkv.local_server import ROOT, TEST_EXECUTOR_SECRET, LocalServer
 from pagedkv.security import EXECUTOR_SECRET_ENV
 
 __all__ = ["ROOT", "Server", "wait_until"]
+
+# Every property test, not only the adversarial ones (tests/adversarial/profiles.py): no per-example deadline (a
+# clock, which a loaded machine misses) and the same examples every run; PAGEDKV_ADVERSARIAL=long explores.
+settings.register_profile("ci", deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", deadline=None)
+settings.load_profile("long" if os.environ.get("PAGEDKV_ADVERSARIAL", "") == "long" else "ci")
 
 # Tiers: `pytest -m unit` is the fast one (no process started); `e2e` tests start real services on loopback;
 # `gpu` tests need CUDA (they skip without it). A module may set its tier itself with `pytestmark`; otherwise a

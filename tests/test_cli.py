@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pagedkv.cli import free_port
 from tests.conftest import ROOT
 
@@ -27,6 +29,13 @@ def test_scheduler_without_executor_fails_clearly():
     r = subprocess.run([sys.executable, "-m", "pagedkv", "scheduler", "--executor", f"127.0.0.1:{free_port()}",
                         "--connect-timeout", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "not reachable" in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--step-timeout", "--connect-timeout"])
+def test_scheduler_refuses_a_timeout_that_is_not_positive(flag):
+    r = subprocess.run([sys.executable, "-m", "pagedkv", "scheduler", "--executor", f"127.0.0.1:{free_port()}", flag,
+                        "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"{flag} must be > 0, got 0.0" in r.stderr, r.stderr
 
 
 def test_serve_ctrl_c_stops_both_children(start_server):

@@ -69,6 +69,31 @@ def test_a_drained_executor_that_comes_back_serves_no_stale_prefix(boxes):
     assert nudge_error is None and len(nudge_tokens) == 30  # waited for the executor to come back
 
 
+def test_a_running_request_finishes_on_a_draining_executor_before_the_deadline(boxes):
+    """Draining moves what waits at once, and lets what runs finish where it is (until --drain-timeout)."""
+    async def scenario():
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = new_cluster(drain_timeout=60)
+        c.start()
+        c.set_addresses({"a:1"})
+        await asyncio.wait_for(c.any_up.wait(), 2)
+        c.set_addresses({"a:1", "b:1"})
+        await until(lambda: "b:1" in c.engines and c.engines["b:1"].state is engine_mod.State.UP)
+        boxes["a:1"].delay = 0.002
+        running = make_request(1, 20, 40)
+        c.add_request(running)
+        engine = next(e for e in c.engines.values() if running.request_id in e.scheduler.requests)
+        task = asyncio.create_task(collect(running))
+        await until(lambda: len(running.output_ids) >= 5)
+        boxes[engine.address].draining = True
+        tokens, error = await asyncio.wait_for(task, 5)
+        await until(lambda: engine.state is engine_mod.State.DOWN)
+        await c.stop()
+        return tokens, error, engine.num_migrated_out
+    tokens, error, migrated = asyncio.run(scenario())
+    assert error is None and len(tokens) == 40 and migrated == 0
+
+
 def test_a_moved_request_too_long_for_the_survivor_waits_then_ends_with_an_error(boxes):
     async def scenario():
         boxes.update({"a:1": Box(64), "b:1": Box(8)})  # b holds 128 tokens

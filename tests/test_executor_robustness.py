@@ -313,7 +313,8 @@ def test_scheduler_step_timeout_cancelling_a_long_prefill(executor):
         return sum(e.get("event") == event for e in list(executor.events))
 
     attached, detached = count("scheduler_attached"), count("scheduler_detached")
-    sched = scheduler(executor.address, args=("--step-timeout", "0.05", "--unplaced-timeout", "4",
+    # (1 ms: a 1,500-token prefill outlasts it on any machine; ~0.1-0.5 s on the CPU)
+    sched = scheduler(executor.address, args=("--step-timeout", "0.001", "--unplaced-timeout", "4",
                                               "--max-num-batched-tokens", "2048"))
     try:
         async def main():

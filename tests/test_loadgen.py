@@ -268,11 +268,11 @@ def test_bench_against_a_live_server_writes_every_documented_field(tiny_llama_di
     assert rep["total_output_tokens"] == sum(r["max_tokens"] for r in done)
     assert rep["total_input_tokens"] == sum(r["prompt_tokens"] for r in done)
     assert rep["workload"]["requests_with_shared_prefix"] == 6
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):  # (a TPOT or ITL may be 0: coalesced tokens)
         s = rep[key]
-        assert s["count"] > 0 and 0 < s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
+        assert s["count"] > 0 and 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
     assert rep["ttft_ms"]["count"] == rep["e2e_latency_ms"]["count"] == rep["completed"]
-    assert rep["ttft_ms"]["p50"] <= rep["e2e_latency_ms"]["p50"]
+    assert all(0 < r["ttft_ms"] <= r["e2e_latency_ms"] for r in done)  # each request's, from its own timestamps
     for key in ("request_throughput", "input_token_throughput", "output_token_throughput"):
         assert rep[key] > 0
     total = rep["input_token_throughput"] + rep["output_token_throughput"]

@@ -36,17 +36,15 @@ def test_metrics_follow_a_known_workload(model_cache):
 
         async def workload():
             async with Client(sched.address) as client:
-                seen_used, first = [], Completion()
+                first = Completion()
                 async for msg in client.generate(prefix + [5], max_tokens=48, ignore_eos=True):
-                    if not seen_used:  # the request holds its pages until its 48th token: look once it streams
-                        seen_used.append(scrape(sched_metrics)["pagedkv_pages_used"])
                     accumulate(first, msg)
                 second = await client.complete(prefix + [6], max_tokens=8, ignore_eos=True)
                 third = await client.complete(prefix + [7], max_tokens=8, ignore_eos=True)
-                return seen_used, first, second, third
-        seen_used, first, second, third = asyncio.run(workload())
-        assert len(first.token_ids) == 48 and max(seen_used) >= 4  # pages rose while the first request ran ...
-        assert procs.wait_for(lambda: scrape(sched_metrics)["pagedkv_pages_used"] == 0, 10)  # ... and came back
+                return first, second, third
+        first, second, third = asyncio.run(workload())
+        assert len(first.token_ids) == 48
+        assert procs.wait_for(lambda: scrape(sched_metrics)["pagedkv_pages_used"] == 0, 10)
         m = scrape(sched_metrics)
         assert first.cached_tokens == 0 and second.cached_tokens == third.cached_tokens == 64
         assert m["pagedkv_prefix_cache_hit_tokens_total"] - m0.get("pagedkv_prefix_cache_hit_tokens_total", 0) == 128
@@ -67,6 +65,13 @@ def test_metrics_follow_a_known_workload(model_cache):
         admitted = [ev for ev in sched.events if ev.get("event") == "request_admitted"]
         assert len(admitted) == 3 and all(ev["tenant"] == "default" and ev["request_id"] for ev in admitted)
         assert not any("prompt" in ev for ev in admitted)  # no prompt in the logs unless --log-prompts
+
+        async def held() -> float:  # pages rise while a request runs (one that cannot end before it is cancelled)
+            async with Client(sched.address) as client:
+                async for _ in client.generate(prefix + [8], max_tokens=950, ignore_eos=True):
+                    return scrape(sched_metrics)["pagedkv_pages_used"]
+        assert asyncio.run(held()) >= 5  # the shared prefix's 4 pages and one of its own ...
+        assert procs.wait_for(lambda: scrape(sched_metrics)["pagedkv_pages_used"] == 0, 10)  # ... and come back
     finally:
         sched.kill()
         ex.kill()

@@ -70,7 +70,10 @@ def test_100_requests_share_a_2000_token_prefix(server):
         async with tenant_client(server.address, "rag") as client:
             before = await client.model_info(reset_peak=True)
             first = asyncio.create_task(client.complete(prompts[0], max_tokens=2, ignore_eos=True))
-            await asyncio.sleep(0)  # the first request is admitted first; the others join it
+            while not first.done():  # the first request is at the scheduler first; the others join it
+                info = await client.model_info()
+                if info.num_running + info.num_waiting:
+                    break
             rest = [client.complete(p, max_tokens=1, ignore_eos=True) for p in prompts[1:]]
             outs = await asyncio.gather(first, *rest)
             after = await client.model_info()

@@ -76,7 +76,7 @@ class Cluster:
         self.execs = [procs.executor("--num-pages", "96"), procs.executor("--num-pages", "96")]
         self.write()
         self.sched = procs.scheduler(args=("--executors-file", str(self.file), "--resolve-interval", "0.3",
-                                           "--drain-timeout", "0.2", "--unplaced-timeout", "60", "--check-integrity"))
+                                           "--drain-timeout", "0.001", "--unplaced-timeout", "60", "--check-integrity"))
         self.address = self.sched.address
         wait_states(self.address, {e.address: "up" for e in self.execs})
 
@@ -151,6 +151,10 @@ def test_kill9_migrates_every_stream(cluster, reference):
 
 
 def test_sigterm_executor_drains_without_failing_a_stream(cluster, reference):
+    """SIGTERM mid-stream: the victim's requests move to the other executor with no stream failed. (The cluster's
+    --drain-timeout is 1 ms, so that they move whatever the machine's speed: with a longer one, a fast machine
+    finishes them on the victim and nothing migrates; tests/test_cluster_unit.py covers requests that finish
+    while draining.)"""
     victim = cluster.execs[0]
 
     async def term_midway(streamed):

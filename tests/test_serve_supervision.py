@@ -375,7 +375,7 @@ def test_tls_serve_with_its_own_secret_a_short_unplaced_timeout_and_a_sigkill(tm
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     tenants.write_text(f'[tenants.sup]\nkeys = ["{hash_key("key-sup")}"]\n')
     s = LocalServer("--num-pages", "64", "--threads", "1", "--tenants-file", str(tenants), "--tls-cert",
-                    str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), "--unplaced-timeout", "1",
+                    str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), "--unplaced-timeout", "0.5",
                     timeout=300)
     try:
         async def over_tls(on_first_token=None) -> Completion:
@@ -402,10 +402,12 @@ def test_tls_serve_with_its_own_secret_a_short_unplaced_timeout_and_a_sigkill(tm
         assert _describe_executor(address, TEST_EXECUTOR_SECRET) == grpc.StatusCode.UNAUTHENTICATED
         assert _describe_executor(address, secret_file.read_text().strip()) == grpc.StatusCode.OK
 
-        with pytest.raises(grpc.aio.AioRpcError) as err:  # the executor is back only after >= 1 s of backoff
+        # the executor is back after >= 1 s of backoff and its start (~6 s here); the request gives up after 0.5 s
+        # (at most 0.75 s: the check runs every 0.25 s)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
             asyncio.run(over_tls(lambda: os.kill(pids["executor"], signal.SIGKILL)))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no executor that can hold this request was available for 1s" in err.value.details()
+        assert "no executor that can hold this request was available for 0.5s" in err.value.details()
 
         def serving() -> bool:  # new requests are refused until the restarted executor is up
             try:

@@ -44,22 +44,34 @@ CHILD = textwrap.dedent("""
         time.sleep(0.01)
 """)
 
-# argv: a JSON config {"notes", "child", "children": [{name, crash, ready_after, ready_timeout}]}. A child is ready
-# ``ready_after`` seconds after its latest start.
+# argv: a JSON config {"notes", "child", "children": [{name, crash, ready_after, ready_timeout, after_ready,
+# after_exit}]}. A child is ready ``ready_after`` seconds after its latest start, and (so that the order of events is
+# set by causes, not by clocks) only once the supervisor has seen the child named ``after_ready`` ready, and the
+# child named ``after_exit`` exit during start-up.
 RUNNER = textwrap.dedent("""
     import json, sys, time
     from pagedkv import logs
     from pagedkv.supervisor import ChildSpec, Supervisor
     cfg = json.loads(sys.argv[1])
-    def ready(name, after):
+    seen_ready, seen_exit = set(), set()
+    def started_for(name):
         try:
             starts = [float(l.split()[0]) for l in open(cfg["notes"]) if l.split()[1:2] == [name] and "start" in l]
         except FileNotFoundError:
-            return False
-        return bool(starts) and time.monotonic() - starts[-1] >= after
+            return None
+        return time.monotonic() - starts[-1] if starts else None
+    def ready(c):
+        for other in sup.children:
+            if other.proc is None:  # (the supervisor saw it exit during start-up)
+                seen_exit.add(other.name)
+        up = started_for(c["name"])
+        ok = (up is not None and up >= c.get("ready_after", 0) and c.get("after_ready", "") in seen_ready | {""}
+              and c.get("after_exit", "") in seen_exit | {""})
+        if ok:
+            seen_ready.add(c["name"])
+        return ok
     specs = [ChildSpec(c["name"], [sys.executable, cfg["child"], c["name"], cfg["notes"], c.get("crash", "never")],
-                       ready=lambda n=c["name"], a=c.get("ready_after", 0): ready(n, a),
-                       ready_timeout=c.get("ready_timeout", 20),
+                       ready=lambda c=c: ready(c), ready_timeout=c.get("ready_timeout", 20),
                        stop_timeout=10) for c in cfg["children"]]
     sup = Supervisor(specs, logs.configure("serve", json=True), start_together=True, backoff_start=0.1)
     sys.exit(sup.run(lambda: print("ready", flush=True)))
@@ -116,10 +128,13 @@ def _no_stray_children():
 
 
 def test_every_child_starts_at_once_and_serve_is_ready_when_all_are(tmp_path):
-    run = Together(tmp_path, [{"name": "executor", "ready_after": 1.5}, {"name": "scheduler"}])
-    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
-    (exec_start,), (sched_start,) = run.saw("executor", "start"), run.saw("scheduler", "start")
-    assert sched_start - exec_start < 1.0, "the scheduler waited for the executor to be ready"
+    # The executor is ready only once the scheduler is: a supervisor that started the scheduler after the executor
+    # was ready would never start it, and the start would fail (with the executor's ready_timeout).
+    run = Together(tmp_path, [{"name": "executor", "after_ready": "scheduler", "ready_timeout": 20},
+                              {"name": "scheduler"}])
+    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 30), run.err.read_text()
+    assert run.ready(), "the scheduler waited for the executor to be ready"
+    assert len(run.saw("executor", "start")) == len(run.saw("scheduler", "start")) == 1
     run.proc.send_signal(signal.SIGTERM)
     code, logs = run.finish()
     assert code == 0, logs
@@ -129,7 +144,7 @@ def test_every_child_starts_at_once_and_serve_is_ready_when_all_are(tmp_path):
 
 
 def test_a_child_that_exits_while_the_ones_ahead_start_starts_again_once_they_are_ready(tmp_path):
-    run = Together(tmp_path, [{"name": "executor", "ready_after": 1.5},
+    run = Together(tmp_path, [{"name": "executor", "ready_after": 1.5, "after_exit": "scheduler"},
                               {"name": "scheduler", "crash": "first", "ready_after": 0.5}])
     assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
     (exec_start,) = run.saw("executor", "start")
@@ -144,8 +159,10 @@ def test_a_child_that_exits_while_the_ones_ahead_start_starts_again_once_they_ar
 
 
 def test_a_ready_timeout_counts_from_when_the_children_ahead_are_ready(tmp_path):
+    # the scheduler is ready right after the executor, 2 s after its start: past its 1.5 s, unless they count from
+    # the executor's readiness (the margin left is the supervisor's poll, 0.1 s, against 1.5 s)
     run = Together(tmp_path, [{"name": "executor", "ready_after": 2.0},
-                              {"name": "scheduler", "ready_after": 2.5, "ready_timeout": 1.5}])
+                              {"name": "scheduler", "after_ready": "executor", "ready_timeout": 1.5}])
     assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
     run.proc.send_signal(signal.SIGTERM)
     code, logs = run.finish()
@@ -153,7 +170,7 @@ def test_a_ready_timeout_counts_from_when_the_children_ahead_are_ready(tmp_path)
 
 
 def test_a_child_that_exits_once_the_ones_ahead_are_ready_fails_the_start(tmp_path):
-    run = Together(tmp_path, [{"name": "executor", "ready_after": 0.5},
+    run = Together(tmp_path, [{"name": "executor", "after_exit": "scheduler"},
                               {"name": "scheduler", "crash": "always", "ready_after": 0.5}])
     code, logs = run.finish()
     assert code == 1 and not run.ready()
