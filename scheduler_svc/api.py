@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -16,6 +16,7 @@ from scheduler_svc import fit, metrics
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
+from scheduler_svc.queue_bounds import QueueBounds, QueueFull
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Unauthenticated
@@ -43,14 +44,18 @@ class NoChatTemplate(Exception):
     """The model has no chat template: a chat prompt cannot be rendered (FAILED_PRECONDITION)."""
 
 
-def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int]) -> api.TenantInfo:
-    """A tenant's settings and, added up over the executors, its usage: what it holds, runs and is entitled to
-    now (its fair share) over those that serve (indices in ``live``: up or draining, the tenant ledger's
-    members), its counts since start over all."""
+def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int], max_queued: int,
+                cross_tenant: bool) -> api.TenantInfo:
+    """A tenant's settings and, added up over the executors, its usage: what it holds and runs over those that
+    serve (indices in ``live``: up or draining, the tenant ledger's members), its counts since start over all.
+    ``cross_tenant``: also the figures that depend on other tenants' activity (its fair share of pages now, its
+    requests preempted to give others theirs), for a caller who may see the cluster; left 0 otherwise, so that
+    nothing shows one tenant what another does."""
     info = api.TenantInfo(
         id=tenant.id, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
-        overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens)
+        overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens,
+        max_queued_requests=max_queued)
     for i, snap in enumerate(snapshots):
         u = snap.tenants.get(tenant.id)
         if u is None:
@@ -60,11 +65,13 @@ def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[in
             info.num_running += u.num_running
             info.num_waiting += u.num_waiting
             info.num_swapped += u.num_swapped
-            info.fair_share_pages += u.fair_share_pages
+            if cross_tenant:
+                info.fair_share_pages += u.fair_share_pages
         info.peak_used_pages += u.peak_used_pages
-        info.service = max(info.service, u.service)
+        info.service = max(info.service, u.service)  # (one ledger-wide figure: each executor has the same)
         info.budget_hits += u.budget_hits
-        info.fair_share_preemptions += u.fair_share_preemptions
+        if cross_tenant:
+            info.fair_share_preemptions += u.fair_share_preemptions
     return info
 
 
@@ -87,30 +94,62 @@ def add_cluster_counts(info: api.ModelInfoResponse, snapshots: list[SchedulerSna
             setattr(info, name, getattr(info, name) + value)
 
 
+@dataclass(slots=True)
+class LiveStream:
+    """One open Generate stream: its request, and the key it was opened with (checked again on a reload)."""
+
+    req: Request
+    key: bytes  # SHA-256 of the API key (b"" on a single-tenant server)
+    revoked: str = ""  # set when a reload ended the stream: why its key no longer holds
+
+
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
-                 log_prompts: bool = False) -> None:
+                 log_prompts: bool = False, queue_bounds: QueueBounds | None = None) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_info = model_info
         self.log = log
-        self.live: set[str] = set()  # client request ids with an open stream
+        self.queue_bounds = queue_bounds if queue_bounds is not None else QueueBounds()
+        # NOTE: keyed by (tenant, client request id): one tenant's ids are no oracle for another's, nor squatted.
+        self.live: dict[tuple[str, str], LiveStream] = {}  # the open streams
         self.closing = False  # shutting down: no new requests
         self.log_prompts = log_prompts  # prompt text (or ids) in the request_admitted line: off unless asked
         # NOTE: tokenizing runs off the event loop (other streams keep streaming), one text at a time: a fast
         # tokenizer is not safe to call from several threads at once, and each text is bounded in bytes.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def _tenant(self, context, method: str) -> Tenant:
-        """The caller's tenant; otherwise the call ends UNAUTHENTICATED and the refusal is logged (never the
-        key: the reason says only missing, malformed, unknown or revoked)."""
+    async def _caller(self, context, method: str) -> tuple[Tenant, bytes]:
+        """The caller's tenant and its key's hash; otherwise the call ends UNAUTHENTICATED and the refusal is
+        logged (never the key: the reason says only missing, malformed, multiple, unknown or revoked)."""
         try:
-            return self.cluster.tenants.authenticate(context.invocation_metadata())
+            return self.cluster.tenants.caller(context.invocation_metadata())
         except Unauthenticated as err:
             metrics.AUTH_FAILURES.labels(err.reason).inc()
             self.log.warning("auth_failed", peer=context.peer(), method=method, reason=err.reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
+    async def _tenant(self, context, method: str) -> Tenant:
+        return (await self._caller(context, method))[0]
+
+    def end_revoked_streams(self) -> int:
+        """After a reload of the tenants file: ends every open stream whose key no longer authenticates as its
+        tenant (revoked, gone from the file, or another tenant's) with UNAUTHENTICATED; returns how many."""
+        tenants, problems = self.cluster.tenants, {}
+        ended = 0
+        for (tenant_id, _), stream in self.live.items():
+            if stream.revoked:
+                continue
+            if (tenant_id, stream.key) not in problems:
+                problems[tenant_id, stream.key] = tenants.key_problem(tenant_id, stream.key)
+            problem = problems[tenant_id, stream.key]
+            if problem:
+                stream.revoked = f"{problem}: the tenants file was reloaded and this stream ended"
+                stream.req.queue.put_nowait(Output("", [], [], Finish.ABORT, error=stream.revoked,
+                                                   index=stream.req.index))
+                ended += 1
+        return ended
 
     async def _tokenize(self, text: str, add_special_tokens: bool, tokens: bool = False):
         """Token ids of ``text`` (and with ``tokens``, their strings), computed on the tokenizer thread."""
@@ -210,7 +249,7 @@ class GenerationService(api_grpc.GenerationServicer):
             raise InvalidRequest(f"sampling.n: {n}; must be <= {tenant.max_concurrent_requests} (tenant {tenant.id}'s "
                                  "max_concurrent_requests)")
         client_id = request.request_id or uuid.uuid4().hex
-        if client_id in self.live:
+        if (tenant.id, client_id) in self.live:
             raise KeyError(client_id)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
         arrival = self.cluster.next_arrival()
@@ -225,7 +264,7 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
-        tenant = await self._tenant(context, METHODS + "Generate")
+        tenant, key = await self._caller(context, METHODS + "Generate")
         try:
             req = self._build_request(request, tenant, await self._prompt_ids(request))
         except InvalidRequest as err:
@@ -241,11 +280,19 @@ class GenerationService(api_grpc.GenerationServicer):
         if not self.cluster.available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
                                 "failed or draining); retry later")
+        try:
+            self.queue_bounds.check(tenant, *self.cluster.queued(tenant.id))
+        except QueueFull as err:
+            metrics.QUEUE_FULL.labels(err.bound).inc()
+            self.log.info("request_refused", request_id=req.client_id, tenant=req.tenant, reason="queue_full",
+                          bound=err.bound)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
                  **extra)
-        self.live.add(req.client_id)
+        live_key = (tenant.id, req.client_id)
+        stream = self.live[live_key] = LiveStream(req, key)
         self.cluster.add_request(req)
         finished = 0
         last_token_at = first_token_s = 0.0
@@ -261,6 +308,9 @@ class GenerationService(api_grpc.GenerationServicer):
                         first_token_s = now - received
                     last_token_at = now
                 if out.error:
+                    if stream.revoked:
+                        log.warning("request_revoked", error=out.error)
+                        await context.abort(grpc.StatusCode.UNAUTHENTICATED, out.error)
                     log.warning("request_failed", error=out.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 msg = api.GenerateResponse(request_id=req.client_id, text=out.text, token_ids=out.token_ids,
@@ -279,15 +329,17 @@ class GenerationService(api_grpc.GenerationServicer):
                 yield msg
             metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:
-            self.live.discard(req.client_id)
+            if self.live.get(live_key) is stream:
+                del self.live[live_key]
             if finished < req.n:  # the client went away (or we are shutting down): free its pages
                 self.cluster.abort(req.request_id)
                 log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
         """The model's facts and the pools' sizes for everyone; the caller's own figures in ``tenant``; the
-        cluster-wide counts and the executors only for a caller who may see them (tenancy: admin, or the one
-        tenant of a single-tenant server) -- for the others they stay 0 / empty."""
+        cluster-wide counts, the executors and the figures of ``tenant`` that depend on other tenants (fair
+        share) only for a caller who may see them (tenancy: admin, or the one tenant of a single-tenant server)
+        -- for the others they stay 0 / empty, so that nothing here changes with what another tenant does."""
         tenant = await self._tenant(context, METHODS + "ModelInfo")
         cluster = self.cluster
         snapshots, live = cluster.snapshots_with_liveness()
@@ -302,7 +354,7 @@ class GenerationService(api_grpc.GenerationServicer):
             info.executors.extend(cluster.executor_infos())
             add_cluster_counts(info, snapshots, live)
             info.num_waiting += len(cluster.unplaced)
-        info.tenant.CopyFrom(tenant_info(snapshots, tenant, live))
+        info.tenant.CopyFrom(tenant_info(snapshots, tenant, live, self.queue_bounds.for_tenant(tenant), sees_cluster))
         if request.reset_peak:
             cluster.reset_peak(tenant, sees_cluster)
         return info

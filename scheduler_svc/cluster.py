@@ -229,6 +229,15 @@ class Cluster:
         self.arrivals += 1
         return self.arrivals
 
+    def queued(self, tenant_id: str) -> tuple[int, int]:
+        """Requests waiting to start (in an executor's wait queue, or held while none can take them): the
+        tenant's and everyone's (the queue bounds, ``queue_bounds.py``)."""
+        mine, total = self.ledger.queued(tenant_id)
+        if self.unplaced:
+            total += len(self.unplaced)
+            mine += sum(1 for r, _ in self.unplaced if r.tenant == tenant_id)
+        return mine, total
+
     def add_request(self, req: Request) -> None:
         metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
         self._place(req)

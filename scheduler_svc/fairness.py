@@ -5,6 +5,9 @@ far: a virtual token counter per tenant (VTC, "Fairness in Serving Large Languag
 charged 1 per prompt token admitted and 2 per token generated, divided by the tenant's weight. A tenant
 that returns from idle starts at the current minimum, so it cannot bank credit while away. With fairness
 off, requests go in arrival order whatever their tenant (first come, first served).
+
+Besides the counter, each tenant's own charges are kept apart (``charged``): the weighted tokens it was served,
+never lifted. That is what a tenant may be shown (ModelInfo): the counter itself follows other tenants.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ class Service:
     """Each tenant's weighted service so far (its virtual token counter), shared by the wait queues of every
     executor of a scheduler (the tenant ledger's), so fairness holds for the sum."""
 
-    __slots__ = ("counters", "vtime")
+    __slots__ = ("charged", "counters", "vtime")
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
+        self.charged: dict[str, float] = {}  # weighted tokens charged to each tenant (its own history only)
         self.vtime = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
 
 
@@ -113,8 +117,15 @@ class WaitQueue:
 
     # ---- service -------------------------------------------------------------------------------
     def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
-        cost = PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weight(tenant)
+        cost = (PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / self.weight(tenant)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
+        charged = self.shared.charged
+        charged[tenant] = charged.get(tenant, 0.0) + cost
 
     def service(self, tenant: str) -> float:
+        """The tenant's virtual token counter (it follows the other tenants: a scheduling figure only)."""
         return self.counters.get(tenant, 0.0)
+
+    def charged(self, tenant: str) -> float:
+        """The weighted tokens charged to the tenant so far: its own history, whatever the others do."""
+        return self.shared.charged.get(tenant, 0.0)

@@ -156,7 +156,7 @@ def snapshot(s: Scheduler, tenants: bool = False) -> SchedulerSnapshot:
                 used_pages=s.pool.used_by[t], host_pages=s.host.used_by[t] if s.host is not None else 0,
                 peak_used_pages=st.peak_used_pages, num_running=sum(1 for r in s.running if r.tenant == t),
                 num_waiting=s.waiting.tenant_len(t), num_swapped=sum(1 for r in s.swapped if r.tenant == t),
-                service=s.waiting.service(t), budget_hits=st.budget_hits,
+                service=s.waiting.charged(t), budget_hits=st.budget_hits,
                 fair_share_preemptions=st.fair_share_preemptions,
                 fair_share_pages=shares.get(t, 0.0) * s.pool.num_pages / max(1, s.ledger.total_pages))
     c = s.counters

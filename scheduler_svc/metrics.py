@@ -34,6 +34,8 @@ TENANT_RUNNING = Gauge("pagedkv_tenant_requests_running", "A tenant's requests h
 TENANT_WAITING = Gauge("pagedkv_tenant_requests_waiting", "A tenant's requests queued for admission", ["tenant"])
 TENANT_SERVICE = Gauge("pagedkv_tenant_weighted_service", "A tenant's weighted virtual token counter (VTC)",
                        ["tenant"])
+QUEUE_FULL = Counter("pagedkv_queue_full_total", "New requests refused because a queue bound was reached, by bound "
+                     "(tenant: its max_queued_requests; total: --max-queued-total)", ["bound"])
 TENANT_BUDGET_HITS = Counter("pagedkv_tenant_budget_hits_total", "Requests that reached their page budget",
                              ["tenant"])
 TENANT_FAIR_PREEMPTIONS = Counter("pagedkv_tenant_fair_share_preemptions_total",
@@ -66,6 +68,6 @@ MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another exec
                      ["cause"])
 UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")
 AUTH_FAILURES = Counter("pagedkv_auth_failures_total", "Public API calls refused as unauthenticated, by reason "
-                        "(missing, malformed, unknown, revoked)", ["reason"])
+                        "(missing, malformed, multiple, unknown, revoked)", ["reason"])
 UNDECODABLE_REQUESTS = Counter("pagedkv_undecodable_requests_total",
                                "Public API requests that were not a valid protobuf message (or not UTF-8)")

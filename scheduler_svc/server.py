@@ -17,8 +17,9 @@ from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, r
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
+from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL, QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tenancy import InvalidTenant, Tenants
+from scheduler_svc.tenancy import MAX_INT, InvalidTenant, Tenants
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import (
     MAX_PROMPT_BYTES,
@@ -70,7 +71,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="steps a swapped-out request yields to new prefills before it goes ahead of them")
     p.add_argument("--tenants-file", default="",
                    help="TOML file of tenants: hashed API keys, weights, page quotas, reserved pages, request "
-                   "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP")
+                   "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP: a stream opened "
+                   "with a key the reload revokes or removes ends with UNAUTHENTICATED")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                   help="requests of one tenant that may wait to start (its max_queued_requests in the tenants "
+                   "file overrides); past it a new request gets RESOURCE_EXHAUSTED 'queue full: ...' (default "
+                   "%(default)s; 0: no limit)")
+    p.add_argument("--max-queued-total", type=int, default=DEFAULT_MAX_QUEUED_TOTAL, metavar="N",
+                   help="requests of all tenants together that may wait to start on this scheduler; past it a new "
+                   "request gets RESOURCE_EXHAUSTED 'queue full: ...' (default %(default)s; 0: no limit)")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
     p.add_argument("--sliding-window", type=int, default=0, metavar="N",
@@ -159,6 +168,10 @@ def _check_args(args, describe, log) -> int:
     for name in ("sliding_window", "sink_tokens"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("max_queued_requests", "max_queued_total"):
+        if not 0 <= getattr(args, name) <= MAX_INT:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, {MAX_INT}] (0: no limit), got "
+                             f"{getattr(args, name)}")
     max_len = args.max_model_len or describe.max_position_embeddings
     pool_tokens = describe.num_device_pages * describe.block_size
     if args.sliding_window:
@@ -331,7 +344,8 @@ async def serve(args) -> None:
 
     max_request = max_message_bytes(prompt_bytes, max_len)
     server = grpc_common.new_server(max_receive_bytes=max_request, interceptors=[DecodeGuard(undecodable)])
-    service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts)
+    service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts,
+                                queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total))
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port, credentials)
@@ -375,7 +389,8 @@ async def serve(args) -> None:
         except InvalidTenant as err:
             log.error("tenants_reload_failed", error=str(err), hint="the previous tenants stay in force")
             return
-        log.info("tenants_reloaded", path=args.tenants_file, requests_ended=ended)
+        revoked = service.end_revoked_streams()  # (their keys were revoked or removed: UNAUTHENTICATED)
+        log.info("tenants_reloaded", path=args.tenants_file, requests_ended=ended, streams_revoked=revoked)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     watcher = loop.create_task(membership())

@@ -45,7 +45,7 @@ class TenantUsage:
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
-    service: float = 0.0
+    service: float = 0.0  # weighted tokens charged to it (its own; not the fair scheduler's counter)
     budget_hits: int = 0
     fair_share_preemptions: int = 0
     fair_share_pages: float = 0.0

@@ -13,6 +13,8 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     page_quota = 0.5                # most device pages held at once: a fraction of all pools or a count
     reserved_pages = 64             # pages kept free for this tenant (a fraction or a count)
     max_concurrent_requests = 128   # 0: no limit
+    max_queued_requests = 256       # requests waiting to start; past it RESOURCE_EXHAUSTED (0: no limit;
+                                    # unset: the scheduler's --max-queued-requests)
     sliding_window = 0              # attend to the sink plus the last N tokens (0: off)
     sink_tokens = 16
     admin = false                   # true: ModelInfo shows this key the whole cluster (see below)
@@ -23,16 +25,21 @@ requests runs 4 in total, not 4 on each. While fewer pages serve than the file w
 a count that no longer fits is cut to them (``Tenants.resolve``).
 
 Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
-constant time. Clients send ``authorization: Bearer <key>``. Without a tenants file the server is
-single-tenant: every caller is ``default`` and no key is asked for. The tenant decides the prefix
-cache's namespace (``prefix_cache.tenant_root``): a client never chooses it.
+constant time. Clients send ``authorization: Bearer <key>``, once: a call with two ``authorization`` entries
+is refused, whatever they hold. Without a tenants file the server is single-tenant: every caller is
+``default`` and no key is asked for. The tenant decides the prefix cache's namespace
+(``prefix_cache.tenant_root``): a client never chooses it. A reload (SIGHUP) that revokes a key, or drops it,
+ends the streams opened with it (``UNAUTHENTICATED``; ``key_problem`` says which keys no longer hold).
 
 What a tenant sees (``ModelInfo``): the model's facts (model, max_model_len, block size, vocabulary, dtypes,
 backend, prefix caching, pool sizes) and its own figures (``tenant``: settings, pages held, requests, budget
-hits). Cluster-wide counts (pages used and cached, running and waiting requests of everyone, tokens computed,
-prefix-cache hits, swaps, preemptions) and the executors' addresses and states stay 0 / empty: they would show
-one tenant another's activity. A tenant marked ``admin = true`` sees them (operators, dashboards, benchmarks).
-A single-tenant server (no tenants file) has one caller, who sees everything.
+hits, the weighted tokens charged to it). Nothing in it depends on what other tenants do: its weighted
+service is its own charges (not the fair scheduler's virtual counter, which a tenant back from idle starts at
+the others' level), and its fair share of pages and the preemptions made to give other tenants theirs are left
+0. Cluster-wide counts (pages used and cached, running and waiting requests of everyone, tokens computed,
+prefix-cache hits, swaps, preemptions), the fair-share figures and the executors' addresses and states would
+show one tenant another's activity: a tenant marked ``admin = true`` sees them (operators, dashboards,
+benchmarks). A single-tenant server (no tenants file) has one caller, who sees everything.
 """
 
 from __future__ import annotations
@@ -57,8 +64,8 @@ class InvalidTenant(ValueError):
 
 
 class Unauthenticated(Exception):
-    """``reason`` is one of missing, malformed, unknown, revoked (a metrics label); the message says what to do.
-    Neither ever holds the key."""
+    """``reason`` is one of missing, malformed, multiple, unknown, revoked (a metrics label); the message says what
+    to do. Neither ever holds the key."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -76,6 +83,7 @@ class Tenant:
     page_quota: int = 0  # pages; 0: the whole pool
     reserved_pages: int = 0
     max_concurrent_requests: int = 0  # 0: no limit
+    max_queued_requests: int | None = None  # waiting to start; 0: no limit; None: the scheduler's default
     page_budget: int = 0  # pages per request; 0: no limit
     overflow: str = "window"
     sliding_window: int = 0  # tokens; 0: off
@@ -117,7 +125,7 @@ def _hashes(values, name: str) -> tuple[bytes, ...]:
 
 
 _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
-           "page_budget", "overflow", "sliding_window", "sink_tokens", "admin"}
+           "max_queued_requests", "page_budget", "overflow", "sliding_window", "sink_tokens", "admin"}
 
 
 def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
@@ -153,8 +161,11 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
     admin = raw.get("admin", False)
     if not isinstance(admin, bool):
         raise InvalidTenant(f"{where}.admin: must be true or false, got {admin!r}")
+    queued = raw.get("max_queued_requests")
+    if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or not 0 <= queued <= MAX_INT):
+        raise InvalidTenant(f"{where}.max_queued_requests: must be an integer in [0, {MAX_INT}], got {queued!r}")
     return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
-                  admin=admin,
+                  admin=admin, max_queued_requests=queued,
                   key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
                   revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
 
@@ -229,18 +240,32 @@ class Tenants:
         return out
 
     def authenticate(self, metadata) -> Tenant:
+        return self.caller(metadata)[0]
+
+    def caller(self, metadata) -> tuple[Tenant, bytes]:
+        """The calling tenant and the SHA-256 of the key it sent (b"" on a single-tenant server): what
+        ``key_problem`` checks again after a reload. Raises Unauthenticated."""
         if not self.multi:
-            return self.by_id[DEFAULT_TENANT]
-        token = None
-        for key, value in metadata or ():
-            if key == "authorization":
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() != "bearer" or not token.strip():
-                    raise Unauthenticated("authorization metadata: expected 'Bearer <api key>'", "malformed")
-                token = token.strip()
-        if token is None:
+            return self.by_id[DEFAULT_TENANT], b""
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if len(values) > 1:
+            raise Unauthenticated(f"authorization metadata: sent {len(values)} times; send exactly one "
+                                  "'Bearer <api key>' (more than one credential is refused)", "multiple")
+        if not values:
             raise Unauthenticated("missing API key: send 'authorization: Bearer <api key>' metadata", "missing")
-        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        scheme, _, token = values[0].partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("authorization metadata: expected 'Bearer <api key>'", "malformed")
+        digest = hashlib.sha256(token.strip().encode("utf-8")).digest()
+        found, revoked = self._lookup(digest)
+        if revoked:
+            raise Unauthenticated("API key revoked", "revoked")
+        if found is None:
+            raise Unauthenticated("unknown API key", "unknown")
+        return found, digest
+
+    def _lookup(self, digest: bytes) -> tuple[Tenant | None, bool]:
+        """The tenant whose key hashes to ``digest`` (None: no tenant's), and whether it is revoked."""
         found, revoked = None, False
         for t in self.by_id.values():  # every hash is compared: the time does not depend on which matched
             for h in t.key_hashes:
@@ -249,11 +274,21 @@ class Tenants:
             for h in t.revoked_hashes:
                 if hmac.compare_digest(h, digest):
                     revoked = True
+        return found, revoked
+
+    def key_problem(self, tenant_id: str, digest: bytes) -> str:
+        """Why a key that authenticated as ``tenant_id`` no longer does ('' when it still does): after a reload
+        it may be revoked, gone from the file, or another tenant's."""
+        if not self.multi:
+            return ""
+        found, revoked = self._lookup(digest)
         if revoked:
-            raise Unauthenticated("API key revoked", "revoked")
+            return "API key revoked"
         if found is None:
-            raise Unauthenticated("unknown API key", "unknown")
-        return found
+            return "API key no longer in the tenants file"
+        if found.id != tenant_id:
+            return f"API key moved from tenant {tenant_id} to another"
+        return ""
 
     def sees_cluster(self, tenant: Tenant) -> bool:
         """Whether ModelInfo shows this caller the cluster-wide figures: an admin tenant, or the only one."""

@@ -89,6 +89,14 @@ class TenantLedger:
             out.update(r.tenant for r in m.swapped)
         return out
 
+    def queued(self, tenant: str) -> tuple[int, int]:
+        """Requests waiting to start in the members' wait queues: the tenant's, and everyone's."""
+        mine = total = 0
+        for m in self.members:
+            mine += m.waiting.tenant_len(tenant)
+            total += len(m.waiting)
+        return mine, total
+
     def has_requests(self, tenant: str) -> bool:
         return any(r.tenant == tenant for m in self.members for r in m.requests.values())
 

@@ -418,11 +418,12 @@ def test_live_requests_get_their_limits_again_when_an_executor_goes_down_and_com
 def test_model_info_adds_up_the_fair_shares_of_the_executors_that_serve(boxes, tmp_path):
     """noisy, the only active tenant, is entitled to every page that serves: 128 of two 64-page executors, 64
     with one down. The down executor (which served noisy before) adds nothing to ModelInfo's fair share, as it
-    adds nothing to num_pages; before, its snapshot still added 64."""
+    adds nothing to num_pages; before, its snapshot still added 64. (A fair share follows the other tenants'
+    activity: only a tenant with the cluster view, here an admin, is shown it.)"""
     from pagedkv.api.v1 import api_pb2 as api
     from scheduler_svc.tenancy import hash_key
 
-    tenants = _tenants(tmp_path, f'[tenants.noisy]\nkeys = ["{hash_key("n")}"]\n[tenants.quiet]\n', 64)
+    tenants = _tenants(tmp_path, f'[tenants.noisy]\nkeys = ["{hash_key("n")}"]\nadmin = true\n[tenants.quiet]\n', 64)
 
     async def model_info(service) -> tuple[float, int]:
         info = await service.ModelInfo(api.ModelInfoRequest(), _caller("n"))

@@ -204,6 +204,25 @@ def test_crashed_children_restart_with_backoff_and_others_keep_running(tmp_path)
     assert exits[0]["status"] == "exited with code 3"
 
 
+def test_a_restarted_child_logs_child_ready_once_it_is_ready_again(tmp_path):
+    """Before, a restart logged child_restarted and nothing after it: an operator could not tell a child that came
+    back from one still starting (or crashing in a loop)."""
+    backoff = {"backoff_start": 0.2, "backoff_max": 0.2, "stable_after": 60}
+    run = Runner(tmp_path, [{"name": "steady"}, {"name": "flaky", "crash_after": 0.6}], backoff=backoff)
+    assert wait_until(lambda: len(run.saw("flaky", "start")) >= 3, 30)
+    run.proc.send_signal(signal.SIGTERM)
+    code, logs = run.finish()
+    assert code == 0, logs
+    events = [(e["event"], e["pid"]) for e in logs if e.get("child") == "flaky" and "pid" in e]
+    restarts = [pid for event, pid in events if event == "child_restarted"]
+    assert len(restarts) >= 2
+    for pid in restarts[:-1]:  # (the last one may be stopped before it is looked at)
+        assert events.index(("child_ready", pid)) > events.index(("child_restarted", pid)), events
+    ready = next(e for e in logs if e["event"] == "child_ready" and e["pid"] == restarts[0])
+    assert ready["restarts"] == 1 and ready["seconds"] >= 0
+    assert not any(e["event"] == "child_ready" and e["child"] == "steady" for e in logs)  # (never restarted)
+
+
 def test_children_die_with_a_sigkilled_supervisor(tmp_path):
     run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler"}])
     pids = [run.saw(name, "start")[0][1] for name in ("executor", "scheduler")]

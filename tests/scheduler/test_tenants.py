@@ -57,6 +57,8 @@ overflow = "stop"
     ('[tenants."bad id"]', "tenant id"),
     ('[tenant.a]', "unknown top-level"),
     ('[tenants.a]\nkeys = ["KEY"]\n[tenants.b]\nkeys = ["KEY"]', "share a key"),
+    ('[tenants.a]\nmax_queued_requests = -1', r"tenants.a.max_queued_requests: must be an integer in \[0, "),
+    ('[tenants.a]\nmax_queued_requests = 1.5', "max_queued_requests: must be an integer"),
 ])
 def test_tenants_file_errors_name_the_field(tmp_path, text, words):
     text = text.replace('"KEY"', f'"{hash_key("same")}"')

@@ -231,7 +231,7 @@ class ExecutorInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_placed: _Optional[int] = ..., num_migrated_out: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("id", "weight", "page_quota", "reserved_pages", "max_concurrent_requests", "page_budget", "overflow", "used_pages", "peak_used_pages", "num_running", "num_waiting", "num_swapped", "service", "budget_hits", "fair_share_preemptions", "fair_share_pages", "sliding_window", "sink_tokens")
+    __slots__ = ("id", "weight", "page_quota", "reserved_pages", "max_concurrent_requests", "page_budget", "overflow", "used_pages", "peak_used_pages", "num_running", "num_waiting", "num_swapped", "service", "budget_hits", "fair_share_preemptions", "fair_share_pages", "sliding_window", "sink_tokens", "max_queued_requests")
     ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PAGE_QUOTA_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class TenantInfo(_message.Message):
     FAIR_SHARE_PAGES_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     weight: float
     page_quota: int
@@ -268,7 +269,8 @@ class TenantInfo(_message.Message):
     fair_share_pages: float
     sliding_window: int
     sink_tokens: int
-    def __init__(self, id: _Optional[str] = ..., weight: _Optional[float] = ..., page_quota: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., page_budget: _Optional[int] = ..., overflow: _Optional[str] = ..., used_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., service: _Optional[float] = ..., budget_hits: _Optional[int] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., sliding_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+    max_queued_requests: int
+    def __init__(self, id: _Optional[str] = ..., weight: _Optional[float] = ..., page_quota: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., page_budget: _Optional[int] = ..., overflow: _Optional[str] = ..., used_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., service: _Optional[float] = ..., budget_hits: _Optional[int] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., sliding_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens", "chat")
