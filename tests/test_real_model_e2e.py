@@ -42,7 +42,12 @@ def hf(smollm2_dir):
 
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), attn_implementation="eager", dtype=torch.float32)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(str(smollm2_dir))
+    # NOTE: one thread: the reference shares the machine with the servers, and a 2-thread OpenMP region waits for
+    # its slower thread at every op (5x slower under a competing process; MKL's batch-1 products are faster alone)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield model, AutoTokenizer.from_pretrained(str(smollm2_dir))
+    torch.set_num_threads(threads)
 
 
 def hf_greedy_ids(model, prompt: list[int], n: int, eos: int | None = None) -> list[int]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model import cpu_linear
 from executor_svc.model.moe import DenseMlp, MoeMlp
 from executor_svc.model.quant import DenseLinear, build_int4, quant_tensor_names, unpack_linear
 from executor_svc.model.softcap import softcapped_attention
@@ -105,7 +106,10 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device) if cfg.gemma else None
         self.final_norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.packed = cpu_linear.available(device, dtype)  # float32 on the CPU: oneDNN linears (cpu_linear.py)
+        # the logits' linear (a tied head packed is a copy of its own: the embedding lookup reads the original)
+        head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.logits = cpu_linear.PackedLinear(head, None) if self.packed else DenseLinear(head, None)
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         del self.raw
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
@@ -165,8 +169,8 @@ class LlamaModel:
         spec = self.cfg.quantization
         if spec is None or not all(spec.quantizes(m) for m in modules):
             kind = "dense"
-            linear = DenseLinear(torch.cat([w[m + ".weight"] for m in modules]),
-                                 None if biases is None else torch.cat(biases))
+            make = cpu_linear.PackedLinear if self.packed else DenseLinear
+            linear = make(torch.cat([w[m + ".weight"] for m in modules]), None if biases is None else torch.cat(biases))
         else:
             int4 = [unpack_linear(spec, {t: self.raw[f"{m}.{t}"] for t in quant_tensor_names(spec)}, m)
                     for m in modules]
@@ -180,9 +184,8 @@ class LlamaModel:
         other = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw["mlp"].tensors()]
         other += [lw[k] for lw in self.layers for k in ("in_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm",
                                                         "q_norm", "k_norm") if k in lw]
-        if self.lm_head is not self.embed:
-            other.append(self.lm_head)
-        return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other)}
+        head = 0 if getattr(self.logits, "weight", None) is self.embed else self.logits.nbytes()  # (tied in place)
+        return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other) + head}
 
     def fused_ops(self):
         """``torch.ops.pagedkv_cpu`` when this model runs its layers with the fused CPU ops (cpu_ops.cpp: RMSNorm,
@@ -223,7 +226,7 @@ class LlamaModel:
                 h = self.norm(h, lw["mlp_out_norm"], cfg.rms_norm_eps)
             x = x + h
         x = self.norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
-        logits = F.linear(x, self.lm_head)
+        logits = self.logits(x)
         if cfg.final_softcap:  # in the model dtype, as transformers
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
@@ -273,7 +276,7 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, m, layers[i + 1]["in_norm"], eps)  # x += m
             else:
                 x.add_(m)
-        logits = F.linear(ops.rms_norm(x[logits_idx], self.final_norm, eps), self.lm_head)
+        logits = self.logits(ops.rms_norm(x[logits_idx], self.final_norm, eps))
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()

@@ -1,0 +1,45 @@
+"""Float32 linears on the CPU through oneDNN, the weight reordered once at load (as vLLM's CPU backend does with its
+``onednn_mm``): y = x @ W.T + b.
+
+torch's float32 ``F.linear`` on the CPU calls MKL's sgemm. On the AMD EPYC (AVX2) this project runs on, MKL takes
+the decode-sized products (a few to a few dozen rows) 1.5-5x slower than oneDNN over a prepacked weight, and the
+49k-row lm_head at batch 1 at half the memory bandwidth (bench/NOTES.md, session 11). And MKL's rows depend on the
+batch: a row's output differs between a product of fewer than 16 rows and one of more. oneDNN's do not (each row
+of x gives the same bits whatever else is in the batch; tests/test_cpu_linear.py), so a request's tokens do not
+depend on what it was batched with.
+
+``PAGEDKV_CPU_ATTENTION=reference`` (the same switch that turns the CPU kernel library off) keeps torch's
+``F.linear``: the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float linears on ``device`` in ``dtype`` run as PackedLinear: float32 on the CPU, oneDNN built
+    into torch, and the reference path not asked for."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and os.environ.get("PAGEDKV_CPU_ATTENTION", "").lower() != "reference")
+
+
+class PackedLinear:
+    """y = x @ W.T + b over a float32 weight in oneDNN's blocked layout (made once; the original is not kept)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        # NOTE: no batch-size hint: the layout is then the same for every batch size, and so is each row's result.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.packed.numel() * self.packed.element_size() + bias
+

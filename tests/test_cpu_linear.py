@@ -1,0 +1,50 @@
+"""Float32 linears on the CPU through oneDNN (executor_svc/model/cpu_linear.py): torch's results within float32
+rounding, each row the same bits whatever the batch, and the reference switch back to torch's F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc.model import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
+                                reason="torch built without oneDNN")
+
+# SmolLM2's shapes (in -> out): qkv, o, gate_up, down, and a tied head; tiny-llama's qkv
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096), (64, 192)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_rows_equal_torch_and_do_not_depend_on_the_batch(k, n):
+    g = torch.Generator().manual_seed(k * n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(300, k, generator=g)
+    lin = cpu_linear.PackedLinear(w, b)
+    whole = lin(x)
+    assert torch.allclose(whole, F.linear(x, w, b), rtol=1e-4, atol=1e-4 * k ** 0.5)
+    for m in (1, 2, 3, 7, 11, 16, 17, 33, 64, 129, 300):  # every batch size gives each row the same bits
+        assert torch.equal(lin(x[:m]), whole[:m]), m
+    assert torch.equal(lin(x[5:6]), whole[5:6])
+
+
+def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llama_dir, monkeypatch):
+    from executor_svc.model import load_model
+    from executor_svc.model.quant import DenseLinear
+    from executor_svc.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(tiny_llama_dir)
+    packed = load_model(cfg, torch.device("cpu"), torch.float32)
+    assert isinstance(packed.layers[0]["qkv"], cpu_linear.PackedLinear)
+    assert isinstance(packed.logits, cpu_linear.PackedLinear)
+    monkeypatch.setenv("PAGEDKV_CPU_ATTENTION", "reference")
+    plain = load_model(cfg, torch.device("cpu"), torch.float32)
+    assert isinstance(plain.layers[0]["qkv"], DenseLinear) and isinstance(plain.logits, DenseLinear)
+    # (a tied head, packed, is a copy held besides the embedding, and counted in what the model holds)
+    assert (plain.logits.weight is plain.embed) == cfg.tie_word_embeddings
+    extra = plain.embed.numel() * 4 if cfg.tie_word_embeddings else 0
+    assert packed.weight_bytes()["other"] - plain.weight_bytes()["other"] == extra
+    assert packed.weight_bytes()["linears"] == plain.weight_bytes()["linears"]
+    bf16 = load_model(cfg, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(bf16.layers[0]["qkv"], DenseLinear)  # other dtypes keep torch's
