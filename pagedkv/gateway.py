@@ -9,8 +9,11 @@ to a scheduler's gRPC API.
 
 ``Authorization: Bearer <key>`` goes to the scheduler as gRPC metadata: the scheduler authenticates the tenant.
 A client that disconnects has its gRPC calls cancelled (the scheduler frees their pages within one step).
-Request bodies are bounded (``--max-body-bytes``) before they are parsed; the translation and the error
-mapping are in pagedkv/gateway_openai.py.
+Every size is bounded before work is done: the request head (``--max-header-bytes``, 431) and the time to send
+it (``--header-timeout``) and the body (``--body-timeout``) in the HTTP protocol (bounded_protocol); the body
+(``--max-body-bytes``, by default the scheduler's request limit) before it is parsed, its JSON nesting before
+``json.loads`` recurses, each prompt against the scheduler's limits before it is sent, streams (prompts x n)
+against ``--max-streams``. The translation and the error mapping are in pagedkv/gateway_openai.py.
 """
 
 from __future__ import annotations
@@ -18,50 +21,82 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
+import re
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedkv import gateway_openai as oai
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway_openai import ApiError, Choice, Plan
+from pagedkv.gateway_openai import ApiError, Choice, Plan, RequestLimits
+from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 DEFAULT_PORT = 8000
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_STREAMS = 1024
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_JSON_DEPTH = 64  # arrays and objects in a request body; OpenAI's bodies nest 4 deep
 # NOTE: uvicorn's default is 5 s, the same as httpx's (the openai SDK's) pool expiry: a request sent on a
 # connection the server was closing that instant failed with a read error (1 of 256 streams in bench/gateway.py).
 DEFAULT_KEEP_ALIVE_S = 75.0
 MAX_AUTH_HEADER_CHARS = 4096
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # where clients send keys; only the first is read
 
+# NOTE: a registry of the gateway's own. The CLI that starts it imports the scheduler's modules (to build every
+# subcommand's parser), and their module-level series showed, all at 0, on the gateway's /metrics.
+REGISTRY = CollectorRegistry()
+for _collector in (ProcessCollector, PlatformCollector, GCCollector):
+    _collector(registry=REGISTRY)
 REQUESTS = Counter("pagedkv_gateway_requests_total", "HTTP requests answered, by endpoint and status",
-                   ["endpoint", "status"])
+                   ["endpoint", "status"], registry=REGISTRY)
 LATENCY = Histogram("pagedkv_gateway_request_seconds", "Time from request to last byte, by endpoint", ["endpoint"],
-                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                    registry=REGISTRY)
 TTFT = Histogram("pagedkv_gateway_ttft_seconds", "Time from request to the first streamed token",
-                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY)
 RELAY = Histogram("pagedkv_gateway_relay_seconds", "Time from a scheduler message read to its SSE chunk written",
-                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1))
-IN_FLIGHT = Gauge("pagedkv_gateway_requests_in_flight", "Generation requests being answered")
+                  buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1),
+                  registry=REGISTRY)
+IN_FLIGHT = Gauge("pagedkv_gateway_requests_in_flight", "Generation requests being answered", registry=REGISTRY)
+STREAMS = Gauge("pagedkv_gateway_streams_in_flight", "Streams (prompts x n) being answered; --max-streams bounds them",
+                registry=REGISTRY)
 DISCONNECTS = Counter("pagedkv_gateway_client_disconnects_total",
-                      "Clients that went away before their answer ended (their gRPC calls were cancelled)")
+                      "Clients that went away before their answer ended (their gRPC calls were cancelled)",
+                      registry=REGISTRY)
+HTTP_BOUNDS = Counter("pagedkv_gateway_http_bounds_total", "Connections the HTTP bounds answered and closed: a "
+                      "head over --max-header-bytes, a head or body not in within --header-timeout / --body-timeout",
+                      ["reason"], registry=REGISTRY)
 
 
 # ---- the scheduler side ------------------------------------------------------------------------
 class Upstream:
-    """The gRPC channel to the scheduler(s) and what the gateway learns from them (the model's name)."""
+    """The gRPC channel to the scheduler(s) and what the gateway learns from them (the model's name, its
+    max_model_len)."""
 
     def __init__(self, address: str, tls_ca: str = "", tls_server_name: str = "",
                  served_names: tuple[str, ...] = ()) -> None:
@@ -69,6 +104,7 @@ class Upstream:
 
         self.client = Client(address, tls_ca=tls_ca, tls_server_name=tls_server_name)
         self.names: tuple[str, ...] = served_names  # empty: learned from ModelInfo on first use
+        self.max_model_len = 0  # learned from ModelInfo on first use
         self.created = int(time.time())
 
     async def close(self) -> None:
@@ -81,7 +117,14 @@ class Upstream:
             raise oai.from_grpc(err.code(), err.details() or "") from None
         if not self.names:
             self.names = (info.model,)
+        self.max_model_len = info.max_model_len
         return info
+
+    async def learned_max_model_len(self, metadata) -> int:
+        """The scheduler's max_model_len, asked once (with the caller's credentials: ModelInfo authenticates)."""
+        if not self.max_model_len:
+            await self.model_info(metadata)
+        return self.max_model_len
 
     async def check_model(self, name: str, metadata) -> str:
         if not self.names:
@@ -104,7 +147,13 @@ class Upstream:
 
 
 def auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's Authorization header, passed to the scheduler as it came (it must be valid metadata)."""
+    """The caller's Authorization header, passed to the scheduler as it came (it must be valid metadata). More
+    than one credential (two Authorization headers, or one and an api-key header) is refused: which one would
+    count is exactly what a client and a proxy in front of us could disagree on."""
+    sent = [name for name, _ in request.headers.items() if name in CREDENTIAL_HEADERS]
+    if len(sent) > 1:
+        raise ApiError(401, f"Authorization: {len(sent)} credentials ({', '.join(sent)} headers); send exactly "
+                       "one, as 'Authorization: Bearer <key>'", code="invalid_api_key")
     value = request.headers.get("authorization")
     if value is None:
         return ()
@@ -114,21 +163,55 @@ def auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
     return (("authorization", value),)
 
 
-async def read_json(request: Request, limit: int):
-    """The body as JSON, refused with 413 once it is longer than ``limit`` bytes (before it is parsed)."""
+def _body_too_large(size: str, limits: RequestLimits, param: str) -> ApiError:
+    return ApiError(413, f"request body: {size} bytes; at most {limits.body_bytes} (--max-body-bytes; by default "
+                    f"the scheduler's request limit: {limits.describe()})", param=param, code="body_too_large")
+
+
+async def read_json(request: Request, limits: RequestLimits, param: str):
+    """The body as JSON: refused with 413 once it is longer than ``limits.body_bytes`` (from Content-Length, or
+    while reading: before it is parsed), with 400 when it nests deeper than MAX_JSON_DEPTH (before json.loads
+    recurses). ``param``: what the body mostly carries (prompt or messages), named in the 413."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body: {declared} bytes; at most {limit} (--max-body-bytes)",
-                       code="body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limits.body_bytes:
+        raise _body_too_large(declared, limits, param)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body: more than {limit} bytes (--max-body-bytes)", code="body_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.body_bytes:
+                raise _body_too_large(f"more than {limits.body_bytes}", limits, param)
+    except ClientDisconnect:  # gone, or closed by --body-timeout: this answer goes nowhere
+        raise ApiError(499, "request body: the connection closed before all of it came") from None
+    if nests_deeper_than(body, MAX_JSON_DEPTH):
+        raise ApiError(400, f"request body: JSON nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
+                       f"objects); at most {MAX_JSON_DEPTH}", code="body_too_deep")
     try:
         return json.loads(body)
     except ValueError as err:  # UnicodeDecodeError included
         raise ApiError(400, f"request body: not valid JSON ({err})") from None
+
+
+# A JSON string, or an unterminated one to the end (so that no quote is ever scanned twice), and what is not a
+# bracket: nests_deeper_than's regular expressions, both linear.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+_NESTING_STEP = [0] * 256
+for _c in b"[{":
+    _NESTING_STEP[_c] = 1
+for _c in b"]}":
+    _NESTING_STEP[_c] = -1
+
+
+def nests_deeper_than(body: bytes | bytearray, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` deep in ``body`` (outside strings), found without
+    recursion: json.loads recurses once a level, so ``[`` x 100,000 was a RecursionError. The strings skipped are
+    the ones json.loads lexes, so it never goes deeper than this counts, valid JSON or not. A body with at most
+    ``limit`` brackets is not scanned at all."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", body))
+    return max(itertools.accumulate(map(_NESTING_STEP.__getitem__, brackets)), default=0) > limit
 
 
 # ---- generation --------------------------------------------------------------------------------
@@ -294,28 +377,49 @@ class Generation(Response):
     async def _body(send, data: bytes, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def _send_json(self, send, status: int, body: dict) -> None:
+    async def _send_json(self, send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         self.status_code = status
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                                (b"x-request-id", self.rid.encode())]})
+                                (b"x-request-id", self.rid.encode()), *extra]})
         await send({"type": "http.response.body", "body": data})
 
     async def _send_error(self, send, err: ApiError) -> None:
-        await self._send_json(send, err.status, err.body())
+        await self._send_json(send, err.status, err.body(), err.headers())
 
 
 # ---- the app -----------------------------------------------------------------------------------
 class Gateway:
-    def __init__(self, upstream: Upstream, log, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_streams: int = DEFAULT_MAX_STREAMS, token_text=None) -> None:
+    def __init__(self, upstream: Upstream, log, max_body_bytes: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
+                 token_text=None, max_prompt_bytes: int = 0) -> None:
+        """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of)."""
         self.upstream, self.log, self.token_text = upstream, log, token_text
-        self.max_body_bytes, self.max_streams = max_body_bytes, max_streams
-        self.active = 0
+        self.max_body_bytes, self.max_prompt_bytes, self.max_streams = max_body_bytes, max_prompt_bytes, max_streams
+        self.limits: RequestLimits | None = None  # once the scheduler's max_model_len is known
+        self.active = 0  # streams (prompts x n) being answered
+
+    async def request_limits(self, metadata) -> RequestLimits:
+        if self.limits is None:
+            max_model_len = await self.upstream.learned_max_model_len(metadata)
+            self.limits = RequestLimits.of(max_model_len, self.max_prompt_bytes, self.max_body_bytes)
+        return self.limits
+
+    def check_streams(self, plan: Plan) -> None:
+        """--max-streams counts streams, each prompt's n forks: one request may be 32 prompts x n=16 = 512."""
+        streams = plan.num_choices
+        if streams > self.max_streams:
+            raise ApiError(400, f"n: {len(plan.requests)} prompt(s) x n={plan.n} = {streams} streams; this gateway "
+                           f"answers at most {self.max_streams} at once (--max-streams)", param="n")
+        if self.active + streams > self.max_streams:
+            raise ApiError(429, f"this gateway is answering {self.active} streams; {streams} more would pass its "
+                           f"limit of {self.max_streams} (--max-streams); retry later", code="too_many_requests",
+                           retry_after=oai.RETRY_AFTER_S)
 
     def finished(self, gen: Generation) -> None:
-        self.active -= 1
+        self.active -= gen.plan.num_choices
+        STREAMS.dec(gen.plan.num_choices)
         status = 499 if gen.disconnected else gen.status_code
         elapsed = time.perf_counter() - gen.started
         REQUESTS.labels(gen.endpoint, str(status)).inc()
@@ -330,19 +434,20 @@ class Gateway:
         endpoint = "chat" if chat else "completions"
         try:
             metadata = auth_metadata(request)
-            body = await read_json(request, self.max_body_bytes)
+            limits = await self.request_limits(metadata)
+            body = await read_json(request, limits, "messages" if chat else "prompt")
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             plan = oai.parse_chat(body, rid) if chat else oai.parse_completion(body, rid)
             plan.token_text = self.token_text
+            oai.check_sizes(plan, limits)
             model = await self.upstream.check_model(plan.model, metadata)
-            if self.active >= self.max_streams:
-                raise ApiError(429, f"this gateway is answering {self.active} requests, its limit "
-                               "(--max-streams); retry later", code="too_many_requests")
+            self.check_streams(plan)
         except ApiError as err:
             REQUESTS.labels(endpoint, str(err.status)).inc()
             self.log.info("request_refused", endpoint=endpoint, status=err.status, error=err.message)
-            return JSONResponse(err.body(), status_code=err.status)
-        self.active += 1
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        self.active += plan.num_choices
+        STREAMS.inc(plan.num_choices)
         return Generation(self, plan, rid, model, metadata, endpoint, started)
 
     async def completions(self, request: Request) -> Response:
@@ -355,7 +460,7 @@ class Gateway:
         try:
             info = await self.upstream.model_info(auth_metadata(request))
         except ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         data = [{"id": name, "object": "model", "created": self.upstream.created, "owned_by": "pagedkv",
                  "root": info.model, "max_model_len": info.max_model_len} for name in self.upstream.names]
         return JSONResponse({"object": "list", "data": data})
@@ -370,7 +475,7 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -397,6 +502,133 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
             await close()
 
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+
+
+# ---- HTTP bounds --------------------------------------------------------------------------------
+# After a 431 the connection ends this long later, and up to REFUSAL_DRAIN_BYTES of what the client still sends is
+# read and dropped meanwhile: a client that sends its whole request before it reads (most) sees the answer rather
+# than a reset, and one sending 64 MB costs a read of 1 MiB, then waits on a full window.
+REFUSAL_LINGER_S = 2.0
+REFUSAL_DRAIN_BYTES = 1 << 20
+_HEAD_END = b"\r\n\r\n"
+
+
+def _refusal(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 answer that ends the connection, written by the protocol: no request reached the app."""
+    body = json.dumps(ApiError(status, message, code=code).body(), separators=(",", ":")).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def bounded_protocol(log, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+                     body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (its fast parser) with the bounds it lacks; httptools takes headers of any
+    size, at any pace, and uvicorn times out only idle keep-alive connections:
+
+    - a request head (request line and headers) of at most ``max_header_bytes``, counted as bytes arrive, before
+      the parser sees them: past it, 431 and the connection ends (REFUSAL_LINGER_S later, so that the client
+      reads the answer rather than a reset);
+    - the head complete within ``header_timeout`` s of the connection opening, or of the first byte of a
+      keep-alive connection's next request (the wait before it is --keep-alive-timeout's): else 408 and the end,
+      so a client trickling header lines (slowloris) holds a connection that long at most;
+    - the body complete within ``body_timeout`` s of the head's end: else 408 (or, once answered, just the end).
+
+    NOTE: uvicorn's h11 protocol bounds a head in bytes (h11_max_incomplete_event_size: the head is one event),
+    answers it 400, and has no head or body timeout either; and it parses in Python: 160-250 us of CPU a request
+    through uvicorn against httptools' 30-45 us, which this guard adds ~2 us to (bench/gateway_attacks.py)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    too_large = _refusal(431, f"request head (request line and headers): more than {max_header_bytes} bytes; at "
+                         f"most {max_header_bytes} (--max-header-bytes)", "headers_too_large")
+    late = {"header_timeout": _refusal(408, f"request head: not complete within {header_timeout:g} s "
+                                       "(--header-timeout)", "header_timeout"),
+            "body_timeout": _refusal(408, f"request body: not complete within {body_timeout:g} s of the head "
+                                     "(--body-timeout)", "body_timeout")}
+
+    parse, headers_complete = HttpToolsProtocol.data_received, HttpToolsProtocol.on_headers_complete
+    message_complete = HttpToolsProtocol.on_message_complete
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.head_bytes: int | None = 0  # of the request head being read; None while a body is read
+            self.head_tail = b""  # the head's last 3 bytes so far: its end may straddle two reads
+            self.refused, self.drained = False, 0
+            self.bound_timer: asyncio.TimerHandle | None = None
+            self._arm(header_timeout, "header_timeout")
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self.refused:  # answered: dropped until the close
+                self.drained += len(data)
+                if self.drained > REFUSAL_DRAIN_BYTES:
+                    self.transport.pause_reading()
+                return
+            head = self.head_bytes
+            if head is not None:
+                room = max_header_bytes - head
+                if len(data) > room and _HEAD_END not in self.head_tail + data[:room]:
+                    return self._refuse(too_large, "header_bytes", linger=True)
+                self.head_bytes = head + len(data)
+            parse(self, data)
+            # NOTE: timers only for what this read left incomplete: a request that comes in one read (most do)
+            # arms none, so the guard costs a request a few comparisons.
+            head = self.head_bytes
+            if head:  # a head still incomplete: the first bytes of a keep-alive connection's next request
+                self.head_tail = (self.head_tail + data[-3:])[-3:]
+                if self.bound_timer is None and not self.transport.is_closing():
+                    self._arm(header_timeout, "header_timeout")
+            elif head is None and self.bound_timer is None and not self.transport.is_closing():
+                self._arm(body_timeout, "body_timeout")
+
+        def on_headers_complete(self) -> None:
+            self.head_bytes = None
+            if self.bound_timer is not None:
+                self._disarm()
+            headers_complete(self)
+
+        def on_message_complete(self) -> None:
+            if self.bound_timer is not None:
+                self._disarm()
+            self.head_bytes, self.head_tail = 0, b""
+            message_complete(self)
+
+        def _arm(self, seconds: float, reason: str) -> None:
+            self._disarm()
+            self.bound_timer = self.loop.call_later(seconds, self._late, reason)
+
+        def _disarm(self) -> None:
+            if self.bound_timer is not None:
+                self.bound_timer.cancel()
+                self.bound_timer = None
+
+        def _late(self, reason: str) -> None:
+            self.bound_timer = None
+            if reason == "header_timeout" and not self.head_bytes:
+                self.transport.close()  # nothing of a request came: closed as an idle keep-alive connection is
+                return
+            answered = reason == "body_timeout" and self.cycle is not None and self.cycle.response_started
+            self._refuse(b"" if answered else late[reason], reason, linger=False)
+
+        def _refuse(self, answer: bytes, reason: str, linger: bool) -> None:
+            self.refused = True
+            self._disarm()
+            HTTP_BOUNDS.labels(reason).inc()
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
+            log.info("http_refused", reason=reason, client=client, head_bytes=self.head_bytes)
+            if answer:
+                self.transport.write(answer)
+            if linger and self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.bound_timer = self.loop.call_later(REFUSAL_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+    return BoundedHttpToolsProtocol
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -452,10 +684,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="the model's tokenizer directory: logprobs name tokens by their text (default: token_id:N; "
                    "the gateway then loads no tokenizer)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                   help="longest request body, refused with 413 before it is parsed")
+    p.add_argument("--max-body-bytes", type=int, default=0, metavar="N",
+                   help="longest request body, refused with 413 before it is parsed (default: the scheduler's "
+                   "request limit, learned from its max_model_len: --max-prompt-bytes, or a full context of token "
+                   "ids at 5 bytes each, whichever is more, plus 64 KiB; several prompts in one body share it)")
+    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
+                   help="longest prompt text, or chat contents together, in UTF-8 bytes, refused with 400 before "
+                   "it is sent; set it to the scheduler's --max-prompt-bytes when that is set (default: the "
+                   f"scheduler's default, {PROMPT_BYTES_PER_TOKEN} bytes per token of its max_model_len, at least "
+                   f"{MIN_PROMPT_BYTES})")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
-                   help="generation requests answered at once; more get 429")
+                   help="streams answered at once, each prompt's n forks counted (32 prompts x n=16 are 512): a "
+                   "request past it gets 429 with Retry-After, one that alone is over it 400 (default: %(default)s)")
+    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
+                   help="longest request head (request line and headers, in all): past it the answer is 431 and "
+                   "the connection closes (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a request's head, from the connection opening or the next "
+                   "request's first byte: past it, 408 and the connection closes (slow clients hold no connection "
+                   "longer; default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a request's body once its head is in: past it, 408 and the "
+                   "connection closes (default: %(default)s)")
     p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
                    help="seconds an idle HTTP/1.1 connection stays open; longer than clients' and load balancers' "
                    "own idle timeouts, so that they close first (a server closing first races a client reusing it)")
@@ -521,6 +771,8 @@ def serve_child_command(args) -> list[str] | None:
     cmd = [sys.executable, "-m", "pagedkv", "gateway", "--address", f"{host}:{args.port}", "--host", args.host,
            "--port", str(args.http_port), "--shutdown-timeout", str(args.shutdown_timeout),
            "--log-format", args.log_format]
+    if getattr(args, "max_prompt_bytes", 0):  # the scheduler's, so that the gateway refuses what it would
+        cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
     if args.tls_cert:
         ca = os.environ.get("PAGEDKV_TLS_CA", "")
         if not ca:
@@ -529,6 +781,19 @@ def serve_child_command(args) -> list[str] | None:
                              "scheduler")
         cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", ca]
     return cmd
+
+
+def check_bounds(args) -> None:
+    for flag, value, lo in (("--max-body-bytes", args.max_body_bytes, 1024),
+                            ("--max-prompt-bytes", args.max_prompt_bytes, 1),
+                            ("--max-header-bytes", args.max_header_bytes, 1024)):
+        if value < 0 or 0 < value < lo:
+            raise ValueError(f"{flag} {value}: at least {lo} (or 0 for the default)")
+    if args.max_streams < 1:
+        raise ValueError(f"--max-streams {args.max_streams}: at least 1")
+    for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{flag} {seconds}: must be > 0")
 
 
 async def serve(args) -> None:
@@ -540,13 +805,13 @@ async def serve(args) -> None:
     log = logs.configure("gateway", json=logs.wants_json(args.log_format))
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # gateway_ready / gateway_stopped say it
     tls = server_credentials(args.tls_cert, args.tls_key) is not None  # checks the pair now (clear errors)
-    if args.max_body_bytes < 1024:
-        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: at least 1024")
+    check_bounds(args)
     upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name))
     token_text = await asyncio.to_thread(load_token_text, args.tokenizer) if args.tokenizer else None
-    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text)
+    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text, args.max_prompt_bytes)
     app = create_app(gateway, on_shutdown=(upstream.close,))
-    config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="on", log_config=None,
+    protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
                             timeout_keep_alive=args.keep_alive_timeout,
                             ssl_certfile=args.tls_cert or None, ssl_keyfile=args.tls_key or None,

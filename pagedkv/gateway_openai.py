@@ -1,6 +1,7 @@
 """OpenAI's HTTP API <-> pagedkv.api.v1, as pure functions: a request body becomes GenerateRequests (or an
-ApiError naming the field), GenerateResponse messages become OpenAI bodies and stream chunks, a gRPC status
-becomes an OpenAI error with its HTTP status. pagedkv/gateway.py serves them.
+ApiError naming the field), their prompts are checked against the scheduler's size limits (RequestLimits),
+GenerateResponse messages become OpenAI bodies and stream chunks, a gRPC status becomes an OpenAI error with its
+HTTP status. pagedkv/gateway.py serves them.
 
 Translation (OpenAI field -> GenerateRequest):
   prompt (str | [str, ...] | [int, ...] | [[int, ...], ...]) -> text / token_ids, one request per prompt
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
+from scheduler_svc.validation import InvalidRequest, check_text_bytes, default_max_prompt_bytes, max_message_bytes
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
@@ -38,19 +40,27 @@ UNSUPPORTED_UNLESS_NEUTRAL = {
 
 
 class ApiError(Exception):
-    """An OpenAI error body with its HTTP status."""
+    """An OpenAI error body with its HTTP status (and, for a limit that clears, how long to wait: Retry-After)."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "service_unavailable", 504: "timeout"}
+    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+             429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # other 4xx: invalid_request_error
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        default = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
+        return self.TYPES.get(self.status, default)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -62,10 +72,12 @@ GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, None), grpc.StatusCode.FAILED_PRECONDITION: (400, None),
     grpc.StatusCode.OUT_OF_RANGE: (400, None), grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, None), grpc.StatusCode.NOT_FOUND: (404, None),
-    grpc.StatusCode.ALREADY_EXISTS: (409, None), grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, None), grpc.StatusCode.CANCELLED: (503, None),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, None),
-}
+    grpc.StatusCode.ALREADY_EXISTS: (409, None), grpc.StatusCode.UNAVAILABLE: (503, None),
+    grpc.StatusCode.CANCELLED: (503, None), grpc.StatusCode.DEADLINE_EXCEEDED: (504, None),
+}  # RESOURCE_EXHAUSTED: 413 or 429, by its message (from_grpc)
+RETRY_AFTER_S = 1  # a 429's Retry-After: queue and stream limits clear as requests start and end
+# gRPC's own words when a message is over a channel's size limit (received by the scheduler, or sent by us)
+_TOO_LARGE = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
 # The scheduler's field names (before ':' in its messages) -> OpenAI's
 _PROTO_PARAMS = {"prompt": "prompt", "text": "prompt", "token_ids": "prompt", "chat": "messages",
                  "request_id": "x-request-id"}
@@ -86,6 +98,17 @@ def param_of(details: str, chat: bool) -> str | None:
 
 
 def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiError:
+    """The scheduler's refusal in OpenAI's terms. RESOURCE_EXHAUSTED means two things: gRPC's own refusal of a
+    message over the scheduler's size limit (413: it never succeeds, so no client may retry it) and a limit that
+    clears as requests end, such as a full queue (429 with Retry-After)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        too_large = _TOO_LARGE.search(details or "")
+        if too_large:
+            field = "messages" if chat else "prompt"
+            return ApiError(413, f"{field}: the request is {too_large.group(1)} bytes on the wire; the scheduler "
+                            f"takes at most {too_large.group(2)} (its --max-prompt-bytes of text or a full context "
+                            "of token ids, plus 64 KiB)", param=field, code="request_too_large")
+        return ApiError(429, details or code.name, code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
     status, err_code = GRPC_STATUS.get(code, (500, None))
     param = param_of(details, chat) if status == 400 else None
     return ApiError(status, details or code.name, param=param, code=err_code or code.name.lower())
@@ -310,6 +333,54 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
                               page_budget=ext["page_budget"])
     return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user)
+
+
+# ---- sizes -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the scheduler takes in one request, checked here before anything is sent (it checks again): prompt
+    text, or a chat's contents together, of at most ``prompt_bytes`` bytes of UTF-8; fewer than ``max_model_len``
+    token ids; and ``body_bytes``, the longest request body the gateway reads."""
+
+    max_model_len: int
+    prompt_bytes: int
+    body_bytes: int
+
+    @classmethod
+    def of(cls, max_model_len: int, prompt_bytes: int = 0, body_bytes: int = 0) -> RequestLimits:
+        """0: the scheduler's own defaults for this max_model_len (its --max-prompt-bytes, and its request limit:
+        that text or a full context of token ids, plus 64 KiB), so that no body is read only to be refused."""
+        prompt_bytes = prompt_bytes or default_max_prompt_bytes(max_model_len)
+        return cls(max_model_len, prompt_bytes, body_bytes or max_message_bytes(prompt_bytes, max_model_len))
+
+    def describe(self) -> str:
+        return (f"a prompt of at most {self.prompt_bytes} bytes of UTF-8 text or {self.max_model_len - 1} token "
+                "ids")
+
+
+def check_sizes(plan: Plan, limits: RequestLimits) -> None:
+    """Refuses (400, naming prompt or messages and the limit) a prompt the scheduler would refuse for its size."""
+    for i, req in enumerate(plan.requests):
+        name = "prompt" if len(plan.requests) == 1 else f"prompt[{i}]"
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            try:
+                check_text_bytes(req.text, name, limits.prompt_bytes)
+            except InvalidRequest as err:
+                raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
+        elif kind == "token_ids" and len(req.token_ids.ids) >= limits.max_model_len:
+            raise ApiError(400, f"{name}: {len(req.token_ids.ids)} token ids; must be fewer than max_model_len="
+                           f"{limits.max_model_len} (at least one token must be generated)", param="prompt",
+                           code="prompt_too_long")
+        elif kind == "chat":
+            contents = [m.content for m in req.chat.messages]
+            size, more = sum(map(len, contents)), "at least "  # a character is 1 to 4 bytes
+            if size <= limits.prompt_bytes < size * 4:
+                size, more = sum(len(c.encode("utf-8", "surrogatepass")) for c in contents), ""
+            if size > limits.prompt_bytes:
+                raise ApiError(400, f"messages: contents of {more}{size} bytes of UTF-8; at most "
+                               f"{limits.prompt_bytes} in all (--max-prompt-bytes; send fewer or shorter messages)",
+                               param="messages", code="prompt_too_long")
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The HTTP gateway without processes: OpenAI request -> GenerateRequest translation, refusals that name the
-field, gRPC status -> HTTP status, response and chunk bodies, and the ASGI app itself against a scripted
-scheduler stub (body bound before parsing, 429 at --max-streams, a disconnect cancels the gRPC call, an error
-mid-stream becomes an SSE error event)."""
+field, gRPC status -> HTTP status (RESOURCE_EXHAUSTED: 413 for a message too large, else 429 with Retry-After),
+response and chunk bodies, the request limits and the JSON nesting scan, and the ASGI app itself against a
+scripted scheduler stub (body bound before parsing, nesting bound before json.loads, prompt sizes before sending,
+streams counted against --max-streams, one credential, a disconnect cancels the gRPC call, an error mid-stream
+becomes an SSE error event)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import json
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedkv import gateway_openai as oai
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway import Gateway, create_app
-from pagedkv.gateway_openai import ApiError
+from pagedkv.gateway import MAX_JSON_DEPTH, Gateway, create_app, nests_deeper_than
+from pagedkv.gateway_openai import ApiError, RequestLimits
 
 
 # ---- translation -------------------------------------------------------------------------------
@@ -111,6 +115,98 @@ def test_grpc_status_maps_to_http(code, status):
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_resource_exhausted_is_413_when_too_large_else_429_with_retry_after():
+    """gRPC's own refusal of a message over the scheduler's size limit never succeeds: the openai SDK retries a
+    429 (three times), so it must not be one. A full queue is the 429 that clears."""
+    big = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "SERVER: Received message larger than max (1048700 vs. 196608)")  # gRPC's words
+    assert big.status == 413 and big.param == "prompt" and big.retry_after is None and not big.headers()
+    assert "1048700" in big.message and "196608" in big.message and big.message.startswith("prompt: ")
+    chat = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (9 vs. 8)",
+                         chat=True)
+    assert chat.status == 413 and chat.param == "messages"
+    full = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: tenant a has 64 requests waiting")
+    assert full.status == 429 and full.headers() == {"retry-after": str(oai.RETRY_AFTER_S)}
+    assert full.body()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (405, "invalid_request_error"),
+                                          (408, "invalid_request_error"), (413, "invalid_request_error"),
+                                          (431, "invalid_request_error"), (401, "authentication_error"),
+                                          (429, "rate_limit_error"), (500, "server_error"), (502, "server_error")])
+def test_error_types_follow_openai(status, kind):
+    assert ApiError(status, "x").body()["error"]["type"] == kind
+
+
+def test_request_limits_default_to_the_schedulers():
+    from scheduler_svc.validation import default_max_prompt_bytes, max_message_bytes
+
+    limits = RequestLimits.of(2048)
+    assert limits.prompt_bytes == default_max_prompt_bytes(2048)
+    assert limits.body_bytes == max_message_bytes(limits.prompt_bytes, 2048)
+    assert RequestLimits.of(2048, prompt_bytes=1000, body_bytes=5000) == RequestLimits(2048, 1000, 5000)
+    assert RequestLimits.of(2048, prompt_bytes=1000).body_bytes == max_message_bytes(1000, 2048)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "prompt": "x" * 1001}, "prompt"),
+    ({"model": "m", "prompt": "\u00e9" * 501}, "prompt"),  # 1002 bytes of UTF-8 in 501 characters
+    ({"model": "m", "prompt": ["ok", "x" * 1001]}, "prompt"),
+    ({"model": "m", "prompt": [1] * 64}, "prompt"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x" * 600}, {"role": "user", "content": "y" * 401}]},
+     "messages"),
+])
+def test_prompt_sizes_are_checked_before_sending(body, param):
+    limits = RequestLimits(max_model_len=64, prompt_bytes=1000, body_bytes=10_000)
+    plan = oai.parse_chat(body, "r") if "messages" in body else oai.parse_completion(body, "r")
+    with pytest.raises(ApiError) as e:
+        oai.check_sizes(plan, limits)
+    assert e.value.status == 400 and e.value.param == param
+    assert "1000" in e.value.message or "max_model_len=64" in e.value.message
+    oai.check_sizes(oai.parse_completion({"model": "m", "prompt": ["x" * 1000, [1] * 63]}, "r"), limits)
+    oai.check_sizes(oai.parse_chat({"model": "m", "messages": [{"role": "user", "content": "\u00e9" * 500}]}, "r"),
+                    limits)
+
+
+def _depth(v) -> int:
+    if isinstance(v, list):
+        return 1 + max(map(_depth, v), default=0)
+    if isinstance(v, dict):
+        return 1 + max(map(_depth, v.values()), default=0)
+    return 0
+
+
+_TRICKY = st.text(alphabet='[]{}"\\ab\n\u00e9', max_size=8)  # strings full of what the scan must skip
+_JSON = st.recursive(st.none() | st.integers() | _TRICKY,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
+                     max_leaves=40)
+
+
+@given(_JSON, st.booleans())
+def test_nesting_scan_agrees_with_json_depth(value, ascii_only):
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    d = _depth(value)
+    assert not nests_deeper_than(body, d) and (d == 0 or nests_deeper_than(body, d - 1))
+
+
+def test_nesting_scan_counts_deep_bodies():
+    deep = [0]
+    for _ in range(80):
+        deep = [deep, {"k": "]]]}}}"}]
+    body = json.dumps(deep).encode()
+    assert nests_deeper_than(body, 80) and not nests_deeper_than(body, 81)
+    assert not nests_deeper_than(b'{"p": "' + b"[" * 200 + b'"}', 64)  # brackets in a string do not count
+
+
+def test_nesting_scan_is_never_shallower_than_what_json_loads_reaches():
+    """Invalid JSON too: json.loads recurses into everything before the point where it fails."""
+    assert nests_deeper_than(b"[" * 100_000, 64)
+    assert nests_deeper_than(b'["\\\\", ' + b"[" * 100, 64)  # an escaped backslash, then the string ends
+    assert not nests_deeper_than(b'["\\", ' + b"[" * 100 + b'"', 64)  # an escaped quote: the string goes on
+    assert nests_deeper_than(b'{"a": "b\\"c' + b"[" * 100, 64) is False  # an unterminated string: json stops there
+    assert not nests_deeper_than(b'"' + b'\\"' * 100_000, 64)  # and the scan stays linear on such input
+
+
 def test_scheduler_field_names_become_openai_params():
     assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: -1; must be").param == "temperature"
     assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n: 20; must be").param == "n"
@@ -198,6 +294,9 @@ class FakeUpstream:
             raise ApiError(404, f"model: {name!r}", param="model", code="model_not_found")
         return name
 
+    async def learned_max_model_len(self, metadata):
+        return 2048
+
 
 class Log:
     def info(self, *a, **k) -> None:
@@ -208,10 +307,10 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-async def asgi(app, path: str, body: bytes, headers=(), disconnect_after: float | None = None):
+async def asgi(app, path: str, body: bytes, headers=(), disconnect_after: float | None = None, method: str = "POST"):
     """One HTTP request through the app; returns (status, headers, body bytes)."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
              "headers": [(b"content-type", b"application/json"), *headers]}
     sent: list[dict] = []
@@ -271,19 +370,84 @@ def test_app_refuses_a_large_body_before_reading_it():
     assert status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
 
 
+def test_app_body_limit_defaults_to_the_schedulers_request_limit():
+    up = FakeUpstream()
+    limit = RequestLimits.of(2048).body_bytes  # FakeUpstream's max_model_len
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", b"{}",
+                                       headers=[(b"content-length", str(limit + 1).encode())]))
+    error = json.loads(data)["error"]
+    assert status == 413 and error["param"] == "prompt" and str(limit) in error["message"] and not up.requests
+    assert str(RequestLimits.of(2048).prompt_bytes) in error["message"]
+
+
+def test_app_refuses_deep_nesting_before_parsing():
+    up = FakeUpstream()
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", b"[" * 100_000))
+    error = json.loads(data)["error"]
+    assert status == 400 and error["type"] == "invalid_request_error" and error["code"] == "body_too_deep"
+    assert error["message"].startswith("request body:") and str(MAX_JSON_DEPTH) in error["message"]
+    nested = json.dumps({"model": "m", "prompt": "hi", "user": "u", "extra": [[[[[[[[1]]]]]]]]}).encode()
+    up = FakeUpstream([_msg(text="a", ids=[1], finish=1, prompt=1, completion=1)])
+    assert asyncio.run(asgi(_app(up), "/v1/completions", nested))[0] == 200  # 9 levels: fine
+
+
+def test_app_checks_prompt_sizes_before_sending():
+    up = FakeUpstream()
+    prompt_bytes = RequestLimits.of(2048).prompt_bytes
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(prompt="x" * (prompt_bytes + 1))))
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "prompt" and str(prompt_bytes) in error["message"]
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(prompt=[1] * 2048)))
+    assert status == 400 and "max_model_len=2048" in json.loads(data)["error"]["message"]
+    assert not up.requests
+
+
+def test_app_refuses_two_credentials():
+    up = FakeUpstream()
+    for headers in ([(b"authorization", b"Bearer a"), (b"authorization", b"Bearer b")],
+                    [(b"authorization", b"Bearer a"), (b"x-api-key", b"b")],
+                    [(b"api-key", b"a"), (b"authorization", b"Bearer b")]):
+        status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(), headers=headers))
+        error = json.loads(data)["error"]
+        assert status == 401 and error["code"] == "invalid_api_key" and "2 credentials" in error["message"]
+    assert not up.requests
+
+
+def test_app_405_is_an_invalid_request():
+    status, headers, data = asyncio.run(asgi(_app(FakeUpstream()), "/v1/completions", b"", method="GET"))
+    error = json.loads(data)["error"]
+    assert status == 405 and error["type"] == "invalid_request_error" and "GET" in error["message"]
+    assert headers[b"allow"] == b"POST"
+
+
 def test_app_maps_statuses_and_limits_streams():
     up = FakeUpstream([rpc_error(grpc.StatusCode.UNAUTHENTICATED, "no key")],
                       [rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant over its limits")],
                       [rpc_error(grpc.StatusCode.UNAVAILABLE, "no executor is up")])
     for want in (401, 429, 503):
-        status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
+        status, headers, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
         assert status == want and json.loads(data)["error"]["message"]
+        assert (b"retry-after" in headers) == (want == 429)
     status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(model="other")))
     assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found"
-    status, _, data = asyncio.run(asgi(_app(FakeUpstream(), max_streams=0), "/v1/completions", _body()))
-    assert status == 429 and "--max-streams" in json.loads(data)["error"]["message"]
     status, _, data = asyncio.run(asgi(_app(up), "/v1/nothing", b"{}"))
     assert status == 404 and "no such endpoint" in json.loads(data)["error"]["message"]
+
+
+def test_app_max_streams_counts_prompts_times_n():
+    up = FakeUpstream()
+    gateway = Gateway(up, Log(), max_streams=8)
+    app = create_app(gateway)
+    status, _, data = asyncio.run(asgi(app, "/v1/completions", _body(prompt=["a", "b", "c"], n=3)))
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "n" and "9 streams" in error["message"] and "8" in error["message"]
+    gateway.active = 3  # three streams being answered
+    status, headers, data = asyncio.run(asgi(app, "/v1/completions", _body(prompt=["a", "b"], n=3)))
+    assert status == 429 and headers[b"retry-after"] == str(oai.RETRY_AFTER_S).encode()
+    assert "--max-streams" in json.loads(data)["error"]["message"] and not up.requests
+    up.scripts = [[_msg(index=i, text="t", ids=[1], finish=1, prompt=1, completion=1) for i in range(5)]]
+    status, _, data = asyncio.run(asgi(app, "/v1/completions", _body(n=5)))  # 3 + 5 = 8: fits
+    assert status == 200 and len(json.loads(data)["choices"]) == 5 and gateway.active == 3
 
 
 def test_app_disconnect_cancels_the_grpc_call():
@@ -328,7 +492,10 @@ def test_serve_child_command(monkeypatch):
     args.http_port = 8000
     cmd = serve_child_command(args)
     assert cmd[cmd.index("--address") + 1] == "127.0.0.1:50051" and cmd[cmd.index("--port") + 1] == "8000"
-    assert "--tls-cert" not in cmd
+    assert "--tls-cert" not in cmd and "--max-prompt-bytes" not in cmd
+    args.max_prompt_bytes = 1000  # serve's scheduler flag: the gateway refuses what the scheduler would
+    assert serve_child_command(args)[-2:] == ["--max-prompt-bytes", "1000"]
+    del args.max_prompt_bytes
     args.tls_cert, args.tls_key = "s.pem", "s.key"
     monkeypatch.delenv("PAGEDKV_TLS_CA", raising=False)
     with pytest.raises(ValueError, match="PAGEDKV_TLS_CA"):
