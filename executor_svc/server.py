@@ -14,8 +14,8 @@ from google.protobuf.message import DecodeError
 
 from executor_svc import metrics
 from executor_svc.args import BLOCK_SIZES, DEFAULT_GRAPH_MAX_BATCH, MAX_SWAP_RATIO, add_args  # noqa: F401 - add_args: the CLI's entry
-from executor_svc.attention import BACKENDS, select_backend
-from executor_svc.costs import measure_costs
+from executor_svc.attention import BACKENDS, cpu_kernel, select_backend
+from executor_svc.costs import cached_costs, cost_key
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
@@ -304,7 +304,8 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
              eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
-    costs = measure_costs(runner)
+    costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),
+                               cpu_kernel.cache_dir().parent / "costs")
     describe = pb.DescribeResponse(
         model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
@@ -323,8 +324,23 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
              block_size=args.block_size, num_pages=runner.num_pages, num_host_pages=host_pool.num_pages,
              page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
              swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
-             prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1))
+             prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1),
+             costs="kept from an earlier start" if kept else "measured")
     return runner, describe
+
+
+def _costs_key(path, runner: ModelRunner, dtype: torch.dtype, pool: DevicePagePool, host_pool: HostPagePool,
+               backend: str) -> str:
+    """What the start-up costs depend on: the model's files, the dtypes and page layout, the device, the
+    threads, the attention backend and kernels, torch and the CPU (costs.cached_costs)."""
+    files = sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists()]
+    device = runner.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_kernel.cpu_signature()
+    return cost_key([str(path.resolve()), *stats, str(dtype), pool.kv_dtype, str(pool.page_bytes),
+                     str(runner.block_size), str(host_pool.num_pages > 0), str(device), name,
+                     str(torch.get_num_threads()), backend, cpu_kernel.build_name(), str(cpu_kernel.unavailable_reason()),
+                     torch.__version__])
 
 
 def link_security(args, log) -> tuple[list, grpc.ServerCredentials | None]:

@@ -43,7 +43,7 @@ def cache_dir() -> Path:
     return root / "pagedkv" / "cpu_attention"
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and flags (a cache shared between machines)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -56,7 +56,7 @@ def _cpu_signature() -> str:
 def build_name() -> str:
     h = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_signature().encode()):
+                 cpu_signature().encode()):
         h.update(part)
     return f"pagedkv_attention_cpu_{h.hexdigest()[:16]}"
 
