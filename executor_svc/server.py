@@ -339,8 +339,8 @@ def _costs_key(path, runner: ModelRunner, dtype: torch.dtype, pool: DevicePagePo
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_kernel.cpu_signature()
     return cost_key([str(path.resolve()), *stats, str(dtype), pool.kv_dtype, str(pool.page_bytes),
                      str(runner.block_size), str(host_pool.num_pages > 0), str(device), name,
-                     str(torch.get_num_threads()), backend, cpu_kernel.build_name(), str(cpu_kernel.unavailable_reason()),
-                     torch.__version__])
+                     str(torch.get_num_threads()), backend, cpu_kernel.build_name(),
+                     str(cpu_kernel.unavailable_reason()), torch.__version__])
 
 
 def link_security(args, log) -> tuple[list, grpc.ServerCredentials | None]:
