@@ -28,7 +28,9 @@ log = structlog.get_logger("executor_svc.attention")
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 # The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
 SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# NOTE: -fno-trapping-math -fno-math-errno (as torch itself is built): without them GCC vectorizes no loop with a
+# clamp or floor in it (the exp of the softmax and of SiLU ran one lane at a time on AVX2). Results are unchanged.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" and "reason", once tried
 
