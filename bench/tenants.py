@@ -398,7 +398,9 @@ async def _noisy(address: str, flood_reqs: list[Request], quiet_reqs: list[Reque
                  alone_reqs: list[Request] | None, args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.client import Client
 
-    async with Client(address, api_key=KEYS[FLOOD]) as flood, Client(address, api_key=KEYS[QUIET]) as quiet:
+    # (resume=None: a refused or broken stream counts as the error it was)
+    async with (Client(address, api_key=KEYS[FLOOD], resume=None) as flood,
+                Client(address, api_key=KEYS[QUIET], resume=None) as quiet):
         await flood.wait_ready(timeout=120)
         for c in (flood, quiet):  # untimed warm-up; also proves both keys work
             warm = await c.complete(WARMUP_PROMPT, max_tokens=4, ignore_eos=True)

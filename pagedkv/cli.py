@@ -35,8 +35,9 @@ SERVE_DESCRIPTION = """Start an executor and a scheduler on this machine, both a
 the executor is up; one that gave up waiting, --connect-timeout, starts again then), and supervise them. A crashed
 child is restarted (after 1 s, doubling to 30 s; back to 1 s once it stayed up a minute); while the executor is down its
 requests wait (up to --unplaced-timeout) and then continue where they were, and new ones are refused with
-UNAVAILABLE (retry); a crashed scheduler takes its
-client streams with it (they end with UNAVAILABLE) and comes back empty. SIGHUP is passed to the scheduler
+UNAVAILABLE (retry); a crashed scheduler breaks its
+client streams (UNAVAILABLE) and comes back empty: pagedkv's Client, `pagedkv generate` and the gateway resume them
+there, with no token lost or repeated. SIGHUP is passed to the scheduler
 (it reloads --tenants-file). Ctrl-C or SIGTERM: the scheduler finishes in-flight streams (up to
 --shutdown-timeout), then the executor stops; a second Ctrl-C stops at once. The children never outlive serve,
 even a SIGKILLed one (Linux: parent-death signal)."""
@@ -96,10 +97,10 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
 async def _generate(args) -> int:
     import grpc
 
-    from pagedkv.client import Client
+    from pagedkv.client import Client, resume_policy
 
     async with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca,
-                      tls_server_name=args.tls_server_name) as client:
+                      tls_server_name=args.tls_server_name, resume=resume_policy(args)) as client:
         try:
             if args.system and not args.chat:
                 print("error: --system needs --chat", file=sys.stderr)
@@ -164,6 +165,7 @@ def _finish_name(value: int) -> str:
 # ---- main --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from executor_svc import args as executor_args
+    from pagedkv.client import add_resume_args
     from pagedkv.security import add_tls_client_args
     from pagedkv.serve_args import add_args as add_serve_args
     from scheduler_svc import server as scheduler_server
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
+    add_resume_args(p)
     add_tls_client_args(p)
     p = sub.add_parser("bench", help="load generator: synthetic requests against a running server, latency and "
                        "throughput report")
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         try:
             return asyncio.run(_generate(args))
-        except ValueError as err:  # an unreadable --tls-ca, a bad --address list
+        except ValueError as err:  # an unreadable --tls-ca, a bad --address list or --resume-*
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
     if args.command == "health":

@@ -1,9 +1,21 @@
-"""Async Python client of the public API."""
+"""Async Python client of the public API, with streams that survive their scheduler.
+
+A Generate stream that breaks before every fork's last message (the scheduler was killed or shut down, the
+connection dropped, a queue was full) is resumed: the request goes again with a continuation (the token ids received,
+per fork, and the seed the first message carried), to whatever scheduler the channel reaches (another address of a
+round-robin target, or the same one once it is back), and the stream goes on where it broke. The caller sees one
+stream: no token lost or repeated, and greedy or seeded forks give exactly the tokens of an undisturbed run (draw i
+of a fork depends only on its seed and i). ``ResumePolicy`` bounds the retries; errors that cannot succeed (refused
+input, authentication, permissions, a request too large, a missing chat template...) are never retried.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -11,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
-from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
+from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS, QUEUE_FULL_PREFIX
 from pagedkv.security import open_channel
 
 FINISH_NAMES = {
@@ -51,12 +63,191 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
 Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
 
+# ---- resume ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ResumePolicy:
+    """How a broken Generate stream is resumed. A break starts an outage; it ends when a call delivers a message.
+    Within one outage at most ``attempts`` calls are made after the one that broke, the n-th after a backoff of
+    ``backoff_s`` x 2^(n-1) (at most ``max_backoff_s``) and, once the channel has no scheduler to talk to, after one
+    answers again; ``timeout_s`` after the break the outage is over and the last error is raised.
+    ``queue_full_at_start``: a full queue before anything arrived is waited out too (False: raised at once, for a
+    front that passes it on, as the gateway answers 429 with Retry-After); once tokens arrived it always is."""
+
+    attempts: int = 5
+    timeout_s: float = 60.0
+    backoff_s: float = 0.25
+    max_backoff_s: float = 4.0
+    queue_full_at_start: bool = True
+
+    def backoff(self, failures: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1))
+
+
+DEFAULT_RESUME = ResumePolicy()  # Client's, pagedkv generate's and the gateway's
+
+
+# Worth another call: the scheduler went away or refused for now (UNAVAILABLE: killed, shutting down, no executor
+# up, an executor lost for longer than it waits; CANCELLED: ended by the server; a full queue, which clears).
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
+def retryable(err: grpc.aio.AioRpcError, resuming: bool, queue_full: bool = True) -> bool:
+    """Whether another call can succeed where ``err`` ended one. Never a refusal of the request itself
+    (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, PERMISSION_DENIED, a RESOURCE_EXHAUSTED other than a full
+    queue: gRPC's refusal of a message too large), nor ALREADY_EXISTS, except when ``resuming``: then the request_id
+    in use may be the broken call's own request, not yet reaped by its scheduler. A full queue when ``queue_full``."""
+    code = err.code()
+    if code in RETRYABLE:
+        return True
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return queue_full and (err.details() or "").startswith(QUEUE_FULL_PREFIX)
+    return resuming and code == grpc.StatusCode.ALREADY_EXISTS
+
+
+def add_resume_args(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--resume-attempts, --resume-timeout: how a stream whose scheduler went away is resumed (pagedkv.client);
+    ``note``: what the command does otherwise, added to the help."""
+    p.add_argument("--resume-attempts", type=int, default=DEFAULT_RESUME.attempts, metavar="N",
+                   help="a stream that breaks before its end (its scheduler killed or restarting, the connection "
+                   "lost, a full queue) is resumed on any scheduler the address reaches, with the tokens received "
+                   f"so far: nothing is lost or repeated.{note} At most N new calls per break (until one delivers "
+                   "a token), with backoff (0: never resume; default: %(default)s)")
+    p.add_argument("--resume-timeout", type=float, default=DEFAULT_RESUME.timeout_s, metavar="S",
+                   help="seconds from a break until resuming gives up (default: %(default)s)")
+
+
+def resume_policy(args: argparse.Namespace) -> ResumePolicy | None:
+    """The ResumePolicy that --resume-attempts and --resume-timeout ask for (None: never resume)."""
+    if args.resume_attempts < 0:
+        raise ValueError(f"--resume-attempts {args.resume_attempts}: must be >= 0 (0: never resume)")
+    if not args.resume_timeout > 0:
+        raise ValueError(f"--resume-timeout {args.resume_timeout}: must be > 0")
+    return ResumePolicy(attempts=args.resume_attempts, timeout_s=args.resume_timeout) if args.resume_attempts else None
+
+
+class StreamProgress:
+    """What the caller received of one Generate stream, fork by fork (a request that resumes one itself starts from
+    its continuation): enough to resume it."""
+
+    def __init__(self, request: api.GenerateRequest) -> None:
+        self.request = request
+        self.n = max(1, request.sampling.n)
+        self.token_ids: list[list[int]] = [[] for _ in range(self.n)]
+        self.finished = [False] * self.n
+        if len(request.continuation.forks) == self.n:
+            self.token_ids = [list(f.token_ids) for f in request.continuation.forks]
+            self.finished = [f.finished for f in request.continuation.forks]
+        self.seed: int | None = request.sampling.seed if request.sampling.HasField("seed") else None
+        self.request_id = request.request_id
+
+    def add(self, msg: api.GenerateResponse) -> None:
+        if msg.HasField("seed") and self.seed is None:
+            self.seed = msg.seed
+        if not self.request_id:
+            self.request_id = msg.request_id  # (the server's, when the caller gave none: kept over a resume)
+        if 0 <= msg.index < self.n:
+            self.token_ids[msg.index].extend(msg.token_ids)
+            if msg.finish_reason:
+                self.finished[msg.index] = True
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    @property
+    def received(self) -> bool:
+        return any(self.token_ids) or any(self.finished)
+
+    @property
+    def resumable(self) -> bool:
+        """Nothing received yet (a plain resend), or the seed is known (the first message carries it)."""
+        return not self.received or self.seed is not None
+
+    def next_request(self) -> api.GenerateRequest:
+        """The request again, for another call: with the seed and request id the stream had, and what it received
+        (GenerateRequest.continuation; none when nothing came yet)."""
+        req = api.GenerateRequest()
+        req.CopyFrom(self.request)
+        req.request_id = self.request_id
+        if self.seed is not None:
+            req.sampling.seed = self.seed
+        req.ClearField("continuation")
+        if self.received:
+            req.continuation.forks.extend(
+                api.ForkProgress(token_ids=ids, draw_offset=len(ids), finished=done)
+                for ids, done in zip(self.token_ids, self.finished))
+        return req
+
+
+def _gave_up(err: grpc.aio.AioRpcError, note: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(err.code(), err.initial_metadata(), err.trailing_metadata(),
+                                f"{err.details() or err.code().name} ({note})", err.debug_error_string())
+
+
+async def resumable_generate(stub, request: api.GenerateRequest, metadata=(), policy: ResumePolicy | None = None,
+                             wait_ready: Callable[[], Awaitable[None]] | None = None,
+                             ) -> AsyncIterator[api.GenerateResponse]:
+    """``stub.Generate(request)``'s messages, the stream resumed after a break as ``policy`` says (None: never).
+    ``wait_ready``: waits until the channel can reach a scheduler (Client: ``channel.channel_ready``), so that a
+    scheduler being restarted costs no attempts. Raises the last grpc.aio.AioRpcError when the stream cannot go on
+    (after a resume was tried, its details say why it stopped); a stream that ends before every fork's last message
+    is an UNAVAILABLE one."""
+    progress = StreamProgress(request)
+    calls = failures = 0  # calls made; calls in a row that delivered nothing (an outage)
+    broke_at = 0.0
+    while True:
+        call = stub.Generate(progress.next_request() if calls else request, metadata=metadata)
+        calls += 1
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    break
+                progress.add(msg)
+                failures = 0
+                yield msg
+            if progress.done:
+                return
+            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                         "the stream ended before the last message of every fork")
+        except grpc.aio.AioRpcError as err:
+            error = err
+        finally:
+            call.cancel()
+        now = time.monotonic()
+        if not failures:
+            broke_at = now
+        failures += 1
+        if policy is None or not retryable(error, resuming=calls > 1,
+                                           queue_full=policy.queue_full_at_start or progress.received):
+            raise error if failures == 1 else _gave_up(error, f"not resumed: resume attempt {failures - 1} got this")
+        if not progress.resumable:
+            raise _gave_up(error, "not resumed: the first message carried no seed")
+        if failures > policy.attempts:
+            raise _gave_up(error, f"not resumed: {policy.attempts} resume attempts failed")
+        left = broke_at + policy.timeout_s - now
+        await asyncio.sleep(max(0.0, min(policy.backoff(failures), left)))
+        left = broke_at + policy.timeout_s - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            if wait_ready is not None:
+                await asyncio.wait_for(wait_ready(), left)
+        except TimeoutError:
+            raise _gave_up(error, f"not resumed within {policy.timeout_s:g}s") from None
+
+
 def chat_of(messages: Sequence[Message], add_generation_prompt: bool | None = None) -> api.Chat:
     chat = api.Chat(messages=[api.ChatMessage(role=m["role"], content=m["content"]) if isinstance(m, Mapping)
                               else api.ChatMessage(role=m[0], content=m[1]) for m in messages])
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     return chat
+
+
+# A scheduler that is back (restarted, or a new one at the address) is dialled again within a second: grpc's default
+# reconnect backoff grows to 2 minutes, which a resume would wait out.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def channel_target(address: str) -> str:
@@ -76,15 +267,19 @@ class Client:
 
     ``tls_ca``: connect with TLS, trusting the CA certificate(s) in that PEM file (the server's ``--tls-cert``
     is signed by it); ``tls_server_name``: the name the certificate must carry when it is not the address's
-    host. Without ``tls_ca`` the channel is plaintext."""
+    host. Without ``tls_ca`` the channel is plaintext.
+
+    ``resume``: how a Generate stream that broke is resumed (see the module doc; None: never, every error is
+    raised as it comes)."""
 
     def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (), api_key: str = "",
-                 tls_ca: str = "", tls_server_name: str = "") -> None:
+                 tls_ca: str = "", tls_server_name: str = "", resume: ResumePolicy | None = DEFAULT_RESUME) -> None:
         if api_key:
             metadata = (*metadata, ("authorization", f"Bearer {api_key}"))
         self.address = address
         self.metadata = tuple(metadata)
-        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+        self.resume = resume
+        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS]
         self.channel = open_channel(channel_target(address), options, tls_ca, tls_server_name)
         self.stub = api_grpc.GenerationStub(self.channel)
 
@@ -145,10 +340,17 @@ class Client:
 
     async def generate(self, prompt: str | Sequence[int] | None = None,
                        **params) -> AsyncIterator[api.GenerateResponse]:
-        """Streams GenerateResponse messages; raises grpc.aio.AioRpcError on errors."""
-        call = self.stub.Generate(self.build_request(prompt, **params), metadata=self.metadata)
-        async for msg in call:
-            yield msg
+        """Streams GenerateResponse messages (resumed after a break, as ``resume`` says); raises
+        grpc.aio.AioRpcError on errors."""
+        async with contextlib.aclosing(self.stream(self.build_request(prompt, **params))) as stream:
+            async for msg in stream:
+                yield msg
+
+    def stream(self, request: api.GenerateRequest, metadata: Sequence[tuple[str, str]] | None = None,
+               ) -> AsyncIterator[api.GenerateResponse]:
+        """Generate's messages for a request built by the caller (``metadata``: instead of the client's own)."""
+        return resumable_generate(self.stub, request, self.metadata if metadata is None else metadata, self.resume,
+                                  self.channel.channel_ready)
 
     async def complete(self, prompt: str | Sequence[int] | None = None, **params) -> Completion:
         """Runs one request to the end and gathers its stream."""

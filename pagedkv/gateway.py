@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from http import HTTPStatus
 
 import grpc
@@ -52,6 +53,7 @@ from starlette.routing import Route
 
 from pagedkv import gateway_openai as oai
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.client import DEFAULT_RESUME, ResumePolicy, add_resume_args, resume_policy
 from pagedkv.gateway_openai import ApiError, Choice, Plan, RequestLimits
 from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
@@ -94,15 +96,22 @@ HTTP_BOUNDS = Counter("pagedkv_gateway_http_bounds_total", "Connections the HTTP
 
 
 # ---- the scheduler side ------------------------------------------------------------------------
+# The upstream streams resume as pagedkv.client's do, except that a full queue before anything was sent is passed on
+# (429 with Retry-After: the HTTP client decides when to come back) instead of waited out here.
+GATEWAY_RESUME = replace(DEFAULT_RESUME, queue_full_at_start=False)
+
+
 class Upstream:
     """The gRPC channel to the scheduler(s) and what the gateway learns from them (the model's name, its
     max_model_len)."""
 
     def __init__(self, address: str, tls_ca: str = "", tls_server_name: str = "",
-                 served_names: tuple[str, ...] = ()) -> None:
+                 served_names: tuple[str, ...] = (), resume: ResumePolicy | None = GATEWAY_RESUME) -> None:
         from pagedkv.client import Client
 
-        self.client = Client(address, tls_ca=tls_ca, tls_server_name=tls_server_name)
+        # NOTE: the client resumes a Generate stream whose scheduler went away (pagedkv.client), so an HTTP client
+        # sees one stream across a scheduler's death or restart.
+        self.client = Client(address, tls_ca=tls_ca, tls_server_name=tls_server_name, resume=resume)
         self.names: tuple[str, ...] = served_names  # empty: learned from ModelInfo on first use
         self.max_model_len = 0  # learned from ModelInfo on first use
         self.created = int(time.time())
@@ -218,35 +227,33 @@ def nests_deeper_than(body: bytes | bytearray, limit: int) -> bool:
 Event = tuple[int, "api.GenerateResponse | grpc.aio.AioRpcError | None"]  # (prompt index, message | error | end)
 
 
-async def _one(call) -> AsyncIterator[Event]:
-    while True:
-        try:
-            msg = await call.read()
-        except grpc.aio.AioRpcError as err:
-            yield 0, err
-            return
-        if msg is grpc.aio.EOF:
-            yield 0, None
-            return
-        yield 0, msg
+async def _one(stream: AsyncIterator[api.GenerateResponse]) -> AsyncIterator[Event]:
+    try:
+        async for msg in stream:
+            yield 0, msg
+    except grpc.aio.AioRpcError as err:
+        yield 0, err
+        return
+    yield 0, None
 
 
-async def _merged(calls) -> AsyncIterator[Event]:
-    """The calls' messages as they come, tagged with the call's index; each call ends with None or an error."""
-    if len(calls) == 1:
-        async for event in _one(calls[0]):
+async def _merged(streams: list[AsyncIterator[api.GenerateResponse]]) -> AsyncIterator[Event]:
+    """The streams' messages as they come, tagged with the stream's index; each stream ends with None or an
+    error."""
+    if len(streams) == 1:
+        async for event in _one(streams[0]):
             yield event
         return
     queue: asyncio.Queue[Event] = asyncio.Queue()
 
-    async def pump(i: int, call) -> None:
-        async for _, item in _one(call):
+    async def pump(i: int, stream) -> None:
+        async for _, item in _one(stream):
             queue.put_nowait((i, item))
 
-    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         ended = 0
-        while ended < len(calls):
+        while ended < len(streams):
             event = await queue.get()
             if not isinstance(event[1], api.GenerateResponse):
                 ended += 1
@@ -254,6 +261,7 @@ async def _merged(calls) -> AsyncIterator[Event]:
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # (their streams closed: their calls cancelled)
 
 
 def _sse(obj) -> bytes:
@@ -297,7 +305,8 @@ class Generation(Response):
             self.gw.finished(self)
 
     async def _run(self, send) -> None:
-        calls = [self.gw.upstream.client.stub.Generate(req, metadata=self.metadata) for req in self.plan.requests]
+        # (each a Generate call, resumed on another call if its scheduler goes away: pagedkv.client)
+        calls = [self.gw.upstream.client.stream(req, metadata=self.metadata) for req in self.plan.requests]
         events = _merged(calls)
         try:
             first: list[Event] = []
@@ -324,9 +333,9 @@ class Generation(Response):
                 body = oai.response_body(self.plan, self.rid, oai.now(), self.model, self.choices)
                 await self._send_json(send, 200, body)
         finally:
-            for call in calls:
-                call.cancel()
             await events.aclose()
+            for call in calls:
+                await call.aclose()  # (a call still open is cancelled)
 
     def _add(self, i: int, msg: api.GenerateResponse) -> int:
         index = i * self.plan.n + msg.index
@@ -361,7 +370,7 @@ class Generation(Response):
             index = self._add(i, item)
             finish = self.choices[index].finish_reason if item.finish_reason else None
             if not (item.text or finish or (plan.logprobs and item.token_ids)):
-                continue  # the first message may carry only usage.prompt_tokens; text may be held back
+                continue  # text may be held back (a stop string may start there, a character is not complete)
             if item.token_ids and not self.streamed_a_token:
                 self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
@@ -711,6 +720,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "own idle timeouts, so that they close first (a server closing first races a client reusing it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests get to finish (new connections are refused)")
+    add_resume_args(p, note=" (A full queue before anything was sent is the HTTP client's 429 with Retry-After.)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise")
     add_tls_server_args(p)  # HTTPS on the HTTP side
@@ -806,7 +816,9 @@ async def serve(args) -> None:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # gateway_ready / gateway_stopped say it
     tls = server_credentials(args.tls_cert, args.tls_key) is not None  # checks the pair now (clear errors)
     check_bounds(args)
-    upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name))
+    resume = resume_policy(args)
+    resume = replace(resume, queue_full_at_start=False) if resume is not None else None  # (as GATEWAY_RESUME)
+    upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name), resume)
     token_text = await asyncio.to_thread(load_token_text, args.tokenizer) if args.tokenizer else None
     gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text, args.max_prompt_bytes)
     app = create_app(gateway, on_shutdown=(upstream.close,))

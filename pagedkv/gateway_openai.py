@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from scheduler_svc.validation import InvalidRequest, check_text_bytes, default_max_prompt_bytes, max_message_bytes
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -74,7 +75,7 @@ GRPC_STATUS = {
     grpc.StatusCode.PERMISSION_DENIED: (403, None), grpc.StatusCode.NOT_FOUND: (404, None),
     grpc.StatusCode.ALREADY_EXISTS: (409, None), grpc.StatusCode.UNAVAILABLE: (503, None),
     grpc.StatusCode.CANCELLED: (503, None), grpc.StatusCode.DEADLINE_EXCEEDED: (504, None),
-}  # RESOURCE_EXHAUSTED: 413 or 429, by its message (from_grpc)
+}  # RESOURCE_EXHAUSTED: 429, 413 or 400, by its message (from_grpc)
 RETRY_AFTER_S = 1  # a 429's Retry-After: queue and stream limits clear as requests start and end
 # gRPC's own words when a message is over a channel's size limit (received by the scheduler, or sent by us)
 _TOO_LARGE = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
@@ -98,17 +99,21 @@ def param_of(details: str, chat: bool) -> str | None:
 
 
 def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiError:
-    """The scheduler's refusal in OpenAI's terms. RESOURCE_EXHAUSTED means two things: gRPC's own refusal of a
-    message over the scheduler's size limit (413: it never succeeds, so no client may retry it) and a limit that
-    clears as requests end, such as a full queue (429 with Retry-After)."""
+    """The scheduler's refusal in OpenAI's terms. RESOURCE_EXHAUSTED means two things: a queue bound reached, a
+    limit that clears as requests start and end (its message starts with QUEUE_FULL_PREFIX: 429 with Retry-After,
+    the one status clients retry), and anything else, which a retry cannot cure: gRPC's own refusal of a message
+    over the scheduler's size limit (413), or another limit (400)."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if (details or "").startswith(QUEUE_FULL_PREFIX):
+            return ApiError(429, details, code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
         too_large = _TOO_LARGE.search(details or "")
         if too_large:
             field = "messages" if chat else "prompt"
             return ApiError(413, f"{field}: the request is {too_large.group(1)} bytes on the wire; the scheduler "
                             f"takes at most {too_large.group(2)} (its --max-prompt-bytes of text or a full context "
-                            "of token ids, plus 64 KiB)", param=field, code="request_too_large")
-        return ApiError(429, details or code.name, code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+                            "of token ids, plus a resume's token ids and 64 KiB)", param=field,
+                            code="request_too_large")
+        return ApiError(400, details or code.name, code="resource_exhausted")
     status, err_code = GRPC_STATUS.get(code, (500, None))
     param = param_of(details, chat) if status == 400 else None
     return ApiError(status, details or code.name, param=param, code=err_code or code.name.lower())

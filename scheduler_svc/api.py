@@ -17,13 +17,14 @@ from scheduler_svc.cluster import Cluster
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
-from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.request import Finish, Output, Request, fork
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
     check_chat,
+    check_continuation,
     check_priority,
     check_prompt_ids,
     check_request_id,
@@ -218,7 +219,9 @@ class GenerationService(api_grpc.GenerationServicer):
                                      f"(the attention sink's pages plus two)")
         return budget
 
-    def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int]) -> Request:
+    def _build_request(self, request: api.GenerateRequest, tenant: Tenant,
+                       ids: list[int]) -> tuple[Request, list[tuple[int, list[int]]] | None]:
+        """The request, and with a continuation the forks it resumes (fork index, token ids received)."""
         cluster = self.cluster
         config, bs = cluster.scheduler_config, cluster.block_size
         budget = self._page_budget(request, tenant, len(ids))
@@ -248,6 +251,13 @@ class GenerationService(api_grpc.GenerationServicer):
         if tenant.max_concurrent_requests and n > tenant.max_concurrent_requests:
             raise InvalidRequest(f"sampling.n: {n}; must be <= {tenant.max_concurrent_requests} (tenant {tenant.id}'s "
                                  "max_concurrent_requests)")
+        resume = None
+        if request.HasField("continuation"):
+            stop_ids = set(sampling.stop_token_ids)
+            if not sampling.ignore_eos:
+                stop_ids.update(cluster.reference.eos_token_ids)
+            stop_budget = budget if tenant.overflow == "stop" else 0
+            resume = check_continuation(request.continuation, n, len(ids), sampling, limits, stop_ids, stop_budget, bs)
         client_id = request.request_id or uuid.uuid4().hex
         if (tenant.id, client_id) in self.live:
             raise KeyError(client_id)
@@ -260,13 +270,39 @@ class GenerationService(api_grpc.GenerationServicer):
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
                        detokenizer=detok, n=n, tenant=tenant.id, hash_root=root, client_id=client_id,
                        priority=request.priority, page_budget=budget, overflow=tenant.overflow,
-                       sink_tokens=sink, window_tokens=window)
+                       sink_tokens=sink, window_tokens=window), resume
+
+    async def _resumed(self, req: Request, resume: list[tuple[int, list[int]]]) -> list[Request]:
+        """The forks of a resumed request, each a sequence of its own (request.fork) that starts with the tokens its
+        client received: its sampler continues at that draw, and its detokenizer has replayed them (on the tokenizer
+        thread: a context's worth of decodes), so that its text goes on exactly. A fork whose text already holds a stop
+        string has finished: refused."""
+        s = req.sampling
+
+        def replay() -> list[IncrementalDetokenizer]:
+            primed = []
+            for index, ids in resume:
+                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, s.stop, s.include_stop_str_in_output)
+                detok.replay(ids)
+                if detok.stopped_by is not None:
+                    field = f"continuation.forks[{index}]"
+                    raise InvalidRequest(f"{field}.token_ids: their text holds the stop string {detok.stopped_by!r}: "
+                                         f"the fork ended there (set {field}.finished)")
+                primed.append(detok)
+            return primed
+        primed = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, replay)
+        return [fork(req, index, detok, ids) for (index, ids), detok in zip(resume, primed)]
 
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
         tenant, key = await self._caller(context, METHODS + "Generate")
         try:
-            req = self._build_request(request, tenant, await self._prompt_ids(request))
+            req, resume = self._build_request(request, tenant, await self._prompt_ids(request))
+            # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
+            seqs = [req] if resume is None else await self._resumed(req, resume)
+            if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
+                raise KeyError(req.client_id)
+            forks = req.n if resume is None else len(seqs)  # the last messages to send
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:
@@ -289,22 +325,28 @@ class GenerationService(api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
+        if resume is not None:
+            extra["resumed"] = {index: len(ids) for index, ids in resume}  # fork -> tokens the client had
+            metrics.RESUMED_REQUESTS.inc()
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
                  **extra)
         live_key = (tenant.id, req.client_id)
         stream = self.live[live_key] = LiveStream(req, key)
-        self.cluster.add_request(req)
+        for i, seq in enumerate(seqs):
+            self.cluster.add_request(seq, count_prompt=i == 0)
         finished = 0
         last_token_at = first_token_s = 0.0
+        seed: int | None = req.sampling.seed  # (on the first message)
         try:
-            while finished < req.n:
+            while finished < forks:
                 out: Output = await req.queue.get()  # (what waited for this stream, in one message: Outbox)
                 if out.token_ids:
                     now = time.perf_counter()
                     if last_token_at:
                         metrics.ITL_SECONDS.observe(now - last_token_at)
                     else:
-                        metrics.TTFT_SECONDS.labels(req.tenant).observe(now - received)
+                        if resume is None:  # (a resumed stream's first token is no time to first token)
+                            metrics.TTFT_SECONDS.labels(req.tenant).observe(now - received)
                         first_token_s = now - received
                     last_token_at = now
                 if out.error:
@@ -315,6 +357,8 @@ class GenerationService(api_grpc.GenerationServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 msg = api.GenerateResponse(request_id=req.client_id, text=out.text, token_ids=out.token_ids,
                                            logprobs=out.logprobs, index=out.index)
+                if seed is not None:
+                    msg.seed, seed = seed, None
                 if out.finish is not None:
                     finished += 1
                     msg.finish_reason = FINISH_REASONS[out.finish]
@@ -322,17 +366,18 @@ class GenerationService(api_grpc.GenerationServicer):
                     msg.usage.CopyFrom(api.Usage(prompt_tokens=out.prompt_tokens,
                                                  completion_tokens=out.completion_tokens,
                                                  cached_tokens=out.cached_tokens))
+                    seq = req if resume is None else next((f for f in seqs if f.index == out.index), req)
                     log.info("request_finished", index=out.index, reason=out.finish.value,
                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                             preemptions=req.num_preemptions, queued_at_step=req.queued_at_step,
-                             admitted_at_step=req.admitted_at_step, ttft_s=round(first_token_s, 4))
+                             preemptions=seq.num_preemptions, queued_at_step=seq.queued_at_step,
+                             admitted_at_step=seq.admitted_at_step, ttft_s=round(first_token_s, 4))
                 yield msg
             metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:
             if self.live.get(live_key) is stream:
                 del self.live[live_key]
-            if finished < req.n:  # the client went away (or we are shutting down): free its pages
-                self.cluster.abort(req.request_id)
+            if finished < forks:  # the client went away (or we are shutting down): free its pages
+                self.cluster.abort(req.group)
                 log.info("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802

@@ -238,8 +238,10 @@ class Cluster:
             mine += sum(1 for r, _ in self.unplaced if r.tenant == tenant_id)
         return mine, total
 
-    def add_request(self, req: Request) -> None:
-        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+    def add_request(self, req: Request, count_prompt: bool = True) -> None:
+        """A new request (``count_prompt`` False: another fork of a resumed one, whose prompt was counted)."""
+        if count_prompt:
+            metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
         self._place(req)
 
     def abort(self, group: str) -> None:

@@ -252,6 +252,19 @@ class IncrementalDetokenizer:
         """A new detokenizer for the same prompt and stop strings (for a fork)."""
         return IncrementalDetokenizer(self.tokenizer, self._prompt_context, self.stop, self.include_stop)
 
+    def replay(self, token_ids: list[int]) -> str:
+        """Feeds tokens a stream already delivered (a resumed request: GenerateRequest.continuation) as the stream
+        fed them, one ``add`` and ``take(False)`` each, so that the next token adds exactly what it would have added
+        in an undisturbed run (text held back for a stop string or an unfinished character included). Returns the
+        text streamed meanwhile; sets ``stopped_by`` when a stop string completes (the stream would have ended)."""
+        streamed = []
+        for token_id in token_ids:
+            self.add(token_id)
+            if self.stopped_by is not None:
+                break
+            streamed.append(self.take(False))
+        return "".join(streamed)
+
     @property
     def text(self) -> str:
         """All final output text so far."""

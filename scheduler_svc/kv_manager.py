@@ -118,9 +118,13 @@ class KVManager:
         req.page_table = table + self.pool.allocate(need, req.tenant)
         req.num_computed = cached
         req.num_published = len(hits)
-        if req.num_preemptions == 0 and req.num_migrations == 0 and req.index == 0 and not req.output_ids:
-            req.num_cached_tokens = cached  # once per client request: not again after a preemption or move
-            self.counters.cached_prompt_tokens += cached
+        if (req.num_preemptions == 0 and req.num_migrations == 0 and req.index == 0
+                and len(req.output_ids) == req.num_resumed):
+            # once per client request (not again after a preemption or move; once more on the scheduler that
+            # resumed it), of its prompt only (a resumed request may also hit pages of the tokens it had received)
+            prompt_hit = min(cached, len(req.prompt_ids))
+            req.num_cached_tokens = prompt_hit
+            self.counters.cached_prompt_tokens += prompt_hit
             self.counters.prompt_tokens_queried += len(req.prompt_ids)
         if self.caching:
             self._register_inflight(req, len(hits))

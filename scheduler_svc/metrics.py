@@ -46,6 +46,8 @@ GENERATED_TOKENS = Counter("pagedkv_generated_tokens_total", "Tokens sampled and
 COALESCED_MESSAGES = Counter("pagedkv_stream_messages_coalesced_total",
                              "Messages sent inside an earlier one of their stream (the client stream fell behind)")
 PROMPT_TOKENS = Counter("pagedkv_prompt_tokens_total", "Prompt tokens admitted")
+RESUMED_REQUESTS = Counter("pagedkv_resumed_requests_total", "Requests admitted with a continuation (a client resumed "
+                           "a stream that broke, here or on another scheduler)")
 PREFIX_QUERY_TOKENS = Counter("pagedkv_prefix_cache_query_tokens_total",
                               "Prompt tokens of requests admitted for the first time (the prefix cache's lookups)")
 PREFIX_HIT_TOKENS = Counter("pagedkv_prefix_cache_hit_tokens_total",

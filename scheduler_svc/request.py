@@ -6,7 +6,7 @@ import asyncio
 import enum
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler_svc import metrics
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -173,6 +173,9 @@ class Request:
     client_id: str = ""  # the id the client knows (responses and logs)
     index: int = 0  # fork index
     queue: Outbox = field(default_factory=Outbox)  # the client stream's messages (Scheduler.process, outputs.deliver)
+    # A resumed fork (GenerateRequest.continuation): the output tokens its client had received before, which
+    # output_ids starts with (its sampler continues at that draw).
+    num_resumed: int = 0
 
     # ---- progress (the scheduler: scheduler.py, admission.py, lifecycle.py) ------------------------
     status: Status = Status.WAITING
@@ -245,3 +248,19 @@ class Request:
     def in_flight(self) -> bool:
         """A plan in flight computes for it: it may not be admitted or swapped in until that plan is answered."""
         return bool(self.num_inflight_tokens)
+
+
+def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, output_ids: Sequence[int] = ()) -> Request:
+    """Fork ``index`` of ``parent`` as a sequence of its own (n = 1): the parent's prompt and settings, sampling
+    with seed + index (documented in the API), on the parent's stream. ``output_ids``: the tokens its client already
+    received (a resumed request: its sampler continues at draw len(output_ids), ``detokenizer`` has replayed them)."""
+    return Request(request_id=f"{parent.request_id}/{index}", prompt_ids=parent.prompt_ids,
+                   sampling=replace(parent.sampling, seed=(parent.sampling.seed + index) % (1 << 64)),
+                   arrival=parent.arrival, detokenizer=detokenizer, queue=parent.queue,
+                   tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=index,
+                   client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
+                   overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
+                   max_len=parent.max_len, page_limit=parent.page_limit,
+                   queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
+                   num_cached_tokens=parent.num_cached_tokens if index == 0 else 0,
+                   output_ids=list(output_ids), num_resumed=len(output_ids))

@@ -18,7 +18,7 @@ reload) are in ``lifecycle.py``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc import admission, fair_share, lifecycle, metrics
@@ -28,7 +28,7 @@ from scheduler_svc.kv_manager import KVManager, held
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import PreemptionConfig, PreemptionCosts, PreemptionPolicy
-from scheduler_svc.request import Finish, Output, Request, Status
+from scheduler_svc.request import Finish, Output, Request, Status, fork
 from scheduler_svc.snapshot import Counters, SchedulerSnapshot
 from scheduler_svc.tenancy import Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
@@ -339,19 +339,8 @@ class Scheduler:
         return out
 
     def _children(self, parent: Request) -> list[Request]:
-        """Fork i samples with seed + i (documented in the API)."""
-        return [
-            Request(request_id=f"{parent.request_id}/{i}", prompt_ids=parent.prompt_ids,
-                    sampling=replace(parent.sampling, seed=(parent.sampling.seed + i) % (1 << 64)),
-                    arrival=parent.arrival, detokenizer=parent.detokenizer.fresh(), queue=parent.queue,
-                    tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=i,
-                    client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
-                    overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
-                    max_len=parent.max_len, page_limit=parent.page_limit,
-                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
-                    num_cached_tokens=parent.num_cached_tokens if i == 0 else 0)
-            for i in range(parent.n)
-        ]
+        """Fork i samples with seed + i (request.fork)."""
+        return [fork(parent, i, parent.detokenizer.fresh()) for i in range(parent.n)]
 
     def _fork(self, parent: Request) -> None:
         """The parent computed all but the last prompt token: n children take over its pages."""

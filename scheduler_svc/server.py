@@ -28,7 +28,7 @@ from scheduler_svc.validation import (
     Limits,
     SamplingDefaults,
     default_max_prompt_bytes,
-    max_message_bytes,
+    max_request_bytes,
 )
 
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -103,8 +103,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt text (Generate) or Tokenize text in UTF-8 bytes, refused with "
                    "INVALID_ARGUMENT before it is tokenized (default: "
                    f"{PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len, at least {MIN_PROMPT_BYTES}). "
-                   "A request message larger than this plus a full context of token ids and 64 KiB is refused "
-                   "by gRPC with RESOURCE_EXHAUSTED before it is read")
+                   "A request message larger than this (or a full context of token ids, if more) plus a "
+                   "continuation's token ids (a full context for each of 16 forks, 5 bytes an id) and 64 KiB is "
+                   "refused by gRPC with RESOURCE_EXHAUSTED before it is read")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--metrics-host", default="", metavar="HOST",
                    help="address /metrics listens on (default: --host); e.g. an internal interface while the "
@@ -342,7 +343,7 @@ async def serve(args) -> None:
         metrics.UNDECODABLE_REQUESTS.inc()
         log.info("request_undecodable", method=method, peer=peer, error=reason)
 
-    max_request = max_message_bytes(prompt_bytes, max_len)
+    max_request = max_request_bytes(prompt_bytes, max_len)
     server = grpc_common.new_server(max_receive_bytes=max_request, interceptors=[DecodeGuard(undecodable)])
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts,
                                 queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
+from scheduler_svc.fit import pages_for
 from scheduler_svc.request import Sampling
 
 MAX_STOP_STRINGS = 16
@@ -61,10 +63,17 @@ def default_max_prompt_bytes(max_model_len: int) -> int:
 
 
 def max_message_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
-    """The largest public request the server reads (gRPC's max_receive_message_length): the longest text, or
-    a full context of token ids, plus everything else a request carries. Anything larger is refused by gRPC
-    with RESOURCE_EXHAUSTED as its length prefix arrives, before the message is read."""
+    """The largest new request (no continuation; the gateway's body limit by default): the longest text, or a
+    full context of token ids, plus everything else a request carries."""
     return max(max_prompt_bytes, max_model_len * TOKEN_ID_WIRE_BYTES) + MESSAGE_SLACK_BYTES
+
+
+def max_request_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest public request the server reads (gRPC's max_receive_message_length): a new request's
+    (``max_message_bytes``) plus a continuation's token ids, at most a full context for each of MAX_FORKS forks.
+    Anything larger is refused by gRPC with RESOURCE_EXHAUSTED as its length prefix arrives, before the message is
+    read."""
+    return max_message_bytes(max_prompt_bytes, max_model_len) + MAX_FORKS * max_model_len * TOKEN_ID_WIRE_BYTES
 
 
 def check_text_bytes(text: str, field: str, limit: int) -> None:
@@ -130,6 +139,49 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output,
     )
+
+
+def check_continuation(c: api.Continuation, n: int, prompt_len: int, sampling: Sampling, limits: Limits,
+                       stop_ids: Collection[int], budget_pages: int = 0,
+                       block_size: int = 1) -> list[tuple[int, list[int]]]:
+    """The forks a continuation resumes, as (fork index, token ids received), unfinished ones only, in fork order.
+    One entry per fork; each fork's draw_offset is the number of its ids (draws are numbered by output position);
+    every id in the vocabulary; an unfinished fork holds none of what would have ended it: max_tokens reached
+    (``sampling``: checked against the context, max_model_len lowered by the tenant's capacity, as any request's), a
+    stop token (``stop_ids``: sampling.stop_token_ids, and EOS unless ignore_eos), more pages than ``budget_pages``
+    (a page budget with the 'stop' policy; 0: none). Stop strings are found when the ids are replayed through the
+    detokenizer (the API)."""
+    if len(c.forks) != n:
+        raise InvalidRequest(f"continuation.forks: {len(c.forks)} entries; must be one per fork: {n} (sampling.n)")
+    resumed = []
+    for i, fork in enumerate(c.forks):
+        field, ids = f"continuation.forks[{i}]", list(fork.token_ids)
+        if fork.draw_offset != len(ids):
+            raise InvalidRequest(f"{field}.draw_offset: {fork.draw_offset}; must equal the number of token_ids "
+                                 f"received ({len(ids)}): draws are numbered by output position")
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{field}.token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+        if fork.finished:
+            continue
+        ended = f"a fork that reached it has finished: set {field}.finished"
+        # (prompt + max_tokens <= max_model_len: check_sampling)
+        if len(ids) >= sampling.max_tokens:
+            raise InvalidRequest(f"{field}.token_ids: {len(ids)} tokens; an unfinished fork has fewer than "
+                                 f"sampling.max_tokens={sampling.max_tokens} ({ended})")
+        at = next((j for j, t in enumerate(ids) if t in stop_ids), None)
+        if at is not None:
+            raise InvalidRequest(f"{field}.token_ids: id {ids[at]} at position {at} is a stop token "
+                                 f"(sampling.stop_token_ids, or EOS without ignore_eos): the fork ended there "
+                                 f"(set {field}.finished)")
+        if budget_pages and pages_for(prompt_len + len(ids), block_size) > budget_pages:
+            raise InvalidRequest(f"{field}.token_ids: prompt ({prompt_len}) + {len(ids)} tokens need "
+                                 f"{pages_for(prompt_len + len(ids), block_size)} pages; the page budget is "
+                                 f"{budget_pages} pages (overflow policy 'stop'; {ended})")
+        resumed.append((i, ids))
+    if not resumed:
+        raise InvalidRequest("continuation.forks: every fork finished; nothing is left to resume")
+    return resumed
 
 
 def check_chat(chat: api.Chat, field: str, limit: int) -> list[dict[str, str]]:

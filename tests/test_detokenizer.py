@@ -328,3 +328,55 @@ def test_a_flush_in_the_middle_of_a_character(tokenizers, name):
         for op, t in calls:
             d.add(t) if op == "add" else d.flush()
     assert new.text == ref.text and new.take(final=True) == ref.take(final=True)
+
+
+# ---- a resumed stream (GenerateRequest.continuation) --------------------------------------------------------------
+def _stream_as_served(d: IncrementalDetokenizer, tokens: list[int]) -> list[str]:
+    """What OutputProcessor.on_token streams for tokens that end nothing: push, else add then take."""
+    pieces = []
+    for t in tokens:
+        text = d.push(t)
+        if text is None:
+            d.add(t)
+            if d.stopped_by is not None:
+                break
+            text = d.take(final=False)
+        pieces.append(text)
+    return pieces
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_a_replayed_stream_goes_on_exactly(tokenizers, name):
+    """A detokenizer that replayed the first k tokens a client received streams, for the tokens after them, exactly
+    what the undisturbed one streamed (no character duplicated or lost: a multi-byte character split across the cut,
+    text held back for a stop string), and its replay returns the text the client had."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    tok = tokenizers[name]
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.data())
+    def check(data):
+        case = _case(data.draw, tok)
+        prompt, tokens, stop, include = case["prompt"], case["tokens"], case["stop"], case["include"]
+        whole = IncrementalDetokenizer(tok, prompt, stop, include)
+        pieces = _stream_as_served(whole, tokens)
+        done = len(pieces)  # tokens streamed before a stop string ended it (all of them otherwise)
+        cut = data.draw(st.integers(0, done))
+        resumed = IncrementalDetokenizer(tok, prompt, stop, include)
+        assert resumed.replay(tokens[:cut]) == "".join(pieces[:cut]) and resumed.stopped_by is None
+        assert _stream_as_served(resumed, tokens[cut:]) == pieces[cut:]
+        assert resumed.stopped_by == whole.stopped_by
+        for d in (whole, resumed):
+            d.flush()
+        assert resumed.take(final=True) == whole.take(final=True) and resumed.text == whole.text
+
+    check()
+
+
+def test_a_replay_that_completes_a_stop_string_says_so(tokenizers):
+    tok = tokenizers["tiny-llama"]
+    ids = tok("abc STOP here", add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tok, [1], ["STOP"], False)
+    assert d.replay(ids) == "abc " and d.stopped_by == "STOP"

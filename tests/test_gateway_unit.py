@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from pagedkv import gateway_openai as oai
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway import MAX_JSON_DEPTH, Gateway, create_app, nests_deeper_than
+from pagedkv.client import ResumePolicy, resumable_generate
+from pagedkv.gateway import GATEWAY_RESUME, MAX_JSON_DEPTH, Gateway, create_app, nests_deeper_than
 from pagedkv.gateway_openai import ApiError, RequestLimits
+from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 
 
 # ---- translation -------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_chat_refusals_name_the_field(body, param):
 @pytest.mark.parametrize("code, status", [
     (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.FAILED_PRECONDITION, 400),
     (grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.ALREADY_EXISTS, 409),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 400), (grpc.StatusCode.UNAVAILABLE, 503),
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNKNOWN, 500),
 ])
 def test_grpc_status_maps_to_http(code, status):
@@ -115,9 +117,10 @@ def test_grpc_status_maps_to_http(code, status):
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_resource_exhausted_is_413_when_too_large_else_429_with_retry_after():
+def test_resource_exhausted_is_429_with_retry_after_for_a_full_queue_only():
     """gRPC's own refusal of a message over the scheduler's size limit never succeeds: the openai SDK retries a
-    429 (three times), so it must not be one. A full queue is the 429 that clears."""
+    429 (three times), so it must not be one (413). A full queue (QUEUE_FULL_PREFIX) is the 429 that clears; any
+    other RESOURCE_EXHAUSTED is a 400 (was: 429)."""
     big = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         "SERVER: Received message larger than max (1048700 vs. 196608)")  # gRPC's words
     assert big.status == 413 and big.param == "prompt" and big.retry_after is None and not big.headers()
@@ -125,9 +128,11 @@ def test_resource_exhausted_is_413_when_too_large_else_429_with_retry_after():
     chat = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (9 vs. 8)",
                          chat=True)
     assert chat.status == 413 and chat.param == "messages"
-    full = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: tenant a has 64 requests waiting")
+    full = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 64 requests waiting")
     assert full.status == 429 and full.headers() == {"retry-after": str(oai.RETRY_AFTER_S)}
     assert full.body()["error"]["type"] == "rate_limit_error"
+    other = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant over its limits")  # no retry cures it
+    assert other.status == 400 and not other.headers() and other.body()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (405, "invalid_request_error"),
@@ -273,7 +278,7 @@ class FakeCall:
 
 
 class FakeUpstream:
-    def __init__(self, *scripts) -> None:
+    def __init__(self, *scripts, resume: ResumePolicy | None = None) -> None:
         self.scripts = list(scripts)
         self.calls: list[FakeCall] = []
         self.requests: list[api.GenerateRequest] = []
@@ -281,6 +286,11 @@ class FakeUpstream:
         self.client = self
         self.stub = self
         self.names = ("m",)
+        self.resume = resume  # (None: each script is the call's whole story)
+
+    def stream(self, req, metadata):
+        """As pagedkv.client.Client.stream: the calls' messages, resumed on the next script as ``resume`` says."""
+        return resumable_generate(self, req, metadata, self.resume)
 
     def Generate(self, req, metadata):  # noqa: N802
         self.requests.append(req)
@@ -422,7 +432,7 @@ def test_app_405_is_an_invalid_request():
 
 def test_app_maps_statuses_and_limits_streams():
     up = FakeUpstream([rpc_error(grpc.StatusCode.UNAUTHENTICATED, "no key")],
-                      [rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant over its limits")],
+                      [rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 9 waiting")],
                       [rpc_error(grpc.StatusCode.UNAVAILABLE, "no executor is up")])
     for want in (401, 429, 503):
         status, headers, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
@@ -467,6 +477,61 @@ def test_app_error_mid_stream_is_an_sse_error_event():
     assert status == 200 and events[-1] == b"[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "executor lost"
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+
+
+FAST = ResumePolicy(attempts=2, timeout_s=5.0, backoff_s=0.001)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_upstream_stream_that_breaks_is_resumed_and_the_client_sees_one(stream):
+    """The scheduler's stream breaks (UNAVAILABLE) after two tokens: the gateway resends the request with the
+    tokens received and the seed, and the HTTP client gets one uninterrupted answer (was: an error event)."""
+    up = FakeUpstream([_seeded(_msg(text="a", ids=[1]), 77), _msg(text="b", ids=[2]),
+                       rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed")],
+                      [_msg(text="c", ids=[3]), _msg(text="d", ids=[4], finish=2, prompt=1, completion=4)],
+                      resume=FAST)
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=stream, seed=77)))
+    assert status == 200 and len(up.requests) == 2
+    [fork] = up.requests[1].continuation.forks
+    assert list(fork.token_ids) == [1, 2] and fork.draw_offset == 2 and up.requests[1].sampling.seed == 77
+    if stream:
+        events = [e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert events[-1] == b"[DONE]" and not any("error" in c for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == "abcd"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        body = json.loads(data)
+        assert body["choices"][0]["text"] == "abcd" and body["usage"]["completion_tokens"] == 4
+
+
+def test_an_upstream_stream_that_cannot_be_resumed_ends_with_the_error():
+    up = FakeUpstream([_seeded(_msg(text="a", ids=[1]), 5), rpc_error(grpc.StatusCode.UNAVAILABLE, "gone")],
+                      [rpc_error(grpc.StatusCode.UNAVAILABLE, "still gone")],
+                      [rpc_error(grpc.StatusCode.UNAVAILABLE, "still gone")], resume=FAST)
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
+    events = [e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"[DONE]" and len(up.requests) == 3
+    assert "still gone (not resumed: 2 resume attempts failed)" == json.loads(events[-2])["error"]["message"]
+
+
+def test_a_full_queue_is_a_429_at_once_and_waited_out_mid_stream():
+    """Before anything was sent, a full queue is the HTTP client's 429 with Retry-After (it decides when to come
+    back); once the answer started, a resume that meets a full queue waits it out (GATEWAY_RESUME)."""
+    full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 2 requests waiting")
+    up = FakeUpstream([full], resume=GATEWAY_RESUME)
+    status, headers, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
+    assert status == 429 and headers[b"retry-after"] == str(oai.RETRY_AFTER_S).encode() and len(up.requests) == 1
+    assert json.loads(data)["error"]["type"] == "rate_limit_error"
+    up = FakeUpstream([_seeded(_msg(text="a", ids=[1]), 3), rpc_error(grpc.StatusCode.UNAVAILABLE, "gone")], [full],
+                      [_msg(text="b", ids=[2], finish=2, prompt=1, completion=2)], resume=GATEWAY_RESUME)
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body()))
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "ab" and len(up.requests) == 3
+
+
+def _seeded(m: api.GenerateResponse, seed: int) -> api.GenerateResponse:
+    m.seed = seed
+    return m
 
 
 def test_app_merges_several_prompts_by_choice_index():

@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
-from scheduler_svc.validation import MIN_PROMPT_BYTES, max_message_bytes
+from scheduler_svc.validation import MIN_PROMPT_BYTES, max_request_bytes
 from tests import procs
 
 MAX_LEN = 256
@@ -133,7 +133,7 @@ def test_huge_requests_are_refused_by_grpc_while_other_streams_stream(pair):
                for mb, (err, secs) in results.items()}
     print(f"\nrefusals: {figures}; scheduler RSS {before:.1f} -> {after:.1f} MiB; concurrent stream: {count} "
           f"tokens, max gap {max(gaps) * 1000:.1f} ms (alone: {max(alone[1]) * 1000:.1f} ms)")
-    limit = max_message_bytes(LIMIT, MAX_LEN)
+    limit = max_request_bytes(LIMIT, MAX_LEN)  # (a new request's, plus room for a continuation)
     for mb, (err, secs) in results.items():
         assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (mb, err)
         assert f"vs. {limit})" in err.details(), err.details()  # gRPC's words: "larger than max (N vs. LIMIT)"

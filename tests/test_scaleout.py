@@ -212,8 +212,9 @@ def test_no_executor_left_then_one_comes_back(cluster):
                 e.kill()
             while any(e.state == "up" for e in (await client.model_info()).executors):
                 await asyncio.sleep(0.05)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete([1, 2, 3], max_tokens=2)
+            async with Client(cluster.address, resume=None) as plain:  # (the refusal itself, not waited out)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await plain.complete([1, 2, 3], max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no executor is up" in err.value.details()
             await asyncio.to_thread(cluster.restart, 0)
             await task
@@ -250,7 +251,8 @@ def test_two_schedulers_round_robin_and_graceful_scheduler_shutdown(model_cache)
         assert sum(placed) == 8 * rounds and min(placed) > 0  # round robin over the two
 
         async def scenario():
-            async with Client(s1.address) as client:
+            # (resume=None: the draining scheduler's refusal itself, not a resume on it once it is back)
+            async with Client(s1.address, resume=None) as client:
                 long = [asyncio.create_task(client.complete(prompt_of(i, 20), max_tokens=150, ignore_eos=True))
                         for i in range(4)]
                 while (await client.model_info()).num_running < 4:

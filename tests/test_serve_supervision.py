@@ -3,8 +3,8 @@
 First the supervisor alone, with small stand-in children (fast): SIGHUP forwarding, shutdown order and bounds,
 a second signal, restarts with backoff, death signal, the secret file. Then through a real ``pagedkv serve``:
 SIGHUP reloads the scheduler, a SIGKILLed executor is restarted and an in-flight stream completes identically,
-a SIGKILLed scheduler is restarted, SIGTERM drains an in-flight stream, and a SIGKILLed serve takes its
-children down.
+a SIGKILLed scheduler is restarted and the client resumes its stream there, SIGTERM drains an in-flight stream,
+and a SIGKILLed serve takes its children down.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def children(server: LocalServer) -> dict[str, int]:
 
 async def _stream(address: str, on_first_token=None) -> Completion:
     out = Completion()
-    async with Client(address, api_key="key-sup") as client:
+    async with Client(address, api_key="key-sup") as client:  # (it resumes a stream whose scheduler died)
         async for msg in client.generate(PROMPT, **STREAM):
             first = not out.token_ids
             accumulate(out, msg)
@@ -337,23 +337,17 @@ def test_killed_executor_restarts_and_the_stream_in_flight_completes(server, und
     assert _complete(server.address).token_ids == undisturbed.token_ids
 
 
-def test_killed_scheduler_restarts(server, undisturbed):
-    """The scheduler holds the client streams: those in flight end with UNAVAILABLE; serve restarts it."""
+def test_killed_scheduler_restarts_and_the_stream_in_flight_resumes(server, undisturbed):
+    """The scheduler holds the client streams: its death breaks them (UNAVAILABLE) and serve restarts it; the client
+    resumes the stream in flight there once it is back (with the tokens it had: GenerateRequest.continuation), and
+    the stream is the undisturbed one (was: it ended with UNAVAILABLE)."""
     before = children(server)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        asyncio.run(_stream(server.address, lambda: os.kill(before["scheduler"], signal.SIGKILL)))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert wait_until(lambda: children(server).get("scheduler", before["scheduler"]) != before["scheduler"], 20)
-
-    def serving() -> bool:
-        try:
-            return _complete(server.address).token_ids == undisturbed.token_ids
-        except Exception:  # noqa: BLE001 - not up yet
-            return False
-
-    assert wait_until(serving, 120, interval=1.0), server.log()
+    out = asyncio.run(_stream(server.address, lambda: os.kill(before["scheduler"], signal.SIGKILL)))
+    assert out.finish_reason == "length" and out.token_ids == undisturbed.token_ids and out.text == undisturbed.text
+    assert out.completion_tokens == STREAM["max_tokens"] and out.prompt_tokens == undisturbed.prompt_tokens
     after = children(server)
     assert server.proc.poll() is None and after["executor"] == before["executor"]
+    assert after["scheduler"] != before["scheduler"] and "resumed=" in server.log()
 
 
 def test_sigterm_lets_the_stream_in_flight_finish(server, undisturbed):
@@ -397,9 +391,10 @@ def test_tls_serve_with_its_own_secret_a_short_unplaced_timeout_and_a_sigkill(tm
                     str(files[certs.CERT_FILE]), "--tls-key", str(files[certs.KEY_FILE]), "--unplaced-timeout", "0.5",
                     timeout=300)
     try:
-        async def over_tls(on_first_token=None) -> Completion:
+        async def over_tls(on_first_token=None, resume=None) -> Completion:
+            """(resume=None: the server's own error, not a resume once the executor is back)"""
             out = Completion()
-            async with Client(s.address, api_key="key-sup", tls_ca=str(files[certs.CA_FILE])) as client:
+            async with Client(s.address, api_key="key-sup", tls_ca=str(files[certs.CA_FILE]), resume=resume) as client:
                 async for msg in client.generate(PROMPT, **STREAM):
                     first = not out.token_ids
                     accumulate(out, msg)

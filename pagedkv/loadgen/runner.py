@@ -114,7 +114,9 @@ async def run_requests(address: str, plan: Sequence[PlannedRequest], keys: dict[
     the last stream. ``keys`` maps tenant names to API keys ("" for none); ``tls``: Client's tls_ca and
     tls_server_name."""
     progress = progress or Progress(len(plan), enabled=False)
-    clients = {name: Client(address, api_key=key, **(tls or {})) for name, key in keys.items()}
+    # NOTE: no resume: a stream the server ended or refused (a full queue, a scheduler gone) counts as the error it
+    # was, not as a slow success.
+    clients = {name: Client(address, api_key=key, resume=None, **(tls or {})) for name, key in keys.items()}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     results = [RequestResult(r.index, r.tenant, r.prefix, len(r.prompt), r.max_tokens) for r in plan]
     stop = asyncio.Event()

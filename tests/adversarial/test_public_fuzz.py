@@ -82,6 +82,16 @@ async def call(address: str, request, method: str = GENERATE, metadata=()) -> tu
             return err.code(), err.details() or ""
 
 
+def cont(forks: list[list[int]], finished=(), offsets=None, **sampling) -> api.GenerateRequest:
+    """gen(**sampling) resumed: fork i received forks[i] (draw_offset: their count unless ``offsets`` says)."""
+    req = gen(**sampling)
+    req.continuation.SetInParent()  # (present on the wire even with no forks)
+    for i, ids in enumerate(forks):
+        req.continuation.forks.add(token_ids=ids, draw_offset=len(ids) if offsets is None else offsets[i],
+                                   finished=i in finished)
+    return req
+
+
 def greedy(address: str) -> list[int]:
     status, tokens = asyncio.run(call(address, gen(max_tokens=8)))
     assert status == OK, tokens
@@ -183,6 +193,23 @@ CASES = [
     ("1 MB text", gen("x" * (1 << 20)), ((IA, "prompt.text"), (RE, ""))),
     ("8 MB text", gen("x" * (8 << 20)), ((IA, "prompt.text"), (RE, ""))),
     ("1000-char request_id", gen(request_id="r" * 1000), (IA, "request_id")),
+    # ---- GenerateRequest.continuation (a resumed stream)
+    ("continuation: nothing received yet", cont([[]], max_tokens=8), GREEDY),
+    ("continuation: no forks", cont([]), (IA, "continuation.forks")),
+    ("continuation: 2 forks for n=1", cont([[5], [6]]), (IA, "continuation.forks")),
+    ("continuation: 17 forks for n=17", cont([[5]] * 17, n=17), (IA, "sampling.n")),
+    ("continuation: draw_offset uint32 max", cont([[5]], offsets=[2**32 - 1]), (IA, "forks[0].draw_offset")),
+    ("continuation: draw_offset 0 for one id", cont([[5]], offsets=[0]), (IA, "forks[0].draw_offset")),
+    ("continuation: id int32 max", cont([[5, I32_MAX]]), (IA, "continuation.forks[0].token_ids")),
+    ("continuation: id int32 min", cont([[I32_MIN]]), (IA, "continuation.forks[0].token_ids")),
+    ("continuation: id = vocab", cont([[259]]), (IA, "continuation.forks[0].token_ids")),
+    ("continuation: max_tokens ids", cont([[5] * 4], max_tokens=4), (IA, "sampling.max_tokens=4")),
+    ("continuation: 100k ids", cont([[5] * 100_000]), ((IA, "continuation.forks[0].token_ids"), (RE, ""))),
+    ("continuation: the context's worth", cont([[5] * (MAX_LEN - len(PROMPT))], max_tokens=0),
+     (IA, "continuation.forks[0].token_ids")),
+    ("continuation: EOS received", cont([[5, 2]], ignore_eos=False), (IA, "stop token")),
+    ("continuation: stop string received", cont([[72, 105]], stop=["Ef"]), (IA, "stop string")),  # (id = byte + 3)
+    ("continuation: every fork finished", cont([[5], [6]], finished=(0, 1), n=2), (IA, "continuation.forks")),
     # ---- bytes that are not a GenerateRequest
     ("invalid UTF-8 in text", pb_string(1, b"\xff\xfe\xfd"), (IA, "UTF-8")),
     ("invalid UTF-8 in request_id", VALID_PROMPT_BYTES + pb_string(4, b"\xc3\x28"), (IA, "UTF-8")),
@@ -231,6 +258,31 @@ def test_malformed_request(server, baseline, name, request_, expected):
     method, request_ = request_ if isinstance(request_, tuple) else (GENERATE, request_)
     status, detail = asyncio.run(call(server.address, request_, method))
     check_outcome(name, status, detail, expected, baseline)
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7])
+def test_a_continuation_goes_on_with_the_greedy_tokens(server, baseline, cut):
+    """Resumed after ``cut`` of the 8 greedy tokens: exactly the rest."""
+    status, tokens = asyncio.run(call(server.address, cont([baseline[:cut]], max_tokens=8)))
+    assert status == OK and tokens == baseline[cut:], (status, tokens)
+
+
+def test_forks_resume_with_their_own_draws(server, baseline):
+    """n = 2, seeded: fork 0 resumed after 3 tokens gives its undisturbed rest; fork 1, finished, sends nothing."""
+    params = dict(max_tokens=8, ignore_eos=True, temperature=0.9, seed=5)
+
+    async def scenario():
+        async with Client(server.address, resume=None) as client:
+            whole = await client.complete_n(PROMPT, 2, **params)
+            request = Client.build_request(PROMPT, n=2, **params)
+            request.continuation.forks.add(token_ids=whole[0].token_ids[:3], draw_offset=3)
+            request.continuation.forks.add(token_ids=whole[1].token_ids, draw_offset=8, finished=True)
+            msgs = [m async for m in client.stream(request)]
+        return whole, msgs
+    whole, msgs = asyncio.run(scenario())
+    assert [t for m in msgs for t in m.token_ids] == whole[0].token_ids[3:] and {m.index for m in msgs} == {0}
+    assert msgs[-1].usage.completion_tokens == 8 and msgs[0].seed == 5
     assert_still_serving(server, baseline)
 
 

@@ -67,7 +67,9 @@ def test_a_queue_flood_is_refused_by_the_servers_bounds(server):
     """q and s may each run 1 request; --max-queued-requests 2 lets q queue 2 (its third is refused: its bound),
     --max-queued-total 3 lets s queue 1 more (its second is refused: the scheduler's bound)."""
     async def scenario():
-        async with Client(server.address, api_key="key-q") as q, Client(server.address, api_key="key-s") as s:
+        # (resume=None: a full queue is a refusal to see here, not one for the client to wait out)
+        async with (Client(server.address, api_key="key-q", resume=None) as q,
+                    Client(server.address, api_key="key-s", resume=None) as s):
             streams, pending = [], []
 
             async def hold(client: Client, first: int, queued: int) -> None:

@@ -55,9 +55,10 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the completion of one prompt. The first message may carry only
-        usage.prompt_tokens; each later one carries the new text and token ids;
-        the last one carries finish_reason and the final usage.
+        """Streams the completion of one prompt. Each message carries the new text and token ids of one fork (the
+        first one also the request's seed); a fork's last one carries finish_reason and its usage. A stream that
+        breaks before every fork's last message can be resumed, on any scheduler, with
+        GenerateRequest.continuation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
