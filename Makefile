@@ -26,7 +26,7 @@ serve: install
 	$(VENV)/bin/pagedkv serve --model $(MODEL) $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m unit $(ARGS)
