@@ -25,10 +25,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 template <typename T>
@@ -85,57 +81,82 @@ struct Range {
 };
 
 #if defined(__AVX512F__)
-// AVX-512 inner loops for float32 pages at head_dim DIM (32, 64, 128, 256): NR query rows of one KV head at a time,
-// held in registers. Scores: each key row is loaded once for the NR rows (GQA: the query heads that share it),
-// one horizontal sum per dot. Values: the NR output rows stay in registers across all keys (one FMA per 16
-// channels per row per key), instead of a load and a store of the accumulator per key.
-constexpr int kLanes = 16;
+#define PAGEDKV_SIMD 1
+constexpr int kLanes = 16, kRegisters = 32;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDKV_SIMD 1
+constexpr int kLanes = 8, kRegisters = 16;
+#endif
+
+#if defined(PAGEDKV_SIMD)
+// Register-blocked inner loops for float32 pages at head_dim DIM (a multiple of the vector width: 32-256), on
+// whatever vectors -march=native gives (AVX-512: 16 lanes, 32 registers; AVX2: 8 lanes, 16 registers), written
+// with GCC's vector types. NR query rows of one KV head at a time. Scores: each key row is loaded once for the NR
+// rows (GQA: the query heads that share it), one horizontal sum per dot. Values: the NR output rows stay in
+// registers across all keys (one FMA per vector of channels per row per key), instead of a load and a store of
+// the accumulator per key. Each row's arithmetic is the same whatever NR, so a row's result does not depend on
+// the rows beside it.
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float vsum(vfloat v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
 
 template <int DIM, int NR>
-inline void scores_avx512(const float* q, const float* kh, const int64_t* k_off, int64_t visible, float* scores,
-                          int64_t stride) {
+inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible, float* scores,
+                        int64_t stride) {
   constexpr int C = DIM / kLanes;
-  __m512 qv[NR][C];
+  vfloat qv[NR][C];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < C; ++c) qv[r][c] = _mm512_loadu_ps(q + r * DIM + c * kLanes);
+    for (int c = 0; c < C; ++c) qv[r][c] = vload(q + r * DIM + c * kLanes);
   for (int64_t j = 0; j < visible; ++j) {
     const float* key = kh + k_off[j];
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(key + c * kLanes);
+    vfloat kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = vload(key + c * kLanes);
     for (int r = 0; r < NR; ++r) {
-      __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[r][c], kv[c], acc);
-      scores[r * stride + j] = _mm512_reduce_add_ps(acc);
+      vfloat acc = qv[r][0] * kv[0];
+      for (int c = 1; c < C; ++c) acc += qv[r][c] * kv[c];
+      scores[r * stride + j] = vsum(acc);
     }
   }
 }
 
 template <int DIM, int NR>
-inline void values_avx512(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
-                          int64_t visible, const float* denom, float* out) {
+inline void values_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
+                        int64_t visible, const float* denom, float* out) {
   constexpr int C = DIM / kLanes;
-  __m512 acc[NR][C];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  vfloat acc[NR][C] = {};
   for (int64_t j = 0; j < visible; ++j) {
     const float* val = vh + v_off[j];
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(val + c * kLanes);
+    vfloat vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(val + c * kLanes);
     for (int r = 0; r < NR; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * stride + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      const float w = weights[r * stride + j];
+      for (int c = 0; c < C; ++c) acc[r][c] += w * vv[c];
     }
   }
   for (int r = 0; r < NR; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * DIM + c * kLanes, _mm512_mul_ps(acc[r][c], inv));
+    const float inv = 1.f / denom[r];
+    for (int c = 0; c < C; ++c) {
+      const vfloat o = acc[r][c] * inv;
+      std::memcpy(out + r * DIM + c * kLanes, &o, sizeof o);
+    }
   }
 }
 
-// The rows of one KV head in blocks that keep q (or the accumulators) and a key in registers: DIM / 16 registers a
-// row, so 8 rows at 32, 4 at 64, 2 at 128, 1 at 256.
+// The rows of one KV head in blocks that keep q (or the accumulators) and a key in registers: DIM / kLanes
+// registers a row, half the registers for the rows (AVX-512: 8 rows at 32, 4 at 64, 2 at 128, 1 at 256; AVX2: 2
+// at 32, 1 above).
 template <int DIM>
-constexpr int64_t kRowBlock = DIM <= 32 ? 8 : 256 / DIM;
+constexpr int64_t kRowBlock = kRegisters >= 32 ? std::max(1, std::min(8, kRegisters / 2 / (DIM / kLanes))) : 4;
 
 #define PAGEDKV_ROW_BLOCK_CASES(F)                                                    \
   switch (std::min<int64_t>(kRowBlock<DIM>, rows - r0)) {                              \
@@ -150,24 +171,24 @@ constexpr int64_t kRowBlock = DIM <= 32 ? 8 : 256 / DIM;
   }
 
 template <int DIM>
-inline void scores_rows_avx512(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
-                               float* scores, int64_t rows) {
+inline void scores_rows_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
+                             float* scores, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* qr = q + r0 * DIM;
     float* sr = scores + r0 * visible;
-#define PAGEDKV_SCORES(NR) scores_avx512<DIM, NR>(qr, kh, k_off, visible, sr, visible)
+#define PAGEDKV_SCORES(NR) scores_simd<DIM, NR>(qr, kh, k_off, visible, sr, visible)
     PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_SCORES)
 #undef PAGEDKV_SCORES
   }
 }
 
 template <int DIM>
-inline void values_rows_avx512(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
-                               const float* denom, float* out, int64_t rows) {
+inline void values_rows_simd(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
+                             const float* denom, float* out, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* wr = weights + r0 * visible;
     float* o = out + r0 * DIM;
-#define PAGEDKV_VALUES(NR) values_avx512<DIM, NR>(wr, visible, vh, v_off, visible, denom + r0, o)
+#define PAGEDKV_VALUES(NR) values_simd<DIM, NR>(wr, visible, vh, v_off, visible, denom + r0, o)
     PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_VALUES)
 #undef PAGEDKV_VALUES
   }
@@ -267,15 +288,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for_each_key(table, num_pages, block_size, v_page, v_tok, ranges, n_ranges,
                    [&](int64_t off, int64_t) { v_off[idx++] = off; });
 
-#if defined(__AVX512F__)
-      constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % 16 == 0;
+#if defined(PAGEDKV_SIMD)
+      constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % kLanes == 0;
 #else
       constexpr bool kFast = false;
 #endif
       const scalar_t* kh = kp + h0 * k_head;
       if constexpr (kFast) {
         for (int64_t hh = 0; hh < per_task; ++hh)
-          scores_rows_avx512<DIM>(qf.data() + hh * group * DIM, reinterpret_cast<const float*>(kh + hh * k_head),
+          scores_rows_simd<DIM>(qf.data() + hh * group * DIM, reinterpret_cast<const float*>(kh + hh * k_head),
                                   k_off.data(), visible, scores.data() + hh * group * visible, group);
       } else {
       for (int64_t j = 0; j < visible; ++j) {
@@ -305,7 +326,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const scalar_t* vh = vp + h0 * v_head;
       if constexpr (kFast) {
         for (int64_t hh = 0; hh < per_task; ++hh)
-          values_rows_avx512<DIM>(scores.data() + hh * group * visible,
+          values_rows_simd<DIM>(scores.data() + hh * group * visible,
                                   reinterpret_cast<const float*>(vh + hh * v_head), v_off.data(), visible,
                                   denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group);
         continue;
