@@ -28,6 +28,7 @@ log = structlog.get_logger("executor_svc.attention")
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 # The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
 SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp")
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both (found through the include path)
 # NOTE: -fno-trapping-math -fno-math-errno (as torch itself is built): without them GCC vectorizes no loop with a
 # clamp or floor in it (the exp of the softmax and of SiLU ran one lane at a time on AVX2). Results are unchanged.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
@@ -57,7 +58,7 @@ def cpu_signature() -> str:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  cpu_signature().encode()):
         h.update(part)
     return f"pagedkv_attention_cpu_{h.hexdigest()[:16]}"
@@ -69,7 +70,7 @@ def unavailable_reason() -> str | None:
         return "PAGEDKV_CPU_ATTENTION=reference"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return "no C++ compiler (g++)"
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         if not source.is_file():
             return f"kernel source {source} not installed"
     return None
@@ -125,6 +126,7 @@ def _compile(name: str, target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
     try:
         cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work), extra_cflags=CFLAGS,
+                           extra_include_paths=[str(SOURCE.parent)],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         os.replace(work / f"{name}.so", target)
     finally:

@@ -25,30 +25,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
-
-// e^x for x <= 0 (scores less their maximum) in plain arithmetic, so that loops over it vectorize (glibc's
-// expf does not): Cephes' expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp), clamped at -87 where
-// the result (~1.6e-38) is as good as zero beside the maximum's weight of 1.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return y * two_n;
-}
 
 // q . k over DIM channels (0: dim, known at run time).
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -316,7 +298,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < visible; ++j) {
-          sr[j] = exp_nonpositive(sr[j] - mx);
+          sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
           sum += sr[j];
         }
         denom[r] = sum;
