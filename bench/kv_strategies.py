@@ -68,9 +68,10 @@ if str(ROOT) not in sys.path:  # this tree's scheduler_svc, not whichever one is
 
 import common  # noqa: E402
 
+from pagedkv.wire import DROPPED_PAGE  # noqa: E402
 from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
-from scheduler_svc.kv_manager import DROPPED, KVManager, held  # noqa: E402
-from scheduler_svc.pages import PagePool  # noqa: E402
+from scheduler_svc.kv_manager import KVManager  # noqa: E402
+from scheduler_svc.pages import PagePool, held  # noqa: E402
 from scheduler_svc.prefix_cache import tenant_root  # noqa: E402
 from scheduler_svc.request import Request, Sampling  # noqa: E402
 
@@ -328,7 +329,7 @@ def _sample_paged(res: RowResult, running: list[Request], pool: PagePool, bs: in
     shared pages (only full pages are ever shared: hits are whole published pages)."""
     tokens = held_pages = 0
     for r in running:
-        dropped = sum(1 for p in r.page_table if p == DROPPED) if windowed else 0
+        dropped = sum(1 for p in r.page_table if p == DROPPED_PAGE) if windowed else 0
         tokens += r.num_computed - dropped * bs
         held_pages += len(r.page_table) - dropped
     filled = tokens - bs * (held_pages - pool.num_used)

@@ -2,15 +2,16 @@
 over gRPC against an executor that runs no model, side by side with a real tiny-llama executor's step.
 
 Planning (in this process, no RPC): ``--requests`` requests of 32-token prompts are admitted and run to
-their steady decode (one token per request per step, EOS ignored); then ``--steps`` steps are timed:
-``Scheduler.schedule()`` (the plan) and ``Scheduler.process()`` (applying the sampled tokens), median and
+their steady decode (one token per request per step, EOS ignored); then ``--steps`` steps are timed through the
+planner's wire (``StepStream``, as the engine drives it): ``next_plan()`` (the plan: ``Scheduler.plan`` and its
+encoding) and ``apply()`` (``Scheduler.process``: applying the sampled tokens), median and
 p99. Target: planning <= 0.5 ms per step at 256 running (DESIGN.md). With ``--tokenizer`` the requests detokenize
 with that model's tokenizer as the scheduler loads it (scheduler_svc.tokenizer.load_tokenizer); every sampled token
 is then token 7 (one ASCII byte for tiny-llama; ``--tokenizer sentencepiece``, a Llama-2-style tokenizer built here:
 the word "▁the"), or with ``--text`` the next token of a mixed English, accented, CJK and emoji text (each request at
 its own offset), so that multi-byte characters cost what they cost. Target for
 ``process`` with tiny-llama's tokenizer (#17): <= 0.3 ms at 256 running, <= 1.2 ms at 1,024. ``process`` is
-``Scheduler.process`` and ``outputs.deliver`` (every message on its client stream), with the streams read between
+``StepStream.apply`` and ``outputs.deliver`` (every message on its client stream), with the streams read between
 steps (not timed), as a client that keeps up reads them.
 
 Round trip: the same scheduler drives, over a real gRPC Run stream on loopback, (a) a no-op executor (a
@@ -42,12 +43,14 @@ from pagedkv import grpc_common  # noqa: E402
 from pagedkv.executor.v1 import executor_pb2 as pb  # noqa: E402
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc  # noqa: E402
 from pagedkv.local_server import TEST_EXECUTOR_SECRET, ServiceProcess  # noqa: E402
+from pagedkv.wire import EXECUTOR_PROTOCOL  # noqa: E402
 from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink  # noqa: E402
 from scheduler_svc.outputs import deliver  # noqa: E402
 from scheduler_svc.pages import PagePool  # noqa: E402
 from scheduler_svc.request import Request, Sampling  # noqa: E402
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.step_stream import StepStream  # noqa: E402
 
 BLOCK = 16
 PROMPT = 32
@@ -111,7 +114,8 @@ def follow_text(plan: pb.StepPlan, result: pb.StepResult, positions: dict[str, i
     result.sampled_token_ids[:] = tokens
 
 
-def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
+def new_scheduler(n: int, num_pages: int | None = None) -> tuple[Scheduler, StepStream]:
+    """A planner with n requests queued, and its wire (what the benchmark drives)."""
     pages = num_pages or n * 24 + 64
     config = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n), max_model_len=pages * BLOCK)
     s = Scheduler(PagePool(pages, BLOCK), config, [2])
@@ -119,7 +123,7 @@ def new_scheduler(n: int, num_pages: int | None = None) -> Scheduler:
         prompt = [1] + [3 + (i * 31 + j * 7) % 250 for j in range(PROMPT - 1)]
         s.add(Request(request_id=f"q{i}", prompt_ids=prompt, sampling=Sampling(max_tokens=1 << 20, ignore_eos=True),
                       arrival=i, detokenizer=IncrementalDetokenizer(TOKENIZER or _NullTokenizer(), prompt, [], False)))
-    return s
+    return s, StepStream(s)
 
 
 def _result_for(plan: pb.StepPlan, known: dict[str, list[int]]) -> pb.StepResult:
@@ -152,40 +156,41 @@ def _result_for(plan: pb.StepPlan, known: dict[str, list[int]]) -> pb.StepResult
 
 
 def measure_planning(n: int, steps: int) -> dict[str, float]:
-    s = new_scheduler(n)
+    s, w = new_scheduler(n)
+    running = s.queues.running
     known: dict[str, list[int]] = {}
-    while len(s.running) < n or any(r.num_uncomputed > 1 for r in s.running):  # to the steady decode
-        plan, _ = s.schedule()
-        s.process(_result_for(plan, known))
+    while len(running) < n or any(r.num_uncomputed > 1 for r in running):  # to the steady decode
+        plan, _ = w.next_plan()
+        w.apply(_result_for(plan, known))
     plan_t, process_t = [], []
     positions: dict[str, int] = {}
     for _ in range(steps):
         t0 = time.perf_counter()
-        plan, _ = s.schedule()
+        plan, _ = w.next_plan()
         t1 = time.perf_counter()
         result = _result_for(plan, known)
         if TEXT_IDS:
             follow_text(plan, result, positions)
         read_streams(s)
         t2 = time.perf_counter()
-        deliver(s.process(result))
+        deliver(w.apply(result))
         t3 = time.perf_counter()
         plan_t.append(t1 - t0)
         process_t.append(t3 - t2)
-    s.check_integrity()
+    w.check_integrity()
     return {"running": n, "plan_ms_p50": _ms(plan_t, 50), "plan_ms_p99": _ms(plan_t, 99),
             "process_ms_p50": _ms(process_t, 50), "process_ms_p99": _ms(process_t, 99),
             "plan_bytes": plan.ByteSize(), "decodes_in_plan": len(plan.decodes)}
 
 
-# ``process`` is Scheduler.process and outputs.deliver: every message on its client stream, as the engine does it.
+# ``process`` is StepStream.apply and outputs.deliver: every message on its client stream, as the engine does it.
 TIMES_DELIVER = True
 
 
 def read_streams(s: Scheduler) -> None:
     """What the streams' readers take between two steps (not timed: a stream that keeps up, one message a token)."""
-    for r in s.running:
-        q = r.queue
+    for r in s.queues.running:
+        q = r.outbox
         while not q.empty():
             q.get_nowait()
 
@@ -198,7 +203,7 @@ def _ms(values: list[float], q: float) -> float:
 # ---- the no-op executor ------------------------------------------------------------------------------
 class NoopExecutor(pb_grpc.ExecutorServicer):
     def __init__(self, num_pages: int) -> None:
-        self.describe = pb.DescribeResponse(model="noop", protocol=grpc_common.EXECUTOR_PROTOCOL,
+        self.describe = pb.DescribeResponse(model="noop", protocol=EXECUTOR_PROTOCOL,
                                             num_device_pages=num_pages, block_size=BLOCK,
                                             vocab_size=259, max_position_embeddings=1 << 20, executor_id="noop")
 
@@ -227,19 +232,20 @@ async def drive(address: str, n: int, steps: int, num_pages: int, secret: str = 
     print(f"driving {address} with {n} requests", file=sys.stderr, flush=True)
     client = ExecutorClient(address, step_timeout=120, link=ExecutorLink(secret=secret))
     await client.connect(60)
-    s = new_scheduler(n, num_pages)
+    s, w = new_scheduler(n, num_pages)
+    running = s.queues.running
     rtt, forward = [], []
     try:
-        while len(s.running) < n or any(r.num_uncomputed > 1 for r in s.running):
-            plan, _ = s.schedule()
-            s.process(await client.step(plan))
+        while len(running) < n or any(r.num_uncomputed > 1 for r in running):
+            plan, _ = w.next_plan()
+            w.apply(await client.step(plan))
         for _ in range(steps):
-            plan, _ = s.schedule()
+            plan, _ = w.next_plan()
             t0 = time.perf_counter()
             result = await client.step(plan)
             rtt.append(time.perf_counter() - t0)
             forward.append(result.timings.total_ms / 1e3)
-            s.process(result)
+            w.apply(result)
     finally:
         await client.close()
     return {"rtt_ms_p50": _ms(rtt, 50), "rtt_ms_p99": _ms(rtt, 99), "executor_ms_p50": _ms(forward, 50)}

@@ -26,13 +26,12 @@ from pagedkv import grpc_common, logs, runtime, security
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.models import resolve_model
+from pagedkv.wire import EXECUTOR_PROTOCOL, PAGES_FRESH, PAGES_HEADER, PAGES_KEPT, SESSION_HEADER
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
 
 
-SESSION_METADATA = "x-pagedkv-session"  # one value per scheduler process: same value, same page contents
-PAGES_METADATA = "x-pagedkv-pages"  # Run's initial metadata: "kept" (the session's pages) or "fresh" (zeroed)
 ATTACH_WAIT_S = 5.0  # a new Run stream waits this long for the previous one's handler to finish
 
 
@@ -71,7 +70,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         cancelled (see _in_flight), and the context is not touched once the stream has ended.
         """
         peer = context.peer()
-        session = dict(context.invocation_metadata()).get(SESSION_METADATA, "")
+        session = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this executor is draining (shutting down)")
         if not await self._wait_detached():
@@ -82,9 +81,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         drained = asyncio.ensure_future(self.idle_drain.wait())
         try:
             kept = self._attach(session)
-            self.log.info("scheduler_attached", peer=peer, pages="kept" if kept else "fresh")
-            await asyncio.shield(_in_flight(context.send_initial_metadata(
-                ((PAGES_METADATA, "kept" if kept else "fresh"),))))
+            pages = PAGES_KEPT if kept else PAGES_FRESH
+            self.log.info("scheduler_attached", peer=peer, pages=pages)
+            await asyncio.shield(_in_flight(context.send_initial_metadata(((PAGES_HEADER, pages),))))
             ended = None  # when the last result went out, if requests were left in progress
             writing = None  # the last result's write, not yet confirmed
             while (plan := await self._next_plan(context, drained)) is not None:
@@ -317,7 +316,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
         default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
-        model_sliding_window=cfg.model_window, protocol=grpc_common.EXECUTOR_PROTOCOL,
+        model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.client import add_resume_args
     from pagedkv.security import add_tls_client_args
     from pagedkv.serve_args import add_args as add_serve_args
-    from scheduler_svc import server as scheduler_server
+    from scheduler_svc import args as scheduler_args
 
     parser = argparse.ArgumentParser(prog="pagedkv", description="LLM serving with PagedAttention over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gateway_serve_args(p)  # --http-port
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
-    scheduler_server.add_args(p)
+    scheduler_args.add_args(p)
     p = sub.add_parser("executor", help="run the executor service alone (model + page pools)")
     executor_args.add_args(p)
     p = sub.add_parser("generate", help="stream one completion from a running server to stdout")

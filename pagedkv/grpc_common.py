@@ -7,9 +7,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20
-# The scheduler <-> executor protocol's version (DescribeResponse.protocol): raised when either end would
-# misread the other's messages. 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
-EXECUTOR_PROTOCOL = 2
 # The public API's refusal of a request because a queue bound was reached (RESOURCE_EXHAUSTED): its message
 # starts with this, then names the bound. It is the one RESOURCE_EXHAUSTED worth retrying (HTTP 429 with
 # Retry-After); gRPC's own "Received message larger than max" (a request too big) never is.

@@ -114,7 +114,7 @@ def add_args(p: argparse.ArgumentParser) -> dict[str, Forwarded]:
     """serve's own flags, then every flag of the scheduler and of the executor that serve passes on. Returns the
     passed-on flags by name (``child_commands`` needs them; so does the test that every one arrives)."""
     from executor_svc import args as executor_args
-    from scheduler_svc import server as scheduler_server
+    from scheduler_svc import args as scheduler_args
 
     p.add_argument("--host", default="127.0.0.1",
                    help=f"address of the public API (the executor listens on {EXECUTOR_HOST})")
@@ -125,7 +125,7 @@ def add_args(p: argparse.ArgumentParser) -> dict[str, Forwarded]:
     p.add_argument("--metrics-host", default="", metavar="HOST",
                    help="address both /metrics listen on (default: --host), e.g. an internal interface")
     forwarded: dict[str, Forwarded] = {}
-    scheduler_server.add_args(_ServiceFlags("scheduler", p.add_argument_group(GROUP_TITLES["scheduler"]), forwarded))
+    scheduler_args.add_args(_ServiceFlags("scheduler", p.add_argument_group(GROUP_TITLES["scheduler"]), forwarded))
     executor_args.add_args(_ServiceFlags("executor", p.add_argument_group(GROUP_TITLES["executor"]), forwarded))
     return forwarded
 

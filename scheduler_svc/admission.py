@@ -5,58 +5,88 @@ Order: swapped requests that waited too long first (nothing else is admitted unt
 recompute-preempted requests in fair order (VTC across tenants; one whose shared prefix another request is
 computing waits); then the other swapped requests, in swap-out order (TTFT first). A step that preempted
 admits nothing, except new requests of tenants below their reserved minimum.
+
+``admissions`` reads the planner's state through a ``PlanView`` and yields decisions, one at a time; the planner
+applies each before the next is decided (as mini-sglang's PrefillAdder and vLLM's SchedulerOutput do), so each
+decision sees the pages and seats the ones before it took.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 
-from scheduler_svc.request import Finish, Request, Status
-
-if TYPE_CHECKING:
-    from scheduler_svc.scheduler import Scheduler
-
-
-def first_chunk(s: Scheduler, req: Request, hits: list, budget: int) -> tuple[list, int]:
-    """The cache hits a request admitted now uses and the tokens its first step computes: with a page
-    budget (or a window's page limit) at most limit - 1 pages come from the cache, the rest fit it."""
-    limit = req.page_budget or req.page_limit
-    if limit:
-        hits = hits[: limit - 1]
-    n = min(req.compute_target - len(hits) * s.pool.block_size, budget)
-    if limit:
-        n = min(n, (limit - len(hits)) * s.pool.block_size)
-    return hits, n
+from scheduler_svc.kv_manager import Hit
+from scheduler_svc.plan_view import PlanView, first_chunk
+from scheduler_svc.request import Request
 
 
-def admit(s: Scheduler, budget: int, scheduled: list[tuple[Request, int]], only_reserved: bool = False) -> None:
+@dataclass(slots=True)
+class Admit:
+    """A waiting request starts: with these prefix-cache hits, computing n tokens."""
+
+    req: Request
+    hits: list[Hit]
+    n: int
+
+
+@dataclass(slots=True)
+class SwapIn:
+    """A swapped request comes back, computing n tokens."""
+
+    req: Request
+    n: int
+
+
+@dataclass(slots=True)
+class Trim:
+    """Drop a swapped request's pages outside its window first (host pages not worth copying back)."""
+
+    req: Request
+
+
+@dataclass(slots=True)
+class Refuse:
+    """A swapped request can never come back here (e.g. its tenant's quota was lowered): it ends with error."""
+
+    req: Request
+    error: str
+
+
+Decision = Admit | SwapIn | Trim | Refuse
+_Decisions = Generator[Decision, None, None]
+
+
+def admissions(view: PlanView, budget: int, only_reserved: bool = False) -> Iterator[Decision]:
     """Swapped requests that waited too long first (nothing else is admitted until they fit); then new
     and recompute-preempted requests in fair order (one whose shared prefix another request is computing
     waits); then the other swapped requests, in swap-out order. only_reserved: just new requests of
     tenants below their reserved minimum (a step that preempted admits nothing else)."""
-    if not s.waiting and not s.swapped:
+    queues = view.queues
+    if not queues.waiting and not queues.swapped:
         return
-    seats = sum(r.n for r in s.running)  # a parent that has not forked yet holds n seats
+    seats = sum(r.n for r in queues.running)  # a parent that has not forked yet holds n seats
     if only_reserved:
-        skip = {t for t in s.waiting.queues if s.limits.used_pages(t) >= s.limits.get(t).reserved_pages}
-        _admit_waiting(s, budget, scheduled, seats, skip)
+        ledger = view.ledger
+        skip = {t for t in queues.waiting.backlogged()
+                if ledger.used_pages(t) >= ledger.tenants.get(t).reserved_pages}
+        yield from _admit_waiting(view, budget, seats, skip)
         return
-    now = s.step_id + 1
-    wait = s.policy.config.swap_in_max_wait
-    for req in [r for r in s.swapped if now - r.swapped_at >= wait]:
+    wait = view.policy.config.swap_in_max_wait
+    for req in [r for r in queues.swapped if view.now - r.swapped_at >= wait]:
         if budget <= 0:
             break
-        n = _swap_in(s, req, budget, seats, scheduled)
+        n = yield from _swap_in(view, req, budget, seats)
         if n == 0:
             return  # an overdue request waits for room: nothing else goes ahead of it
         if n is not None:
             seats += req.n
             budget -= n
-    budget, seats, blocked = _admit_waiting(s, budget, scheduled, seats, set())
-    for req in list(s.swapped):
+    budget, seats, blocked = yield from _admit_waiting(view, budget, seats, set())
+    for req in list(queues.swapped):
         if blocked or budget <= 0:
             break
-        n = _swap_in(s, req, budget, seats, scheduled)
+        n = yield from _swap_in(view, req, budget, seats)
         if n == 0:
             break
         if n is not None:
@@ -64,76 +94,63 @@ def admit(s: Scheduler, budget: int, scheduled: list[tuple[Request, int]], only_
             budget -= n
 
 
-def _swap_in(s: Scheduler, req: Request, budget: int, seats: int, scheduled: list[tuple[Request, int]]) -> int | None:
+def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator[Decision, None, int | None]:
     """Brings a swapped request back if it fits; returns the tokens it takes, 0 when the pool or the
     seats are short (wait), None when its own tenant's limits hold it back (others may go)."""
-    if seats + req.n > s.config.max_num_seqs:
+    limits, kv = view.limits, view.kv
+    if seats + req.n > view.config.max_num_seqs:
         return 0
-    if s.limits.at_seat_limit(req.tenant, req.n) or req.in_flight:  # (swapped out under a plan in flight)
+    if limits.at_seat_limit(req.tenant, req.n) or req.in_flight:  # (swapped out under a plan in flight)
         return None
-    s.drop_outside_window(req)  # host pages outside the window are not worth copying back
-    n = s.kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
-    need = s.kv.pages_to_swap_in(req, n)
-    capacity = s.limits.capacity(req.tenant)
+    yield Trim(req)
+    n = kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
+    need = kv.pages_to_swap_in(req, n)
+    capacity = limits.capacity(req.tenant)
     if need > capacity:  # it can never come back (e.g. a quota lowered by reload)
-        s.deferred_outputs.append((req, s.finish(
-            req, Finish.ABORT,
-            error=f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")))
+        yield Refuse(req, f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")
         return None
-    if not s.limits.can_take(req.tenant, need, s.watermark_pages if s.running else 0):
-        return None if s.limits.over_quota(s.limits.get(req.tenant), need) else 0
-    s.swapped.remove(req)
-    s.kv.swap_in(req, n)
-    req.status = Status.RUNNING
-    s.running.append(req)
-    scheduled.append((req, n))
+    if not limits.can_take(req.tenant, need, view.slack()):
+        return None if view.ledger.over_quota(view.ledger.tenants.get(req.tenant), need) else 0
+    yield SwapIn(req, n)
     return n
 
 
-def _admit_waiting(s: Scheduler, budget: int, scheduled: list[tuple[Request, int]], seats: int,
-                   skip_tenants: set[str]) -> tuple[int, int, bool]:
+def _admit_waiting(view: PlanView, budget: int, seats: int,
+                   skip_tenants: set[str]) -> Generator[Decision, None, tuple[int, int, bool]]:
     """New and recompute-preempted requests in fair order; returns (budget, seats, blocked). Tenants in
     skip_tenants (and those reaching their quota or concurrency limit) are passed over."""
+    kv, limits, ledger, waiting = view.kv, view.limits, view.ledger, view.queues.waiting
     skip: set[int] = set()  # requests waiting for another's in-flight prefix pages
-    running_by_tenant = s.limits.seats()  # (on every executor: the concurrency limit is the sum's)
+    running_by_tenant = ledger.seats()  # (on every executor: the concurrency limit is the sum's)
     blocked = False
     while budget > 0:
-        req = s.waiting.head(skip, skip_tenants)
+        req = waiting.head(skip, skip_tenants)
         if req is None:
             break
-        if seats + req.n > s.config.max_num_seqs:
+        if seats + req.n > view.config.max_num_seqs:
             blocked = True
             break
         if req.in_flight:  # preempted under a plan in flight: its sample comes first
             skip.add(id(req))
             continue
-        tenant = s.limits.get(req.tenant)
-        if s.limits.at_seat_limit(req.tenant, req.n, running_by_tenant.get(req.tenant, 0)):
+        if limits.at_seat_limit(req.tenant, req.n, running_by_tenant.get(req.tenant, 0)):
             skip_tenants.add(req.tenant)
             continue
-        hits = s.kv.find_hits(req)
-        if s.kv.waits_for_inflight(req, len(hits)):
+        hits = kv.find_hits(req)
+        if kv.waits_for_inflight(req, len(hits)):
             skip.add(id(req))
             continue
-        hits, n = first_chunk(s, req, hits, budget)
-        need = s.kv.pages_to_admit(hits, n)
-        slack = s.watermark_pages if s.running else 0
-        if not s.limits.can_take(req.tenant, need, slack):
-            if s.limits.over_quota(tenant, need) or s.pool.can_allocate(need + slack):
+        hits, n = first_chunk(view, req, hits, budget)
+        need = kv.pages_to_admit(hits, n)
+        slack = view.slack()
+        if not limits.can_take(req.tenant, need, slack):
+            if ledger.over_quota(ledger.tenants.get(req.tenant), need) or kv.pool.can_allocate(need + slack):
                 skip_tenants.add(req.tenant)  # its quota, or other tenants' reserves: others may go
                 continue
             blocked = True
             break
-        s.waiting.remove(req)
-        s.kv.admit(req, hits, n)
-        if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
-            s.waiting.charge(req.tenant, prompt_tokens=req.compute_target - len(hits) * s.pool.block_size)
-        req.status = Status.RUNNING
-        if req.admitted_at_step < 0:
-            req.admitted_at_step = s.step_id + 1
-        s.running.append(req)
+        yield Admit(req, hits, n)
         running_by_tenant[req.tenant] = running_by_tenant.get(req.tenant, 0) + req.n
         seats += req.n
-        scheduled.append((req, n))
         budget -= n
     return budget, seats, blocked

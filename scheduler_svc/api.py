@@ -147,7 +147,7 @@ class GenerationService(api_grpc.GenerationServicer):
             problem = problems[tenant_id, stream.key]
             if problem:
                 stream.revoked = f"{problem}: the tenants file was reloaded and this stream ended"
-                stream.req.queue.put_nowait(Output("", [], [], Finish.ABORT, error=stream.revoked,
+                stream.req.outbox.put_nowait(Output("", [], [], Finish.ABORT, error=stream.revoked,
                                                    index=stream.req.index))
                 ended += 1
         return ended
@@ -191,66 +191,22 @@ class GenerationService(api_grpc.GenerationServicer):
             return list(request.token_ids.ids)
         raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
 
-    def _page_budget(self, request: api.GenerateRequest, tenant: Tenant, prompt_len: int) -> int:
-        """The request's page budget: the tenant's, or lower if the request asks."""
-        asked = request.page_budget
-        if asked < 0:
-            raise InvalidRequest(f"page_budget: {asked}; must be >= 0 (0: the tenant's default)")
-        if tenant.page_budget and asked > tenant.page_budget:
-            raise InvalidRequest(f"page_budget: {asked} pages; must be <= {tenant.page_budget} (tenant "
-                                 f"{tenant.id}'s budget; a request may lower it, never raise it)")
-        budget = asked or tenant.page_budget
-        if not budget:
-            return 0
-        capacity = self.cluster.tenant_capacity(tenant.id)
-        if budget > capacity:
-            raise InvalidRequest(f"page_budget: {budget} pages; tenant {tenant.id} can hold at most {capacity} "
-                                 "(its quota, less other tenants' reserved pages)")
-        bs = self.cluster.block_size
-        if tenant.overflow == "stop":
-            need = -(-prompt_len // bs)
-            if need > budget:
-                raise InvalidRequest(f"prompt: {prompt_len} tokens need {need} pages; the page budget is "
-                                     f"{budget} pages (overflow policy 'stop')")
-        else:
-            least = fit.window_min_budget(tenant, self.cluster.scheduler_config.sink_tokens, bs)
-            if budget < least:
-                raise InvalidRequest(f"page_budget: {budget} pages; the 'window' policy needs at least {least} "
-                                     f"(the attention sink's pages plus two)")
-        return budget
-
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant,
                        ids: list[int]) -> tuple[Request, list[tuple[int, list[int]]] | None]:
         """The request, and with a continuation the forks it resumes (fork index, token ids received)."""
         cluster = self.cluster
-        config, bs = cluster.scheduler_config, cluster.block_size
-        budget = self._page_budget(request, tenant, len(ids))
-        sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs,
-                                            config.model_window)
-        if window and not budget and config.model_window and not cluster.window_page_limit(tenant.id, sink, window):
-            # the model's window does not fit what this tenant may hold: the request holds its whole context
-            # instead (its length capped to the tenant's pages below), as with a model without a window
-            sink, window = fit.attention_window(tenant, config.sliding_window, config.sink_tokens, budget, bs)
+        lim = cluster.fit_limits(tenant.id)  # (the largest executor's)
+        shape = fit.shape(tenant, len(ids), request.page_budget, lim, self.limits.max_model_len)
+        budget, sink, window, bs = shape.page_budget, shape.sink, shape.window, lim.block_size
         limits = self.limits
-        if window and not budget and not cluster.window_page_limit(tenant.id, sink, window):
-            raise InvalidRequest(f"sliding window: sink {sink} + window {window} tokens do not fit the "
-                                 f"{cluster.tenant_capacity(tenant.id)} pages tenant {tenant.id} can hold")
-        if not window:
-            capacity = cluster.tenant_capacity(tenant.id)
-            if capacity * bs < limits.max_model_len:
-                limits = replace(limits, max_model_len=capacity * bs,
-                                 max_len_name=f"the {capacity} pages tenant {tenant.id} can hold (tokens)")
+        if shape.max_len < limits.max_model_len:  # (the tenant's pages hold fewer tokens)
+            limits = replace(limits, max_model_len=shape.max_len, max_len_name=shape.max_len_name)
         check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
         check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), limits)
         n = max(1, request.sampling.n)
-        if n > config.max_num_seqs:
-            limit = config.max_num_seqs
-            raise InvalidRequest(f"sampling.n: {n}; must be <= max_num_seqs={limit}")
-        if tenant.max_concurrent_requests and n > tenant.max_concurrent_requests:
-            raise InvalidRequest(f"sampling.n: {n}; must be <= {tenant.max_concurrent_requests} (tenant {tenant.id}'s "
-                                 "max_concurrent_requests)")
+        fit.check_n(n, tenant, lim)
         resume = None
         if request.HasField("continuation"):
             stop_ids = set(sampling.stop_token_ids)
@@ -303,7 +259,7 @@ class GenerationService(api_grpc.GenerationServicer):
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
                 raise KeyError(req.client_id)
             forks = req.n if resume is None else len(seqs)  # the last messages to send
-        except InvalidRequest as err:
+        except (InvalidRequest, fit.FitError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
@@ -339,7 +295,7 @@ class GenerationService(api_grpc.GenerationServicer):
         seed: int | None = req.sampling.seed  # (on the first message)
         try:
             while finished < forks:
-                out: Output = await req.queue.get()  # (what waited for this stream, in one message: Outbox)
+                out: Output = await req.outbox.get()  # (what waited for this stream, in one message: Outbox)
                 if out.token_ids:
                     now = time.perf_counter()
                     if last_token_at:
@@ -398,7 +354,7 @@ class GenerationService(api_grpc.GenerationServicer):
         if sees_cluster:
             info.executors.extend(cluster.executor_infos())
             add_cluster_counts(info, snapshots, live)
-            info.num_waiting += len(cluster.unplaced)
+            info.num_waiting += cluster.num_unplaced
         info.tenant.CopyFrom(tenant_info(snapshots, tenant, live, self.queue_bounds.for_tenant(tenant), sees_cluster))
         if request.reset_peak:
             cluster.reset_peak(tenant, sees_cluster)

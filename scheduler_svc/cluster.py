@@ -25,10 +25,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.grpc_common import EXECUTOR_PROTOCOL
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import metrics
 from scheduler_svc.engine import Engine, EngineHooks, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
+from scheduler_svc.fit import FitLimits, limits_for
+from scheduler_svc.gauges import Gauges
 from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -36,7 +39,8 @@ from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 
-GAUGE_PERIOD = 0.25  # seconds
+# a DescribeResponse and the cluster's tenant ledger -> a planner for that executor, in that ledger
+MakeScheduler = Callable[[object, TenantLedger], Scheduler]
 
 
 def parse_address(entry: str, what: str = "--executor") -> tuple[str, int]:
@@ -71,11 +75,11 @@ def read_executors_file(path: str) -> list[str]:
 
 
 class Cluster:
-    def __init__(self, reference, make_scheduler: Callable[[object], Scheduler], log, *,
+    def __init__(self, reference, make_scheduler: MakeScheduler, log, *,
                  step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
                  unplaced_timeout: float = 30.0, link: ExecutorLink | None = None,
                  tenants: Tenants | None = None, async_scheduling: bool = True) -> None:
-        self.reference = reference  # the first executor's DescribeResponse: every other must serve the same
+        self._reference = reference  # the first executor's DescribeResponse: every other must serve the same
         self._make_scheduler = make_scheduler
         self.ledger = TenantLedger(tenants)  # every executor's scheduler joins it
         self.log = log
@@ -86,16 +90,15 @@ class Cluster:
         self.unplaced_timeout = unplaced_timeout
         self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
-        self.unplaced: deque[tuple[Request, float]] = deque()
+        self._unplaced: deque[tuple[Request, float]] = deque()
         self.arrivals = 0
         self.any_up = asyncio.Event()
-        self._tenant_counted: dict[str, tuple[int, int]] = {}
-        self._gauges_at = 0.0
+        self._gauges = Gauges()
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
         self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
                                   up=self.engine_up, down=self.engine_down, relocate=self.relocate,
-                                  gauges=self._gauges)
+                                  gauges=self.update_gauges)
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,8 +122,8 @@ class Cluster:
             if engine.removed and engine.stopped:
                 del self.engines[address]
                 if engine.scheduler is not None:
-                    self.ledger.leave(engine.scheduler)
-                asyncio.ensure_future(engine.client.close())
+                    engine.scheduler.serving(False)
+                asyncio.ensure_future(engine.stop())
                 for gauge in (metrics.EXECUTOR_PAGES_USED, metrics.EXECUTOR_RUNNING):
                     try:
                         gauge.remove(address)
@@ -142,7 +145,7 @@ class Cluster:
         if describe.protocol != EXECUTOR_PROTOCOL:
             return (f"protocol {describe.protocol} is not this scheduler's {EXECUTOR_PROTOCOL} (the executor "
                     f"runs another pagedkv version: run the same version on both sides)")
-        ref = self.reference
+        ref = self._reference
         for field in ("model", "vocab_size", "block_size", "max_position_embeddings"):
             if getattr(describe, field) != getattr(ref, field):
                 return (f"{field} {getattr(describe, field)!r} differs from the other executors' "
@@ -150,14 +153,12 @@ class Cluster:
         return ""
 
     def _new_scheduler(self, describe) -> Scheduler:
-        scheduler = self._make_scheduler(describe)
-        scheduler.join(self.ledger)
-        return scheduler
+        return self._make_scheduler(describe, self.ledger)
 
     def engine_down(self, engine: Engine) -> None:
         """Its requests have left (moved or ended): until it is up again its pages count for no tenant, so the
         quotas, reserves and fair shares are of the executors that serve."""
-        self.ledger.leave(engine.scheduler)
+        engine.scheduler.serving(False)
         self.apply_limits()
 
     def apply_limits(self) -> int:
@@ -171,18 +172,15 @@ class Cluster:
             outputs = engine.scheduler.set_tenants()
             deliver(outputs)
             ended += len(outputs)
-            engine.wake.set()
+            engine.wake_up()
         return ended
 
-    def _gauges(self, force: bool) -> None:
-        self.update_gauges(force=force)
-
     def engine_up(self, engine: Engine) -> None:
-        self.ledger.join(engine.scheduler)  # (again, after it was down; a new one joined in _new_scheduler)
+        engine.scheduler.serving(True)  # (again, after it was down; a new one is in the ledger already)
         self.apply_limits()
         self.any_up.set()
         self._pick_largest()
-        waiting, self.unplaced = self.unplaced, deque()
+        waiting, self._unplaced = self._unplaced, deque()
         for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, deadline=deadline)
         self.update_gauges(force=True)
@@ -199,27 +197,30 @@ class Cluster:
         return self._largest
 
     @property
+    def reference(self) -> pb.DescribeResponse:
+        """The first executor's DescribeResponse (the model, vocabulary and block size every executor serves)."""
+        return self._reference
+
+    @property
+    def num_unplaced(self) -> int:
+        """Requests held while no executor can take them."""
+        return len(self._unplaced)
+
+    @property
     def tenants(self) -> Tenants:
         return self.ledger.tenants
 
     @property
     def block_size(self) -> int:
-        return self.reference.block_size
+        return self._reference.block_size
 
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        """The scheduling settings (every executor's scheduler has the same)."""
+    def fit_limits(self, tenant_id: str) -> FitLimits:
+        """What one request of the tenant may hold, for the API to shape and check it: the largest executor's
+        (capacity 0 before any joined)."""
         engine = self._pick_largest()
-        return engine.scheduler.config if engine is not None else SchedulerConfig()
-
-    def tenant_capacity(self, tenant_id: str) -> int:
-        """The most pages one request of the tenant can get (on the largest executor); 0 before any joined."""
-        engine = self._pick_largest()
-        return engine.scheduler.tenant_capacity(tenant_id) if engine is not None else 0
-
-    def window_page_limit(self, tenant_id: str, sink: int, window: int) -> int:
-        engine = self._pick_largest()
-        return engine.scheduler.window_page_limit(tenant_id, sink, window) if engine is not None else 0
+        if engine is not None:
+            return engine.scheduler.fit_limits(tenant_id)
+        return limits_for(tenant_id, 0, self._reference.block_size, SchedulerConfig())
 
     @property
     def available(self) -> bool:
@@ -233,9 +234,9 @@ class Cluster:
         """Requests waiting to start (in an executor's wait queue, or held while none can take them): the
         tenant's and everyone's (the queue bounds, ``queue_bounds.py``)."""
         mine, total = self.ledger.queued(tenant_id)
-        if self.unplaced:
-            total += len(self.unplaced)
-            mine += sum(1 for r, _ in self.unplaced if r.tenant == tenant_id)
+        if self._unplaced:
+            total += len(self._unplaced)
+            mine += sum(1 for r, _ in self._unplaced if r.tenant == tenant_id)
         return mine, total
 
     def add_request(self, req: Request, count_prompt: bool = True) -> None:
@@ -247,10 +248,10 @@ class Cluster:
     def abort(self, group: str) -> None:
         for engine in self.engines.values():
             engine.abort(group)
-        kept = deque((r, t) for r, t in self.unplaced if r.group != group)
-        if len(kept) != len(self.unplaced):
-            self.unplaced = kept
-            metrics.UNPLACED.set(len(self.unplaced))
+        kept = deque((r, t) for r, t in self._unplaced if r.group != group)
+        if len(kept) != len(self._unplaced):
+            self._unplaced = kept
+            metrics.UNPLACED.set(len(self._unplaced))
 
     def relocate(self, reqs: list[Request], exclude: Engine) -> None:
         """Requests taken from an executor (failed or draining): each goes to another, ahead of new work."""
@@ -269,10 +270,10 @@ class Cluster:
         executor down for a while does not make a file for the whole cluster wrong; one never up yet counts as
         big as the first, as at start-up), then fitted to those of the executors that serve
         (``TenantLedger.resize``); returns how many live requests no longer fit and ended. Raises InvalidTenant."""
-        ref = self.reference.num_device_pages
-        pages = sum(e.scheduler.pool.num_pages if e.scheduler is not None else ref
+        ref = self._reference.num_device_pages
+        pages = sum(e.scheduler.snapshot().pool.num_pages if e.scheduler is not None else ref
                     for e in self.engines.values() if not e.removed)
-        self.ledger.tenants = Tenants.load(path, pages or ref)
+        self.ledger.set_tenants(Tenants.load(path, pages or ref))
         self.ledger.resize()
         return self.apply_limits()
 
@@ -283,10 +284,10 @@ class Cluster:
         if engine is None:
             entry = (req, deadline if deadline is not None else time.monotonic() + self.unplaced_timeout)
             if front:
-                self.unplaced.appendleft(entry)
+                self._unplaced.appendleft(entry)
             else:
-                self.unplaced.append(entry)
-            metrics.UNPLACED.set(len(self.unplaced))
+                self._unplaced.append(entry)
+            metrics.UNPLACED.set(len(self._unplaced))
             self.log.warning("request_unplaced", request_id=req.client_id, timeout_s=self.unplaced_timeout,
                              hint="no executor that is up can hold it")
             return
@@ -297,10 +298,12 @@ class Cluster:
         then the least loaded."""
         best, best_key = None, None
         for engine in self.engines.values():
-            if engine is exclude or not engine.accepts or not engine.scheduler.fits(req):
+            if engine is exclude or not engine.accepts:
                 continue
-            hit = engine.scheduler.prefix_hit_pages(req)
-            key = (hit, -engine.scheduler.snapshot().load, -engine.steps)
+            hit = engine.scheduler.placement(req)
+            if hit is None:
+                continue
+            key = (hit, -engine.scheduler.snapshot().load, -engine.info().steps)
             if best_key is None or key > best_key:
                 best, best_key = engine, key
         return best
@@ -309,22 +312,22 @@ class Cluster:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
-            if self.unplaced and self.unplaced[0][1] <= now:
+            if self._unplaced and self._unplaced[0][1] <= now:
                 self._fail_unplaced(lambda deadline, now=now: deadline <= now,
                                     f"no executor that can hold this request was available for "
                                     f"{self.unplaced_timeout:g}s")
 
     def _fail_unplaced(self, expired: Callable[[float], bool], error: str) -> None:
         kept = deque()
-        for req, deadline in self.unplaced:
+        for req, deadline in self._unplaced:
             if expired(deadline):
                 req.finish = Finish.ABORT
                 deliver([(req, Output("", [], [], Finish.ABORT, error=error, index=req.index,
                                       prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))])
             else:
                 kept.append((req, deadline))
-        self.unplaced = kept
-        metrics.UNPLACED.set(len(self.unplaced))
+        self._unplaced = kept
+        metrics.UNPLACED.set(len(self._unplaced))
 
     # ---- reporting -----------------------------------------------------------------------------
     def snapshots(self, live: bool = False, tenants: bool = False) -> list[SchedulerSnapshot]:
@@ -349,9 +352,10 @@ class Cluster:
     def executor_infos(self) -> list[api.ExecutorInfo]:
         out = []
         for address, e in sorted(self.engines.items()):
-            info = api.ExecutorInfo(address=address, state=e.state.value, executor_id=e.executor_id,
-                                    num_placed=e.num_placed, num_migrated_out=e.num_migrated_out,
-                                    kv_dtype=e.kv_dtype, kv_bytes_per_token=e.kv_bytes_per_token)
+            ei = e.info()
+            info = api.ExecutorInfo(address=address, state=e.state.value, executor_id=ei.executor_id,
+                                    num_placed=ei.num_placed, num_migrated_out=ei.num_migrated_out,
+                                    kv_dtype=ei.kv_dtype, kv_bytes_per_token=ei.kv_bytes_per_token)
             if e.scheduler is not None:
                 snap = e.scheduler.snapshot()
                 info.num_pages, info.num_used_pages = snap.pool.num_pages, snap.pool.num_used
@@ -362,68 +366,5 @@ class Cluster:
         return out
 
     def update_gauges(self, force: bool = False) -> None:
-        """Gauges from every executor's state: page and request counts on every call (cheap: per executor);
-        KV utilization and per-tenant figures, which walk the requests, at most every GAUGE_PERIOD seconds
-        unless forced."""
-        states = {s: 0 for s in State}
-        for e in self.engines.values():
-            states[e.state] += 1
-        for state, n in states.items():
-            metrics.EXECUTORS.labels(state.value).set(n)
-        now = time.monotonic()
-        detailed = force or now - self._gauges_at >= GAUGE_PERIOD
-        live: list[SchedulerSnapshot] = []
-        for address, e in self.engines.items():
-            if e.scheduler is None or e.state not in (State.UP, State.DRAINING):
-                metrics.EXECUTOR_PAGES_USED.labels(address).set(0)
-                metrics.EXECUTOR_RUNNING.labels(address).set(0)
-                continue
-            snap = e.scheduler.snapshot(tenants=detailed)
-            live.append(snap)
-            metrics.EXECUTOR_PAGES_USED.labels(address).set(snap.pool.num_used)
-            metrics.EXECUTOR_RUNNING.labels(address).set(snap.num_running)
-        used = sum(s.pool.num_used for s in live)
-        metrics.PAGES_USED.set(used)
-        metrics.PAGES_FREE.set(sum(s.pool.num_free for s in live))
-        metrics.PAGES_CACHED.set(sum(s.pool.num_cached for s in live))
-        metrics.PAGES_CAPACITY.set(sum(s.pool.num_pages for s in live))
-        metrics.HOST_PAGES_CAPACITY.set(sum(s.host.num_pages for s in live))
-        metrics.HOST_PAGES_USED.set(sum(s.host.num_used for s in live))
-        metrics.HOST_PAGES_CACHED.set(sum(s.host.num_cached for s in live))
-        metrics.HOST_PAGES_FREE.set(sum(s.host.num_free for s in live))
-        metrics.RUNNING.set(sum(s.num_running for s in live))
-        metrics.WAITING.set(sum(s.num_waiting for s in live) + len(self.unplaced))
-        metrics.SWAPPED.set(sum(s.num_swapped for s in live))
-        metrics.UNPLACED.set(len(self.unplaced))
-        if not detailed:
-            return
-        self._gauges_at = now
-        slots = used * (live[0].block_size if live else 1)
-        metrics.KV_SLOT_UTILIZATION.set(sum(s.kv_slots_filled for s in live) / slots if slots else 0.0)
-        everyone = self.snapshots(tenants=True)
-        tenants: dict[str, list[int]] = {}
-        for snap in live:
-            for tenant, u in snap.tenants.items():
-                row = tenants.setdefault(tenant, [0, 0])
-                row[0] += u.num_running
-                row[1] += u.used_pages
-        for tenant, (n_running, pages) in tenants.items():
-            metrics.TENANT_PAGES.labels(tenant).set(pages)
-            metrics.TENANT_RUNNING.labels(tenant).set(n_running)
-            metrics.TENANT_WAITING.labels(tenant).set(sum(s.tenants[tenant].num_waiting for s in everyone
-                                                          if tenant in s.tenants))
-            metrics.TENANT_SERVICE.labels(tenant).set(self.ledger.service.counters.get(tenant, 0.0))
-        self._count_tenant_events(everyone)
-
-    def _count_tenant_events(self, snapshots: list[SchedulerSnapshot]) -> None:
-        totals: dict[str, tuple[int, int]] = {}
-        for snap in snapshots:
-            for tenant, u in snap.tenants.items():
-                a, b = totals.get(tenant, (0, 0))
-                totals[tenant] = (a + u.budget_hits, b + u.fair_share_preemptions)
-        last = self._tenant_counted
-        for tenant, (hits, fair) in totals.items():
-            prev = last.get(tenant, (0, 0))
-            metrics.TENANT_BUDGET_HITS.labels(tenant).inc(max(0, hits - prev[0]))
-            metrics.TENANT_FAIR_PREEMPTIONS.labels(tenant).inc(max(0, fair - prev[1]))
-        self._tenant_counted = totals
+        """Gauges from every executor's state (gauges.py); ``force``: the detailed ones too, now."""
+        self._gauges.update(self.engines, len(self._unplaced), self.ledger.service, force)

@@ -1,13 +1,9 @@
-"""One executor's loop: plan a step, send it, apply the result, stream outputs to clients.
-
-With async scheduling (the default) the loop sends step N+1's plan before it reads step N's result, so the
-executor finds the next plan waiting when it ends a step; the scheduler's planning, result processing and client
-streaming run while the executor computes.
-
-Each executor the scheduler drives has its own ``Engine``: its own ``Scheduler`` (page accounting for that
-executor's pools), its own Run stream and its own loop. The ``Cluster`` (cluster.py) places requests on the
-engines and moves them between engines when an executor fails or drains; an engine reaches back only through
-the callbacks in ``EngineHooks`` (engine.py does not import cluster.py).
+"""One executor's loop: plan a step, send it, apply the result, stream outputs to clients. Each executor has its
+own ``Engine``, with its ``Scheduler`` (the planner), its ``StepStream`` (the wire: plans in flight, resends) and its
+Run stream. With async scheduling (the default) step N+1's plan goes out before step N's result is read, so the
+executor finds it waiting; planning, result processing and client streaming run while the executor computes. The
+``Cluster`` places requests on the engines and moves them when an executor fails or drains; an engine reaches back
+only through the callbacks in ``EngineHooks`` (engine.py does not import cluster.py).
 
 States::
 
@@ -21,16 +17,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pagedkv.wire import PAGES_FRESH, PAGES_KEPT
 from scheduler_svc import metrics
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.outputs import deliver
 from scheduler_svc.policy import PreemptionCosts
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_stream import StepStream
 
 
 class State(enum.Enum):
@@ -49,12 +46,24 @@ RECONNECT_LOG_EVERY = 60.0
 class EngineHooks:
     """What an engine tells the cluster, and asks of it."""
 
-    make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a scheduler for that executor
+    make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a planner for that executor (in the ledger)
     check_compatible: Callable[[object], str]  # a DescribeResponse -> why it cannot join, or ''
     up: Callable[[Engine], None]  # the executor is up: requests may be placed here
     down: Callable[[Engine], None]  # it is down (drained, lost or failed) and holds no request: it serves no tenant
     relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
     gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """An engine's figures: the executor it is connected to (as its Describe said) and its counts."""
+
+    executor_id: str = ""
+    kv_dtype: str = ""  # its KV cache format
+    kv_bytes_per_token: int = 0
+    steps: int = 0  # results applied
+    num_placed: int = 0  # requests placed here
+    num_migrated_out: int = 0  # requests moved to other executors (failure or drain)
 
 
 class Engine:
@@ -66,39 +75,52 @@ class Engine:
         self.log = log.bind(executor=client.address)
         self.check_every_step = check_every_step
         self.drain_timeout = drain_timeout
-        self.scheduler: Scheduler | None = None
-        self.state = State.CONNECTING
-        self.executor_id = ""
-        self.kv_dtype, self.kv_bytes_per_token = "", 0  # the executor's KV cache format (Describe)
+        self._scheduler: Scheduler | None = None
+        self._stream: StepStream | None = None  # the wire to it (one per planner)
+        self._state = State.CONNECTING
+        self._info = EngineInfo()  # the executor on the other end (its Describe) and the counts
         self.vocab_size = 0  # the executor's (Describe): a sampled token outside it is a malformed result
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.steps = 0
-        self.num_placed = 0
-        self.num_migrated_out = 0
         self.drain_deadline = 0.0
-        self.removed = False  # no longer configured: drain, then stop for good
+        self._removed = False  # no longer configured: drain, then stop for good
         self.stopping = False  # stop() was called: the loop ends at its next turn
         self._counted: dict[str, int] = {}
         # Async scheduling: the next plan is built and sent while the executor runs the last one, so the
         # executor finds it waiting when it ends a step (plans in flight: at most 2; 1 without).
         self.depth = 2 if async_scheduling else 1
-        self.in_flight: deque[tuple[int, float, float]] = deque()  # (step id, sent at, planning seconds)
         # After a rejected plan, plans go one at a time for a while: a rejection with the next plan in flight can
         # only drop the stream, and a request the executor keeps refusing must reach the resend protocol's limit
         # (MAX_PLAN_RETRIES, then it ends with the error) instead of being recomputed forever.
         self.sync_steps = 0
         self.last_read_at = 0.0
 
+    # ---- what the cluster reads ---------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """This executor's planner (None until it first answered)."""
+        return self._scheduler
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def info(self) -> EngineInfo:
+        return replace(self._info)  # (a copy)
+
+    @property
+    def removed(self) -> bool:
+        """No longer configured: it drains, then stops for good."""
+        return self._removed
+
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"engine {self.address}")
 
     async def stop(self) -> None:
-        # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancellation that lands as its inner await
-        # completes (the step's read, say); the loop then goes on and a single cancel() never ends it (seen as a
-        # scheduler whose shutdown hung with an idle event loop). So the loop also checks a flag, and the
-        # cancel is repeated until the task is done.
+        # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancellation that lands as its inner await completes (the
+        # step's read, say): a single cancel() may never end the loop (seen as a scheduler whose shutdown hung with an
+        # idle event loop). So the loop also checks a flag, and the cancel is repeated until the task is done.
         self.stopping = True
         self.wake.set()
         while self._task is not None and not self._task.done():
@@ -108,6 +130,14 @@ class Engine:
             self.log.error("engine_stopped_with_error", error=repr(self._task.exception()))
         await self.client.close()
 
+    def check_integrity(self) -> None:
+        """Every page accounted for, and the plans in flight agree with what the requests count."""
+        self._stream.check_integrity()
+
+    def wake_up(self) -> None:
+        """Something changed that the loop must look at (new limits, a new request)."""
+        self.wake.set()
+
     @property
     def stopped(self) -> bool:
         """The loop has ended (removed and drained, or stopped)."""
@@ -116,22 +146,22 @@ class Engine:
     @property
     def accepts(self) -> bool:
         """New requests may be placed here."""
-        return self.state is State.UP and not self.removed
+        return self._state is State.UP and not self._removed
 
     def add_request(self, req: Request, front: bool = False) -> None:
-        self.scheduler.add(req, front=front)
-        self.num_placed += 1
+        self._scheduler.add(req, front=front)
+        self._info.num_placed += 1
         self.wake.set()
 
     def abort(self, group: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.abort(group)
+        if self._scheduler is not None:
+            self._scheduler.abort(group)
             self.wake.set()
 
     async def _run(self) -> None:
         while not self.stopping:
-            if self.state in (State.CONNECTING, State.DOWN):
-                if self.removed:
+            if self._state in (State.CONNECTING, State.DOWN):
+                if self._removed:
                     return
                 await self._connect()
                 continue
@@ -146,7 +176,7 @@ class Engine:
     async def _connect(self) -> None:
         """Until the executor answers (or this engine is removed): Describe, then a new Run stream."""
         first_failure = last_log = 0.0
-        while not self.removed and not self.stopping:
+        while not self._removed and not self.stopping:
             try:
                 describe = await self.client.connect(RECONNECT_POLL)
                 break
@@ -154,7 +184,7 @@ class Engine:
                 now = time.monotonic()
                 first_failure = first_failure or now
                 if now - last_log >= RECONNECT_LOG_EVERY:
-                    self.log.warning("executor_unreachable", error=str(err), state=self.state.value,
+                    self.log.warning("executor_unreachable", error=str(err), state=self._state.value,
                                      down_for_s=round(now - first_failure, 1))
                     last_log = now
                 await asyncio.sleep(0.2)
@@ -171,114 +201,115 @@ class Engine:
             self.client.drop()
             await asyncio.sleep(RECONNECT_POLL)
             return
-        self.in_flight.clear()  # (results of an earlier stream never come)
-        self.client.call.add_done_callback(lambda _call: self.wake.set())  # noticed even when idle
-        self.state = State.UP
-        self.executor_id = describe.executor_id
-        self.kv_dtype, self.kv_bytes_per_token = describe.kv_dtype, describe.kv_bytes_per_token
+        self.client.on_stream_end(self.wake.set)  # noticed even when idle
+        self._state = State.UP
+        self._info = replace(self._info, executor_id=describe.executor_id, kv_dtype=describe.kv_dtype,
+                             kv_bytes_per_token=describe.kv_bytes_per_token)
         self.vocab_size = describe.vocab_size
         self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
-                      num_host_pages=describe.num_host_pages, pages="kept" if self.client.pages_kept else "fresh",
-                      cached_pages=self.scheduler.snapshot().pool.num_cached)
+                      num_host_pages=describe.num_host_pages,
+                      pages=PAGES_KEPT if self.client.pages_kept else PAGES_FRESH,
+                      cached_pages=self._scheduler.snapshot().pool.num_cached)
         self.hooks.up(self)
 
     def _adopt(self, describe) -> None:
-        """A new Scheduler, or the old one (with a new pool geometry if it changed). Another executor id is
-        another process: its pools are empty, so the prefix cache forgets every page. The same id is the same
-        process after a dropped Run stream: it kept its pages for this link's session (x-pagedkv-session), so
-        the prefix cache keeps them too, unless the executor says it zeroed them (another session attached
-        meanwhile: a desync)."""
-        if self.scheduler is None:
-            self.scheduler = self.hooks.make_scheduler(describe)
-            return
-        if describe.executor_id != self.executor_id or not self.client.pages_kept:
-            self.scheduler.forget_cached_pages()
-        snap = self.scheduler.snapshot()
-        if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
-                snap.pool.num_pages, snap.host.num_pages, snap.block_size):
-            self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
-                             num_host_pages=describe.num_host_pages, block_size=describe.block_size)
-            self.scheduler.reset_pool(describe.num_device_pages, describe.block_size, describe.num_host_pages)
-        self.scheduler.set_costs(PreemptionCosts.of(describe))
+        """A new planner, or the old one (a new one if the pool geometry changed: Scheduler.reconnected). Another
+        executor id is another process: its pools are empty, so the prefix cache forgets every page. The same id
+        is the same process after a dropped Run stream: it kept its pages for this link's session
+        (x-pagedkv-session), so the prefix cache keeps them too, unless the executor says it zeroed them (another
+        session attached meanwhile: a desync)."""
+        if self._scheduler is None:
+            planner = self.hooks.make_scheduler(describe)
+        else:
+            snap = self._scheduler.snapshot()
+            if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
+                    snap.pool.num_pages, snap.host.num_pages, snap.block_size):
+                self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
+                                 num_host_pages=describe.num_host_pages, block_size=describe.block_size)
+            kept = describe.executor_id == self._info.executor_id and self.client.pages_kept
+            planner = self._scheduler.reconnected(describe.num_device_pages, describe.block_size,
+                                                  describe.num_host_pages, PreemptionCosts.of(describe), kept)
+        if planner is not self._scheduler:
+            self._scheduler, self._stream = planner, StepStream(planner)
 
     # ---- one step ------------------------------------------------------------------------------
     async def _iteration(self) -> None:
         await self.wake.wait()
-        if self.in_flight and self.client.call is not None and self.client.call.done():
+        stream, client = self._stream, self.client
+        if stream.in_flight and client.has_stream and client.stream_ended:
             await self._receive()  # results the executor sent before its stream ended are read first
             return
-        if self.client.call is None or self.client.call.done():
-            if self.state is State.DRAINING and not self.scheduler.live_requests():
+        if client.stream_ended:
+            if self._state is State.DRAINING and not self._scheduler.live_requests():
                 self._drained()  # the executor ended the stream itself once nothing was left on it
             else:
                 self._executor_lost("the executor closed its Run stream")
             return
-        if self.state is State.DRAINING or self.removed:
-            if self.in_flight:  # nothing moves while a plan computes for it
+        if self._state is State.DRAINING or self._removed:
+            if stream.in_flight:  # nothing moves while a plan computes for it
                 await self._receive()
                 return
             if self._drain_step():
                 return
         t0 = time.perf_counter()
-        s = self.scheduler
-        plan, outputs = s.schedule()
+        plan, outputs = stream.next_plan()
         deliver(outputs)
-        self._count()
+        self._counted = metrics.count_since(self._counted, self._scheduler.snapshot())
         if plan is None:
-            if self.in_flight:
+            if stream.in_flight:
                 await self._receive()
-            elif not s.has_work:
+            elif not stream.has_work:
                 self.wake.clear()
-                s.check_integrity()  # idle: every page must be accounted for
+                stream.check_integrity()  # idle: every page must be accounted for
                 self.hooks.gauges(True)
             else:
                 await asyncio.sleep(0.001)
             return
         t1 = time.perf_counter()
+        stream.sent(t1, t1 - t0)
         try:
-            await self.client.send(plan)
+            await client.send(plan)
         except ExecutorUnavailable as err:
             self._executor_lost(str(err))
             return
-        self.in_flight.append((plan.step_id, t1, t1 - t0))
-        if len(self.in_flight) >= (1 if self.sync_steps else self.depth):
+        if stream.in_flight >= (1 if self.sync_steps else self.depth):
             await self._receive()
 
     async def _receive(self) -> None:
         """Reads and applies the result of the oldest plan in flight."""
-        step_id, sent_at, plan_s = self.in_flight[0]
+        stream = self._stream
+        sent = stream.oldest
+        step_id, sent_at = sent.step_id, sent.sent_at
         try:
             result = await self.client.receive(step_id)
         except ExecutorUnavailable as err:
             self._executor_lost(str(err))
             return
-        problem = self.scheduler.malformed(result, self.vocab_size)
+        problem = stream.malformed(result, self.vocab_size)
         if problem:  # (the plans in flight are void: its requests are recomputed, here or elsewhere)
             self._executor_lost(f"the executor's result for step {step_id} is malformed: {problem}")
             return
-        self.in_flight.popleft()
         if result.error:
             self.sync_steps = SYNC_AFTER_REJECTION
-            if self.in_flight:
+            if stream.in_flight > 1:
                 # The plan after it was built on what this one would have done: both are void. As for a lost
                 # stream, the requests are recomputed (the executor forgets them all when the stream is dropped).
-                self._executor_lost(f"the executor rejected step {step_id} with step {self.in_flight[0][0]} in "
-                                    f"flight: {result.error}")
+                self._executor_lost(f"the executor rejected step {step_id} with step {step_id + 1} in flight: "
+                                    f"{result.error}")  # (plans are numbered in the order they go out)
                 return
         elif self.sync_steps:
             self.sync_steps -= 1
         t2 = time.perf_counter()
         started = max(sent_at, self.last_read_at)  # (with async scheduling: when the executor could start it)
         self.last_read_at = t2
-        s = self.scheduler
-        deliver(s.process(result))
-        if result.draining and self.state is State.UP:
+        deliver(stream.apply(result))
+        if result.draining and self._state is State.UP:
             self._start_drain("the executor is shutting down")
         if self.check_every_step:
-            s.check_integrity()
-        self.steps += 1
+            stream.check_integrity()
+        self._info.steps += 1
         self.hooks.gauges(False)
-        metrics.STEP_SECONDS.labels("plan").observe(plan_s)
+        metrics.STEP_SECONDS.labels("plan").observe(sent.plan_seconds)
         metrics.STEP_SECONDS.labels("process").observe(time.perf_counter() - t2)
         metrics.STEP_SECONDS.labels("executor").observe(t2 - sent_at)
         metrics.STEP_SECONDS.labels("prepare").observe(result.timings.prepare_ms / 1e3)
@@ -288,25 +319,25 @@ class Engine:
 
     # ---- leaving: drain or failure ---------------------------------------------------------------
     def _start_drain(self, why: str) -> None:
-        self.state = State.DRAINING
+        self._state = State.DRAINING
         self.drain_deadline = time.monotonic() + self.drain_timeout
-        snap = self.scheduler.snapshot()
+        snap = self._scheduler.snapshot()
         self.log.info("executor_draining", reason=why, running=snap.num_running,
                       queued=snap.num_waiting + snap.num_swapped, drain_timeout_s=self.drain_timeout)
         self.wake.set()
 
     def begin_removal(self) -> None:
         """The executor is no longer configured (DNS, executors file): drain it, then stop."""
-        self.removed = True
-        if self.state is State.UP:
+        self._removed = True
+        if self._state is State.UP:
             self._start_drain("no longer configured")
         self.wake.set()
 
     def _drain_step(self) -> bool:
         """Moves what has not started (and, past the deadline, everything) to other executors; running
         requests finish here meanwhile. Returns True once nothing is left and the stream is closed."""
-        s = self.scheduler
-        if self.state is State.UP:  # removed while up
+        s = self._scheduler
+        if self._state is State.UP:  # removed while up
             self._start_drain("no longer configured")
         overdue = time.monotonic() >= self.drain_deadline
         movable = [r for r in s.live_requests() if not r.aborted and (overdue or r.status is not Status.RUNNING)]
@@ -321,11 +352,10 @@ class Engine:
 
     def _drained(self) -> None:
         """Nothing is left on a draining executor: close the stream (it exits) and forget its pages."""
-        self.scheduler.drained()  # a process that comes back at this address starts empty
+        deliver(self._stream.drained())  # a process that comes back at this address starts empty
         self.client.drop()
-        self.in_flight.clear()
-        self.state = State.DOWN
-        self.log.info("executor_drained", steps=self.steps)
+        self._state = State.DOWN
+        self.log.info("executor_drained", steps=self._info.steps)
         self.hooks.down(self)
         self.hooks.gauges(True)
 
@@ -334,15 +364,14 @@ class Engine:
         the executor went with the stream). Published pages stay findable, but only once the executor is up
         again (nothing is placed here meanwhile): _adopt forgets them if another process answers."""
         self.client.drop()
-        self.in_flight.clear()
-        was = self.state
-        self.state = State.DOWN
-        if self.scheduler is None:
+        was = self._state
+        self._state = State.DOWN
+        if self._scheduler is None:
             return
-        moved, ended = self.scheduler.evacuate(keep_cache=True)
+        moved, ended = self._stream.lost(keep_cache=True)
         deliver(ended)
         try:
-            self.scheduler.check_integrity()
+            self._stream.check_integrity()
         except AssertionError:
             self.log.exception("integrity_after_failure")
         if was is not State.DRAINING or moved:
@@ -355,41 +384,17 @@ class Engine:
         """A scheduler bug mid-step: which tokens reached which client is uncertain, so the requests on this
         executor end with the error instead of moving (a move could recompute a token no client saw)."""
         self.client.drop()  # the executor's request state goes with the stream
-        self.in_flight.clear()
-        self.state = State.DOWN
-        if self.scheduler is not None:
-            deliver(self.scheduler.fail_all(error))
+        self._state = State.DOWN
+        if self._scheduler is not None:
+            deliver(self._stream.fail_all(error))
             self.hooks.down(self)
         self.hooks.gauges(True)
 
     def _migrated(self, moved: list[Request], cause: str) -> None:
         if not moved:
             return
-        self.num_migrated_out += len(moved)
+        self._info.num_migrated_out += len(moved)
         metrics.MIGRATIONS.labels(cause).inc(len(moved))
         self.log.info("requests_migrating", cause=cause, count=len(moved),
                       request_ids=[r.client_id for r in moved[:256]])
         self.hooks.relocate(moved, self)
-
-    # ---- metrics -------------------------------------------------------------------------------
-    def _count(self) -> None:
-        """Moves the scheduler's cumulative counters into the Prometheus counters."""
-        snap = self.scheduler.snapshot()
-        c = snap.counters
-        now = {"swap": c.swap_preemptions, "recompute": c.recompute_preemptions, "out": c.pages_swapped_out,
-               "in": c.pages_swapped_in, "spilled": c.spilled_pages, "spill_hits": c.spill_hits,
-               "query": c.prompt_tokens_queried, "hit": c.cached_prompt_tokens}
-        last = self._counted
-        if any(now[k] < last.get(k, 0) for k in now):  # counters never go back; if they did, start over
-            last = {}
-        for kind in ("swap", "recompute"):
-            metrics.PREEMPTIONS.labels(kind).inc(now[kind] - last.get(kind, 0))
-        page_bytes = snap.page_bytes
-        for direction in ("out", "in"):
-            metrics.SWAP_PAGES.labels(direction).inc(now[direction] - last.get(direction, 0))
-            metrics.SWAP_BYTES.labels(direction).inc((now[direction] - last.get(direction, 0)) * page_bytes)
-        metrics.SPILLED_PAGES.inc(now["spilled"] - last.get("spilled", 0))
-        metrics.SPILL_HITS.inc(now["spill_hits"] - last.get("spill_hits", 0))
-        metrics.PREFIX_QUERY_TOKENS.inc(now["query"] - last.get("query", 0))
-        metrics.PREFIX_HIT_TOKENS.inc(now["hit"] - last.get("hit", 0))
-        self._counted = now

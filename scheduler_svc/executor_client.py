@@ -13,6 +13,7 @@ from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
 from pagedkv.security import SECRET_FILE_FLAG, bearer_metadata, open_channel
+from pagedkv.wire import PAGES_HEADER, PAGES_KEPT, SESSION_HEADER
 
 
 class ExecutorUnavailable(Exception):
@@ -34,12 +35,6 @@ class ExecutorLink:
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-# Run-stream metadata: the executor keeps its page contents (our prefix cache) when the same session
-# re-attaches after a dropped stream, and starts any other session from zeroed pages.
-SESSION_HEADER = "x-pagedkv-session"
-# The executor's answer, in Run's initial metadata: "kept" (this session's pages as they were) or "fresh" (zeroed:
-# another session attached meanwhile). Anything else counts as fresh: forgetting the prefix cache is always safe.
-PAGES_HEADER = "x-pagedkv-pages"
 ATTACH_TIMEOUT = 10.0  # seconds to wait for that answer (an executor waits up to 5 s for its previous stream)
 # NOTE: grpc's default reconnect backoff (1 s, x1.6 per try, up to 2 min) would see an executor that is still loading
 # (pagedkv serve starts both at once) or restarting seconds after it listens: try every 0.1 s, backing off to 0.5 s.
@@ -48,7 +43,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reco
 
 class ExecutorClient:
     def __init__(self, address: str, step_timeout: float, link: ExecutorLink | None = None) -> None:
-        self.address = address
+        self._address = address
         self.step_timeout = step_timeout
         self.link = link or ExecutorLink()
         self.metadata = bearer_metadata(self.link.secret)  # on every RPC: Describe, Run and health
@@ -56,21 +51,47 @@ class ExecutorClient:
                                     self.link.tls_ca, self.link.tls_server_name, ca_flag="--executor-tls-ca")
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.session = secrets.token_hex(16)  # one per scheduler process and executor link: a reconnect resumes
-        self.pages_kept = False  # the executor's answer on the current Run stream
-        self.call = None
+        # The Run stream's session id (SESSION_HEADER): one per scheduler process and executor link, so that a
+        # reconnect finds the pages it left.
+        self.session_id = secrets.token_hex(16)
+        self._pages_kept = False  # the executor's answer on the current Run stream
+        self._call = None
         self.describe: pb.DescribeResponse | None = None
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def pages_kept(self) -> bool:
+        """The executor kept this session's pages as they were (its answer on the current Run stream)."""
+        return self._pages_kept
+
+    @property
+    def has_stream(self) -> bool:
+        """A Run stream was opened and not dropped (it may have ended)."""
+        return self._call is not None
+
+    @property
+    def stream_ended(self) -> bool:
+        """No Run stream, or it ended."""
+        return self._call is None or self._call.done()
+
+    def on_stream_end(self, callback) -> None:
+        """Calls ``callback()`` when the current Run stream ends."""
+        self._call.add_done_callback(lambda _call: callback())
 
     async def connect(self, timeout: float) -> pb.DescribeResponse:
         """Waits up to ``timeout`` seconds for the executor, reads its description, opens the Run stream and
         reads whether the executor kept this session's pages (``pages_kept``)."""
         await self.probe(timeout)
-        self.call = self.stub.Run(metadata=(*self.metadata, (SESSION_HEADER, self.session)))
+        self._call = self.stub.Run(metadata=(*self.metadata, (SESSION_HEADER, self.session_id)))
         try:
-            answer = await asyncio.wait_for(asyncio.shield(self.call.initial_metadata()), ATTACH_TIMEOUT)
+            answer = await asyncio.wait_for(asyncio.shield(self._call.initial_metadata()), ATTACH_TIMEOUT)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
             answer = None  # refused, or no answer: a failed stream is noticed by the engine
-        self.pages_kept = answer is not None and dict(answer).get(PAGES_HEADER) == "kept"
+        # (anything but PAGES_KEPT counts as fresh: forgetting the prefix cache is always safe)
+        self._pages_kept = answer is not None and dict(answer).get(PAGES_HEADER) == PAGES_KEPT
         return self.describe
 
     async def probe(self, timeout: float) -> pb.DescribeResponse:
@@ -117,11 +138,11 @@ class ExecutorClient:
     async def send(self, plan: pb.StepPlan) -> None:
         """Writes a plan on the Run stream. With async scheduling the next goes before the last result is read:
         the executor finds it waiting when it ends a step."""
-        if self.call is None:
+        if self._call is None:
             raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
         try:
             # NOTE: the write has a deadline too: a hung executor that stops reading blocks it on flow control.
-            await asyncio.wait_for(self.call.write(plan), self.step_timeout)
+            await asyncio.wait_for(self._call.write(plan), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             self.drop()
             raise ExecutorUnavailable(f"executor {self.address} failed during step {plan.step_id}: "
@@ -129,10 +150,10 @@ class ExecutorClient:
 
     async def receive(self, step_id: int) -> pb.StepResult:
         """Reads the result of the oldest plan sent (``step_id``): results come back in order."""
-        if self.call is None:
+        if self._call is None:
             raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
         try:
-            result = await asyncio.wait_for(self.call.read(), self.step_timeout)
+            result = await asyncio.wait_for(self._call.read(), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             self.drop()
             raise ExecutorUnavailable(f"executor {self.address} failed during step {step_id}: "
@@ -146,9 +167,9 @@ class ExecutorClient:
         return result
 
     def drop(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-        self.call = None
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
 
     async def close(self) -> None:
         self.drop()

@@ -14,76 +14,82 @@ still computing are "in flight": another request that needs them waits instead o
 The host tier (optional) is a second PagePool of the same page size. It holds the pages of swapped-out
 requests (``req.host_table``) and, in its free LRU, prefix-cache pages spilled there when the device
 evicted them. Both are found by the same hashes, so a hit may come from either tier (tenant roots keep
-tenants apart in both). Every page movement is recorded in ``ops`` for the next plan; the executor runs
-swap-outs, then swap-ins, then copies, then the forward. Host pages read by a swap-in stay held until the
-plan that reads them is confirmed (``ops.host_release``), so no swap-out of the same plan can reuse them.
+tenants apart in both). Every page movement is recorded in ``ops`` for the next plan (step.PageOps). Host pages
+read by a swap-in stay held until the plan that reads them is confirmed (``ops.host_release``), so no swap-out of
+the same plan can reuse them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from scheduler_svc.pages import PagePool
+from pagedkv.wire import DROPPED_PAGE
+from scheduler_svc.pages import PagePool, held
 from scheduler_svc.prefix_cache import extend_chain
-from scheduler_svc.request import Request
+from scheduler_svc.request import Request, Status
 from scheduler_svc.snapshot import Counters
+from scheduler_svc.step import PageOps
 
 Hit = tuple[int, bool]  # (page id, on the host tier)
-DROPPED = -1  # a page-table entry whose page left (outside the request's attention window)
-
-
-def held(table: list[int]):
-    """The pages a table holds (entries of dropped pages left out)."""
-    return (p for p in table if p != DROPPED)
-
-
-@dataclass(slots=True)
-class PageOps:
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device), copy-on-write
-    host_release: list[int] = field(default_factory=list)  # host references to drop once the plan ran
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy or self.host_release)
 
 
 class KVManager:
     def __init__(self, pool: PagePool, enable_prefix_caching: bool = True, host: PagePool | None = None,
                  counters: Counters | None = None) -> None:
-        self.pool = pool
-        self.host = host if host is not None and host.num_pages else None
-        self.caching = enable_prefix_caching
-        self.bs = pool.block_size
-        self.inflight: dict[bytes, Request] = {}  # prefix pages being computed: hash -> the request computing it
-        self.ops = PageOps()
-        self.counters = counters if counters is not None else Counters()  # (the owner's: they outlive this)
-        if self.host is not None and self.caching:
-            pool.on_evict = self._spill
+        self._pool = pool
+        self._host = host if host is not None and host.num_pages else None
+        self._caching = enable_prefix_caching
+        self._bs = pool.block_size
+        self._refcounts = pool.refcounts  # (read in the steady decode's check, for every request and step)
+        self._inflight: dict[bytes, Request] = {}  # prefix pages being computed: hash -> the request computing it
+        self._ops = PageOps()
+        self._counters = counters if counters is not None else Counters()  # (the owner's: they outlive this)
+        if self._host is not None and self._caching:
+            pool.on_evict(self._spill)
+
+    @property
+    def pool(self) -> PagePool:
+        return self._pool
+
+    @property
+    def host(self) -> PagePool | None:  # (None: no swap space)
+        return self._host
+
+    @property
+    def caching(self) -> bool:
+        return self._caching
+
+    @property
+    def inflight(self) -> dict[bytes, Request]:  # (read only)
+        return self._inflight
+
+    @property
+    def ops(self) -> PageOps:  # recorded for the next plan, not taken yet
+        return self._ops
 
     def take_ops(self) -> PageOps:
-        ops, self.ops = self.ops, PageOps()
+        ops, self._ops = self._ops, PageOps()
         return ops
 
     # ---- admission -----------------------------------------------------------------------------
     def _max_hit_pages(self, req: Request) -> int:
         """Whole pages that may come from the cache: never the one holding the last token to compute."""
-        return max(0, (req.compute_target - 1) // self.bs)
+        return max(0, (req.compute_target - 1) // self._bs)
 
     def find_hits(self, req: Request) -> list[Hit]:
         """The longest cached prefix of a request that holds no pages (read-only): each page from the
         device tier if it is there, else from the host tier."""
-        if not self.caching or req.page_table:
+        if not self._caching or req.page_table:
             return []
         limit = self._max_hit_pages(req)
-        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self.bs, limit)
+        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self._bs, limit)
         hits = []
         for h in req.page_hashes[:limit]:
-            page = self.pool.lookup(h)
+            page = self._pool.lookup(h)
             if page is not None:
                 hits.append((page, False))
                 continue
-            page = self.host.lookup(h) if self.host is not None else None
+            page = self._host.lookup(h) if self._host is not None else None
             if page is None:
                 break
             hits.append((page, True))
@@ -91,31 +97,31 @@ class KVManager:
 
     def waits_for_inflight(self, req: Request, num_hits: int) -> bool:
         """True when the next page this request would compute is being computed by another request."""
-        if not self.caching or num_hits >= self._max_hit_pages(req):
+        if not self._caching or num_hits >= self._max_hit_pages(req):
             return False
-        owner = self.inflight.get(req.page_hashes[num_hits])
+        owner = self._inflight.get(req.page_hashes[num_hits])
         return owner is not None and owner is not req
 
     def pages_to_admit(self, hits: list[Hit], num_tokens: int) -> int:
         """Free device pages that admitting with these hits and num_tokens new tokens would take (a host
         hit takes a device page to be copied into)."""
-        taken = sum(1 for p, on_host in hits if on_host or self.pool.refcount(p) == 0)
-        return self.pool.pages_for(len(hits) * self.bs + num_tokens) - len(hits) + taken
+        taken = sum(1 for p, on_host in hits if on_host or self._pool.refcount(p) == 0)
+        return self._pool.pages_for(len(hits) * self._bs + num_tokens) - len(hits) + taken
 
     def admit(self, req: Request, hits: list[Hit], num_tokens: int) -> None:
         """Takes references on the device hits first (so no allocation evicts them), brings host hits
         back, then allocates the suffix."""
-        self.pool.share((p for p, on_host in hits if not on_host), req.tenant)
+        self._pool.share((p for p, on_host in hits if not on_host), req.tenant)
         host_hits = [p for p, on_host in hits if on_host]
         if host_hits:  # held before any allocation: a spill must not evict one of them
-            self.host.share(host_hits)
-            self.ops.host_release.extend(host_hits)
-            self.counters.spill_hits += len(host_hits)
+            self._host.share(host_hits)
+            self._ops.host_release.extend(host_hits)
+            self._counters.spill_hits += len(host_hits)
         table = [p if not on_host else self._bring_back(p, req.page_hashes[j], req.tenant)
                  for j, (p, on_host) in enumerate(hits)]
-        cached = len(hits) * self.bs
-        need = self.pool.pages_for(cached + num_tokens) - len(hits)
-        req.page_table = table + self.pool.allocate(need, req.tenant)
+        cached = len(hits) * self._bs
+        need = self._pool.pages_for(cached + num_tokens) - len(hits)
+        req.page_table = table + self._pool.allocate(need, req.tenant)
         req.num_computed = cached
         req.num_published = len(hits)
         if (req.num_preemptions == 0 and req.num_migrations == 0 and req.index == 0
@@ -124,89 +130,89 @@ class KVManager:
             # resumed it), of its prompt only (a resumed request may also hit pages of the tokens it had received)
             prompt_hit = min(cached, len(req.prompt_ids))
             req.num_cached_tokens = prompt_hit
-            self.counters.cached_prompt_tokens += prompt_hit
-            self.counters.prompt_tokens_queried += len(req.prompt_ids)
-        if self.caching:
+            self._counters.cached_prompt_tokens += prompt_hit
+            self._counters.prompt_tokens_queried += len(req.prompt_ids)
+        if self._caching:
             self._register_inflight(req, len(hits))
 
     def _register_inflight(self, req: Request, first: int) -> None:
-        full = min(len(req.prompt_ids), req.compute_target) // self.bs
-        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self.bs, full)
+        full = min(len(req.prompt_ids), req.compute_target) // self._bs
+        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self._bs, full)
         for h in req.page_hashes[first:full]:
-            if h not in self.inflight:
-                self.inflight[h] = req
+            if h not in self._inflight:
+                self._inflight[h] = req
                 req.registered.append(h)
 
     # ---- the host tier ---------------------------------------------------------------------------
     def _bring_back(self, host_page: int, page_hash: bytes | None, owner: str) -> int:
         """A device page that will hold a host page's contents after this plan's swap-ins. The caller holds
         host_page until the plan ran (ops.host_release)."""
-        (page,) = self.pool.allocate(1, owner)
-        self.ops.swap_in.append((host_page, page))
-        self.counters.pages_swapped_in += 1
+        (page,) = self._pool.allocate(1, owner)
+        self._ops.swap_in.append((host_page, page))
+        self._counters.pages_swapped_in += 1
         if page_hash is not None:
-            self.pool.publish(page, page_hash)  # the copy-in runs before anything that could read it
+            self._pool.publish(page, page_hash)  # the copy-in runs before anything that could read it
         return page
 
     def _spill(self, page: int, page_hash: bytes) -> None:
         """The device is about to reuse a cached page: keep its contents in the host tier (LRU) if there
         is a free host page and the tier does not hold them already."""
-        if self.host.lookup(page_hash) is not None or not self.host.num_free:
+        if self._host.lookup(page_hash) is not None or not self._host.num_free:
             return
-        (hp,) = self.host.allocate(1)
-        self.host.publish(hp, page_hash)
-        self.host.free([hp])  # free but findable, most recently used
-        self.ops.swap_out.append((page, hp))
-        self.counters.pages_swapped_out += 1
-        self.counters.spilled_pages += 1
+        (hp,) = self._host.allocate(1)
+        self._host.publish(hp, page_hash)
+        self._host.free([hp])  # free but findable, most recently used
+        self._ops.swap_out.append((page, hp))
+        self._counters.pages_swapped_out += 1
+        self._counters.spilled_pages += 1
 
     def _swap_out_plan(self, req: Request) -> tuple[int, int]:
         """(pages to copy, free host pages taken) for swapping req out; its filled pages go to the host,
         except those whose contents the host tier already caches (shared there)."""
         copies = taken = 0
-        for p in held(req.page_table[: self.pool.pages_for(req.num_computed)]):
-            h = self.pool.hash_of(p)
-            hp = self.host.lookup(h) if h is not None else None
+        for p in held(req.page_table[: self._pool.pages_for(req.num_computed)]):
+            h = self._pool.hash_of(p)
+            hp = self._host.lookup(h) if h is not None else None
             if hp is None:
                 copies += 1
                 taken += 1
-            elif self.host.refcount(hp) == 0:
+            elif self._host.refcount(hp) == 0:
                 taken += 1
         return copies, taken
 
     def shared_cached_tokens(self, req: Request) -> int:
         """Tokens of req in cached pages other requests hold too: a recompute would find them again."""
         n = 0
-        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
-            if p == DROPPED or self.pool.refcount(p) < 2 or self.pool.hash_of(p) is None:
+        for p in req.page_table[: self._pool.pages_for(req.num_computed)]:
+            if p == DROPPED_PAGE or self._pool.refcount(p) < 2 or self._pool.hash_of(p) is None:
                 break
             n += 1
-        return min(n * self.bs, req.num_computed)
+        return min(n * self._bs, req.num_computed)
 
     def swap_out_cost(self, req: Request) -> int | None:
         """Pages that swapping req out would copy, or None when the host tier cannot take it."""
-        if self.host is None or req.num_computed == 0:
+        if self._host is None or req.num_computed == 0:
             return None
         copies, taken = self._swap_out_plan(req)
-        return copies if taken <= self.host.num_free else None
+        return copies if taken <= self._host.num_free else None
 
     def swap_out(self, req: Request) -> None:
         """Moves req's filled pages to the host tier and frees its device pages; req keeps num_computed."""
         host_table = []
-        for p in req.page_table[: self.pool.pages_for(req.num_computed)]:
-            if p == DROPPED:
-                host_table.append(DROPPED)
+        for p in req.page_table[: self._pool.pages_for(req.num_computed)]:
+            if p == DROPPED_PAGE:
+                host_table.append(DROPPED_PAGE)
                 continue
-            h = self.pool.hash_of(p)
-            hp = self.host.lookup(h) if h is not None else None
+            h = self._pool.hash_of(p)
+            hp = self._host.lookup(h) if h is not None else None
             if hp is not None:
-                self.host.share([hp])
+                self._host.share([hp])
             else:
-                (hp,) = self.host.allocate(1)
-                self.ops.swap_out.append((p, hp))
-                self.counters.pages_swapped_out += 1
+                (hp,) = self._host.allocate(1)
+                self._ops.swap_out.append((p, hp))
+                self._counters.pages_swapped_out += 1
                 if h is not None:
-                    self.host.publish(hp, h)
+                    self._host.publish(hp, h)
             host_table.append(hp)
         num_computed, num_published = req.num_computed, req.num_published
         self.release(req)
@@ -217,39 +223,36 @@ class KVManager:
         """Free device pages that swapping req in and growing it by num_tokens would take."""
         taken = 0
         for hp in held(req.host_table):
-            h = self.host.hash_of(hp)
-            page = self.pool.lookup(h) if h is not None else None
-            if page is None or self.pool.refcount(page) == 0:
+            h = self._host.hash_of(hp)
+            page = self._pool.lookup(h) if h is not None else None
+            if page is None or self._pool.refcount(page) == 0:
                 taken += 1
-        return taken + max(0, self.pool.pages_for(req.num_computed + num_tokens) - len(req.host_table))
+        return taken + max(0, self._pool.pages_for(req.num_computed + num_tokens) - len(req.host_table))
 
     def swap_in(self, req: Request, num_tokens: int) -> None:
         """Gives req device pages again: contents still cached on the device are shared, the rest copied in."""
         found = []
         for hp in req.host_table:
-            h = self.host.hash_of(hp) if hp != DROPPED else None
-            page = self.pool.lookup(h) if h is not None else None
-            found.append((DROPPED if hp == DROPPED else page, h))
-        self.pool.share((page for page, _ in found if page not in (None, DROPPED)), req.tenant)
+            h = self._host.hash_of(hp) if hp != DROPPED_PAGE else None
+            page = self._pool.lookup(h) if h is not None else None
+            found.append((DROPPED_PAGE if hp == DROPPED_PAGE else page, h))
+        self._pool.share((page for page, _ in found if page not in (None, DROPPED_PAGE)), req.tenant)
         req.page_table = [page if page is not None else self._bring_back(hp, h, req.tenant)
                           for hp, (page, h) in zip(req.host_table, found)]
         # Pages copied in are read by this plan: their references drop once it ran; the others now.
-        self.ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
-        self.host.free(hp for hp, (page, _) in zip(req.host_table, found) if page not in (None, DROPPED))
+        self._ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
+        self._host.free(hp for hp, (page, _) in zip(req.host_table, found) if page not in (None, DROPPED_PAGE))
         req.host_table = []
-        if self.caching:
+        if self._caching:
             self._register_inflight(req, req.num_published)
         self.grow(req, num_tokens)
 
     def confirm(self, ops: PageOps) -> None:
         """The plan that carried ops ran: the host pages its swap-ins read may be reused."""
-        if self.host is not None:
-            self.host.free(ops.host_release)
+        if self._host is not None:
+            self._host.free(ops.host_release)
 
     # ---- attention window (sink + the most recent tokens) ----------------------------------------
-    def sink_pages(self, req: Request) -> int:
-        return -(-req.sink_tokens // self.bs)
-
     def window_chunk_limit(self, req: Request, num_tokens: int) -> int:
         """The most of num_tokens the request may compute this step without holding more than its page
         budget: the earliest query of the step decides which pages stay visible."""
@@ -257,10 +260,10 @@ class KVManager:
         if not limit:
             return num_tokens
         p0 = req.num_computed
-        sink = self.sink_pages(req)
-        first_visible_page = max(0, p0 - req.window_tokens + 1) // self.bs if req.window_tokens else 0
+        sink = -(-req.sink_tokens // self._bs)  # (its pages)
+        first_visible_page = max(0, p0 - req.window_tokens + 1) // self._bs if req.window_tokens else 0
         pages = limit - sink + max(sink, first_visible_page)
-        return max(1, min(num_tokens, pages * self.bs - p0))
+        return max(1, min(num_tokens, pages * self._bs - p0))
 
     def drop_outside_window(self, req: Request) -> list[int]:
         """Frees the pages no query from num_computed on can see (wholly between the sink and the window);
@@ -268,14 +271,14 @@ class KVManager:
         if not req.window_tokens:
             return []
         # a swapped-out request drops host pages (before they would be copied back)
-        table, pool = (req.host_table, self.host) if req.host_table else (req.page_table, self.pool)
+        table, pool = (req.host_table, self._host) if req.host_table else (req.page_table, self._pool)
         first_visible = req.num_computed - req.window_tokens + 1
-        end = min(max(0, first_visible) // self.bs, len(table))
-        dropped = [i for i in range(self.sink_pages(req), end) if table[i] != DROPPED]
+        end = min(max(0, first_visible) // self._bs, len(table))
+        dropped = [i for i in range(-(-req.sink_tokens // self._bs), end) if table[i] != DROPPED_PAGE]
         if dropped:
             pool.free(table[i] for i in dropped)
             for i in dropped:
-                table[i] = DROPPED
+                table[i] = DROPPED_PAGE
         return dropped
 
     # ---- growth --------------------------------------------------------------------------------
@@ -283,13 +286,13 @@ class KVManager:
         """The steady decode: one token into the request's own last page (not shared, not full), no window.
         Nothing to allocate, copy or drop for it."""
         computed = req.num_computed
-        return bool(computed % self.bs and not req.window_tokens and req.num_uncomputed == 1
-                    and self.pool.refcounts[req.page_table[computed // self.bs]] == 1)
+        return bool(computed % self._bs and not req.window_tokens and req.num_uncomputed == 1
+                    and self._refcounts[req.page_table[computed // self._bs]] == 1)
 
     def _shared_write_page(self, req: Request) -> int | None:
         """Index of the page the next token goes into, if other tables hold it too (copy-on-write)."""
-        idx = req.num_computed // self.bs
-        if req.num_computed % self.bs and idx < len(req.page_table) and self.pool.refcount(req.page_table[idx]) > 1:
+        idx = req.num_computed // self._bs
+        if req.num_computed % self._bs and idx < len(req.page_table) and self._pool.refcount(req.page_table[idx]) > 1:
             return idx
         return None
 
@@ -299,7 +302,7 @@ class KVManager:
 
     def pages_to_grow(self, req: Request, num_tokens: int) -> int:
         cow = 1 if self._shared_write_page(req) is not None else 0
-        return max(0, self.pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)) + cow
+        return max(0, self._pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)) + cow
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Makes the table cover num_computed + num_tokens (a shared page about to be written is copied
@@ -307,18 +310,18 @@ class KVManager:
         idx = self._shared_write_page(req)
         if idx is not None:
             src = req.page_table[idx]
-            (dst,) = self.pool.allocate(1, req.tenant)
-            self.pool.free([src])
+            (dst,) = self._pool.allocate(1, req.tenant)
+            self._pool.free([src])
             req.page_table[idx] = dst
-            self.ops.copy.append((src, dst))
-        need = self.pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)
+            self._ops.copy.append((src, dst))
+        need = self._pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)
         if need > 0:
-            req.page_table.extend(self.pool.allocate(need, req.tenant))
+            req.page_table.extend(self._pool.allocate(need, req.tenant))
         return idx is not None
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child points at every page of the parent (one more reference each)."""
-        self.pool.share(held(parent.page_table), parent.tenant)
+        self._pool.share(held(parent.page_table), parent.tenant)
         child.page_table = list(parent.page_table)
         child.num_computed = parent.num_computed
         child.page_hashes = list(parent.page_hashes)
@@ -328,42 +331,42 @@ class KVManager:
     def publish(self, req: Request) -> None:
         """After the executor confirmed a step: make the request's newly full pages findable (those the
         confirmed tokens filled; a plan still in flight may be filling the next)."""
-        if not self.caching:
+        if not self._caching:
             return
-        full = min(req.num_confirmed // self.bs, len(req.page_table))
+        full = min(req.num_confirmed // self._bs, len(req.page_table))
         if full <= req.num_published:
             return
-        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self.bs, full)
+        extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self._bs, full)
         for j in range(req.num_published, full):
             h = req.page_hashes[j]
-            if req.page_table[j] != DROPPED:
-                self.pool.publish(req.page_table[j], h)
-            if self.inflight.get(h) is req:
-                del self.inflight[h]
+            if req.page_table[j] != DROPPED_PAGE:
+                self._pool.publish(req.page_table[j], h)
+            if self._inflight.get(h) is req:
+                del self._inflight[h]
         req.num_published = full
 
     def release(self, req: Request) -> None:
         """Frees a request's pages (both tiers) tail-first and drops its in-flight claims; published pages
         stay findable."""
-        self.pool.free(held(reversed(req.page_table)))
+        self._pool.free(held(reversed(req.page_table)))
         if req.host_table:
-            self.host.free(held(reversed(req.host_table)))
+            self._host.free(held(reversed(req.host_table)))
             req.host_table = []
         req.page_table = []
         req.num_computed = 0
         req.num_published = 0
         for h in req.registered:
-            if self.inflight.get(h) is req:
-                del self.inflight[h]
+            if self._inflight.get(h) is req:
+                del self._inflight[h]
         req.registered = []
 
     # ---- what the executor holds ---------------------------------------------------------------
     def forget_cached(self) -> None:
         """The executor's pages hold nothing any more (another process): no prefix-cache hit may point there."""
-        self.pool.forget_hashes()
-        if self.host is not None:
-            self.host.forget_hashes()
-        self.inflight.clear()
+        self._pool.forget_hashes()
+        if self._host is not None:
+            self._host.forget_hashes()
+        self._inflight.clear()
 
     def unpublish_written(self, unconfirmed: list[PageOps]) -> None:
         """Page operations whose running is unknown (a lost stream): the pages they write into are no longer
@@ -373,42 +376,24 @@ class KVManager:
             device.update(dst for _, dst in ops.swap_in)
             device.update(dst for _, dst in ops.copy)
             host.update(dst for _, dst in ops.swap_out)
-        self.inflight.clear()
-        self.pool.unpublish(device)
-        if self.host is not None:
-            self.host.unpublish(host)
+        self._inflight.clear()
+        self._pool.unpublish(device)
+        if self._host is not None:
+            self._host.unpublish(host)
 
-    def slots_filled(self, running: list[Request]) -> int:
-        """Token slots of the device pages in use that hold KV (each page once, however many share it)."""
-        bs = self.bs
-        fill: dict[int, int] = {}
+    def check_integrity(self, running: list[Request], swapped: Iterable[Request], pending: list[PageOps]) -> None:
+        """Both tiers: every page's refcount equals the tables holding it (``pending``: page operations not yet
+        confirmed, whose swap-ins hold host pages); page budgets hold; in-flight prefix claims are running
+        requests'; a swapped request's host table covers what it computed."""
+        self._pool.check_integrity(list(held(r.page_table)) for r in running)
         for r in running:
-            full, rest = divmod(r.num_computed, bs)
-            for j, page in enumerate(r.page_table):
-                if page == DROPPED:
-                    continue
-                n = bs if j < full else (rest if j == full else 0)
-                if n > fill.get(page, 0):
-                    fill[page] = n
-        return sum(fill.values())
-
-    def release_preview(self) -> ReleasePreview:
-        return ReleasePreview(self.pool)
-
-
-class ReleasePreview:
-    """What preempting some requests would give back, on paper: free device pages, and pages per tenant
-    (a page other requests still hold stays used)."""
-
-    def __init__(self, pool: PagePool) -> None:
-        self.pool = pool
-        self.free = pool.num_free
-        self.used = pool.used_by.copy()
-        self._holders: dict[int, int] = {}
-
-    def add(self, victim: Request) -> None:
-        for p in held(victim.page_table):
-            self._holders[p] = self._holders.get(p, 0) + 1
-            if self._holders[p] == self.pool.refcount(p):
-                self.free += 1
-                self.used[self.pool.owner[p]] -= 1
+            if r.page_budget:
+                pages = sum(1 for _ in held(r.page_table))
+                assert pages <= r.page_budget, f"{r.request_id} holds {pages} pages, budget {r.page_budget}"
+        if self._host is not None:
+            self._host.check_integrity([*(list(held(r.host_table)) for r in swapped),
+                                        *(ops.host_release for ops in pending)])
+        for h, owner in self._inflight.items():
+            assert owner.status is Status.RUNNING and h in owner.registered, "stale in-flight page claim"
+        for r in swapped:
+            assert len(r.host_table) == self._pool.pages_for(r.num_computed), f"{r.request_id}: host table size"

@@ -73,3 +73,24 @@ AUTH_FAILURES = Counter("pagedkv_auth_failures_total", "Public API calls refused
                         "(missing, malformed, multiple, unknown, revoked)", ["reason"])
 UNDECODABLE_REQUESTS = Counter("pagedkv_undecodable_requests_total",
                                "Public API requests that were not a valid protobuf message (or not UTF-8)")
+
+
+def count_since(last: dict[str, int], snap) -> dict[str, int]:
+    """Adds what one executor's cumulative counters (``snap``: its SchedulerSnapshot) grew by since ``last`` (what
+    this returned the time before) to the Prometheus counters; returns what they are now."""
+    c = snap.counters
+    now = {"swap": c.swap_preemptions, "recompute": c.recompute_preemptions, "out": c.pages_swapped_out,
+           "in": c.pages_swapped_in, "spilled": c.spilled_pages, "spill_hits": c.spill_hits,
+           "query": c.prompt_tokens_queried, "hit": c.cached_prompt_tokens}
+    if any(now[k] < last.get(k, 0) for k in now):  # counters never go back; if they did, start over
+        last = {}
+    for kind in ("swap", "recompute"):
+        PREEMPTIONS.labels(kind).inc(now[kind] - last.get(kind, 0))
+    for direction in ("out", "in"):
+        SWAP_PAGES.labels(direction).inc(now[direction] - last.get(direction, 0))
+        SWAP_BYTES.labels(direction).inc((now[direction] - last.get(direction, 0)) * snap.page_bytes)
+    SPILLED_PAGES.inc(now["spilled"] - last.get("spilled", 0))
+    SPILL_HITS.inc(now["spill_hits"] - last.get("spill_hits", 0))
+    PREFIX_QUERY_TOKENS.inc(now["query"] - last.get("query", 0))
+    PREFIX_HIT_TOKENS.inc(now["hit"] - last.get("hit", 0))
+    return now

@@ -2,17 +2,19 @@
 
 ``OutputProcessor.on_token`` appends one sampled token to a request and decides whether it ends the request
 (a stop token or EOS, a stop string, max_tokens or max_len, the 'stop' policy of a page budget); the scheduler
-then frees what the request held; a request that goes on gets the text it can stream now. ``final`` is the last
-message of a request, with its usage. ``deliver`` puts messages on the clients' streams and counts them.
+then frees what the request held; a request that goes on gets the text it can stream now. ``take_samples`` does
+that for every token a step sampled. ``final`` is the last message of a request, with its usage. ``deliver`` puts
+messages on the clients' streams and counts them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc import metrics
 from scheduler_svc.fit import pages_for
-from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.request import Finish, Output, Request, Status
 
 
 @dataclass(slots=True)
@@ -60,6 +62,39 @@ class OutputProcessor:
             return TokenOutcome(Finish.LENGTH, f"page_budget: {req.page_budget} pages reached", budget_hit=True)
         return None
 
+    def take_samples(self, rows: list[Request], result, charge: Callable[..., None],
+                     end: Callable[[Request, TokenOutcome], Output]) -> list[tuple[Request, Output]]:
+        """The tokens a step sampled (``result``: a StepResult; ``rows``: its plan's requests by row), each appended to
+        its request: one that goes on streams straight to its request's outbox (``Outbox.token``); one that ends its
+        request ends it (``end``: the planner frees what it held and returns its final message, which gets the token).
+        Output tokens are charged to their tenants (``charge``), once per tenant, before a finish (it may idle the
+        tenant). A request that ended, was aborted or forked (a parent's sample is unused) takes none. Returns the
+        messages of the requests that ended."""
+        outputs = []
+        on_token, finished = self.on_token, Status.FINISHED
+        charged: dict[str, int] = {}
+        streamed = 0
+        for row, token, logprob in zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs):
+            req = rows[row]  # (rows checked by the wire: StepStream.malformed)
+            if req.status is finished or req.aborted or req.n > 1:
+                continue
+            tenant = req.tenant
+            charged[tenant] = charged.get(tenant, 0) + 1
+            outcome = on_token(req, token)
+            if outcome.__class__ is str:  # it goes on: its token and the text to stream, straight to its stream
+                req.outbox.token(req.index, outcome, token, logprob if req.sampling.logprobs else None)
+                streamed += 1
+                continue
+            charge(tenant, output_tokens=charged.pop(tenant))
+            out = end(req, outcome)
+            out.token_ids, out.logprobs = [token], ([logprob] if req.sampling.logprobs else [])
+            outputs.append((req, out))
+        for tenant, k in charged.items():
+            charge(tenant, output_tokens=k)
+        if streamed:
+            metrics.GENERATED_TOKENS.inc(streamed)
+        return outputs
+
     @staticmethod
     def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
         """The last message of an ended request: the text left (flushed unless aborted) and its usage."""
@@ -74,7 +109,7 @@ def deliver(outputs: list[tuple[Request, Output]]) -> None:
     """Puts each message on its client's stream."""
     tokens = 0
     for req, out in outputs:
-        req.queue.put_nowait(out)
+        req.outbox.put_nowait(out)
         tokens += len(out.token_ids)
         if out.finish is not None:
             metrics.FINISHED.labels(out.finish.value).inc()

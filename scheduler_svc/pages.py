@@ -15,6 +15,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
+from pagedkv.wire import DROPPED_PAGE
+
+
+def held(table: list[int]):
+    """The pages a page table holds (entries of dropped pages left out)."""
+    return (p for p in table if p != DROPPED_PAGE)
+
 
 class OutOfPages(Exception):
     pass
@@ -25,53 +32,85 @@ class PagePool:
                  on_evict: Callable[[int, bytes], None] | None = None) -> None:
         if num_pages < min_pages:
             raise ValueError(f"num_pages must be >= {min_pages}, got {num_pages}")
-        self.on_evict = on_evict  # called with (page, hash) when a cached free page is handed out again
-        self.num_pages = num_pages
-        self.block_size = block_size
-        self.refcounts = [0] * num_pages
+        self._on_evict = on_evict  # called with (page, hash) when a cached free page is handed out again
+        self._num_pages = num_pages
+        self._block_size = block_size
+        self._refcounts = [0] * num_pages
         # The tenant a used page counts against (pages are shared only within a tenant: prefix-cache hits
         # are per tenant, forks belong to their parent's).
-        self.owner: list[str | None] = [None] * num_pages
-        self.used_by: Counter[str] = Counter()
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # front = next out
-        self.hash_of_page: dict[int, bytes] = {}
-        self.page_of_hash: dict[bytes, int] = {}
+        self._owner: list[str | None] = [None] * num_pages
+        self._used_by: Counter[str] = Counter()
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # front = next out
+        self._hash_of_page: dict[int, bytes] = {}
+        self._page_of_hash: dict[bytes, int] = {}
+
+    # ---- reads (the containers themselves: read them, never change them) ---------------------------
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def refcounts(self) -> list[int]:
+        """Each page's reference count (a hot loop may keep this list: the pool changes it in place)."""
+        return self._refcounts
+
+    @property
+    def used_by(self) -> Counter[str]:
+        """Pages in use per tenant."""
+        return self._used_by
+
+    @property
+    def free_queue(self) -> OrderedDict[int, None]:
+        """The free pages, next out first."""
+        return self._free_queue
+
+    def owner_of(self, page: int) -> str | None:
+        """The tenant a used page counts against (None: free)."""
+        return self._owner[page]
+
+    def on_evict(self, callback: Callable[[int, bytes], None] | None) -> None:
+        """``callback(page, hash)`` runs when a cached free page is handed out again (its contents are lost)."""
+        self._on_evict = callback
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self._free_queue)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self.free_queue)
+        return self._num_pages - len(self._free_queue)
 
     @property
     def num_cached(self) -> int:
         """Pages findable by hash (used or free)."""
-        return len(self.page_of_hash)
+        return len(self._page_of_hash)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return -(-num_tokens // self._block_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self.free_queue)
+        return num_pages <= len(self._free_queue)
 
     def allocate(self, num_pages: int, owner: str = "") -> list[int]:
         """Takes pages from the front of the free queue for ``owner`` (a tenant); a page that still had a
         hash loses it now."""
-        if num_pages > len(self.free_queue):
-            raise OutOfPages(f"need {num_pages} pages, {len(self.free_queue)} free")
+        if num_pages > len(self._free_queue):
+            raise OutOfPages(f"need {num_pages} pages, {len(self._free_queue)} free")
         pages = []
         for _ in range(num_pages):
-            page, _ = self.free_queue.popitem(last=False)
-            old = self.hash_of_page.pop(page, None)
+            page, _ = self._free_queue.popitem(last=False)
+            old = self._hash_of_page.pop(page, None)
             if old is not None:
-                del self.page_of_hash[old]
-                if self.on_evict is not None:
-                    self.on_evict(page, old)
-            self.refcounts[page] = 1
-            self.owner[page] = owner
-            self.used_by[owner] += 1
+                del self._page_of_hash[old]
+                if self._on_evict is not None:
+                    self._on_evict(page, old)
+            self._refcounts[page] = 1
+            self._owner[page] = owner
+            self._used_by[owner] += 1
             pages.append(page)
         return pages
 
@@ -79,11 +118,11 @@ class PagePool:
         """Adds one reference to each page (a cache hit, or a fork); a free page leaves the free queue and
         counts against ``owner`` from now on."""
         for p in pages:
-            if self.refcounts[p] == 0:
-                del self.free_queue[p]
-                self.owner[p] = owner
-                self.used_by[owner] += 1
-            self.refcounts[p] += 1
+            if self._refcounts[p] == 0:
+                del self._free_queue[p]
+                self._owner[p] = owner
+                self._used_by[owner] += 1
+            self._refcounts[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drops one reference from each page; pages that reach zero go to the back of the free queue.
@@ -92,59 +131,59 @@ class PagePool:
         ones (which are the ones other requests share).
         """
         for p in pages:
-            rc = self.refcounts[p]
+            rc = self._refcounts[p]
             if rc <= 0:
                 raise AssertionError(f"page {p} freed while free")
-            self.refcounts[p] = rc - 1
+            self._refcounts[p] = rc - 1
             if rc == 1:
-                self.free_queue[p] = None
-                self.used_by[self.owner[p]] -= 1
-                self.owner[p] = None
+                self._free_queue[p] = None
+                self._used_by[self._owner[p]] -= 1
+                self._owner[p] = None
 
     # ---- prefix cache index --------------------------------------------------------------------
     def lookup(self, page_hash: bytes) -> int | None:
-        return self.page_of_hash.get(page_hash)
+        return self._page_of_hash.get(page_hash)
 
     def hash_of(self, page: int) -> bytes | None:
-        return self.hash_of_page.get(page)
+        return self._hash_of_page.get(page)
 
     def publish(self, page: int, page_hash: bytes) -> bool:
         """Makes a used page findable by the hash of its (confirmed) contents. First publisher wins."""
-        if page_hash in self.page_of_hash or page in self.hash_of_page:
+        if page_hash in self._page_of_hash or page in self._hash_of_page:
             return False
-        self.page_of_hash[page_hash] = page
-        self.hash_of_page[page] = page_hash
+        self._page_of_hash[page_hash] = page
+        self._hash_of_page[page] = page_hash
         return True
 
     def unpublish(self, pages: Iterable[int]) -> None:
         """These pages' contents are uncertain (a page operation that may not have run): not findable any more."""
         for p in pages:
-            h = self.hash_of_page.pop(p, None)
+            h = self._hash_of_page.pop(p, None)
             if h is not None:
-                del self.page_of_hash[h]
+                del self._page_of_hash[h]
 
     def forget_hashes(self) -> None:
         """Nothing is findable any more (the executor that held the contents is gone)."""
-        self.hash_of_page.clear()
-        self.page_of_hash.clear()
+        self._hash_of_page.clear()
+        self._page_of_hash.clear()
 
     def refcount(self, page: int) -> int:
-        return self.refcounts[page]
+        return self._refcounts[page]
 
     def check_integrity(self, tables: Iterable[list[int]]) -> None:
         """free + used == all pages; refcounts equal the number of tables holding each page; the
         hash maps are each other's inverse."""
-        expected = [0] * self.num_pages
+        expected = [0] * self._num_pages
         for table in tables:
             for p in table:
                 expected[p] += 1
-        for p in range(self.num_pages):
-            assert self.refcounts[p] == expected[p], (
-                f"page {p}: refcount {self.refcounts[p]} but {expected[p]} tables hold it")
-            assert (p in self.free_queue) == (expected[p] == 0), (
-                f"page {p}: in free queue={p in self.free_queue} but refcount {expected[p]}")
-        owners = Counter(o for p, o in enumerate(self.owner) if self.refcounts[p])
-        assert +self.used_by == owners, f"pages per tenant {dict(+self.used_by)} but {dict(owners)} held"
-        assert len(self.page_of_hash) == len(self.hash_of_page), "hash maps differ in size"
-        for h, p in self.page_of_hash.items():
-            assert self.hash_of_page.get(p) == h, f"page {p}: hash maps disagree"
+        for p in range(self._num_pages):
+            assert self._refcounts[p] == expected[p], (
+                f"page {p}: refcount {self._refcounts[p]} but {expected[p]} tables hold it")
+            assert (p in self._free_queue) == (expected[p] == 0), (
+                f"page {p}: in free queue={p in self._free_queue} but refcount {expected[p]}")
+        owners = Counter(o for p, o in enumerate(self._owner) if self._refcounts[p])
+        assert +self._used_by == owners, f"pages per tenant {dict(+self._used_by)} but {dict(owners)} held"
+        assert len(self._page_of_hash) == len(self._hash_of_page), "hash maps differ in size"
+        for h, p in self._page_of_hash.items():
+            assert self._hash_of_page.get(p) == h, f"page {p}: hash maps disagree"

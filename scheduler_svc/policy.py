@@ -59,14 +59,22 @@ class PreemptionPolicy:
     COLD, WARM, HOT = 0, 1, 2
 
     def __init__(self, config: PreemptionConfig, costs: PreemptionCosts) -> None:
-        self.config = config
-        self.costs = costs
+        self._config = config
+        self._costs = costs
+
+    @property
+    def config(self) -> PreemptionConfig:
+        return self._config
+
+    @property
+    def costs(self) -> PreemptionCosts:
+        return self._costs
 
     def temperature(self, req: Request, now: int) -> int:
         idle = now - req.last_scheduled
-        if idle >= self.config.cold_steps:
+        if idle >= self._config.cold_steps:
             return self.COLD
-        if idle >= self.config.hot_steps:
+        if idle >= self._config.hot_steps:
             return self.WARM
         return self.HOT
 
@@ -84,17 +92,17 @@ class PreemptionPolicy:
         return max(candidates, key=key)
 
     def recompute_seconds(self, tokens: int) -> float:
-        return tokens * self.costs.prefill_seconds_per_token
+        return tokens * self._costs.prefill_seconds_per_token
 
     def swap_seconds(self, pages: int) -> float:
-        if self.costs.swap_bytes_per_second <= 0:
+        if self._costs.swap_bytes_per_second <= 0:
             return float("inf")
-        return 2 * pages * self.costs.page_bytes / self.costs.swap_bytes_per_second
+        return 2 * pages * self._costs.page_bytes / self._costs.swap_bytes_per_second
 
     def should_swap(self, pages_to_copy: int | None, tokens_to_recompute: int) -> bool:
         """pages_to_copy is None when the host tier cannot take the victim."""
-        if pages_to_copy is None or self.config.mode is Mode.RECOMPUTE:
+        if pages_to_copy is None or self._config.mode is Mode.RECOMPUTE:
             return False
-        if self.config.mode is Mode.SWAP:
+        if self._config.mode is Mode.SWAP:
             return True
         return self.swap_seconds(pages_to_copy) < self.recompute_seconds(tokens_to_recompute)

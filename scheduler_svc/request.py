@@ -172,20 +172,22 @@ class Request:
     group: str = ""  # the internal id of the client request (shared by its forks)
     client_id: str = ""  # the id the client knows (responses and logs)
     index: int = 0  # fork index
-    queue: Outbox = field(default_factory=Outbox)  # the client stream's messages (Scheduler.process, outputs.deliver)
+    outbox: Outbox = field(default_factory=Outbox)  # the client stream's messages (Scheduler.process, outputs.deliver)
     # A resumed fork (GenerateRequest.continuation): the output tokens its client had received before, which
     # output_ids starts with (its sampler continues at that draw).
     num_resumed: int = 0
 
-    # ---- progress (the scheduler: scheduler.py, admission.py, lifecycle.py) ------------------------
+    # ---- progress (the planner: scheduler.py; status only in queues.py, its transitions) -------------
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)  # (outputs.py appends)
-    num_computed: int = 0  # tokens whose KV is in this request's pages, counting those of plans in flight
-    max_len: int = 1 << 30  # prompt + output it may reach (from its tenant's capacity: tenant_limits.apply)
-    page_limit: int = 0  # pages a windowed request without a budget holds at most (tenant_limits.apply)
+    # tokens whose KV is in this request's pages, counting those of plans in flight (kv_manager.py sets it when
+    # pages are given or taken back; the planner counts each step's tokens and takes back those of a lost plan)
+    num_computed: int = 0
+    max_len: int = 1 << 30  # prompt + output it may reach on its executor (fit.bounds, from its tenant's capacity)
+    page_limit: int = 0  # pages a windowed request without a budget holds at most there (fit.bounds)
     budget_hit: bool = False
-    last_scheduled: int = 0  # step id of the last plan that computed tokens for it (executor_session.py)
-    swapped_at: int = 0  # step id when it was swapped out
+    last_scheduled: int = 0  # step id of the last plan that computed tokens for it
+    swapped_at: int = 0  # step id when it was swapped out (queues.py)
     num_preemptions: int = 0
     num_migrations: int = 0  # moves to another executor (its executor failed or drained)
     num_cached_tokens: int = 0
@@ -206,14 +208,18 @@ class Request:
     num_published: int = 0
     registered: list[bytes] = field(default_factory=list)
 
-    # ---- on the wire (executor_session.py) ---------------------------------------------------------
-    num_pages_sent: int = -1  # -1: the executor does not know this request (send it in full)
+    # ---- on the wire --------------------------------------------------------------------------------
+    # Pages of its table the executor holds (step_stream.py, as it encodes); -1: the executor does not know this
+    # request, or its table changed in place: send it in full (the planner says so when it preempts, moves or
+    # copies on write, as the wire does when a plan is rejected).
+    num_pages_sent: int = -1
     # Plans in flight (async scheduling: the next plan is built before the last result is read): the tokens
     # they compute (already in num_computed, not yet confirmed) and the tokens they sample (the executor
-    # feeds them to the next decode itself; output_ids gets them when the result comes).
+    # feeds them to the next decode itself; output_ids gets them when the result comes). The planner's: it
+    # counts them as it plans a step and takes them back when the step is answered, rejected or lost.
     num_inflight_tokens: int = 0
     num_pending: int = 0
-    dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent
+    dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent (planner -> wire)
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -256,7 +262,7 @@ def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, outpu
     received (a resumed request: its sampler continues at draw len(output_ids), ``detokenizer`` has replayed them)."""
     return Request(request_id=f"{parent.request_id}/{index}", prompt_ids=parent.prompt_ids,
                    sampling=replace(parent.sampling, seed=(parent.sampling.seed + index) % (1 << 64)),
-                   arrival=parent.arrival, detokenizer=detokenizer, queue=parent.queue,
+                   arrival=parent.arrival, detokenizer=detokenizer, outbox=parent.outbox,
                    tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=index,
                    client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
                    overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
@@ -264,3 +270,8 @@ def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, outpu
                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
                    num_cached_tokens=parent.num_cached_tokens if index == 0 else 0,
                    output_ids=list(output_ids), num_resumed=len(output_ids))
+
+
+def forks(parent: Request) -> list[Request]:
+    """The n forks of a parent that has computed its shared prompt: fork i samples with seed + i."""
+    return [fork(parent, i, parent.detokenizer.fresh()) for i in range(parent.n)]

@@ -1,242 +1,241 @@
 """Continuous batching for one executor: which requests run this step, how many tokens each, which pages.
 
-Each ``schedule`` call plans one step and hands it to the executor session (executor_session.py), which encodes
-the StepPlan; ``process`` applies the executor's StepResult. Requests join and leave at every step; prefills
-are cut into chunks so a step never computes more than ``max_num_batched_tokens`` tokens; pages are allocated
-as tokens arrive and freed the moment a request ends. When pages run out a running request is preempted: the
-victim, and whether it is swapped to the host tier or recomputed later, come from ``policy.py``. Swapped
-requests come back after new prefills (TTFT first), unless one has waited ``swap_in_max_wait`` steps: then it
-goes first.
+``Scheduler`` is one executor's planner (the name predates the cluster: the process-wide scheduler is ``Cluster``,
+and each executor has an ``Engine`` that drives its ``Scheduler``). Each ``plan`` call plans one step and returns
+it as plain data (``step.Step``); the wire (step_stream.py) encodes it as a StepPlan and hands the executor's
+answer back to ``process``. Requests join and leave at every step; prefills are cut into chunks so a step never
+computes more than ``max_num_batched_tokens`` tokens; pages are allocated as tokens arrive and freed the moment a
+request ends. When pages run out a running request is preempted: the victim, and whether it is swapped to the
+host tier or recomputed later, come from ``policy.py``. Swapped requests come back after new prefills (TTFT
+first), unless one has waited ``swap_in_max_wait`` steps: then it goes first.
 
-Who does what around the loop: page accounting is ``kv_manager.py`` (over ``pages.py``); every tenant rule
-(quota, reserves, seats, fair share, the fit rule) is ``tenant_limits.py`` over the scheduler-wide
-``tenant_ledger.py``, and the victims that make room for a fair share are chosen in ``fair_share.py``; tokens
-become text and finish reasons in ``outputs.py``; executor-lifecycle moves (evacuate, pool reset, tenant
-reload) are in ``lifecycle.py``.
+Around it (ARCHITECTURE.md has the map): the lists are ``queues.py``'s, pages ``kv_manager.py``'s; ``admission.py``
+and ``fair_share.py`` decide over a read-only ``PlanView``, and the planner applies what they return.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-
-from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc import admission, fair_share, lifecycle, metrics
-from scheduler_svc.executor_session import ExecutorSession
-from scheduler_svc.fairness import WaitQueue
-from scheduler_svc.kv_manager import KVManager, held
+from scheduler_svc import fair_share, fit
+from scheduler_svc.admission import Admit, Refuse, SwapIn, admissions
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
 from scheduler_svc.pages import PagePool
-from scheduler_svc.policy import PreemptionConfig, PreemptionCosts, PreemptionPolicy
-from scheduler_svc.request import Finish, Output, Request, Status, fork
+from scheduler_svc.plan_view import PlanView, count, plans_ahead, uncount
+from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy
+from scheduler_svc.queues import RequestQueues
+from scheduler_svc.report import snapshot_of
+from scheduler_svc.request import Finish, Output, Request, Status, forks
 from scheduler_svc.snapshot import Counters, SchedulerSnapshot
+from scheduler_svc.step import InFlight, PageOps, Scheduled, Step
 from scheduler_svc.tenancy import Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tenant_limits import TenantLimits, TenantStats
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    watermark: float = 0.01  # share of pages kept free when admitting new requests
-    enable_prefix_caching: bool = True
-    fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
-    sliding_window: int = 0  # serve every request with attention over sink + the last N tokens (0: off)
-    sink_tokens: int = 0
-    model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
-
+__all__ = ["Outputs", "Scheduler", "SchedulerConfig"]
 
 Outputs = list[tuple[Request, Output]]
 
 
 class Scheduler:
+    """One executor's planner. Its parts (``queues``, ``kv``, ``limits``, ``ledger``, ``counters``, ``config``) are
+    attributes for tests to inspect; the rest of the service calls its methods and reads its ``snapshot``."""
+
     def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int],
                  host_pool: PagePool | None = None, costs: PreemptionCosts | None = None,
-                 tenants: Tenants | None = None, ledger: TenantLedger | None = None) -> None:
-        self.pool = pool
+                 tenants: Tenants | None = None, ledger: TenantLedger | None = None, counters: Counters | None = None,
+                 tenant_stats: dict[str, TenantStats] | None = None) -> None:
+        """``ledger``: the scheduler-wide tenant ledger to join (a cluster's; else one of its own, over
+        ``tenants``). ``counters`` and ``tenant_stats``: the counts so far, when this replaces another planner."""
+        self._pool = pool
         self.config = config
-        self.counters = Counters()
+        self._eos_token_ids = list(eos_token_ids)
+        self.counters = counters if counters is not None else Counters()  # cumulative ("since start")
         self.kv = KVManager(pool, config.enable_prefix_caching, host_pool, self.counters)
-        self.policy = PreemptionPolicy(config.preemption, costs or PreemptionCosts(page_bytes=0))
-        self.session = ExecutorSession()
-        self.outputs = OutputProcessor(set(eos_token_ids), pool.block_size)
+        self._policy = PreemptionPolicy(config.preemption, costs or PreemptionCosts(page_bytes=0))
+        self._outputs = OutputProcessor(set(eos_token_ids), pool.block_size)
         self.ledger = ledger if ledger is not None else TenantLedger(tenants)
-        self.limits = TenantLimits(self.ledger, pool, config.max_model_len, config.max_num_batched_tokens,
-                                   config.max_num_seqs)
-        self.waiting = WaitQueue(config.fairness, lambda t: self.ledger.tenants.get(t).weight, self.ledger.service)
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()  # in swap-out order
-        self.requests: dict[str, Request] = {}
-        self.deferred_outputs: Outputs = []  # requests ended while planning
+        self.queues = RequestQueues(config.fairness, self.ledger)
+        self.limits = TenantLimits(self.ledger, pool, self.queues, tenant_stats)
+        self._deferred: Outputs = []  # requests ended between plans (handed out with the next)
         self.step_id = 0
-        self.watermark_pages = int(config.watermark * pool.num_pages)
-        self.ledger.join(self)
+        self._watermark_pages = int(config.watermark * pool.num_pages)
 
-    def join(self, ledger: TenantLedger) -> None:
-        """Shares the scheduler-wide tenant ledger of a cluster (before any request arrives here)."""
-        assert not self.requests, "join with live requests"
-        self.ledger.leave(self)
-        self.ledger = self.limits.ledger = ledger
-        self.waiting.share(ledger.service)
-        ledger.join(self)
+    def reconnected(self, num_pages: int, block_size: int, num_host_pages: int, costs: PreemptionCosts | None,
+                    kept: bool) -> Scheduler:
+        """The executor is back (nothing live here): the planner for it from now on. ``kept``: the same process kept its
+        pages (else the prefix cache forgets them all); ``costs``: its measured ones (None: as before). Another pool
+        geometry gets a new planner that keeps the counters, the tenants' counts and the ledger."""
+        assert not self.queues, "reconnected with live requests"
+        if (num_pages, block_size, num_host_pages) == (self._pool.num_pages, self._pool.block_size,
+                                                       self.kv.host.num_pages if self.kv.host else 0):
+            if not kept:
+                self.kv.forget_cached()
+            if costs is not None:
+                self._policy = PreemptionPolicy(self.config.preemption, costs)
+            return self
+        self.limits.leave()
+        host = PagePool(num_host_pages, block_size, min_pages=0) if num_host_pages else None
+        planner = Scheduler(PagePool(num_pages, block_size), self.config, self._eos_token_ids, host,
+                            costs or self._policy.costs, None, self.ledger, self.counters, self.limits.stats_by_tenant)
+        planner.step_id = self.step_id
+        return planner
 
-    @property
-    def host(self) -> PagePool | None:
-        return self.kv.host
+    def serving(self, on: bool) -> None:
+        """Whether this executor's pages count for its tenants' limits: while it serves (up or draining), not while
+        it is down (then the quotas, reserves and fair shares are of the executors that serve)."""
+        if on:
+            self.limits.join()
+        else:
+            self.limits.leave()
 
-    @property
-    def tenants(self) -> Tenants:
-        return self.ledger.tenants
-
-    def stats(self, tenant: str) -> TenantStats:
-        return self.limits.stats(tenant)
-
-    def tenant_capacity(self, tenant_id: str) -> int:
-        return self.limits.capacity(tenant_id)
-
-    def window_page_limit(self, tenant_id: str, sink: int, window: int) -> int:
-        return self.limits.window_page_limit(tenant_id, sink, window)
+    def fit_limits(self, tenant_id: str) -> fit.FitLimits:
+        """What this executor lets one request of the tenant hold (the fit rule's input)."""
+        return fit.limits_for(tenant_id, self.limits.capacity(tenant_id), self._pool.block_size, self.config)
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request, front: bool = False) -> None:
         """A new request, or (front) one migrated from another executor, which goes ahead of new work as a
         recompute-preempted one would."""
-        t = req.tenant
         if req.admitted_at_step < 0:  # (a migrated request admitted elsewhere keeps that executor's figures)
             req.queued_at_step = self.step_id
-        if self.config.fairness and not self.waiting.tenant_len(t) and not any(r.tenant == t for r in self.running):
-            self.waiting.lift(t, self.ledger.active())  # no credit banked while idle
-        self.limits.apply(req)
-        problem = self.limits.fit_error(req)
+        queues, limits = self.queues, self.fit_limits(req.tenant)
+        req.max_len, req.page_limit = fit.bounds(req, limits)
+        problem = fit.misfit(req, limits)
         if problem:
             # (the API refuses these, and placement avoids executors too small for a migrated request; a
             # request that could never be admitted must not wait forever)
-            self.requests[req.request_id] = req
-            self.waiting.append(req)
-            self.deferred_outputs.append((req, self.finish(req, Finish.ABORT, error=problem)))
+            queues.enqueue(req)
+            self._deferred.append((req, self.finish(req, Finish.ABORT, error=problem)))
             return
         if req.n > 1 and req.compute_target == 0:  # nothing to share: the forks start on their own
-            for child in self._children(req):
-                self.requests[child.request_id] = child
-                self.waiting.append(child)
+            for child in forks(req):
+                queues.enqueue(child)
             return
-        self.requests[req.request_id] = req
-        if front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
+        queues.enqueue(req, front)
 
-    def fits(self, req: Request) -> bool:
-        """Whether this executor's pool can ever hold the request (what ``add`` would otherwise refuse)."""
-        return not self.limits.fit_error(req)
-
-    def prefix_hit_pages(self, req: Request) -> int:
-        """Pages of the request's prompt this executor's prefix cache holds (placement; reads only)."""
+    def placement(self, req: Request) -> int | None:
+        """For placement (reads only): None when this executor can never hold the request, else the pages of its
+        prompt that its prefix cache holds."""
+        if fit.misfit(req, self.fit_limits(req.tenant)):
+            return None
         return len(self.kv.find_hits(req))
-
-    def detach(self, req: Request) -> None:
-        """Takes a live request away from this executor, to be placed on another (see lifecycle.detach)."""
-        lifecycle.detach(self, req)
 
     def live_requests(self) -> list[Request]:
         """Every request on this executor (running, waiting or swapped), in no particular order."""
-        return list(self.requests.values())
+        return list(self.queues.requests.values())
 
     def abort(self, group: str) -> None:
         """Marks a client request (all its forks); pages are freed when the next plan is built."""
-        for req in self.requests.values():
+        for req in self.queues.requests.values():
             if req.group == group:
                 req.aborted = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.session.has_work or self.deferred_outputs)
+        return bool(self.queues or self.queues.has_forget or self._deferred)
 
     # ---- planning ------------------------------------------------------------------------------
-    def schedule(self) -> tuple[pb.StepPlan | None, Outputs]:
-        """Returns the next plan (None if there is nothing to send) and outputs of reaped aborts."""
-        outputs = self._reap_aborted()
-        if self.deferred_outputs:
-            outputs += self.deferred_outputs
-            self.deferred_outputs = []
-        if self.session.resend_ops is not None:
+    def plan(self, resend: bool = False) -> tuple[Step | None, Outputs]:
+        """The next step (None: nothing to send) and the messages of requests ended since the last. ``resend``: plan
+        nothing (the wire resends a rejected plan's page operations), only the ids to forget."""
+        outputs = [(r, self.finish(r, Finish.ABORT)) for r in list(self.queues.requests.values()) if r.aborted]
+        if self._deferred:
+            outputs += self._deferred
+            self._deferred = []
+        if resend:
             self.step_id += 1
-            return self.session.resend(self.step_id), outputs
-        scheduled = self._plan()
-        if not scheduled and not self.session.forget and not self.kv.ops:
+            return Step(self.step_id, [], PageOps(), self.queues.take_forget(), resend=True), outputs
+        scheduled = self._plan_step()
+        if not scheduled and not self.queues.has_forget and not self.kv.ops:
             return None, outputs
         self.step_id += 1
-        plan = self.session.encode(self.step_id, scheduled, self.kv.take_ops())
-        self.counters.peak_used_pages = max(self.counters.peak_used_pages, self.pool.num_used)
+        self.counters.peak_used_pages = max(self.counters.peak_used_pages, self._pool.num_used)
         self.limits.record_peaks()
-        return plan, outputs
+        return Step(self.step_id, scheduled, self.kv.take_ops(), self.queues.take_forget()), outputs
 
-    def _plan(self) -> list[tuple[Request, int]]:
-        """The requests of the next step and the tokens each computes: the running ones first (growing,
-        preempting others when pages are short), then admissions while the token budget lasts."""
+    def _plan_step(self) -> list[Scheduled]:
+        """The requests of the next step, the tokens each computes and whether it samples: the running ones first
+        (growing, preempting others when pages are short), then admissions while the token budget lasts. What
+        the step computes is counted at once (optimistically: the next step may be planned before its result)."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[Scheduled] = []
         now = self.step_id + 1
-        for victim in fair_share.victims_for_head(self):
+        view = PlanView(self.config, self.queues, self.kv, self.limits, self.ledger, self._policy,
+                        self._watermark_pages, now)
+        for victim in fair_share.victims_for_head(view):
             self._preempt(victim, now)  # (admission goes on this step)
-            self.stats(victim.tenant).fair_share_preemptions += 1
+            self.limits.stats(victim.tenant).fair_share_preemptions += 1
         preempted = 0
         i = 0
-        kv = self.kv
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if (req.num_pending and not self._plans_ahead(req)) or req.num_uncomputed <= 0:
+        kv, running, outputs = self.kv, self.queues.running, self._outputs
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if (req.num_pending and not plans_ahead(req, kv, outputs)) or req.num_uncomputed <= 0:
                 i += 1  # this step goes without it: its result comes first (a fork parent's: the fork)
                 continue
-            if kv.decodes_in_place(req):  # the steady decode: nothing to allocate, copy or drop
-                scheduled.append((req, 1))
+            if kv.decodes_in_place(req):  # the steady decode: nothing to allocate, copy or drop (count() inline)
+                req.num_computed += 1
+                req.num_inflight_tokens += 1
+                req.last_scheduled = now
+                samples = req.n == 1  # (it samples: num_uncomputed was 1)
+                req.num_pending += samples
+                scheduled.append((req, 1, samples))
                 budget -= 1
                 i += 1
                 continue
             n = kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
-            grown, victims = self._reserve(req, n, self.running[i:])
+            grown, victims = self._reserve(req, n, running[i:], now)
             preempted += victims
             if not grown:
                 continue  # req itself was preempted; the list shrank
-            scheduled.append((req, n))
+            scheduled.append(count(req, n, now))
             budget -= n
             i += 1
         if not preempted:
-            admission.admit(self, budget, scheduled)
-        elif self.tenants.total_reserved:  # pages are short, but reserved pages are there for their tenants
-            admission.admit(self, budget, scheduled, only_reserved=True)
+            self._admit(view, budget, scheduled)
+        elif self.ledger.tenants.total_reserved:  # pages are short, but reserved pages are there for their tenants
+            self._admit(view, budget, scheduled, only_reserved=True)
         return scheduled
 
-    def _plans_ahead(self, req: Request) -> bool:
-        """Whether a request whose sample is still in flight (async scheduling) goes on in this plan as if that
-        sample did not end it. Not when the sample ends it by length (max_tokens, max_len, a 'stop' page budget:
-        known now), nor when its table would have to go in full (a copy-on-write, a resend: the executor's copy
-        of its tokens holds the sample, the scheduler's not yet). A stop token or stop string is known only from
-        the result: then the token computed ahead is discarded."""
-        if req.num_pages_sent < 0 or self.kv.writes_shared_page(req):
-            return False
-        pending = req.num_pending
-        return self.outputs.length_end(req, req.num_tokens + pending, len(req.output_ids) + pending) is None
+    def _admit(self, view: PlanView, budget: int, scheduled: list[Scheduled], only_reserved: bool = False) -> None:
+        """Applies admission's decisions (admission.py), each before the next is decided."""
+        for d in admissions(view, budget, only_reserved):
+            req = d.req
+            if d.__class__ is Admit:
+                self.queues.admit(req)
+                self.kv.admit(req, d.hits, d.n)
+                if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
+                    self.queues.waiting.charge(req.tenant, prompt_tokens=req.compute_target
+                                               - len(d.hits) * self._pool.block_size)
+                if req.admitted_at_step < 0:
+                    req.admitted_at_step = view.now
+                scheduled.append(count(req, d.n, view.now))
+            elif d.__class__ is SwapIn:
+                self.queues.swap_in(req)
+                self.kv.swap_in(req, d.n)
+                scheduled.append(count(req, d.n, view.now))
+            elif d.__class__ is Refuse:
+                self._deferred.append((req, self.finish(req, Finish.ABORT, error=d.error)))
+            else:  # Trim
+                self._drop_outside_window(req)
 
-    def _reserve(self, req: Request, n: int, unscheduled: list[Request]) -> tuple[bool, int]:
+    def _reserve(self, req: Request, n: int, unscheduled: list[Request], now: int) -> tuple[bool, int]:
         """Makes req's table cover num_computed + n tokens, preempting unscheduled requests (or req); returns
         (whether req got them, how many were preempted)."""
-        now = self.step_id + 1
-        self.drop_outside_window(req)
+        self._drop_outside_window(req)
         over_share: set[str] | None = None
-        tenant = self.limits.get(req.tenant)
+        ledger = self.ledger
+        tenant = ledger.tenants.get(req.tenant)
         preempted = 0
         while not self.limits.can_take(req.tenant, need := self.kv.pages_to_grow(req, n)):
-            if self.limits.over_quota(tenant, need):  # its own tenant's requests make room
+            if ledger.over_quota(tenant, need):  # its own tenant's requests make room
                 candidates = [r for r in unscheduled if r.tenant == req.tenant]
             else:
                 candidates = unscheduled
             if over_share is None:
-                over_share = self.limits.over_share()
-            victim = self.policy.pick_victim(candidates, now, req, over_share)
+                over_share = ledger.over_share()
+            victim = self._policy.pick_victim(candidates, now, req, over_share)
             unscheduled.remove(victim)
             self._preempt(victim, now)
             preempted += 1
@@ -246,57 +245,41 @@ class Scheduler:
             req.num_pages_sent = -1  # its table changed in place: send it in full
         return True, preempted
 
-    def drop_outside_window(self, req: Request) -> None:
+    def _drop_outside_window(self, req: Request) -> None:
         dropped = self.kv.drop_outside_window(req)
         if not dropped:
             return
         req.dropped_pending += dropped
         if req.page_budget and not req.budget_hit:
             req.budget_hit = True
-            self.stats(req.tenant).budget_hits += 1
+            self.limits.stats(req.tenant).budget_hits += 1
 
     def _preempt(self, req: Request, now: int) -> None:
         """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
-        self.running.remove(req)
         # (a fork parent under a plan in flight is recomputed: swapped, it would miss its fork)
         pages = None if req.n > 1 and req.in_flight else self.kv.swap_out_cost(req)
-        if self.policy.should_swap(pages, req.num_computed - self.kv.shared_cached_tokens(req)):
+        swap = self._policy.should_swap(pages, req.num_computed - self.kv.shared_cached_tokens(req))
+        if swap:
             self.kv.swap_out(req)
-            req.status = Status.SWAPPED
-            req.swapped_at = now
-            self.swapped.append(req)
             self.counters.swap_preemptions += 1
         else:
             self.kv.release(req)
-            req.status = Status.WAITING
-            self.waiting.appendleft(req)
             self.counters.recompute_preemptions += 1
+        self.queues.preempt(req, swap, now)
         req.num_pages_sent = -1
         req.num_preemptions += 1
-        self.session.forget.append(req.request_id)
         self.counters.preemptions += 1
 
     # ---- results -------------------------------------------------------------------------------
-    def malformed(self, result: pb.StepResult, vocab_size: int = 0) -> str:
-        """Why ``result`` cannot answer the oldest plan in flight (its samples name rows the plan lacks, or tokens
-        outside the vocabulary), or ''."""
-        return self.session.malformed(result, vocab_size)
-
-    def process(self, result: pb.StepResult) -> Outputs:
-        """Applies the result of the oldest plan in flight. A request preempted while that plan was in flight
-        (async scheduling) still gets its sample: it was drawn from what the request had confirmed. A token that
-        does not end its request goes straight to the request's stream (``Outbox.token``); the messages returned
-        (for ``outputs.deliver``) are those of requests that ended."""
-        if result.error:
-            ended = self.session.rejected(result.error, set(result.desynced_request_ids))
-            return [(req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {result.error}"))
-                    for req in ended]
-        sent = self.session.accepted()
+    def process(self, sent: InFlight, result) -> Outputs:
+        """Applies the executor's result (a StepResult) of the plan ``sent``; returns the messages of the requests that
+        ended (each other token went straight to its stream). A request preempted while that plan was in flight
+        (async scheduling) still gets its sample: it was drawn from what the request had confirmed."""
         self.kv.confirm(sent.ops)
         if sent.resending:  # only page operations ran: the requests of the rejected plan are still to go
             return []
         self.counters.computed_tokens += result.num_computed_tokens
-        bs, publish, running = self.pool.block_size, self.kv.publish, Status.RUNNING
+        bs, publish, running = self._pool.block_size, self.kv.publish, Status.RUNNING
         for req, n, samples in sent.scheduled:
             req.num_inflight_tokens -= n
             if samples:
@@ -307,121 +290,111 @@ class Scheduler:
                     publish(req)
                 if req.n > 1 and confirmed == req.compute_target:
                     self._fork(req)
-        outputs = []
-        rows, on_token, charge = sent.rows, self.outputs.on_token, self.waiting.charge
-        finished = Status.FINISHED
-        charged: dict[str, int] = {}  # output tokens per tenant, charged once (before a finish: it may idle the tenant)
-        streamed = 0
-        for row, token, logprob in zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs):
-            req = rows[row]  # (rows checked by malformed())
-            if req.status is finished or req.aborted or req.n > 1:  # (ended, or forked: a parent's sample is unused)
-                continue
-            tenant = req.tenant
-            charged[tenant] = charged.get(tenant, 0) + 1
-            outcome = on_token(req, token)
-            if outcome.__class__ is str:  # it goes on: its token and the text to stream, straight to its stream
-                req.queue.token(req.index, outcome, token, logprob if req.sampling.logprobs else None)
-                streamed += 1
-            else:
-                charge(tenant, output_tokens=charged.pop(tenant))
-                outputs.append((req, self._ended_by_token(req, token, logprob, outcome)))
-        for tenant, k in charged.items():
-            charge(tenant, output_tokens=k)
-        if streamed:
-            metrics.GENERATED_TOKENS.inc(streamed)
-        return outputs
 
-    def _ended_by_token(self, req: Request, token: int, logprob: float, outcome: TokenOutcome) -> Output:
-        if outcome.budget_hit:
-            self.stats(req.tenant).budget_hits += 1
-        out = self.finish(req, outcome.finish, outcome.stop_reason)
-        out.token_ids, out.logprobs = [token], ([logprob] if req.sampling.logprobs else [])
-        return out
+        def end(req: Request, outcome: TokenOutcome) -> Output:
+            if outcome.budget_hit:
+                self.limits.stats(req.tenant).budget_hits += 1
+            return self.finish(req, outcome.finish, outcome.stop_reason)
 
-    def _children(self, parent: Request) -> list[Request]:
-        """Fork i samples with seed + i (request.fork)."""
-        return [fork(parent, i, parent.detokenizer.fresh()) for i in range(parent.n)]
+        return self._outputs.take_samples(sent.rows, result, self.queues.waiting.charge, end)
+
+    def rejected(self, sent: InFlight, ended: list[Request], error: str) -> Outputs:
+        """The executor ran nothing of ``sent``: what it counted is taken back and the ids it told the executor to
+        forget go again; ``ended`` (the requests the wire gave up on) end with the executor's error."""
+        uncount(sent.scheduled)
+        for req, n, _samples in sent.scheduled:
+            if req.status is Status.RUNNING:  # (an ended request's count went with its pages)
+                req.num_computed -= n
+        self.queues.forget_again(sent.forget)
+        return [(req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {error}")) for req in ended]
 
     def _fork(self, parent: Request) -> None:
         """The parent computed all but the last prompt token: n children take over its pages."""
-        at = self.running.index(parent)
-        children = self._children(parent)
+        children = forks(parent)
         for child in children:
             self.kv.fork(parent, child)
-            child.status = Status.RUNNING
             child.aborted = parent.aborted  # cancelled while its last prefill chunk ran: reaped next step
-            self.requests[child.request_id] = child
-        self.running[at:at + 1] = children
+        self.queues.fork(parent, children)
         self.kv.release(parent)
-        parent.status = Status.FINISHED
-        self.requests.pop(parent.request_id, None)
-        self.session.forget.append(parent.request_id)
 
     def finish(self, req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
         """Ends a request: pages back to the pool at once, the executor told to forget it."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
+        if self.queues.finish(req, finish) in (Status.RUNNING, Status.SWAPPED):
             self.kv.release(req)
-            self.session.forget.append(req.request_id)
-        elif req.status is Status.SWAPPED:  # the executor forgot it when it was swapped out
-            self.swapped.remove(req)
-            self.kv.release(req)
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-            if req.num_pages_sent >= 0:
-                self.session.forget.append(req.request_id)
-        req.status = Status.FINISHED
-        req.finish = finish
-        self.requests.pop(req.request_id, None)
-        if self.config.fairness and not self.ledger.has_requests(req.tenant):
-            self.waiting.went_idle(req.tenant)
-        return self.outputs.final(req, finish, stop_reason, error)
+        return self._outputs.final(req, finish, stop_reason, error)
 
-    def _reap_aborted(self) -> Outputs:
-        return [(r, self.finish(r, Finish.ABORT)) for r in list(self.requests.values()) if r.aborted]
+    # ---- the executor's lifecycle --------------------------------------------------------------
+    def detach(self, req: Request) -> None:
+        """Takes a live request away, to be placed on another executor (its KV recomputed there): its pages here are
+        freed and the executor told to forget it. Only between steps (never while a plan holding it is in flight)."""
+        assert not req.in_flight, f"{req.request_id}: detached while a plan in flight computes for it"
+        self.queues.detach(req)
+        self.kv.release(req)
+        req.num_pages_sent = -1
+        req.dropped_pending = []
+        req.num_migrations += 1
 
-    # ---- the executor's lifecycle and reports (lifecycle.py) -------------------------------------
-    def fail_all(self, error: str) -> Outputs:
-        return lifecycle.fail_all(self, error)
-
-    def evacuate(self, keep_cache: bool = False) -> tuple[list[Request], Outputs]:
-        return lifecycle.evacuate(self, keep_cache)
-
-    def forget_cached_pages(self) -> None:
-        self.kv.forget_cached()
-
-    def drained(self) -> None:
-        lifecycle.drained(self)
-
-    def reset_pool(self, num_pages: int, block_size: int, num_host_pages: int = 0,
-                   costs: PreemptionCosts | None = None) -> None:
-        lifecycle.reset_pool(self, num_pages, block_size, num_host_pages, costs)
+    def evacuate(self, unanswered: list[InFlight], unconfirmed: list[PageOps], keep_cache: bool = False,
+                 error: str = "") -> tuple[list[Request], Outputs]:
+        """The executor is gone (or drained), and its pages with it; the plans ``unanswered`` never will be
+        (``unconfirmed``: their page operations, and a rejected plan's). Its live requests come back to be placed
+        elsewhere, oldest first (their samplers continue: draws are numbered by output position), aborted ones end;
+        with ``error`` every live request ends with it. All pages return; the prefix cache forgets every page, unless
+        ``keep_cache``: only the Run stream was lost, and the same process may come back with its pages (those that
+        unconfirmed page operations were filling are forgotten: whether those ran is unknown)."""
+        unsure = [*unconfirmed, self.kv.ops] if keep_cache else None
+        for sent in unanswered:
+            uncount(sent.scheduled)
+        for ops in [*unconfirmed, self.kv.take_ops()]:
+            self.kv.confirm(ops)  # drops the host references they held
+        live = self.live_requests()
+        if error:
+            ended, moved = [(r, self.finish(r, Finish.ABORT, error=error)) for r in live], []
+        else:
+            ended = [(r, self.finish(r, Finish.ABORT)) for r in live if r.aborted]
+            moved = sorted((r for r in live if not r.aborted), key=lambda r: r.arrival)
+            for req in moved:
+                self.detach(req)
+        ended += self._deferred
+        self._deferred = []
+        self.kv.take_ops()
+        self.queues.reset_forget()
+        if unsure is None:
+            self.kv.forget_cached()
+        else:
+            self.kv.unpublish_written(unsure)
+        return moved, ended
 
     def set_tenants(self, tenants: Tenants | None = None) -> Outputs:
-        return lifecycle.set_tenants(self, tenants)
+        """New tenant settings (a reload; None: the ledger's, already replaced): live requests get their limits
+        again; those that no longer fit their tenant (a quota lowered below what they hold or need, or below their
+        page budget, or n above its concurrency limit) end with an error."""
+        if tenants is not None:
+            self.ledger.set_tenants(tenants)
+        ended = []
+        for req in self.live_requests():
+            limits = self.fit_limits(req.tenant)
+            req.max_len, req.page_limit = fit.bounds(req, limits)
+            problem = fit.reload_misfit(req, limits, self.ledger.tenants.get(req.tenant))
+            if problem and not req.aborted:
+                ended.append((req, self.finish(req, Finish.ABORT, error=problem)))
+        return ended
 
-    def set_costs(self, costs: PreemptionCosts) -> None:
-        """A (re)connected executor measured its copy bandwidth and prefill cost again."""
-        self.policy = PreemptionPolicy(self.config.preemption, costs)
-
+    # ---- reports -------------------------------------------------------------------------------
     def reset_peak(self, tenant: str, cluster: bool) -> None:
         """Peaks start again from what is held now: the tenant's, and with ``cluster`` the pool's."""
-        self.stats(tenant).peak_used_pages = self.pool.used_by[tenant]
+        self.limits.reset_peak(tenant)
         if cluster:
-            self.counters.peak_used_pages = self.pool.num_used
+            self.counters.peak_used_pages = self._pool.num_used
 
     def snapshot(self, tenants: bool = False) -> SchedulerSnapshot:
-        return lifecycle.snapshot(self, tenants)
+        """The scheduler's state as frozen values; with ``tenants`` also per-tenant figures and the KV slots filled
+        (these walk the requests)."""
+        return snapshot_of(self._pool, self.kv, self.queues, self.limits, self.ledger, self.counters,
+                           self.config.max_num_seqs, self._policy.costs.page_bytes, tenants)
 
-    def kv_slots_filled(self) -> int:
-        return self.kv.slots_filled(self.running)
-
-    def check_integrity(self) -> None:
-        lifecycle.check_integrity(self)
-
-    def pending_ops(self):
-        """Page operations not yet confirmed by the executor: sent, to be resent, or still to send."""
-        return [*self.session.unconfirmed_ops(), self.kv.ops]
-
-    def held_tables(self):
-        return (list(held(r.page_table)) for r in self.running)
+    def check_integrity(self, unconfirmed: list[PageOps]) -> None:
+        """Every page's refcount equals the tables (and pending swap-ins: ``unconfirmed``, the wire's) holding it, in
+        both tiers; each request is where its status says. (The wire checks the in-flight counts.)"""
+        self.kv.check_integrity(self.queues.running, self.queues.swapped, [*unconfirmed, self.kv.ops])
+        self.queues.check_integrity()

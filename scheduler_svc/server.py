@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -11,20 +10,20 @@ from pagedkv import grpc_common, logs, runtime, security
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
-from scheduler_svc import fit, metrics
+from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
-from scheduler_svc.cluster import Cluster, parse_address, read_executors_file, resolve
+from scheduler_svc.args import check_args, model_window, targets
+from scheduler_svc.cluster import Cluster, resolve
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
-from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL, QueueBounds
+from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tenancy import MAX_INT, InvalidTenant, Tenants
+from scheduler_svc.tenancy import InvalidTenant, Tenants
+from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import (
     MAX_PROMPT_BYTES,
-    MIN_PROMPT_BYTES,
-    PROMPT_BYTES_PER_TOKEN,
     Limits,
     SamplingDefaults,
     default_max_prompt_bytes,
@@ -32,102 +31,6 @@ from scheduler_svc.validation import (
 )
 
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
-                   help="an executor to drive; repeat for several. A DNS name that resolves to several addresses "
-                   "means one executor each, re-resolved every --resolve-interval seconds")
-    p.add_argument("--executors-file", default="", metavar="PATH",
-                   help="file of executor HOST:PORT lines (# comments), re-read every --resolve-interval seconds "
-                   "and on SIGHUP: executors join and leave at run time")
-    p.add_argument("--resolve-interval", type=float, default=10.0,
-                   help="seconds between re-resolving executor names and re-reading the executors file")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds a draining executor (SIGTERM, or no longer listed) may finish its running "
-                   "requests before they move to other executors")
-    p.add_argument("--unplaced-timeout", type=float, default=30.0,
-                   help="seconds a request waits when no executor is up before it ends with an error")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds in-flight streams get to finish (new requests get UNAVAILABLE)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens computed in one step (prefills are chunked to fit)")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
-                   "capped to what the executor's page pool holds)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share and reuse the KV pages of common prompt prefixes (per tenant)")
-    p.add_argument("--preemption-mode", choices=[m.value for m in Mode], default="auto",
-                   help="when KV pages run out: auto = per victim, swap to the host tier or recompute, whichever "
-                   "the executor's measured copy bandwidth and prefill cost make cheaper")
-    p.add_argument("--hot-steps", type=int, default=64,
-                   help="a request scheduled within this many steps is hot: not a victim while another exists")
-    p.add_argument("--cold-steps", type=int, default=512,
-                   help="a request not scheduled for this many steps is cold: the first victim")
-    p.add_argument("--swap-in-max-wait", type=int, default=64,
-                   help="steps a swapped-out request yields to new prefills before it goes ahead of them")
-    p.add_argument("--tenants-file", default="",
-                   help="TOML file of tenants: hashed API keys, weights, page quotas, reserved pages, request "
-                   "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP: a stream opened "
-                   "with a key the reload revokes or removes ends with UNAUTHENTICATED")
-    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
-                   help="requests of one tenant that may wait to start (its max_queued_requests in the tenants "
-                   "file overrides); past it a new request gets RESOURCE_EXHAUSTED 'queue full: ...' (default "
-                   "%(default)s; 0: no limit)")
-    p.add_argument("--max-queued-total", type=int, default=DEFAULT_MAX_QUEUED_TOTAL, metavar="N",
-                   help="requests of all tenants together that may wait to start on this scheduler; past it a new "
-                   "request gets RESOURCE_EXHAUSTED 'queue full: ...' (default %(default)s; 0: no limit)")
-    p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
-                   help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
-    p.add_argument("--sliding-window", type=int, default=0, metavar="N",
-                   help="serve every request with attention over the sink plus its last N tokens; pages wholly "
-                   "outside are freed at once (0: full attention; a tenant's sliding_window overrides)")
-    p.add_argument("--sink-tokens", type=int, default=0, metavar="S",
-                   help="attention-sink tokens kept at the start of a windowed request")
-    p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
-    p.add_argument("--served-model-name", default="", metavar="NAME",
-                   help="the model's name in ModelInfo, and so in the gateway's /v1/models and the model field "
-                   "clients send (default: the executor's --model as given: a built-in name, or the directory)")
-    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
-    p.add_argument("--step-timeout", type=float, default=300.0,
-                   help="seconds an executor may take for one step before it is considered failed")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="build and send each step's plan while the executor still runs the one before, so it never "
-                   "waits for the scheduler (a sample that ends a request wastes the one token computed ahead)")
-    p.add_argument("--check-integrity", action="store_true",
-                   help="check page accounting after every step (always checked when idle)")
-    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
-                   help="longest prompt text (Generate) or Tokenize text in UTF-8 bytes, refused with "
-                   "INVALID_ARGUMENT before it is tokenized (default: "
-                   f"{PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len, at least {MIN_PROMPT_BYTES}). "
-                   "A request message larger than this (or a full context of token ids, if more) plus a "
-                   "continuation's token ids (a full context for each of 16 forks, 5 bytes an id) and 64 KiB is "
-                   "refused by gRPC with RESOURCE_EXHAUSTED before it is read")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
-    p.add_argument("--metrics-host", default="", metavar="HOST",
-                   help="address /metrics listens on (default: --host); e.g. an internal interface while the "
-                   "API is public (/metrics has no authentication; it shows tenant ids, never keys)")
-    p.add_argument("--log-prompts", action="store_true",
-                   help="put each request's prompt (text, or token ids) in its request_admitted log line; off by "
-                   "default: logs carry request ids, tenants and token counts, never prompt text")
-    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
-                   help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
-    add_tls_args(p)
-
-
-def add_tls_args(p: argparse.ArgumentParser) -> None:
-    """The public port's TLS, and how the scheduler authenticates to (and verifies) its executors."""
-    security.add_tls_server_args(p)
-    security.add_secret_arg(p, "scheduler")
-    p.add_argument("--executor-tls-ca", default="", metavar="PATH",
-                   help="connect to executors with TLS, trusting the CA certificate(s) in PATH (the executors' "
-                   "--tls-cert must be signed by it; default: plaintext)")
-    p.add_argument("--executor-tls-server-name", default="", metavar="NAME",
-                   help="check every executor's certificate against NAME instead of its address (executors "
-                   "reached by IP, e.g. a DNS name resolved to several containers: their certificate names NAME)")
 
 
 def _executor_link(args, log) -> ExecutorLink:
@@ -150,65 +53,6 @@ def _warn_plaintext_executors(addresses: set[str], link: ExecutorLink, log) -> N
                     risk="plaintext gRPC to executors beyond loopback: the executor secret, prompts' token ids and "
                     "outputs cross the network in clear",
                     hint="give the executors --tls-cert/--tls-key and this scheduler --executor-tls-ca")
-
-
-def model_window(args, describe) -> int:
-    """The model's own window (every layer attends to at most its last N tokens), when the scheduler frees
-    pages by it: when its pages (with --sink-tokens) fit the executor's pool; 0 otherwise (then requests hold
-    their whole context, capped to the pool, as for a model without a window)."""
-    window = describe.model_sliding_window
-    if window and fit.window_pages(args.sink_tokens, window, describe.block_size) <= describe.num_device_pages:
-        return window
-    return 0
-
-
-def _check_args(args, describe, log) -> int:
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("sliding_window", "sink_tokens"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("max_queued_requests", "max_queued_total"):
-        if not 0 <= getattr(args, name) <= MAX_INT:
-            raise ValueError(f"--{name.replace('_', '-')} must be in [0, {MAX_INT}] (0: no limit), got "
-                             f"{getattr(args, name)}")
-    max_len = args.max_model_len or describe.max_position_embeddings
-    pool_tokens = describe.num_device_pages * describe.block_size
-    if args.sliding_window:
-        window_pages = fit.window_pages(args.sink_tokens, args.sliding_window, describe.block_size)
-        if window_pages > describe.num_device_pages:
-            raise ValueError(f"--sliding-window {args.sliding_window} + --sink-tokens {args.sink_tokens} need "
-                             f"{window_pages} pages; the executor has {describe.num_device_pages}")
-    if args.sliding_window or model_window(args, describe):
-        # every request holds only its sink + window: contexts may exceed the pool
-        if not 1 < max_len <= describe.max_position_embeddings:
-            raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}]")
-        return max_len
-    if not args.max_model_len and max_len > pool_tokens:
-        log.warning("max_model_len_capped", model_max=max_len, pool_tokens=pool_tokens,
-                    hint="give the executor more pages to serve the model's full context")
-        max_len = pool_tokens
-    if not 1 < max_len <= describe.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_len}: must be in [2, {describe.max_position_embeddings}] "
-                         "(the model's max_position_embeddings)")
-    pages_needed = fit.pages_for(max_len, describe.block_size)
-    if pages_needed > describe.num_device_pages:
-        raise ValueError(
-            f"--max-model-len {max_len} needs {pages_needed} pages of {describe.block_size} tokens but the "
-            f"executor has {describe.num_device_pages}; lower --max-model-len or give the executor more pages")
-    return max_len
-
-
-def _targets(args) -> list[str]:
-    targets = list(args.executor)
-    if args.executors_file:
-        targets += read_executors_file(args.executors_file)
-    if not targets:
-        raise ValueError("no executor: give --executor HOST:PORT (repeatable) or --executors-file")
-    for t in args.executor:
-        parse_address(t)
-    return targets
 
 
 class _Stopped(Exception):
@@ -278,14 +122,14 @@ async def serve(args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        addresses = await _unless_stopped(_resolve_until(_targets(args), args.connect_timeout, log), stop)
+        addresses = await _unless_stopped(_resolve_until(targets(args), args.connect_timeout, log), stop)
         _warn_plaintext_executors(addresses, link, log)
         describe = await _unless_stopped(_first_executor(addresses, args.connect_timeout, args.step_timeout, log,
                                                          link), stop)
     except _Stopped:
         log.info("scheduler_stopped", during="start-up")
         return
-    max_len = _check_args(args, describe, log)
+    max_len = check_args(args, describe, log)
     tokenizer = load_tokenizer(args.tokenizer or describe.model_path, log)  # tokenizers alone where that suffices
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -306,10 +150,10 @@ async def serve(args) -> None:
     else:
         log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
 
-    def make_scheduler(d) -> Scheduler:
+    def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
         pool = PagePool(d.num_device_pages, d.block_size)
         host = PagePool(d.num_host_pages, d.block_size, min_pages=0) if d.num_host_pages else None
-        return Scheduler(pool, config, list(d.eos_token_ids), host, PreemptionCosts.of(d))
+        return Scheduler(pool, config, list(d.eos_token_ids), host, PreemptionCosts.of(d), ledger=ledger)
 
     # NOTE: the cluster owns the tenants: their limits hold for the sum over its executors (tenant_ledger.py)
     cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
@@ -370,7 +214,7 @@ async def serve(args) -> None:
 
     async def refresh_executors() -> None:
         try:
-            found = await asyncio.to_thread(resolve, _targets(args))
+            found = await asyncio.to_thread(resolve, targets(args))
         except (OSError, ValueError) as err:  # a DNS hiccup must not drop every executor
             log.warning("executors_resolve_failed", error=str(err), hint="the current executors stay")
             return

@@ -71,3 +71,4 @@ class SchedulerSnapshot:
         """Pages in use and requests queued and running, each as a share of what the executor holds."""
         return self.pool.num_used / self.pool.num_pages + (
             self.num_running + self.num_waiting + self.num_swapped) / self.max_num_seqs
+

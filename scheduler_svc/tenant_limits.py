@@ -1,18 +1,17 @@
-"""Every tenant rule as one executor's scheduler applies it: quotas, reserved pages, seats, fair shares and the
-fit rule, over the scheduler-wide ``TenantLedger`` (so each limit holds for the sum over executors), plus the
-per-tenant event counts of this executor.
+"""The tenant rules that depend on one executor's pool: a request's capacity there, whether the pool
+can give a tenant more pages (quota, other tenants' reserves), seats; plus this executor's part of the scheduler-wide
+``TenantLedger`` (``LedgerMember``: what its pool and queues hold per tenant) and its per-tenant event counts.
 
-The victim choice that gives a tenant its fair share under pressure is in ``fair_share.py``.
+The rules that hold for the sum over executors (quotas, fair shares, seats in total) are the ledger's; the victim
+choice that gives a tenant its fair share under pressure is in fair_share.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc import fit
 from scheduler_svc.pages import PagePool
-from scheduler_svc.request import Request
-from scheduler_svc.tenancy import Tenant, Tenants
+from scheduler_svc.queues import RequestQueues
 from scheduler_svc.tenant_ledger import TenantLedger
 
 
@@ -24,92 +23,86 @@ class TenantStats:
 
 
 class TenantLimits:
-    def __init__(self, ledger: TenantLedger, pool: PagePool, max_model_len: int, max_batched_tokens: int,
-                 max_num_seqs: int) -> None:
-        self.ledger = ledger
-        self.pool = pool  # (replaced with the scheduler's when an executor comes back with another geometry)
-        self.max_model_len = max_model_len
-        self.max_batched_tokens = max_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.stats_by_tenant: dict[str, TenantStats] = {}
+    def __init__(self, ledger: TenantLedger, pool: PagePool, queues: RequestQueues,
+                 stats: dict[str, TenantStats] | None = None) -> None:
+        """Joins ``ledger`` as this executor's member; ``stats``: the counts so far (a rebuilt planner keeps them)."""
+        self._ledger = ledger
+        self._pool = pool
+        self._queues = queues
+        self._stats: dict[str, TenantStats] = stats if stats is not None else {}
+        ledger.join(self)
 
+    # ---- the ledger's member -------------------------------------------------------------------
     @property
-    def tenants(self) -> Tenants:
-        return self.ledger.tenants
+    def num_pages(self) -> int:
+        return self._pool.num_pages
 
-    def get(self, tenant_id: str) -> Tenant:
-        return self.ledger.tenants.get(tenant_id)
+    def pages_used(self, tenant: str) -> int:
+        return self._pool.used_by[tenant]
+
+    def seats(self) -> dict[str, int]:
+        return self._queues.seats()
+
+    def active_tenants(self) -> set[str]:
+        return self._queues.active_tenants()
+
+    def queued(self, tenant: str) -> tuple[int, int]:
+        waiting = self._queues.waiting
+        return waiting.tenant_len(tenant), len(waiting)
+
+    def has_tenant(self, tenant: str) -> bool:
+        return self._queues.has_tenant(tenant)
+
+    def join(self) -> None:
+        """This executor counts for its tenants' limits (it serves: up or draining)."""
+        self._ledger.join(self)
+
+    def leave(self) -> None:
+        """This executor counts for no tenant (down, or its planner replaced)."""
+        self._ledger.leave(self)
+
+    # ---- per-tenant counts ---------------------------------------------------------------------
+    @property
+    def stats_by_tenant(self) -> dict[str, TenantStats]:
+        return self._stats
 
     def stats(self, tenant_id: str) -> TenantStats:
-        st = self.stats_by_tenant.get(tenant_id)
+        st = self._stats.get(tenant_id)
         if st is None:
-            st = self.stats_by_tenant[tenant_id] = TenantStats()
+            st = self._stats[tenant_id] = TenantStats()
         return st
 
     def record_peaks(self) -> None:
-        for tenant, used in self.pool.used_by.items():
+        for tenant, used in self._pool.used_by.items():
             st = self.stats(tenant)
             if used > st.peak_used_pages:
                 st.peak_used_pages = used
 
-    # ---- the fit rule --------------------------------------------------------------------------
+    def reset_peak(self, tenant: str) -> None:
+        """The tenant's peak starts again from what it holds now."""
+        self.stats(tenant).peak_used_pages = self._pool.used_by[tenant]
+
+    # ---- this pool's rules ---------------------------------------------------------------------
     def capacity(self, tenant_id: str) -> int:
         """The most pages one request of the tenant can ever get here."""
-        return self.ledger.capacity(tenant_id, self.pool)
-
-    def max_len_for(self, req: Request) -> int:
-        return fit.max_len(self.capacity(req.tenant), self.pool.block_size, self.max_model_len,
-                           bool(req.window_tokens))
-
-    def window_page_limit(self, tenant_id: str, sink: int, window: int) -> int:
-        return fit.window_page_limit(self.capacity(tenant_id), sink, window, self.pool.block_size,
-                                     self.max_batched_tokens)
-
-    def apply(self, req: Request) -> None:
-        """Sets the request's max_len and (a window without a budget) its page limit from its tenant's."""
-        req.max_len = self.max_len_for(req)
-        if req.window_tokens and not req.page_budget:
-            req.page_limit = self.window_page_limit(req.tenant, req.sink_tokens, req.window_tokens)
-
-    def fit_error(self, req: Request) -> str:
-        """Why this executor can never hold the request ('' when it can)."""
-        return fit.fit_error(tenant=req.tenant, num_tokens=req.num_tokens, n=req.n, page_budget=req.page_budget,
-                             sink=req.sink_tokens, window=req.window_tokens, capacity=self.capacity(req.tenant),
-                             block_size=self.pool.block_size, max_model_len=self.max_model_len,
-                             max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs)
-
-    # ---- quotas, reserves, seats ---------------------------------------------------------------
-    def over_quota(self, tenant: Tenant, need: int) -> bool:
-        return self.ledger.over_quota(tenant, need)
+        return self._ledger.capacity(tenant_id, self._pool)
 
     def reserved_for_others(self, tenant_id: str, used: dict[str, int] | None = None) -> int:
-        return self.ledger.reserved_for_others(tenant_id, self.pool, used)
+        """Free pages of this pool that other tenants' reserved minimums claim (``used``: a what-if)."""
+        return self._ledger.reserved_for_others(tenant_id, self._pool, used)
 
     def can_take(self, tenant_id: str, need: int, slack: int = 0) -> bool:
         """need more pages for the tenant: within its quota, leaving other tenants' reserved minimums free."""
-        if self.ledger.over_quota(self.get(tenant_id), need):
+        ledger = self._ledger
+        if ledger.over_quota(ledger.tenants.get(tenant_id), need):
             return False
-        return self.pool.can_allocate(need + slack + self.ledger.reserved_for_others(tenant_id, self.pool))
-
-    def seats(self) -> dict[str, int]:
-        return self.ledger.seats()
-
-    def seats_of(self, tenant_id: str) -> int:
-        return self.ledger.seats_of(tenant_id)
+        return self._pool.can_allocate(need + slack + ledger.reserved_for_others(tenant_id, self._pool))
 
     def at_seat_limit(self, tenant_id: str, n: int, seats: int | None = None) -> bool:
-        """Whether n more sequences would take the tenant past max_concurrent_requests."""
-        limit = self.get(tenant_id).max_concurrent_requests
+        """Whether n more sequences would take the tenant past max_concurrent_requests (``seats``: those it runs
+        on every executor, if the caller counted them)."""
+        ledger = self._ledger
+        limit = ledger.tenants.get(tenant_id).max_concurrent_requests
         if not limit:
             return False
-        return (self.seats_of(tenant_id) if seats is None else seats) + n > limit
-
-    # ---- fair shares ---------------------------------------------------------------------------
-    def fair_shares(self) -> dict[str, float]:
-        return self.ledger.fair_shares()
-
-    def over_share(self) -> set[str]:
-        return self.ledger.over_share()
-
-    def used_pages(self, tenant_id: str) -> int:
-        return self.ledger.used_pages(tenant_id)
+        return (ledger.seats_of(tenant_id) if seats is None else seats) + n > limit

@@ -1,4 +1,4 @@
-"""The admission queue: one FIFO per tenant, and which tenant goes next.
+"""The wait queue: one FIFO per tenant, and which tenant goes next (the fair order of admission).
 
 With fairness on, the next request comes from the backlogged tenant with the least weighted service so
 far: a virtual token counter per tenant (VTC, "Fairness in Serving Large Language Models", OSDI'24),
@@ -8,12 +8,15 @@ off, requests go in arrival order whatever their tenant (first come, first serve
 
 Besides the counter, each tenant's own charges are kept apart (``charged``): the weighted tokens it was served,
 never lifted. That is what a tenant may be shown (ModelInfo): the counter itself follows other tenants.
+
+(The victims that make room for a tenant below its fair share of pages and seats are chosen in fair_share.py.)
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from scheduler_svc.request import Request
 
@@ -21,32 +24,38 @@ PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
 
 
-class Service:
-    """Each tenant's weighted service so far (its virtual token counter), shared by the wait queues of every
-    executor of a scheduler (the tenant ledger's), so fairness holds for the sum."""
+@dataclass(slots=True)
+class VtcCounters:
+    """Each tenant's weighted service so far (its virtual token counter, VTC), shared by the wait queues of every
+    executor of a scheduler (the tenant ledger's), so fairness holds for the sum. ("Service" in the VTC paper's
+    sense: tokens served, nothing to do with gRPC services.)"""
 
-    __slots__ = ("charged", "counters", "vtime")
+    counters: dict[str, float] = field(default_factory=dict)
+    charged: dict[str, float] = field(default_factory=dict)  # weighted tokens charged to each tenant (its own only)
+    vtime: float = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
 
-    def __init__(self) -> None:
-        self.counters: dict[str, float] = {}
-        self.charged: dict[str, float] = {}  # weighted tokens charged to each tenant (its own history only)
-        self.vtime = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
+    def went_idle(self, service: float) -> None:
+        self.vtime = max(self.vtime, service)
 
 
 class WaitQueue:
     def __init__(self, fair: bool = True, weight: Callable[[str], float] = lambda _: 1.0,
-                 service: Service | None = None) -> None:
-        self.fair = fair
-        self.weight = weight
-        self.queues: dict[str, deque[Request]] = {}
-        self.shared = service if service is not None else Service()
-        self.counters = self.shared.counters
+                 service: VtcCounters | None = None) -> None:
+        self._fair = fair
+        self._weight = weight
+        self._queues: dict[str, deque[Request]] = {}
+        self._shared = service if service is not None else VtcCounters()
+        self._counters = self._shared.counters
         self._len = 0
 
-    def share(self, service: Service) -> None:
-        """Counts service in ``service`` from now on (shared with other queues); only while empty."""
-        assert not self._len, "share with requests queued"
-        self.shared, self.counters = service, service.counters
+    @property
+    def counters(self) -> dict[str, float]:
+        """Each tenant's virtual token counter (the shared VtcCounters')."""
+        return self._counters
+
+    def backlogged(self) -> list[str]:
+        """Tenants with a request waiting here."""
+        return [t for t, q in self._queues.items() if q]
 
     # ---- contents ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -56,20 +65,21 @@ class WaitQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
-        for q in self.queues.values():
+        for q in self._queues.values():
             yield from q
 
     def __contains__(self, req: Request) -> bool:
-        return req in self.queues.get(req.tenant, ())
+        return req in self._queues.get(req.tenant, ())
 
     def _queue_for(self, tenant: str) -> deque[Request]:
-        q = self.queues.get(tenant)
+        q = self._queues.get(tenant)
         if q is None:
-            q = self.queues[tenant] = deque()
+            q = self._queues[tenant] = deque()
         if not q:  # back from idle: no credit for the time away
-            backlogged = [self.counters.get(t, 0.0) for t, other in self.queues.items() if other and t != tenant]
+            counters = self._counters
+            backlogged = [counters.get(t, 0.0) for t, other in self._queues.items() if other and t != tenant]
             if backlogged:
-                self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(backlogged))
+                counters[tenant] = max(counters.get(tenant, 0.0), min(backlogged))
         return q
 
     def append(self, req: Request) -> None:
@@ -82,24 +92,25 @@ class WaitQueue:
         self._len += 1
 
     def remove(self, req: Request) -> None:
-        self.queues[req.tenant].remove(req)
+        self._queues[req.tenant].remove(req)
         self._len -= 1
 
     def tenant_len(self, tenant: str) -> int:
-        return len(self.queues.get(tenant, ()))
+        return len(self._queues.get(tenant, ()))
 
     # ---- order ---------------------------------------------------------------------------------
     def head(self, skip: set[int] | frozenset = frozenset(), skip_tenants: set[str] | frozenset = frozenset()
              ) -> Request | None:
         """The request to admit next, passing over requests (by id()) and tenants in the skip sets."""
         best, best_key = None, None
-        for tenant, q in self.queues.items():
+        counters, fair = self._counters, self._fair
+        for tenant, q in self._queues.items():
             if tenant in skip_tenants:
                 continue
             req = next((r for r in q if id(r) not in skip), None)
             if req is None:
                 continue
-            key = (self.counters.get(tenant, 0.0), req.arrival) if self.fair else (req.arrival,)
+            key = (counters.get(tenant, 0.0), req.arrival) if fair else (req.arrival,)
             if best_key is None or key < best_key:
                 best, best_key = req, key
         return best
@@ -108,24 +119,26 @@ class WaitQueue:
         """A tenant with nothing running or waiting comes back: it starts at the least service among the
         tenants that are active (running or waiting), or, when none is, at the service of the last tenant
         that went idle; never below its own."""
-        floors = [self.counters.get(t, 0.0) for t in others if t != tenant]
-        floor = min(floors) if floors else self.shared.vtime
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        counters = self._counters
+        floors = [counters.get(t, 0.0) for t in others if t != tenant]
+        floor = min(floors) if floors else self._shared.vtime
+        counters[tenant] = max(counters.get(tenant, 0.0), floor)
 
     def went_idle(self, tenant: str) -> None:
-        self.shared.vtime = max(self.shared.vtime, self.counters.get(tenant, 0.0))
+        self._shared.went_idle(self._counters.get(tenant, 0.0))
 
     # ---- service -------------------------------------------------------------------------------
     def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
-        cost = (PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / self.weight(tenant)
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
-        charged = self.shared.charged
+        cost = (PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / self._weight(tenant)
+        counters = self._counters
+        counters[tenant] = counters.get(tenant, 0.0) + cost
+        charged = self._shared.charged
         charged[tenant] = charged.get(tenant, 0.0) + cost
 
     def service(self, tenant: str) -> float:
         """The tenant's virtual token counter (it follows the other tenants: a scheduling figure only)."""
-        return self.counters.get(tenant, 0.0)
+        return self._counters.get(tenant, 0.0)
 
     def charged(self, tenant: str) -> float:
         """The weighted tokens charged to the tenant so far: its own history, whatever the others do."""
-        return self.shared.charged.get(tenant, 0.0)
+        return self._shared.charged.get(tenant, 0.0)

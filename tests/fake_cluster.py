@@ -11,7 +11,7 @@ from collections import deque
 import structlog
 
 from pagedkv.executor.v1 import executor_pb2 as pb
-from pagedkv.grpc_common import EXECUTOR_PROTOCOL
+from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.executor_client import ExecutorUnavailable
@@ -69,6 +69,18 @@ class FakeClient:
     def box(self) -> Box:
         return self.boxes[self.address]
 
+    # (the stream as the engine reads it: ExecutorClient's)
+    @property
+    def has_stream(self) -> bool:
+        return self.call is not None
+
+    @property
+    def stream_ended(self) -> bool:
+        return self.call is None or self.call.done()
+
+    def on_stream_end(self, callback) -> None:
+        self.call.add_done_callback(lambda _call: callback())
+
     async def connect(self, timeout: float):
         await asyncio.sleep(0)
         if not self.box.alive or self.box.draining:
@@ -123,8 +135,8 @@ def install_fake_clients(monkeypatch) -> dict[str, Box]:
 def new_cluster(**kw) -> cluster_mod.Cluster:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)
 
-    def make_scheduler(d) -> Scheduler:
-        return Scheduler(PagePool(d.num_device_pages, d.block_size), config, list(d.eos_token_ids))
+    def make_scheduler(d, ledger) -> Scheduler:
+        return Scheduler(PagePool(d.num_device_pages, d.block_size), config, list(d.eos_token_ids), ledger=ledger)
     reference = pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
                                     max_position_embeddings=4096)
     kw.setdefault("step_timeout", 5)
@@ -143,7 +155,7 @@ async def up_cluster(addresses: set[str], **kw) -> cluster_mod.Cluster:
 async def collect(req) -> tuple[list[int], str | None]:
     tokens = []
     while True:
-        out = await req.queue.get()
+        out = await req.outbox.get()
         tokens += out.token_ids
         if out.error:
             return tokens, out.error

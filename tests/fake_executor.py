@@ -10,7 +10,6 @@ from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Request, Sampling
-from scheduler_svc.scheduler import Scheduler
 
 
 class NullTokenizer:
@@ -154,7 +153,7 @@ _EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 OVERLAP = os.environ.get("PAGEDKV_TEST_OVERLAP", "1") != "0"
 
 
-def drive(s: Scheduler, max_steps: int = 10_000, known: dict[str, list] | None = None,
+def drive(s, max_steps: int = 10_000, known: dict[str, list] | None = None,
           executor: FakeExecutor | None = None, on_step=None, feed_ticks: int = 0,
           overlap: bool | None = None) -> list:
     """Runs the scheduler against a FakeExecutor (page contents checked unless ``known`` comes from

@@ -11,7 +11,8 @@ import torch
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import driven
 from tests.fake_executor import drive, make_request
 
 
@@ -33,7 +34,7 @@ class InProcessServer:
         self.runner = ModelRunner(model, pool, attention, cpu)
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=cfg.max_position_embeddings, watermark=0.0)
-        self.scheduler = Scheduler(PagePool(num_pages, block_size), config, list(cfg.eos_token_ids))
+        self.scheduler = driven(PagePool(num_pages, block_size), config, list(cfg.eos_token_ids))
         self.next_id = 0
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:

@@ -22,16 +22,16 @@ def test_executor_failure_moves_a_stream_with_no_token_lost_or_repeated(boxes):
         boxes["a:1"].delay = boxes["b:1"].delay = 0.002
         req = make_request(1, 40, 60)
         c.add_request(req)
-        first = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.requests)
+        first = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.queues.requests)
         task = asyncio.create_task(collect(req))
         await until(lambda: len(req.output_ids) >= 20)
         boxes[first].alive = False
         tokens, error = await asyncio.wait_for(task, 5)
         other = c.engines[next(a for a in c.engines if a != first)]
-        await until(lambda: other.scheduler.pool.num_used == 0)
-        other.scheduler.check_integrity()
+        await until(lambda: other.scheduler.kv.pool.num_used == 0)
+        other.check_integrity()
         await c.stop()
-        return tokens, error, c.engines[first].num_migrated_out
+        return tokens, error, c.engines[first].info().num_migrated_out
     tokens, error, migrated = asyncio.run(scenario())
     assert error is None and len(tokens) == 60 and migrated == 1
 
@@ -82,14 +82,14 @@ def test_a_running_request_finishes_on_a_draining_executor_before_the_deadline(b
         boxes["a:1"].delay = 0.002
         running = make_request(1, 20, 40)
         c.add_request(running)
-        engine = next(e for e in c.engines.values() if running.request_id in e.scheduler.requests)
+        engine = next(e for e in c.engines.values() if running.request_id in e.scheduler.queues.requests)
         task = asyncio.create_task(collect(running))
         await until(lambda: len(running.output_ids) >= 5)
         boxes[engine.address].draining = True
         tokens, error = await asyncio.wait_for(task, 5)
         await until(lambda: engine.state is engine_mod.State.DOWN)
         await c.stop()
-        return tokens, error, engine.num_migrated_out
+        return tokens, error, engine.info().num_migrated_out
     tokens, error, migrated = asyncio.run(scenario())
     assert error is None and len(tokens) == 40 and migrated == 0
 
@@ -106,7 +106,7 @@ def test_a_moved_request_too_long_for_the_survivor_waits_then_ends_with_an_error
         boxes["a:1"].delay = 0.002
         long = make_request(1, 100, 100)
         c.add_request(long)
-        assert long.request_id in c.engines["a:1"].scheduler.requests
+        assert long.request_id in c.engines["a:1"].scheduler.queues.requests
         task = asyncio.create_task(collect(long))
         await until(lambda: len(long.output_ids) >= 40)  # 140 tokens: more than b holds
         boxes["a:1"].alive = False
@@ -136,7 +136,7 @@ def test_requests_moved_together_keep_their_order(boxes):
         c.set_addresses({"c:1", "d:1"})
         await until(lambda: c.engines["d:1"].state is engine_mod.State.UP)
         c.engines["c:1"]._executor_lost("test")
-        order = [r.request_id for r in c.engines["d:1"].scheduler.waiting]
+        order = [r.request_id for r in c.engines["d:1"].scheduler.queues.waiting]
         await c.stop()
         return order
     assert asyncio.run(scenario()) == ["r1", "r2", "r3", "r4"]
@@ -156,7 +156,7 @@ def test_the_api_keeps_its_limits_while_no_executor_is_connected(boxes):
                 break
             await asyncio.sleep(0.02)
         gone = "a:1" not in c.engines
-        capacity, available = c.tenant_capacity("default"), c.available
+        capacity, available = c.fit_limits("default").capacity, c.available
         await c.stop()
         return gone, capacity, available
     gone, capacity, available = asyncio.run(scenario())
@@ -203,8 +203,8 @@ def _watch_limits(c, monkeypatch, samples: list) -> None:
         pages = seats = 0
         for e in c.engines.values():
             if e.scheduler is not None:
-                pages += e.scheduler.pool.used_by["noisy"]
-                seats += sum(r.n for r in e.scheduler.running if r.tenant == "noisy")
+                pages += e.scheduler.kv.pool.used_by["noisy"]
+                seats += sum(r.n for r in e.scheduler.queues.running if r.tenant == "noisy")
         samples.append((pages, seats))
         return result
     monkeypatch.setattr(FakeClient, "_real_step", FakeClient.step, raising=False)
@@ -231,9 +231,9 @@ def test_tenant_quota_and_concurrency_hold_for_the_sum_over_three_executors(boxe
         for req in flood + quiet:
             c.add_request(req)
         results = await asyncio.wait_for(asyncio.gather(*(collect(r) for r in flood + quiet)), 30)
-        placed = {a: e.num_placed for a, e in c.engines.items()}
+        placed = {a: e.info().num_placed for a, e in c.engines.items()}
         for e in c.engines.values():
-            e.scheduler.check_integrity()
+            e.check_integrity()
         await c.stop()
         return results, placed
     results, placed = asyncio.run(scenario())
@@ -356,10 +356,10 @@ def test_a_reserve_larger_than_the_survivors_pool_is_cut_to_it_and_no_capacity_g
         await _take_down(c, boxes, "a:1")
         survivor = c.engines["b:1"].scheduler
         down = (c.tenants.get("quiet").reserved_pages,
-                {t: survivor.tenant_capacity(t) for t in ("noisy", "quiet")},
+                {t: survivor.fit_limits(t).capacity for t in ("noisy", "quiet")},
                 await generate(service, "n"), await generate(service, "q"))
         await _bring_up(c, boxes, "a:1")
-        up = (c.tenants.get("quiet").reserved_pages, c.tenant_capacity("noisy"), await generate(service, "n"))
+        up = (c.tenants.get("quiet").reserved_pages, c.fit_limits("noisy").capacity, await generate(service, "n"))
         await c.stop()
         return down, up
     (reserve, capacities, noisy, quiet), up = asyncio.run(scenario())
@@ -377,7 +377,7 @@ def test_live_requests_get_their_limits_again_when_an_executor_goes_down_and_com
     tenants = _tenants(tmp_path, '[tenants.noisy]\npage_quota = 0.25\n', 64)
 
     def home_and_other(c, req) -> tuple[str, str]:
-        home = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.requests)
+        home = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.queues.requests)
         return home, next(a for a in c.engines if a != home)
 
     async def scenario():
@@ -436,13 +436,14 @@ def test_model_info_adds_up_the_fair_shares_of_the_executors_that_serve(boxes, t
         short, long = make_request(1, 20, 2, tenant="noisy"), make_request(2, 20, 10_000, tenant="noisy")
         c.add_request(long)
         c.add_request(short)
-        homes = {a for a, e in c.engines.items() if {long.request_id, short.request_id} & e.scheduler.requests.keys()}
+        homes = {a for a, e in c.engines.items()
+                 if {long.request_id, short.request_id} & e.scheduler.queues.requests.keys()}
         for box in boxes.values():
             box.delay = 0.005
         assert (await asyncio.wait_for(collect(short), 5))[1] is None
         await until(lambda: len(long.output_ids) >= 1)
         both = await model_info(service)
-        other = next(a for a, e in c.engines.items() if long.request_id not in e.scheduler.requests)
+        other = next(a for a, e in c.engines.items() if long.request_id not in e.scheduler.queues.requests)
         await _take_down(c, boxes, other)
         one = await model_info(service)
         c.abort(long.group)
@@ -520,7 +521,7 @@ def test_an_executor_speaking_another_protocol_version_is_refused_naming_both():
     executor from before packed samples sends them in a field this scheduler does not read: every stream would
     hang): the executor is refused, and the reason says which versions met."""
     from pagedkv.executor.v1 import executor_pb2 as pb
-    from pagedkv.grpc_common import EXECUTOR_PROTOCOL
+    from pagedkv.wire import EXECUTOR_PROTOCOL
 
     c = new_cluster()
     same = pb.DescribeResponse()
@@ -570,7 +571,7 @@ def test_a_malformed_result_is_a_lost_executor_and_no_token_is_lost_or_repeated(
         boxes["b:1"] = Box(64)
         c.set_addresses({"a:1", "b:1"})
         try:
-            return [await asyncio.wait_for(collect(r), 10) for r in reqs], c.engines["a:1"].num_migrated_out
+            return [await asyncio.wait_for(collect(r), 10) for r in reqs], c.engines["a:1"].info().num_migrated_out
         finally:
             await c.stop()
     outs, migrated = asyncio.run(scenario())

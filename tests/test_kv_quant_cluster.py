@@ -40,17 +40,17 @@ def test_mixed_kv_dtypes_join_report_and_migrate(boxes):
         boxes["c:1"].alive = False  # the float32 executor leaves: only fp8 and int8 remain
         req = make_request(1, 40, 60)
         c.add_request(req)
-        await until(lambda: any(req.request_id in e.scheduler.requests for e in c.engines.values()))
-        first = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.requests)
+        await until(lambda: any(req.request_id in e.scheduler.queues.requests for e in c.engines.values()))
+        first = next(a for a, e in c.engines.items() if req.request_id in e.scheduler.queues.requests)
         task = asyncio.create_task(collect(req))
         await until(lambda: len(req.output_ids) >= 20)
         boxes[first].alive = False
         tokens, error = await asyncio.wait_for(task, 5)
         other = c.engines[next(a for a in ("a:1", "b:1") if a != first)]
-        await until(lambda: other.scheduler.pool.num_used == 0)
-        other.scheduler.check_integrity()
+        await until(lambda: other.scheduler.kv.pool.num_used == 0)
+        other.check_integrity()
         await c.stop()
-        return infos, tokens, error, c.engines[first].num_migrated_out
+        return infos, tokens, error, c.engines[first].info().num_migrated_out
     infos, tokens, error, migrated = asyncio.run(scenario())
     assert infos == {"a:1": ("fp8_e4m3", 1088, "up"), "b:1": ("int8", 1088, "up"), "c:1": ("float32", 4096, "up")}
     assert error is None and len(tokens) == 60 and migrated == 1

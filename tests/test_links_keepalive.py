@@ -36,12 +36,14 @@ from pagedkv import grpc_common
 from pagedkv.client import Client, Completion, accumulate
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+from pagedkv.wire import PAGES_HEADER, SESSION_HEADER
 from scheduler_svc import engine as engine_mod
-from scheduler_svc.executor_client import PAGES_HEADER, SERVICE, SESSION_HEADER, ExecutorClient
+from scheduler_svc.executor_client import SERVICE, ExecutorClient
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
 from tests import procs
+from tests.driven import Driven, driven
 from tests.fake_cluster import Box, collect, new_cluster, until  # the boxes fixture: tests/conftest.py
 from tests.fake_executor import FakeExecutor, drive, make_request
 
@@ -131,15 +133,15 @@ def test_one_session_per_link_the_same_on_every_reconnect():
 BS = 4
 
 
-def swap_scheduler() -> Scheduler:
+def swap_scheduler() -> Driven:
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, watermark=0,
                           preemption=PreemptionConfig(mode=Mode.SWAP))
-    return Scheduler(PagePool(10, BS), cfg, [2], host_pool=PagePool(20, BS, min_pages=0),
+    return driven(PagePool(10, BS), cfg, [2], host_pool=PagePool(20, BS, min_pages=0),
                      costs=PreemptionCosts(page_bytes=65536, swap_bytes_per_second=4e9,
                                            prefill_seconds_per_token=70e-6))
 
 
-def findable(s: Scheduler, hashes) -> list[str]:
+def findable(s: Driven, hashes) -> list[str]:
     return ["device" if s.pool.lookup(h) is not None else "host" if s.host.lookup(h) is not None else "-"
             for h in hashes]
 
@@ -220,7 +222,7 @@ def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxe
         first = make_request(1, 0, 4, prompt=prompt)
         c.add_request(first)
         assert (await collect(first))[1] is None
-        old_id, old_call = engine.executor_id, engine.client.call
+        old_id, old_call = engine.info().executor_id, engine.client.call
         if how == "restarted":
             boxes["a:1"].restart()
         elif how == "wiped":  # another scheduler's session attached meanwhile: same process, zeroed pages
@@ -232,7 +234,7 @@ def test_a_reconnect_keeps_the_cache_only_for_the_same_executor_and_session(boxe
         c.add_request(again)
         out = await asyncio.wait_for(collect(again), 3)
         await c.stop()
-        return out, again.num_cached_tokens, engine.executor_id != old_id
+        return out, again.num_cached_tokens, engine.info().executor_id != old_id
     (tokens, error), cached, new_id = asyncio.run(scenario())
     assert error is None and len(tokens) == 4 and new_id == (how == "restarted")
     assert cached == (64 if how == "same" else 0)

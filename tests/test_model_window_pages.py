@@ -14,7 +14,7 @@ from executor_svc.model_config import ModelConfig
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.models import build_random_model
 from scheduler_svc import fit
-from scheduler_svc.server import model_window
+from scheduler_svc.args import model_window
 from scheduler_svc.tenancy import Tenant
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.inprocess import InProcessServer

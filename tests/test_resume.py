@@ -85,7 +85,7 @@ def test_a_continuation_is_checked_like_any_input(boxes, params, refusal):
             try:
                 msgs = [m async for m in stream]
             except Aborted as err:
-                return err, service.live, c.engines["a:1"].scheduler.pool.num_used
+                return err, service.live, c.engines["a:1"].scheduler.kv.pool.num_used
             return msgs, service.live, 0
         finally:
             await c.stop()

@@ -12,10 +12,10 @@ from executor_svc import args as executor_args
 from pagedkv.cli import build_parser
 from pagedkv.serve_args import SET_BY_SERVE, _ServiceFlags, child_commands
 from pagedkv.serve_args import add_args as add_serve_args
-from scheduler_svc import server as scheduler_server
+from scheduler_svc import args as scheduler_args
 
 EXEC_PORT = 5999
-ADD_ARGS = {"scheduler": scheduler_server.add_args, "executor": executor_args.add_args}
+ADD_ARGS = {"scheduler": scheduler_args.add_args, "executor": executor_args.add_args}
 FOLLOWS = {"--cuda-graph-max-batch": "--max-num-seqs"}  # serve's default for the first is the second's value
 
 

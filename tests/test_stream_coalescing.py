@@ -136,8 +136,8 @@ def test_a_stream_that_falls_behind_catches_up_in_one_message(monkeypatch):
             stream = service.Generate(request, Context())
             first = await stream.__anext__()
             engine = next(iter(c.engines.values()))
-            steps = engine.steps
-            while engine.steps < steps + 10:  # the client stalls while the engine runs ten steps
+            steps = engine.info().steps
+            while engine.info().steps < steps + 10:  # the client stalls while the engine runs ten steps
                 await asyncio.sleep(0.001)
             return [first, *[m async for m in stream]]
         finally:

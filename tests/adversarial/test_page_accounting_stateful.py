@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter, deque
-from types import SimpleNamespace
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc.api import GenerationService, InvalidRequest
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.fit import attention_window
+from scheduler_svc.fit import FitError, check_n, shape
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Request, Sampling, Status
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
 from tests.adversarial.profiles import LONG, profile
+from tests.driven import Driven, driven
 from tests.fake_executor import FakeExecutor, NullTokenizer
 
 BS = 4
@@ -57,13 +55,13 @@ RELOADED = [
     Tenant("e", page_budget=5, overflow="window", page_quota=7),
 ]
 DRAIN_STEPS = 5000
-KEEP_CACHE = "keep_cache" in inspect.signature(Scheduler.evacuate).parameters  # a lost Run stream, same process
+KEEP_CACHE = "keep_cache" in inspect.signature(Driven.evacuate).parameters  # a lost Run stream, same process
 
 
 class PageAccounting(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.s: Scheduler | None = None
+        self.s: Driven | None = None
 
     @initialize(pages=st.integers(8, 24), host_pages=st.sampled_from([0, 6, 16]),
                 token_budget=st.sampled_from([4, 8, 16, 64]), seqs=st.sampled_from([2, 3, 8]),
@@ -79,9 +77,7 @@ class PageAccounting(RuleBasedStateMachine):
                                                           swap_in_max_wait=max_wait))
         host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
         tenants = Tenants(list(TENANTS)) if multi else Tenants()
-        self.s = Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=CHEAP_SWAP, tenants=tenants)
-        self.api = SimpleNamespace(cluster=SimpleNamespace(  # for the API's own validation
-            tenant_capacity=self.s.tenant_capacity, block_size=BS, scheduler_config=self.s.config))
+        self.s = driven(PagePool(pages, BS), cfg, [2], host_pool=host, costs=CHEAP_SWAP, tenants=tenants)
         self.ex = FakeExecutor(BS)
         self.pending: deque[pb.StepPlan] = deque()  # sent, not yet answered (oldest first)
         self.depth = 2 if overlap else 1  # plans in flight at most (async scheduling: the next before the last result)
@@ -102,7 +98,7 @@ class PageAccounting(RuleBasedStateMachine):
         """The tokens on the streams (Scheduler.process puts them there), then ``outputs`` (what the engine's
         deliver would put there after them)."""
         for group in self.groups.values():
-            box = group.queue
+            box = group.outbox
             while not box.empty():
                 self._see(group, box.get_nowait())
         for req, out in outputs:
@@ -130,19 +126,16 @@ class PageAccounting(RuleBasedStateMachine):
         prompt = (PREFIXES[prefix] if prefix is not None else []) + own
         if not prompt:
             prompt = [5]
-        # Only what the public API would accept (its own checks, called on this scheduler).
+        # Only what the public API would accept (the fit rule, on this scheduler's limits).
+        limits = s.fit_limits(t.id)
         try:
-            budget = GenerationService._page_budget(self.api, api.GenerateRequest(page_budget=asked_budget), t,
-                                                    len(prompt))
-        except InvalidRequest:
+            shaped = shape(t, len(prompt), asked_budget, limits, MAX_MODEL_LEN)
+            check_n(n, t, limits)
+        except FitError:
             self.events["refused"] += 1
             return
-        sink, window = attention_window(t, s.config.sliding_window, s.config.sink_tokens, budget, BS)
-        if window and not budget and not s.window_page_limit(t.id, sink, window):
-            return
-        if n > s.config.max_num_seqs or (t.max_concurrent_requests and n > t.max_concurrent_requests):
-            return
-        if not window and len(prompt) >= min(MAX_MODEL_LEN, s.tenant_capacity(t.id) * BS):
+        budget, sink, window = shaped.page_budget, shaped.sink, shaped.window
+        if not window and len(prompt) >= shaped.max_len:
             return
         root = tenant_root(t.id) if not window else tenant_root(f"{t.id}\x00window:{sink}:{window}")
         rid = f"q{self.next_id}"

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
+from tests.driven import Driven, driven
 from tests.fake_executor import drive, make_request
 
 BS = 4
 
 
-def scheduler(pages: int, tenants: list[Tenant], seqs: int, token_budget: int) -> Scheduler:
+def scheduler(pages: int, tenants: list[Tenant], seqs: int, token_budget: int) -> Driven:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=token_budget, max_model_len=64, watermark=0,
                           preemption=PreemptionConfig(hot_steps=0, cold_steps=4))
-    return Scheduler(PagePool(pages, BS), cfg, [2], tenants=Tenants(tenants))
+    return driven(PagePool(pages, BS), cfg, [2], tenants=Tenants(tenants))
 
 
 def windowed(i: int, tenant: str, prompt_len: int, budget: int, **kw):
@@ -39,7 +40,7 @@ def windowed(i: int, tenant: str, prompt_len: int, budget: int, **kw):
                         window_tokens=(budget - 2) * BS, **kw)
 
 
-def assert_all_finish(s: Scheduler, reqs, steps: int = 400) -> None:
+def assert_all_finish(s: Driven, reqs, steps: int = 400) -> None:
     drive(s, max_steps=steps)
     stuck = [(r.request_id, r.status.value, r.num_computed, r.compute_target) for r in reqs if r.finish is None]
     assert not stuck, f"not finished after {steps} steps (preempted {s.counters.preemptions} times): {stuck}"
@@ -110,7 +111,7 @@ def test_forks_do_not_take_turns_preempting_each_other():
     now breaks the tie: the last fork waits, the first finishes."""
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64, watermark=0,
                           preemption=PreemptionConfig(mode=Mode.RECOMPUTE, hot_steps=64, cold_steps=64))
-    s = Scheduler(PagePool(9, BS), cfg, [2])
+    s = driven(PagePool(9, BS), cfg, [2])
     req = windowed(0, "default", 15, budget=6, n=2)
     req.sampling.max_tokens = 28
     s.add(req)

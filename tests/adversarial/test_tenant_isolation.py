@@ -159,7 +159,7 @@ def test_request_ids_are_per_tenant_and_so_is_cancellation(boxes, tmp_path):
         again = await refusal(svc.Generate(request(5, 20, 4, "job-1"), Caller("ka")))
         await a_stream.aclose()  # A cancels its job-1
         b_tokens, b_error = await asyncio.wait_for(b_task, 10)
-        await until(lambda: c.engines["x:1"].scheduler.pool.num_used == 0)
+        await until(lambda: c.engines["x:1"].scheduler.kv.pool.num_used == 0)
         await c.stop()
         return again, b_tokens, b_error
     again, b_tokens, b_error = asyncio.run(scenario())
@@ -211,7 +211,7 @@ def test_a_reload_that_revokes_a_key_ends_its_open_streams(boxes, tmp_path):
         ended = svc.end_revoked_streams()
         outcome = await asyncio.wait_for(drain(revoked), 5)
         rest = await asyncio.wait_for(asyncio.gather(*others), 10)
-        await until(lambda: c.engines["x:1"].scheduler.pool.num_used == 0)
+        await until(lambda: c.engines["x:1"].scheduler.kv.pool.num_used == 0)
         again = await refusal(svc.Generate(request(3, 20, 4), Caller("ka")))
         await c.stop()
         return ended, outcome, rest, again
@@ -266,7 +266,7 @@ def test_a_queue_flood_is_refused_past_the_tenant_and_the_scheduler_bound(boxes,
         for s in streams:
             s.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-        await until(lambda: c.engines["x:1"].scheduler.pool.num_used == 0 and c.queued("a") == (0, 0))
+        await until(lambda: c.engines["x:1"].scheduler.kv.pool.num_used == 0 and c.queued("a") == (0, 0))
         await c.stop()
         return a_full, b_full, info
     a_full, b_full, info = asyncio.run(scenario())

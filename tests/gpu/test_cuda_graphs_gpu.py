@@ -60,7 +60,8 @@ def _generate(model_dir, backend: str, graphs_on: bool, batch: int, device: str 
     from executor_svc.pages import DevicePagePool
     from executor_svc.runner import ModelRunner
     from scheduler_svc.pages import PagePool
-    from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+    from scheduler_svc.scheduler import SchedulerConfig
+    from tests.driven import driven
 
     cuda = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -73,7 +74,7 @@ def _generate(model_dir, backend: str, graphs_on: bool, batch: int, device: str 
     runner = ModelRunner(model, pool, attention, cuda, graphs=graphs)
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=cfg.max_position_embeddings,
                              watermark=0.0)
-    scheduler = Scheduler(PagePool(NUM_PAGES, BLOCK_SIZE), config, [])
+    scheduler = driven(PagePool(NUM_PAGES, BLOCK_SIZE), config, [])
     gen = torch.Generator().manual_seed(batch)
     reqs = []
     for i in range(batch):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import Driven, driven
 
 BS = 4  # tokens per page: small pages, so that a few tokens fill one and pools run out quickly
 # PreemptionCosts that make swap clearly cheaper than recompute (as on the CPU: ~4 GB/s, ~70 us per token)
@@ -14,22 +15,22 @@ PREFIX_BS = 16  # the prefix-cache and fork tests use the default page size
 
 
 def new_scheduler(pages=16, host_pages=32, mode=Mode.SWAP, caching=True, budget=64, seqs=8, max_len=64,
-                  hot=64, cold=512, max_wait=64, costs=CHEAP_SWAP, tenants=None, fair=True) -> Scheduler:
+                  hot=64, cold=512, max_wait=64, costs=CHEAP_SWAP, tenants=None, fair=True) -> Driven:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, watermark=0,
                           enable_prefix_caching=caching, fairness=fair,
                           preemption=PreemptionConfig(mode=mode, hot_steps=hot, cold_steps=cold,
                                                       swap_in_max_wait=max_wait))
     host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
-    return Scheduler(PagePool(pages, BS), cfg, [2], host_pool=host, costs=costs, tenants=tenants)
+    return driven(PagePool(pages, BS), cfg, [2], host_pool=host, costs=costs, tenants=tenants)
 
 
-def new_prefix_scheduler(num_pages=400, caching=True, budget=4096, seqs=256, max_len=4096) -> Scheduler:
+def new_prefix_scheduler(num_pages=400, caching=True, budget=4096, seqs=256, max_len=4096) -> Driven:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                           enable_prefix_caching=caching)
-    return Scheduler(PagePool(num_pages, PREFIX_BS), cfg, [2])
+    return driven(PagePool(num_pages, PREFIX_BS), cfg, [2])
 
 
-def assert_empty(s: Scheduler) -> None:
+def assert_empty(s: Driven) -> None:
     s.check_integrity()
     assert s.pool.num_used == 0 and not s.requests
     if s.host is not None:

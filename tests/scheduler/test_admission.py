@@ -7,14 +7,15 @@ import random
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import driven
 from tests.fake_executor import drive, make_request
 from tests.scheduler.helpers import assert_empty, new_scheduler
 
 
 def test_chunked_prefill_respects_token_budget_and_finishes_everything():
     pool = PagePool(num_pages=200, block_size=16)
-    s = Scheduler(pool, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512), [2])
+    s = driven(pool, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512), [2])
     rng = random.Random(0)
     for i in range(20):
         s.add(make_request(i, rng.randint(1, 300), rng.randint(1, 40)))

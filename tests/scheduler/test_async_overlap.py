@@ -69,8 +69,8 @@ def _run(seed: int, overlap: bool, shared: bool = False, **sched) -> dict:
     def process(result):
         outs = original(result)
         for r in reqs:  # the tokens process streamed (forks share their parent's stream), then the finals
-            while not r.queue.empty():
-                see(r.group, r.queue.get_nowait())
+            while not r.outbox.empty():
+                see(r.group, r.outbox.get_nowait())
         for req, out in outs:
             see(req.group, out)
         return outs

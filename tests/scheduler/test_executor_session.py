@@ -36,7 +36,7 @@ def test_rejected_plan_resends_its_swaps_alone_and_first():
 def test_a_request_the_executor_keeps_rejecting_fails_alone():
     """Plans with swaps in them are rejected because of one request: its plans fail three times and it
     is aborted; the rejected page operations still run (resent alone) and nothing else fails."""
-    from scheduler_svc.executor_session import MAX_PLAN_RETRIES
+    from scheduler_svc.step_stream import MAX_PLAN_RETRIES
 
     s = new_scheduler(pages=9, hot=0, cold=0, seqs=4)
     reqs = [make_request(i, 12, 12, prompt=[80 + i] * 12) for i in range(4)]
@@ -62,7 +62,7 @@ def test_a_request_the_executor_keeps_rejecting_fails_alone():
 
 
 def test_page_operations_rejected_again_and_again_end_the_executor_session():
-    from scheduler_svc.executor_session import PlanLoopError
+    from scheduler_svc.step_stream import PlanLoopError
 
     s = new_scheduler(pages=9, hot=0, cold=0)
     for i in range(3):
@@ -109,7 +109,7 @@ def test_counters_survive_a_new_pool_geometry():
     swaps = (s.counters.pages_swapped_out, s.counters.pages_swapped_in)
     assert swaps[0] > 0
     s.fail_all("executor restarted")
-    s.reset_pool(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
+    s.reconnected(20, BS, num_host_pages=10, costs=CHEAP_SWAP)
     assert (s.counters.pages_swapped_out, s.counters.pages_swapped_in) == swaps and s.host.num_pages == 10
 
 
@@ -127,7 +127,7 @@ def test_drained_forgets_plans_its_closed_stream_never_answered():
     assert not s.live_requests()
     s.drained()
     assert not s.session.in_flight
-    s.forget_cached_pages()  # another process answers at the address
+    s.reconnected(kept=False)  # another process answers at the address
     r2 = make_request(2, 6, 5)
     s.add(r2)
     done = drive(s, max_steps=200, executor=FakeExecutor(BS))

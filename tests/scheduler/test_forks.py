@@ -5,7 +5,8 @@ seats before it forks."""
 from __future__ import annotations
 
 from scheduler_svc.pages import PagePool
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import Driven, driven
 from tests.fake_executor import drive, make_request
 from tests.scheduler.helpers import new_prefix_scheduler as new_scheduler
 
@@ -35,7 +36,7 @@ def test_fork_shares_pages_and_copies_the_partial_last_page():
     assert s.pool.num_used == 0
 
 
-def _forked(s: Scheduler, prompt_len: int = 10, n: int = 2):
+def _forked(s: Driven, prompt_len: int = 10, n: int = 2):
     from tests.fake_executor import fake_result
 
     parent = make_request(0, 0, 4, prompt=list(range(3, 3 + prompt_len)), n=n)
@@ -48,7 +49,7 @@ def _forked(s: Scheduler, prompt_len: int = 10, n: int = 2):
 def test_rejected_plan_keeps_its_page_copies():
     from pagedkv.executor.v1 import executor_pb2 as pb
 
-    s = Scheduler(PagePool(40, 4), SchedulerConfig(max_model_len=64), [2])
+    s = driven(PagePool(40, 4), SchedulerConfig(max_model_len=64), [2])
     parent, plan, known, fake_result = _forked(s)
     s.process(fake_result(plan, known))
     plan, _ = s.schedule()

@@ -7,13 +7,14 @@ import pytest
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish, Status
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import driven
 from tests.fake_executor import fake_result, make_request
 
 
 def test_continuing_requests_send_only_appended_pages():
     pool = PagePool(num_pages=50, block_size=4)
-    s = Scheduler(pool, SchedulerConfig(max_model_len=512), [2])
+    s = driven(pool, SchedulerConfig(max_model_len=512), [2])
     s.add(make_request(0, 7, 10))
     known: dict[str, list] = {}
     plan, _ = s.schedule()
@@ -29,7 +30,7 @@ def test_continuing_requests_send_only_appended_pages():
 
 def test_abort_frees_pages_at_the_next_step():
     pool = PagePool(num_pages=50, block_size=16)
-    s = Scheduler(pool, SchedulerConfig(max_model_len=512), [2])
+    s = driven(pool, SchedulerConfig(max_model_len=512), [2])
     r = make_request(0, 40, 100)
     s.add(r)
     known: dict[str, list] = {}

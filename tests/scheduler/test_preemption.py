@@ -14,14 +14,15 @@ import pytest
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts, PreemptionPolicy
 from scheduler_svc.request import Finish, Status
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.driven import driven
 from tests.fake_executor import FakeExecutor, drive, make_request
 from tests.scheduler.helpers import BS, CHEAP_SWAP, assert_empty, new_scheduler
 
 
 def test_preemption_picks_the_newest_and_everything_still_finishes():
     pool = PagePool(num_pages=10, block_size=4)
-    s = Scheduler(pool, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40, watermark=0),
+    s = driven(pool, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40, watermark=0),
                   [2])
     reqs = [make_request(i, 6, 20) for i in range(4)]
     for r in reqs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from scheduler_svc.prefix_cache import page_hash, tenant_root
-from scheduler_svc.scheduler import Scheduler
+from tests.driven import Driven
 from tests.fake_executor import drive, make_request
 from tests.scheduler.helpers import PREFIX_BS as BS
 from tests.scheduler.helpers import new_prefix_scheduler as new_scheduler
@@ -21,7 +21,7 @@ def test_hash_chain_is_salted_by_tenant_and_tags_extra_keys():
     assert page_hash(page_hash(a, toks), toks) != page_hash(a, toks)  # the chain carries the parent
 
 
-def run_one(s: Scheduler, i: int, prompt: list[int], tenant: str = "default", max_tokens: int = 4):
+def run_one(s: Driven, i: int, prompt: list[int], tenant: str = "default", max_tokens: int = 4):
     req = make_request(i, 0, max_tokens, prompt=prompt, tenant=tenant)
     s.add(req)
     before = s.counters.computed_tokens

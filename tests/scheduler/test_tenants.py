@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.fairness import WaitQueue
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish, Status
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants, Unauthenticated, hash_key
+from scheduler_svc.wait_queue import WaitQueue
+from tests.driven import Driven, driven
 from tests.fake_executor import FakeExecutor, drive, make_request
 from tests.scheduler.helpers import BS, assert_empty, new_scheduler
 
@@ -115,17 +116,17 @@ def test_vtc_serves_the_tenant_with_least_weighted_service():
     assert fcfs.head().arrival == 0
 
 
-def two_tenants(a: Tenant, b: Tenant, pages: int = 24, seqs: int = 8, fair: bool = True) -> Scheduler:
+def two_tenants(a: Tenant, b: Tenant, pages: int = 24, seqs: int = 8, fair: bool = True) -> Driven:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=64, max_model_len=96, watermark=0,
                           fairness=fair)
-    return Scheduler(PagePool(pages, BS), cfg, [2], tenants=Tenants([a, b]))
+    return driven(PagePool(pages, BS), cfg, [2], tenants=Tenants([a, b]))
 
 
 def test_a_capacity_is_never_negative_and_a_request_that_cannot_fit_ends_with_the_limit_named():
     """Tenants made in code are not fitted to the pool (no file to resolve): b reserves 40 of 24 pages. a's
     capacity is 0, not -16, and a's request ends at once with an error that names what a can hold."""
     s = two_tenants(Tenant("a"), Tenant("b", reserved_pages=40), pages=24)
-    assert (s.tenant_capacity("a"), s.tenant_capacity("b")) == (0, 24)
+    assert (s.fit_limits("a").capacity, s.fit_limits("b").capacity) == (0, 24)
     req = make_request(0, 8, 4, tenant="a")
     s.add(req)
     _, outputs = s.schedule()

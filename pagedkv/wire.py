@@ -1,0 +1,21 @@
+"""What both ends of the scheduler ⇄ executor link agree on, each fact defined once (executor.proto holds the
+messages; these are the values outside them)."""
+
+# The link's version (DescribeResponse.protocol): raised when either end would misread the other's messages.
+# 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
+EXECUTOR_PROTOCOL = 2
+
+# Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
+# its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and
+# starts any other session from zeroed pages.
+SESSION_HEADER = "x-pagedkv-session"
+# The executor's answer, in Run's initial metadata: PAGES_KEPT (this session's pages as they were) or PAGES_FRESH
+# (zeroed: another session attached meanwhile). The scheduler reads anything else as fresh: forgetting its prefix
+# cache is always safe.
+PAGES_HEADER = "x-pagedkv-pages"
+PAGES_KEPT = "kept"
+PAGES_FRESH = "fresh"
+
+# A page-table entry whose page left the request's table (outside its attention window): NewRequest.page_ids
+# carries it; the executor's attention reads such an entry as page 0 and masks it, and no step writes it.
+DROPPED_PAGE = -1

@@ -1,0 +1,21 @@
+"""The scheduling settings of one scheduler process (every executor's planner has the same)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.policy import PreemptionConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    watermark: float = 0.01  # share of pages kept free when admitting new requests
+    enable_prefix_caching: bool = True
+    fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
+    sliding_window: int = 0  # serve every request with attention over sink + the last N tokens (0: off)
+    sink_tokens: int = 0
+    model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
