@@ -161,7 +161,7 @@ def groups_vs_one(repeats: int) -> None:
     import random
 
     from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
-    from executor_svc.runner import _group_by_length, _padded_tables
+    from executor_svc.batch import group_by_length, padded_tables
 
     rng, g = random.Random(0), torch.Generator().manual_seed(1)
     heads, kv_heads, dim, bs, n = 8, 4, 32, 16, 256
@@ -176,9 +176,9 @@ def groups_vs_one(repeats: int) -> None:
     empty = torch.zeros(0, dtype=torch.long)
 
     def meta(slack: float) -> AttentionMetadata:
-        decodes = [DecodeGroup(torch.tensor(m), _padded_tables([tables[i] for i in m], w, torch.device("cpu")),
+        decodes = [DecodeGroup(torch.tensor(m), padded_tables([tables[i] for i in m], w, torch.device("cpu")),
                                torch.tensor([lens[i] for i in m]))
-                   for m, w in _group_by_length([len(t) for t in tables], slack)]
+                   for m, w in group_by_length([len(t) for t in tables], slack)]
         return AttentionMetadata(empty, empty, decodes, [])
     metas = {"length groups": meta(1.25), "one group": meta(float("inf"))}
     attention = TorchPagedAttention(heads, kv_heads, dim, dim ** -0.5)

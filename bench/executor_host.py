@@ -73,7 +73,10 @@ def measure(n: int, steps: int, sampling: str = "greedy") -> dict[str, float]:
             parts[name].append(time.perf_counter() - t)
             return out
         return wrapper
-    runner._apply = timed("apply", runner._apply)
+    if hasattr(runner, "mirror"):  # (the plan check: RequestMirror.apply; runner._apply before #30)
+        runner.mirror.apply = timed("apply", runner.mirror.apply)
+    else:
+        runner._apply = timed("apply", runner._apply)
     runner._build_batch = timed("prepare", runner._build_batch)
     runner._sample = timed("sample", runner._sample)
     decodes = 0

@@ -342,10 +342,13 @@ def guard_cost(requests: int = 5000, rounds: int = 8) -> dict:
 
     stacks = {"httptools": HttpToolsProtocol, "h11": H11Protocol}
     try:
-        from pagedkv.gateway import bounded_protocol
-    except ImportError:  # a checkout from before the bounds
-        pass
-    else:
+        from pagedkv.gateway.guards import bounded_protocol
+    except ImportError:  # a checkout from before the gateway package, or before the bounds
+        try:
+            from pagedkv.gateway import bounded_protocol
+        except ImportError:
+            bounded_protocol = None
+    if bounded_protocol is not None:
         stacks["httptools + bounds"] = bounded_protocol(Quiet())
 
     async def run() -> dict:

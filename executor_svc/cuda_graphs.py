@@ -22,11 +22,11 @@ exercise the bucket choice, padding, buffer filling and un-padding without a GPU
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
+from executor_svc.batch import DecodeRow
 from executor_svc.tensors import long_tensor
 
 Forward = Callable[[], torch.Tensor]  # runs the model on the static buffers, returns logits [bucket, vocab]
@@ -69,19 +69,6 @@ def graph_blocker(model, pool) -> str | None:
     if cfg.moe is not None:
         return "MoE layers (expert routing depends on the values)"
     return None
-
-
-@dataclass(slots=True)
-class DecodeRow:
-    """One decode of the step, as the static buffers take it."""
-
-    token: int
-    position: int
-    slot_page: int
-    slot_offset: int
-    table: list[int]  # pages of positions [0, position], dropped ones already read as page 0
-    sink: int = 0
-    window: int = 0
 
 
 class StaticDecodeBatch:

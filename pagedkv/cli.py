@@ -58,7 +58,7 @@ def serve(args) -> int:
 def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) -> int:
     """Runs the two children under pagedkv.supervisor (signals, restarts, ordered shutdown)."""
     from pagedkv import logs
-    from pagedkv.gateway import serve_child_command
+    from pagedkv.gateway.cli import serve_child_command
     from pagedkv.supervisor import ChildSpec, HealthProbe, ListeningProbe, Supervisor, executor_secret_file
 
     log = logs.configure("serve", json=logs.wants_json(args.log_format))
@@ -130,7 +130,7 @@ def health(args) -> int:
     """Exit 0 when the server at --address answers SERVING, or with --http when GET URL answers 200 (the
     gateway's /health), for container health checks."""
     if args.http:
-        from pagedkv.gateway import check_http
+        from pagedkv.gateway.cli import check_http
 
         ok, said = check_http(args.http, args.tls_ca, args.tls_server_name, args.timeout)
         print(said, file=sys.stdout if ok else sys.stderr)
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start one scheduler and one executor serving a model on this machine",
                        description=SERVE_DESCRIPTION)
     p.set_defaults(forwarded=add_serve_args(p))
-    from pagedkv.gateway import add_serve_args as add_gateway_serve_args
+    from pagedkv.gateway.cli import add_serve_args as add_gateway_serve_args
 
     add_gateway_serve_args(p)  # --http-port
     p = sub.add_parser("scheduler", help="run the scheduler service alone (public API, KV page owner)")
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_client_args(p)
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, "
                        "/v1/models; SSE streaming) of a running scheduler")
-    from pagedkv.gateway import add_args as add_gateway_args
+    from pagedkv.gateway.cli import add_args as add_gateway_args
 
     add_gateway_args(p)
     p = sub.add_parser("gen-certs", help="write a CA, a server certificate and key (and an executor secret) for TLS")
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
     if args.command == "gateway":
-        from pagedkv.gateway import main as gateway
+        from pagedkv.gateway.cli import main as gateway
 
         return gateway(args)
     if args.command == "bench":

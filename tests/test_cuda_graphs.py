@@ -9,9 +9,9 @@ import argparse
 import pytest
 import torch
 
+from executor_svc.batch import DecodeRow
 from executor_svc.cuda_graphs import (
     DecodeGraphs,
-    DecodeRow,
     StaticDecodeBatch,
     bucket_for,
     decode_buckets,

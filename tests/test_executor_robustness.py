@@ -201,14 +201,14 @@ def bad_plans() -> list[tuple[str, pb.StepPlan]]:
 
 def test_validation_accepts_the_limits_themselves():
     """The edges are valid: the last vocabulary id, the last position, top_p 1, temperature 0 (checked on the
-    runner alone: _apply accepting the plan is the point, no forward is needed)."""
+    runner alone: its mirror accepting the plan is the point, no forward is needed)."""
     dev, host, _ = pools("cpu", num_pages=200, num_host=0, dtype=torch.float32)
     cfg = type("C", (), {"vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS})()
     runner = ModelRunner(type("M", (), {"cfg": cfg})(), dev, attention=None, device=torch.device("cpu"),
                          host_pool=host)
     edge = new_request("e", [VOCAB - 1] * MAX_POSITIONS, list(range(MAX_POSITIONS // BLOCK)),
                        computed=MAX_POSITIONS - 1, top_p=1.0, temperature=0.0)
-    scheduled = runner._apply(pb.StepPlan(step_id=1, new_requests=[edge]))
+    scheduled = runner.mirror.apply(pb.StepPlan(step_id=1, new_requests=[edge]))
     assert [(s.request_id, s.start, s.count) for s in scheduled] == [("e", MAX_POSITIONS - 1, 1)]
 
 

@@ -15,17 +15,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv import gateway_openai as oai
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import ResumePolicy, resumable_generate
-from pagedkv.gateway import GATEWAY_RESUME, MAX_JSON_DEPTH, Gateway, create_app, nests_deeper_than
-from pagedkv.gateway_openai import ApiError, RequestLimits
+from pagedkv.gateway.app import Gateway, create_app
+from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
+from pagedkv.gateway.guards import MAX_JSON_DEPTH, nests_deeper_than
+from pagedkv.gateway.openai_requests import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_PROMPTS,
+    RequestLimits,
+    check_sizes,
+    parse_chat,
+    parse_completion,
+)
+from pagedkv.gateway.openai_responses import Choice, chunk_body, response_body
+from pagedkv.gateway.upstream import GATEWAY_RESUME
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 
 
 # ---- translation -------------------------------------------------------------------------------
 def test_completion_fields_map_to_the_generate_request():
-    plan = oai.parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+    plan = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
                                  "top_k": 40, "seed": 3, "stop": ["\n", "END"], "n": 2, "logprobs": 0,
                                  "user": "u1", "priority": -5, "page_budget": 12, "ignore_eos": True,
                                  "stop_token_ids": [2]}, "cmpl-1")
@@ -39,23 +49,23 @@ def test_completion_fields_map_to_the_generate_request():
 
 
 def test_unset_sampling_stays_unset_and_completion_defaults_to_16_tokens():
-    plan = oai.parse_completion({"model": "m", "prompt": [1, 2, 3]}, "r")
+    plan = parse_completion({"model": "m", "prompt": [1, 2, 3]}, "r")
     s = plan.requests[0].sampling
-    assert list(plan.requests[0].token_ids.ids) == [1, 2, 3] and s.max_tokens == oai.DEFAULT_COMPLETION_MAX_TOKENS
+    assert list(plan.requests[0].token_ids.ids) == [1, 2, 3] and s.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
     assert not any(s.HasField(f) for f in ("temperature", "top_p", "top_k", "seed"))  # the checkpoint's defaults
     assert not s.logprobs and not plan.logprobs
-    chat = oai.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "r")
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "r")
     assert chat.requests[0].sampling.max_tokens == 0  # chat: up to the context
 
 
 def test_several_prompts_are_several_requests():
-    plan = oai.parse_completion({"model": "m", "prompt": ["a", "b", [5, 6]], "n": 2}, "r")
+    plan = parse_completion({"model": "m", "prompt": ["a", "b", [5, 6]], "n": 2}, "r")
     assert [r.WhichOneof("prompt") for r in plan.requests] == ["text", "text", "token_ids"]
     assert [r.request_id for r in plan.requests] == ["r-0", "r-1", "r-2"] and plan.num_choices == 6
 
 
 def test_chat_messages_and_max_completion_tokens():
-    plan = oai.parse_chat({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "top_k": -1,
+    plan = parse_chat({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "top_k": -1,
                            "messages": [{"role": "developer", "content": "be brief"},
                                         {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                      {"type": "text", "text": "b"}]}],
@@ -70,7 +80,7 @@ def test_chat_messages_and_max_completion_tokens():
     ({"prompt": "x"}, "model"),
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": [[1], "a", {}]}, "prompt"),
-    ({"model": "m", "prompt": ["x"] * (oai.MAX_PROMPTS + 1)}, "prompt"),
+    ({"model": "m", "prompt": ["x"] * (MAX_PROMPTS + 1)}, "prompt"),
     ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -86,7 +96,7 @@ def test_chat_messages_and_max_completion_tokens():
 ])
 def test_completion_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
-        oai.parse_completion(body, "r")
+        parse_completion(body, "r")
     assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
 
 
@@ -101,7 +111,7 @@ def test_completion_refusals_name_the_field(body, param):
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
-        oai.parse_chat(body, "r")
+        parse_chat(body, "r")
     assert e.value.status == 400 and e.value.param == param
 
 
@@ -112,7 +122,7 @@ def test_chat_refusals_name_the_field(body, param):
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNKNOWN, 500),
 ])
 def test_grpc_status_maps_to_http(code, status):
-    err = oai.from_grpc(code, "details")
+    err = from_grpc(code, "details")
     assert err.status == status and err.body()["error"]["message"] == "details"
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -121,17 +131,17 @@ def test_resource_exhausted_is_429_with_retry_after_for_a_full_queue_only():
     """gRPC's own refusal of a message over the scheduler's size limit never succeeds: the openai SDK retries a
     429 (three times), so it must not be one (413). A full queue (QUEUE_FULL_PREFIX) is the 429 that clears; any
     other RESOURCE_EXHAUSTED is a 400 (was: 429)."""
-    big = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED,
+    big = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         "SERVER: Received message larger than max (1048700 vs. 196608)")  # gRPC's words
     assert big.status == 413 and big.param == "prompt" and big.retry_after is None and not big.headers()
     assert "1048700" in big.message and "196608" in big.message and big.message.startswith("prompt: ")
-    chat = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (9 vs. 8)",
+    chat = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (9 vs. 8)",
                          chat=True)
     assert chat.status == 413 and chat.param == "messages"
-    full = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 64 requests waiting")
-    assert full.status == 429 and full.headers() == {"retry-after": str(oai.RETRY_AFTER_S)}
+    full = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 64 requests waiting")
+    assert full.status == 429 and full.headers() == {"retry-after": str(RETRY_AFTER_S)}
     assert full.body()["error"]["type"] == "rate_limit_error"
-    other = oai.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant over its limits")  # no retry cures it
+    other = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant over its limits")  # no retry cures it
     assert other.status == 400 and not other.headers() and other.body()["error"]["type"] == "invalid_request_error"
 
 
@@ -163,13 +173,13 @@ def test_request_limits_default_to_the_schedulers():
 ])
 def test_prompt_sizes_are_checked_before_sending(body, param):
     limits = RequestLimits(max_model_len=64, prompt_bytes=1000, body_bytes=10_000)
-    plan = oai.parse_chat(body, "r") if "messages" in body else oai.parse_completion(body, "r")
+    plan = parse_chat(body, "r") if "messages" in body else parse_completion(body, "r")
     with pytest.raises(ApiError) as e:
-        oai.check_sizes(plan, limits)
+        check_sizes(plan, limits)
     assert e.value.status == 400 and e.value.param == param
     assert "1000" in e.value.message or "max_model_len=64" in e.value.message
-    oai.check_sizes(oai.parse_completion({"model": "m", "prompt": ["x" * 1000, [1] * 63]}, "r"), limits)
-    oai.check_sizes(oai.parse_chat({"model": "m", "messages": [{"role": "user", "content": "\u00e9" * 500}]}, "r"),
+    check_sizes(parse_completion({"model": "m", "prompt": ["x" * 1000, [1] * 63]}, "r"), limits)
+    check_sizes(parse_chat({"model": "m", "messages": [{"role": "user", "content": "\u00e9" * 500}]}, "r"),
                     limits)
 
 
@@ -213,13 +223,13 @@ def test_nesting_scan_is_never_shallower_than_what_json_loads_reaches():
 
 
 def test_scheduler_field_names_become_openai_params():
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: -1; must be").param == "temperature"
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n: 20; must be").param == "n"
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 900 tokens; must").param == "prompt"
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat.messages[0].role: x", chat=True
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: -1; must be").param == "temperature"
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n: 20; must be").param == "n"
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 900 tokens; must").param == "prompt"
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat.messages[0].role: x", chat=True
                          ).param == "messages"
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "priority: 5000; must").param == "priority"
-    assert oai.from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "no field here").param is None
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "priority: 5000; must").param == "priority"
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "no field here").param is None
 
 
 def _msg(index=0, text="", ids=(), lps=(), finish=0, prompt=0, completion=0, cached=0) -> api.GenerateResponse:
@@ -231,13 +241,13 @@ def _msg(index=0, text="", ids=(), lps=(), finish=0, prompt=0, completion=0, cac
 
 
 def test_response_bodies_count_the_prompt_once_per_prompt():
-    plan = oai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2, "logprobs": 0}, "r")
-    choices = [oai.Choice() for _ in range(4)]
+    plan = parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2, "logprobs": 0}, "r")
+    choices = [Choice() for _ in range(4)]
     for i, c in enumerate(choices):
         c.add(_msg(text=f"t{i}", ids=[i], lps=[-0.5]))
         c.add(_msg(finish=api.FINISH_REASON_LENGTH if i else api.FINISH_REASON_STOP, prompt=3 + i // 2,
                    completion=1, cached=1))
-    body = oai.response_body(plan, "r", 1, "m", choices)
+    body = response_body(plan, "r", 1, "m", choices)
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
                              "prompt_tokens_details": {"cached_tokens": 2}}
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length", "length", "length"]
@@ -246,11 +256,11 @@ def test_response_bodies_count_the_prompt_once_per_prompt():
 
 
 def test_chat_chunks_have_openai_shape():
-    plan = oai.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+    plan = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
                            "stream_options": {"include_usage": True}}, "c")
-    role = oai.chunk_body(plan, "c", 1, "m", 0, None, role=True)
+    role = chunk_body(plan, "c", 1, "m", 0, None, role=True)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and role["usage"] is None
-    last = oai.chunk_body(plan, "c", 1, "m", 0, "", finish_reason="stop")
+    last = chunk_body(plan, "c", 1, "m", 0, "", finish_reason="stop")
     assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert last["object"] == "chat.completion.chunk"
 
@@ -453,7 +463,7 @@ def test_app_max_streams_counts_prompts_times_n():
     assert status == 400 and error["param"] == "n" and "9 streams" in error["message"] and "8" in error["message"]
     gateway.active = 3  # three streams being answered
     status, headers, data = asyncio.run(asgi(app, "/v1/completions", _body(prompt=["a", "b"], n=3)))
-    assert status == 429 and headers[b"retry-after"] == str(oai.RETRY_AFTER_S).encode()
+    assert status == 429 and headers[b"retry-after"] == str(RETRY_AFTER_S).encode()
     assert "--max-streams" in json.loads(data)["error"]["message"] and not up.requests
     up.scripts = [[_msg(index=i, text="t", ids=[1], finish=1, prompt=1, completion=1) for i in range(5)]]
     status, _, data = asyncio.run(asgi(app, "/v1/completions", _body(n=5)))  # 3 + 5 = 8: fits
@@ -521,7 +531,7 @@ def test_a_full_queue_is_a_429_at_once_and_waited_out_mid_stream():
     full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{QUEUE_FULL_PREFIX}tenant a has 2 requests waiting")
     up = FakeUpstream([full], resume=GATEWAY_RESUME)
     status, headers, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
-    assert status == 429 and headers[b"retry-after"] == str(oai.RETRY_AFTER_S).encode() and len(up.requests) == 1
+    assert status == 429 and headers[b"retry-after"] == str(RETRY_AFTER_S).encode() and len(up.requests) == 1
     assert json.loads(data)["error"]["type"] == "rate_limit_error"
     up = FakeUpstream([_seeded(_msg(text="a", ids=[1]), 3), rpc_error(grpc.StatusCode.UNAVAILABLE, "gone")], [full],
                       [_msg(text="b", ids=[2], finish=2, prompt=1, completion=2)], resume=GATEWAY_RESUME)
@@ -549,7 +559,7 @@ def test_app_merges_several_prompts_by_choice_index():
 def test_serve_child_command(monkeypatch):
     import argparse
 
-    from pagedkv.gateway import serve_child_command
+    from pagedkv.gateway.cli import serve_child_command
 
     args = argparse.Namespace(http_port=0, host="0.0.0.0", port=50051, shutdown_timeout=30.0, log_format="json",
                               tls_cert="", tls_key="")
@@ -571,7 +581,7 @@ def test_serve_child_command(monkeypatch):
 
 
 def test_check_http_refuses_what_is_not_an_http_url():
-    from pagedkv.gateway import check_http
+    from pagedkv.gateway.cli import check_http
 
     with pytest.raises(ValueError, match="--http"):
         check_http("127.0.0.1:8000/health")

@@ -357,7 +357,7 @@ def test_generate_and_the_gateway_resume_by_default():
     gateway's: the same, except that a full queue before anything was sent is passed on (its 429)."""
     from pagedkv.cli import build_parser
     from pagedkv.client import DEFAULT_RESUME, resume_policy
-    from pagedkv.gateway import GATEWAY_RESUME
+    from pagedkv.gateway.upstream import GATEWAY_RESUME
 
     parse = build_parser().parse_args
     assert resume_policy(parse(["generate", "hi"])) == DEFAULT_RESUME == ResumePolicy()

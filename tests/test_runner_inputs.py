@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor_svc.runner import _group_by_length, _padded_tables
+from executor_svc.batch import group_by_length, padded_tables
 from executor_svc.tensors import long_tensor
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -34,13 +34,13 @@ def test_long_tensor_keeps_its_values_after_the_list_is_gone():
 def test_padded_tables_equal_padding_by_hand(tables, extra):
     width = max(len(t) for t in tables) + extra
     want = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    assert torch.equal(_padded_tables(tables, width, torch.device("cpu")), want)
+    assert torch.equal(padded_tables(tables, width, torch.device("cpu")), want)
 
 
 @given(st.lists(st.integers(1, 200), max_size=60))
 def test_decode_groups_cover_each_decode_once(num_pages):
     for slack in (1.25, 2.0, math.inf):
-        groups = _group_by_length(num_pages, slack)
+        groups = group_by_length(num_pages, slack)
         members = sorted(i for m, _ in groups for i in m)
         assert members == list(range(len(num_pages)))
         for m, width in groups:

@@ -1,7 +1,6 @@
-"""OpenAI's HTTP API <-> pagedkv.api.v1, as pure functions: a request body becomes GenerateRequests (or an
-ApiError naming the field), their prompts are checked against the scheduler's size limits (RequestLimits),
-GenerateResponse messages become OpenAI bodies and stream chunks, a gRPC status becomes an OpenAI error with its
-HTTP status. pagedkv/gateway.py serves them.
+"""OpenAI requests -> pagedkv.api.v1, as pure functions: a request body becomes GenerateRequests (a ``Plan``, or
+an ApiError naming the field), and their prompts are checked against the scheduler's size limits
+(``RequestLimits``). The answers go back through openai_responses.py; app.py serves both.
 
 Translation (OpenAI field -> GenerateRequest):
   prompt (str | [str, ...] | [int, ...] | [[int, ...], ...]) -> text / token_ids, one request per prompt
@@ -15,22 +14,17 @@ Translation (OpenAI field -> GenerateRequest):
 from __future__ import annotations
 
 import math
-import re
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-
-import grpc
+from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.grpc_common import QUEUE_FULL_PREFIX
+from pagedkv.gateway.errors import ApiError, bad
 from scheduler_svc.validation import InvalidRequest, check_text_bytes, default_max_prompt_bytes, max_message_bytes
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
 MAX_USER_CHARS = 256
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-FINISH = {api.FINISH_REASON_STOP: "stop", api.FINISH_REASON_LENGTH: "length", api.FINISH_REASON_ABORT: "abort"}
 # Fields we cannot honour: refused (400, naming the field) unless absent or at their neutral value.
 UNSUPPORTED_UNLESS_NEUTRAL = {
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -38,85 +32,6 @@ UNSUPPORTED_UNLESS_NEUTRAL = {
     "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
     "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
 }
-
-
-class ApiError(Exception):
-    """An OpenAI error body with its HTTP status (and, for a limit that clears, how long to wait: Retry-After)."""
-
-    TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
-             429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}  # other 4xx: invalid_request_error
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
-
-    @property
-    def type(self) -> str:
-        default = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
-        return self.TYPES.get(self.status, default)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        return {"retry-after": str(self.retry_after)} if self.retry_after is not None else {}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
-
-
-# ---- gRPC status -> HTTP ------------------------------------------------------------------------
-GRPC_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, None), grpc.StatusCode.FAILED_PRECONDITION: (400, None),
-    grpc.StatusCode.OUT_OF_RANGE: (400, None), grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_api_key"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, None), grpc.StatusCode.NOT_FOUND: (404, None),
-    grpc.StatusCode.ALREADY_EXISTS: (409, None), grpc.StatusCode.UNAVAILABLE: (503, None),
-    grpc.StatusCode.CANCELLED: (503, None), grpc.StatusCode.DEADLINE_EXCEEDED: (504, None),
-}  # RESOURCE_EXHAUSTED: 429, 413 or 400, by its message (from_grpc)
-RETRY_AFTER_S = 1  # a 429's Retry-After: queue and stream limits clear as requests start and end
-# gRPC's own words when a message is over a channel's size limit (received by the scheduler, or sent by us)
-_TOO_LARGE = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
-# The scheduler's field names (before ':' in its messages) -> OpenAI's
-_PROTO_PARAMS = {"prompt": "prompt", "text": "prompt", "token_ids": "prompt", "chat": "messages",
-                 "request_id": "x-request-id"}
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
-
-
-def param_of(details: str, chat: bool) -> str | None:
-    m = _FIELD.match(details or "")
-    if not m:
-        return None
-    name = m.group(1).split("[")[0]
-    head = name.split(".")[0]
-    if head == "sampling":
-        return name.split(".")[1] if "." in name else None
-    if head in ("prompt", "text", "token_ids", "chat"):
-        return "messages" if chat else "prompt"
-    return _PROTO_PARAMS.get(head, head)
-
-
-def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiError:
-    """The scheduler's refusal in OpenAI's terms. RESOURCE_EXHAUSTED means two things: a queue bound reached, a
-    limit that clears as requests start and end (its message starts with QUEUE_FULL_PREFIX: 429 with Retry-After,
-    the one status clients retry), and anything else, which a retry cannot cure: gRPC's own refusal of a message
-    over the scheduler's size limit (413), or another limit (400)."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if (details or "").startswith(QUEUE_FULL_PREFIX):
-            return ApiError(429, details, code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
-        too_large = _TOO_LARGE.search(details or "")
-        if too_large:
-            field = "messages" if chat else "prompt"
-            return ApiError(413, f"{field}: the request is {too_large.group(1)} bytes on the wire; the scheduler "
-                            f"takes at most {too_large.group(2)} (its --max-prompt-bytes of text or a full context "
-                            "of token ids, plus a resume's token ids and 64 KiB)", param=field,
-                            code="request_too_large")
-        return ApiError(400, details or code.name, code="resource_exhausted")
-    status, err_code = GRPC_STATUS.get(code, (500, None))
-    param = param_of(details, chat) if status == 400 else None
-    return ApiError(status, details or code.name, param=param, code=err_code or code.name.lower())
 
 
 # ---- field readers -------------------------------------------------------------------------------
@@ -386,90 +301,3 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
                 raise ApiError(400, f"messages: contents of {more}{size} bytes of UTF-8; at most "
                                f"{limits.prompt_bytes} in all (--max-prompt-bytes; send fewer or shorter messages)",
                                param="messages", code="prompt_too_long")
-
-
-# ---- responses -----------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Choice:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, msg: api.GenerateResponse) -> None:
-        self.text += msg.text
-        self.token_ids.extend(msg.token_ids)
-        self.logprobs.extend(msg.logprobs)
-        if msg.finish_reason:
-            self.finish_reason = FINISH.get(msg.finish_reason, "stop")
-            u = msg.usage
-            self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
-                u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-
-
-def token_name(token_id: int, token_text: Callable[[int], str] | None = None) -> str:
-    """How a token is named in logprobs: its text with a tokenizer (--tokenizer), else ``token_id:N`` (vLLM's
-    return_tokens_as_token_ids)."""
-    return token_text(token_id) if token_text else f"token_id:{token_id}"
-
-
-def logprobs_body(chat: bool, token_ids, logprobs, token_text: Callable[[int], str] | None = None) -> dict:
-    names = [token_name(t, token_text) for t in token_ids]
-    if chat:
-        return {"content": [{"token": name, "logprob": lp, "bytes": list(name.encode()) if token_text else None,
-                             "top_logprobs": []} for name, lp in zip(names, logprobs)], "refusal": None}
-    return {"tokens": names, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
-
-
-def usage_body(choices: list[Choice], num_prompts: int, n: int) -> dict:
-    """Prompt tokens once per prompt (forks share the prompt), completion tokens of every fork."""
-    prompt = sum(choices[p * n].prompt_tokens for p in range(num_prompts))
-    cached = sum(choices[p * n].cached_tokens for p in range(num_prompts))
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[Choice]) -> dict:
-    """The non-streamed answer."""
-    out = []
-    for i, c in enumerate(choices):
-        lp = logprobs_body(plan.chat, c.token_ids, c.logprobs, plan.token_text) if plan.logprobs else None
-        if plan.chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None,
-                                                 "tool_calls": []},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
-        else:
-            out.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-    return {"id": rid, "object": "chat.completion" if plan.chat else "text_completion", "created": created,
-            "model": model, "choices": out, "usage": usage_body(choices, len(plan.requests), plan.n),
-            "system_fingerprint": None}
-
-
-def chunk_body(plan: Plan, rid: str, created: int, model: str, index: int, text: str | None,
-               token_ids=(), logprobs=(), finish_reason: str | None = None, role: bool = False) -> dict:
-    """One SSE chunk for one choice."""
-    lp = logprobs_body(plan.chat, token_ids, logprobs, plan.token_text) if plan.logprobs and token_ids else None
-    if plan.chat:
-        delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
-    body = {"id": rid, "object": "chat.completion.chunk" if plan.chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "system_fingerprint": None}
-    if plan.include_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(plan: Plan, rid: str, created: int, model: str, choices: list[Choice]) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if plan.chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage_body(choices, len(plan.requests), plan.n),
-            "system_fingerprint": None}
-
-
-def now() -> int:
-    return int(time.time())

@@ -1,0 +1,195 @@
+"""The executor's mirror of the scheduler's per-request state, and the check of every plan against it.
+
+A plan is checked whole against what this executor holds (page ids in range, token ids in the vocabulary, positions
+the model has, pages a step writes not dropped, sampling values finite and in range, no request twice) and only then
+committed: a plan that fails a check changes nothing, and the scheduler resends its requests in full. What it
+commits is each scheduled request's ``Scheduled`` row (state, first position, tokens), in plan order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from executor_svc.sampler import SamplingParams
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.wire import DROPPED_PAGE
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]
+    num_computed: int
+    page_ids: list[int]
+    sampling: SamplingParams
+    num_output: int  # draws made so far: the index of the next draw in the seed stream
+    sink: int = 0  # attention sink + window (0: full attention); dropped pages are DROPPED_PAGE in page_ids
+    window: int = 0
+
+
+class PlanError(Exception):
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One request of a step, in plan order (its index is the plan row)."""
+
+    request_id: str
+    state: RequestState
+    start: int  # first position computed this step
+    count: int
+
+
+def check_sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
+    """The plan's sampling values, refused unless finite and in range (NaN fails every comparison)."""
+    top_p = s.top_p or 1.0  # 0: unset
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        bad = f"sampling.temperature = {s.temperature} (must be finite and >= 0)"
+    elif not 0.0 < top_p <= 1.0:
+        bad = f"sampling.top_p = {s.top_p} (must be in (0, 1])"
+    elif s.top_k < 0:
+        bad = f"sampling.top_k = {s.top_k} (must be >= 0)"
+    else:
+        return SamplingParams(s.temperature, top_p, s.top_k, s.seed, s.logprobs)
+    raise PlanError(f"request {rid}: {bad}", [rid])
+
+
+class RequestMirror:
+    """The requests a scheduler's plans have given this executor, by request id (never by batch), and the limits a
+    plan is checked against: page ids below ``num_pages`` (and ``num_host_pages`` for the host tier), token ids
+    below ``vocab_size`` and positions below ``max_positions`` when known (None: a stand-in model in tests)."""
+
+    def __init__(self, num_pages: int, num_host_pages: int, block_size: int, vocab_size: int | None,
+                 max_positions: int | None) -> None:
+        self.num_pages, self.num_host_pages, self.block_size = num_pages, num_host_pages, block_size
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:
+        for p in page_ids:
+            if dropped_ok and p == DROPPED_PAGE:
+                continue
+            if not 0 <= p < self.num_pages:
+                raise PlanError(f"request {request_id}: page id {p} outside [0, {self.num_pages})",
+                                [request_id])
+
+    def _check_page_ops(self, ops: pb.PageOps) -> None:
+        num_host = self.num_host_pages
+        for name, copies, (src_n, dst_n) in (("swap_out", ops.swap_out, (self.num_pages, num_host)),
+                                            ("swap_in", ops.swap_in, (num_host, self.num_pages)),
+                                            ("copy", ops.copy, (self.num_pages, self.num_pages))):
+            for c in copies:
+                if not (0 <= c.src < src_n and 0 <= c.dst < dst_n):
+                    raise PlanError(f"page_ops.{name}: {c.src} -> {c.dst} outside [0, {src_n}) -> [0, {dst_n})", [])
+
+    def _new_state(self, new: pb.NewRequest) -> RequestState:
+        """A NewRequest checked field by field (nothing of the runner changes)."""
+        rid = new.request_id
+        self._check_pages(rid, new.page_ids, dropped_ok=new.window_tokens > 0)
+        tokens = list(new.token_ids)
+        if tokens and self.vocab_size is not None and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            bad = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
+            raise PlanError(f"request {rid}: token_ids[{bad}] = {tokens[bad]} outside the vocabulary "
+                            f"[0, {self.vocab_size})", [rid])
+        for name in ("num_computed_tokens", "num_output_tokens", "sink_tokens", "window_tokens"):
+            if getattr(new, name) < 0:
+                raise PlanError(f"request {rid}: {name} = {getattr(new, name)} is negative", [rid])
+        return RequestState(
+            token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
+            sampling=check_sampling(rid, new.sampling), num_output=new.num_output_tokens, sink=new.sink_tokens,
+            window=new.window_tokens,
+        )
+
+    def _check_fit(self, rid: str, st: RequestState, n: int, page_at, table: int) -> None:
+        """``n`` tokens from position ``st.num_computed`` must be known, have pages (none dropped among those
+        written) and positions the model has."""
+        start = st.num_computed
+        end = start + n
+        if n <= 0 or end > len(st.token_ids) or -(-end // self.block_size) > table:
+            raise PlanError(f"request {rid}: num_scheduled_tokens {n} from position {start} does not fit "
+                            f"{len(st.token_ids)} known tokens / {table} pages", [rid])
+        if self.max_positions is not None and end > self.max_positions:
+            raise PlanError(f"request {rid}: positions up to {end - 1} reach past the model's "
+                            f"max_position_embeddings {self.max_positions}", [rid])
+        for i in range(start // self.block_size, -(-end // self.block_size)):
+            if page_at(i) == DROPPED_PAGE:
+                raise PlanError(f"request {rid}: page {i} of its table is dropped but this step writes it", [rid])
+
+    def apply(self, plan: pb.StepPlan) -> list[Scheduled]:
+        """Checks the whole plan against what this executor holds, then commits it. A plan that fails a check
+        changes nothing (the scheduler then resends every request of it in full)."""
+        self._check_page_ops(plan.page_ops)
+        scheduled: set[str] = set()
+
+        def once(rid: str) -> None:
+            if rid in scheduled:
+                raise PlanError(f"request {rid} is scheduled twice in step {plan.step_id}", [rid])
+            scheduled.add(rid)
+
+        staged: list[tuple[str, RequestState, int]] = []
+        for new in plan.new_requests:
+            once(new.request_id)
+            state = self._new_state(new)
+            self._check_fit(new.request_id, state, new.num_scheduled_tokens, state.page_ids.__getitem__,
+                            len(state.page_ids))
+            staged.append((new.request_id, state, new.num_scheduled_tokens))
+        forget = set(plan.forget)
+        decodes = list(plan.decodes)  # (read once: each read of a repeated string field builds new str objects)
+        requests = self.requests
+        missing = [c.request_id for c in plan.continuing if c.request_id not in requests or c.request_id in forget]
+        decoding = [requests.get(rid) for rid in decodes]
+        if None in decoding or (forget and not forget.isdisjoint(decodes)):
+            missing += [rid for rid in decodes if rid not in requests or rid in forget]
+        if missing:
+            raise PlanError(f"continuing requests unknown to this executor: {missing}", missing)
+        for c in plan.continuing:
+            once(c.request_id)
+            self._check_pages(c.request_id, c.new_page_ids)
+            st = self.requests[c.request_id]
+            old, added, dropped = len(st.page_ids), c.new_page_ids, set(c.dropped_page_indices)
+            table = old + len(added)
+            if dropped and not st.window:
+                raise PlanError(f"request {c.request_id}: pages dropped but it has no attention window",
+                                [c.request_id])
+            if any(not 0 <= i < table for i in dropped):
+                raise PlanError(f"request {c.request_id}: dropped page index outside its table of {table}",
+                                [c.request_id])
+
+            def page_at(i: int, st=st, old=old, added=added, dropped=dropped) -> int:
+                return DROPPED_PAGE if i in dropped else st.page_ids[i] if i < old else added[i - old]
+
+            self._check_fit(c.request_id, st, c.num_scheduled_tokens, page_at, table)
+        if not scheduled.isdisjoint(decodes) or len(set(decodes)) != len(decodes):
+            for rid in decodes:
+                once(rid)
+        bs, limit = self.block_size, self.max_positions
+        for rid, st in zip(decodes, decoding):  # (the common case inline; _check_fit words a refusal)
+            at = st.num_computed
+            if (at >= len(st.token_ids) or at // bs >= len(st.page_ids) or st.page_ids[at // bs] == DROPPED_PAGE
+                    or (limit is not None and at >= limit)):
+                self._check_fit(rid, st, 1, st.page_ids.__getitem__, len(st.page_ids))
+        # The plan is consistent: commit.
+        for rid in forget:
+            self.requests.pop(rid, None)
+        for rid, state, _ in staged:
+            self.requests[rid] = state
+        for c in plan.continuing:
+            st = self.requests[c.request_id]
+            st.page_ids.extend(c.new_page_ids)
+            for i in c.dropped_page_indices:
+                st.page_ids[i] = DROPPED_PAGE
+        out = [Scheduled(rid, state, state.num_computed, n) for rid, state, n in staged]
+        for c in plan.continuing:
+            st = self.requests[c.request_id]
+            out.append(Scheduled(c.request_id, st, st.num_computed, c.num_scheduled_tokens))
+        out += [Scheduled(rid, st, st.num_computed, 1) for rid, st in zip(decodes, decoding)]
+        return out

@@ -1,0 +1,26 @@
+"""``pagedkv gateway``: an OpenAI-compatible HTTP front (Starlette on uvicorn, SSE streaming) that translates
+to a scheduler's gRPC API.
+
+  POST /v1/completions, POST /v1/chat/completions   (stream: SSE chunks, stream_options.include_usage, [DONE])
+  GET  /v1/models
+  GET  /health        200 while the scheduler answers SERVING, else 503 (readiness)
+  GET  /health/live   200 while the gateway's event loop runs (liveness)
+  GET  /metrics       Prometheus (no tenant data, no keys)
+
+``Authorization: Bearer <key>`` goes to the scheduler as gRPC metadata: the scheduler authenticates the tenant.
+A client that disconnects has its gRPC calls cancelled (the scheduler frees their pages within one step).
+Every size is bounded before work is done: the request head (``--max-header-bytes``, 431) and the time to send
+it (``--header-timeout``) and the body (``--body-timeout``) in the HTTP protocol; the body (``--max-body-bytes``,
+by default the scheduler's request limit) before it is parsed, its JSON nesting before ``json.loads`` recurses,
+each prompt against the scheduler's limits before it is sent, streams (prompts x n) against ``--max-streams``.
+
+The modules, in the order a request meets them:
+
+- ``guards``: the HTTP head/body bounds (in the protocol, before the parser) and the body's size and nesting;
+- ``app``: the routes and ``Gateway``, which checks and translates a request (``openai_requests``: a ``Plan`` of
+  GenerateRequests) and counts the streams;
+- ``upstream``: the scheduler's channel, the caller's credentials as metadata;
+- ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by
+  ``openai_responses``); ``errors``: ApiError and the gRPC status mapping; ``metrics``: the gateway's series;
+- ``cli``: ``pagedkv gateway`` (flags, uvicorn), the ``serve --http-port`` child and ``health --http``.
+"""

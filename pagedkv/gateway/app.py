@@ -1,0 +1,138 @@
+"""The gateway's ASGI app: the routes (``create_app``) and what answers them (``Gateway``): a request checked and
+translated (openai_requests.py), then answered by a ``Generation`` (streaming.py); /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagedkv.gateway import openai_requests as requests
+from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
+from pagedkv.gateway.guards import read_json
+from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
+from pagedkv.gateway.openai_requests import Plan, RequestLimits
+from pagedkv.gateway.streaming import Generation
+from pagedkv.gateway.upstream import Upstream, auth_metadata
+
+DEFAULT_MAX_STREAMS = 1024
+
+
+class Gateway:
+    def __init__(self, upstream: Upstream, log, max_body_bytes: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
+                 token_text=None, max_prompt_bytes: int = 0) -> None:
+        """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of)."""
+        self.upstream, self.log, self.token_text = upstream, log, token_text
+        self.max_body_bytes, self.max_prompt_bytes, self.max_streams = max_body_bytes, max_prompt_bytes, max_streams
+        self.limits: RequestLimits | None = None  # once the scheduler's max_model_len is known
+        self.active = 0  # streams (prompts x n) being answered
+
+    async def request_limits(self, metadata) -> RequestLimits:
+        if self.limits is None:
+            max_model_len = await self.upstream.learned_max_model_len(metadata)
+            self.limits = RequestLimits.of(max_model_len, self.max_prompt_bytes, self.max_body_bytes)
+        return self.limits
+
+    def check_streams(self, plan: Plan) -> None:
+        """--max-streams counts streams, each prompt's n forks: one request may be 32 prompts x n=16 = 512."""
+        streams = plan.num_choices
+        if streams > self.max_streams:
+            raise ApiError(400, f"n: {len(plan.requests)} prompt(s) x n={plan.n} = {streams} streams; this gateway "
+                           f"answers at most {self.max_streams} at once (--max-streams)", param="n")
+        if self.active + streams > self.max_streams:
+            raise ApiError(429, f"this gateway is answering {self.active} streams; {streams} more would pass its "
+                           f"limit of {self.max_streams} (--max-streams); retry later", code="too_many_requests",
+                           retry_after=RETRY_AFTER_S)
+
+    def finished(self, gen: Generation) -> None:
+        self.active -= gen.plan.num_choices
+        STREAMS.dec(gen.plan.num_choices)
+        status = 499 if gen.disconnected else gen.status_code
+        elapsed = time.perf_counter() - gen.started
+        REQUESTS.labels(gen.endpoint, str(status)).inc()
+        LATENCY.labels(gen.endpoint).observe(elapsed)
+        self.log.info("request_finished", request_id=gen.rid, endpoint=gen.endpoint, status=status,
+                      stream=gen.plan.stream, n=gen.plan.n, prompts=len(gen.plan.requests), user=gen.plan.user or None,
+                      completion_tokens=sum(c.completion_tokens for c in gen.choices), seconds=round(elapsed, 4),
+                      client_disconnected=gen.disconnected)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        started = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            metadata = auth_metadata(request)
+            limits = await self.request_limits(metadata)
+            body = await read_json(request, limits, "messages" if chat else "prompt")
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            plan = requests.parse_chat(body, rid) if chat else requests.parse_completion(body, rid)
+            plan.token_text = self.token_text
+            requests.check_sizes(plan, limits)
+            model = await self.upstream.check_model(plan.model, metadata)
+            self.check_streams(plan)
+        except ApiError as err:
+            REQUESTS.labels(endpoint, str(err.status)).inc()
+            self.log.info("request_refused", endpoint=endpoint, status=err.status, error=err.message)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        self.active += plan.num_choices
+        STREAMS.inc(plan.num_choices)
+        return Generation(self.upstream.client, self.finished, plan, rid, model, metadata, endpoint, started)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            info = await self.upstream.model_info(auth_metadata(request))
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        data = [{"id": name, "object": "model", "created": self.upstream.created, "owned_by": "pagedkv",
+                 "root": info.model, "max_model_len": info.max_model_len} for name in self.upstream.names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        ok, status = await self.upstream.serving()
+        if ok:
+            return JSONResponse({"status": "ok", "scheduler": status})
+        return JSONResponse(ApiError(503, f"the scheduler is not serving ({status})").body(), status_code=503)
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = {404: f"{request.url.path}: no such endpoint", 405: f"{request.method} is not allowed on "
+               f"{request.url.path}"}.get(status, str(exc.detail))
+    return JSONResponse(ApiError(status, message).body(), status_code=status, headers=exc.headers)
+
+
+def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
+    routes = [
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/health/live", gateway.live, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        for close in on_shutdown:
+            await close()
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)

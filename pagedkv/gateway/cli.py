@@ -1,0 +1,252 @@
+"""``pagedkv gateway``: its flags, and the process (uvicorn with the HTTP bounds of guards.py); ``pagedkv serve
+--http-port`` starts it as a child; ``pagedkv health --http`` checks it (``check_http``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import replace
+
+from pagedkv.client import add_resume_args, resume_policy
+from pagedkv.gateway.app import DEFAULT_MAX_STREAMS, Gateway, create_app
+from pagedkv.gateway.guards import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    bounded_protocol,
+)
+from pagedkv.gateway.upstream import Upstream
+from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
+
+DEFAULT_PORT = 8000
+# NOTE: uvicorn's default is 5 s, the same as httpx's (the openai SDK's) pool expiry: a request sent on a
+# connection the server was closing that instant failed with a read error (1 of 256 streams in bench/gateway.py).
+DEFAULT_KEEP_ALIVE_S = 75.0
+
+
+def check_http(url: str, tls_ca: str = "", tls_server_name: str = "", timeout: float = 3.0) -> tuple[bool, str]:
+    """``pagedkv health --http URL``: (True, what it said) when GET URL answers 200 (the gateway's /health:
+    it and its scheduler serve). https URLs are verified against ``tls_ca`` (else the system's CAs)."""
+    import http.client
+    import ssl
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--http {url!r}: give an http:// or https:// URL, e.g. https://127.0.0.1:8000/health")
+    if parts.scheme == "https":
+        ctx = ssl.create_default_context(cafile=tls_ca or None)
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port or 443, timeout=timeout, context=ctx)
+        if tls_server_name:  # verify the certificate against this name instead of the URL's host
+            conn = _named_https(parts.hostname, parts.port or 443, timeout, ctx, tls_server_name)
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        r = conn.getresponse()
+        body = r.read(4096).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as err:
+        return False, f"{url}: {err}"
+    finally:
+        conn.close()
+    return r.status == 200, f"{url}: {r.status} {body.strip()}"
+
+
+def _named_https(host: str, port: int, timeout: float, ctx, server_name: str):
+    import http.client
+    import socket
+
+    class Conn(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            sock = socket.create_connection((host, port), timeout)
+            self.sock = ctx.wrap_socket(sock, server_hostname=server_name)
+
+    return Conn(host, port, timeout=timeout, context=ctx)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv.security import add_tls_client_args, add_tls_server_args
+
+    p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"),
+                   help="scheduler HOST:PORT; several comma-separated, or dns:///NAME:PORT, for round robin")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="the model name(s) clients send (repeatable; default: the scheduler's ModelInfo.model)")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="the model's tokenizer directory: logprobs name tokens by their text (default: token_id:N; "
+                   "the gateway then loads no tokenizer)")
+    p.add_argument("--max-body-bytes", type=int, default=0, metavar="N",
+                   help="longest request body, refused with 413 before it is parsed (default: the scheduler's "
+                   "request limit, learned from its max_model_len: --max-prompt-bytes, or a full context of token "
+                   "ids at 5 bytes each, whichever is more, plus 64 KiB; several prompts in one body share it)")
+    p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",
+                   help="longest prompt text, or chat contents together, in UTF-8 bytes, refused with 400 before "
+                   "it is sent; set it to the scheduler's --max-prompt-bytes when that is set (default: the "
+                   f"scheduler's default, {PROMPT_BYTES_PER_TOKEN} bytes per token of its max_model_len, at least "
+                   f"{MIN_PROMPT_BYTES})")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
+                   help="streams answered at once, each prompt's n forks counted (32 prompts x n=16 are 512): a "
+                   "request past it gets 429 with Retry-After, one that alone is over it 400 (default: %(default)s)")
+    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES, metavar="N",
+                   help="longest request head (request line and headers, in all): past it the answer is 431 and "
+                   "the connection closes (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a request's head, from the connection opening or the next "
+                   "request's first byte: past it, 408 and the connection closes (slow clients hold no connection "
+                   "longer; default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a request's body once its head is in: past it, 408 and the "
+                   "connection closes (default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="seconds an idle HTTP/1.1 connection stays open; longer than clients' and load balancers' "
+                   "own idle timeouts, so that they close first (a server closing first races a client reusing it)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight requests get to finish (new connections are refused)")
+    add_resume_args(p, note=" (A full queue before anything was sent is the HTTP client's 429 with Retry-After.)")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
+                   help="auto: readable on a terminal, JSON lines otherwise")
+    add_tls_server_args(p)  # HTTPS on the HTTP side
+    add_tls_client_args(p)  # trust the scheduler's certificate
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGTERM or Ctrl-C: stop accepting, let in-flight requests finish (--shutdown-timeout), exit 0
+            (uvicorn would raise the signal again once drained, so the process would die of it); a second
+            signal stops at once."""
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            # NOTE: an idle keep-alive connection is dropped at once. uvicorn closes it, which over TLS sends
+            # close_notify and waits up to 30 s (asyncio's ssl_shutdown_timeout) for a client that is not reading:
+            # every HTTPS shutdown with an idle client in its pool took the whole --shutdown-timeout.
+            for connection in list(self.server_state.connections):
+                cycle = getattr(connection, "cycle", None)
+                if cycle is None or cycle.response_complete:
+                    connection.transport.abort()
+            await super().shutdown(sockets)
+
+    return Server
+
+
+def load_token_text(path: str):
+    """--tokenizer: a token id -> its text (cached)."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there: {err}") from None
+    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``pagedkv serve --http-port P``: the gateway as a third child of serve."""
+    p.add_argument("--http-port", type=int, default=0, metavar="P",
+                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off); with "
+                   "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
+                   "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
+
+
+def serve_child_command(args) -> list[str] | None:
+    """serve's gateway child (None without --http-port): it dials serve's scheduler on loopback."""
+    if not args.http_port:
+        return None
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    cmd = [sys.executable, "-m", "pagedkv", "gateway", "--address", f"{host}:{args.port}", "--host", args.host,
+           "--port", str(args.http_port), "--shutdown-timeout", str(args.shutdown_timeout),
+           "--log-format", args.log_format]
+    if getattr(args, "max_prompt_bytes", 0):  # the scheduler's, so that the gateway refuses what it would
+        cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
+    if args.tls_cert:
+        ca = os.environ.get("PAGEDKV_TLS_CA", "")
+        if not ca:
+            raise ValueError("--http-port with --tls-cert: set $PAGEDKV_TLS_CA to the CA certificate that signed "
+                             "--tls-cert (pagedkv gen-certs writes it as ca.pem), so the gateway can verify the "
+                             "scheduler")
+        cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", ca]
+    return cmd
+
+
+def check_bounds(args) -> None:
+    for flag, value, lo in (("--max-body-bytes", args.max_body_bytes, 1024),
+                            ("--max-prompt-bytes", args.max_prompt_bytes, 1),
+                            ("--max-header-bytes", args.max_header_bytes, 1024)):
+        if value < 0 or 0 < value < lo:
+            raise ValueError(f"{flag} {value}: at least {lo} (or 0 for the default)")
+    if args.max_streams < 1:
+        raise ValueError(f"--max-streams {args.max_streams}: at least 1")
+    for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{flag} {seconds}: must be > 0")
+
+
+async def serve(args) -> None:
+    import uvicorn
+
+    from pagedkv import logs
+    from pagedkv.security import server_credentials, warn_if_exposed
+
+    log = logs.configure("gateway", json=logs.wants_json(args.log_format))
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # gateway_ready / gateway_stopped say it
+    tls = server_credentials(args.tls_cert, args.tls_key) is not None  # checks the pair now (clear errors)
+    check_bounds(args)
+    resume = resume_policy(args)
+    resume = replace(resume, queue_full_at_start=False) if resume is not None else None  # (as GATEWAY_RESUME)
+    upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name), resume)
+    token_text = await asyncio.to_thread(load_token_text, args.tokenizer) if args.tokenizer else None
+    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text, args.max_prompt_bytes)
+    app = create_app(gateway, on_shutdown=(upstream.close,))
+    protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            ssl_certfile=args.tls_cert or None, ssl_keyfile=args.tls_key or None,
+                            server_header=False)
+    server = _server_class()(config)
+    warn_if_exposed(log, "gateway", args.host, args.port, tls)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        log.info("gateway_ready", address=f"{args.host}:{args.port}", tls=tls, scheduler=args.address,
+                 scheduler_tls=bool(args.tls_ca), models=list(args.served_model_name) or None)
+
+    ready = asyncio.ensure_future(announce())
+    try:
+        await server.serve()
+    finally:
+        ready.cancel()
+    if not server.started:
+        raise OSError(f"--port {args.port}: cannot listen on {args.host}:{args.port} (in use?)")
+    log.info("gateway_stopped")
+
+
+def main(args) -> int:
+    import uvloop
+
+    try:
+        uvloop.run(serve(args))
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # python -m pagedkv.gateway.cli (pagedkv gateway is the same)
+    parser = argparse.ArgumentParser(prog="pagedkv gateway", description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    sys.exit(main(parser.parse_args()))

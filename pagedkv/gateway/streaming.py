@@ -1,0 +1,195 @@
+"""One OpenAI request answered against the scheduler inside the ASGI call (``Generation``): its Generate calls'
+messages merged as they come, and written as one JSON body or as SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from starlette.responses import Response
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.gateway import openai_responses as answers
+from pagedkv.gateway.errors import ApiError, from_grpc
+from pagedkv.gateway.metrics import DISCONNECTS, IN_FLIGHT, RELAY, TTFT
+from pagedkv.gateway.openai_requests import Plan
+
+Event = tuple[int, "api.GenerateResponse | grpc.aio.AioRpcError | None"]  # (prompt index, message | error | end)
+
+
+async def _one(stream: AsyncIterator[api.GenerateResponse]) -> AsyncIterator[Event]:
+    try:
+        async for msg in stream:
+            yield 0, msg
+    except grpc.aio.AioRpcError as err:
+        yield 0, err
+        return
+    yield 0, None
+
+
+async def _merged(streams: list[AsyncIterator[api.GenerateResponse]]) -> AsyncIterator[Event]:
+    """The streams' messages as they come, tagged with the stream's index; each stream ends with None or an
+    error."""
+    if len(streams) == 1:
+        async for event in _one(streams[0]):
+            yield event
+        return
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        async for _, item in _one(stream):
+            queue.put_nowait((i, item))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams):
+            event = await queue.get()
+            if not isinstance(event[1], api.GenerateResponse):
+                ended += 1
+            yield event
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # (their streams closed: their calls cancelled)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class Generation(Response):
+    """Runs one OpenAI request against the scheduler inside the ASGI call, so that it sees the client go away:
+    a disconnect cancels the gRPC calls. The HTTP status waits for every call's first message (or its error),
+    so refusals (400/401/429/503) arrive as statuses even when streaming. ``client``: the scheduler's
+    (pagedkv.client.Client); ``finished(self)`` is called once it is over, whatever happened."""
+
+    def __init__(self, client, finished: Callable[[Generation], None], plan: Plan, rid: str, model: str, metadata,
+                 endpoint: str, started: float) -> None:
+        self.client, self.finished = client, finished
+        self.plan, self.rid, self.model, self.metadata = plan, rid, model, metadata
+        self.endpoint, self.started = endpoint, started
+        self.status_code = 200
+        self.background = None
+        self.choices = [answers.Choice() for _ in range(plan.num_choices)]
+        self.disconnected = False
+        self.streamed_a_token = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(client_gone())
+        work = asyncio.ensure_future(self._run(send))
+        IN_FLIGHT.inc()
+        try:
+            await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self.disconnected = True
+                DISCONNECTS.inc()
+                work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        finally:
+            watcher.cancel()
+            IN_FLIGHT.dec()
+            self.finished(self)
+
+    async def _run(self, send) -> None:
+        # (each a Generate call, resumed on another call if its scheduler goes away: pagedkv.client)
+        calls = [self.client.stream(req, metadata=self.metadata) for req in self.plan.requests]
+        events = _merged(calls)
+        try:
+            first: list[Event] = []
+            waiting = set(range(len(calls)))
+            async for i, item in events:
+                if isinstance(item, grpc.aio.AioRpcError):
+                    err = from_grpc(item.code(), item.details() or "", chat=self.plan.chat)
+                    return await self._send_error(send, err)
+                first.append((i, item))
+                waiting.discard(i)
+                if not waiting:
+                    break
+            if self.plan.stream:
+                await self._stream(send, first, events)
+            else:
+                async for i, item in events:
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        err = from_grpc(item.code(), item.details() or "", chat=self.plan.chat)
+                        return await self._send_error(send, err)
+                    first.append((i, item))
+                for i, item in first:
+                    if item is not None:
+                        self._add(i, item)
+                body = answers.response_body(self.plan, self.rid, answers.now(), self.model, self.choices)
+                await self._send_json(send, 200, body)
+        finally:
+            await events.aclose()
+            for call in calls:
+                await call.aclose()  # (a call still open is cancelled)
+
+    def _add(self, i: int, msg: api.GenerateResponse) -> int:
+        index = i * self.plan.n + msg.index
+        self.choices[index].add(msg)
+        return index
+
+    async def _stream(self, send, first: list[Event], events: AsyncIterator[Event]) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no"), (b"x-request-id", self.rid.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        plan, created = self.plan, answers.now()
+        if plan.chat:
+            for index in range(plan.num_choices):
+                await self._body(send, _sse(answers.chunk_body(plan, self.rid, created, self.model, index, None,
+                                                           role=True)))
+
+        async def rest() -> AsyncIterator[Event]:
+            for event in first:
+                yield event
+            async for event in events:
+                yield event
+
+        async for i, item in rest():
+            read_at = time.perf_counter()
+            if item is None:
+                continue
+            if isinstance(item, grpc.aio.AioRpcError):
+                err = from_grpc(item.code(), item.details() or "", chat=plan.chat)
+                self.status_code = err.status
+                await self._body(send, _sse(err.body()) + b"data: [DONE]\n\n", more=False)
+                return
+            index = self._add(i, item)
+            finish = self.choices[index].finish_reason if item.finish_reason else None
+            if not (item.text or finish or (plan.logprobs and item.token_ids)):
+                continue  # text may be held back (a stop string may start there, a character is not complete)
+            if item.token_ids and not self.streamed_a_token:
+                self.streamed_a_token = True
+                TTFT.observe(time.perf_counter() - self.started)
+            await self._body(send, _sse(answers.chunk_body(plan, self.rid, created, self.model, index, item.text,
+                                                       item.token_ids, item.logprobs, finish)))
+            RELAY.observe(time.perf_counter() - read_at)
+        tail = b""
+        if plan.include_usage:
+            tail = _sse(answers.usage_chunk(plan, self.rid, created, self.model, self.choices))
+        await self._body(send, tail + b"data: [DONE]\n\n", more=False)
+
+    @staticmethod
+    async def _body(send, data: bytes, more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _send_json(self, send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+        self.status_code = status
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                                (b"x-request-id", self.rid.encode()), *extra]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def _send_error(self, send, err: ApiError) -> None:
+        await self._send_json(send, err.status, err.body(), err.headers())

@@ -1,0 +1,93 @@
+"""The scheduler side of the gateway: the gRPC channel to the scheduler(s) (``Upstream``: what it learns from them,
+the model's names and max_model_len, and the health it reports), and the caller's credentials passed on as gRPC
+metadata (``auth_metadata``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import grpc
+from starlette.requests import Request
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.client import DEFAULT_RESUME, ResumePolicy
+from pagedkv.gateway.errors import ApiError, from_grpc
+
+MAX_AUTH_HEADER_CHARS = 4096
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # where clients send keys; only the first is read
+
+# The upstream streams resume as pagedkv.client's do, except that a full queue before anything was sent is passed on
+# (429 with Retry-After: the HTTP client decides when to come back) instead of waited out here.
+GATEWAY_RESUME = replace(DEFAULT_RESUME, queue_full_at_start=False)
+
+
+class Upstream:
+    """The gRPC channel to the scheduler(s) and what the gateway learns from them (the model's name, its
+    max_model_len)."""
+
+    def __init__(self, address: str, tls_ca: str = "", tls_server_name: str = "",
+                 served_names: tuple[str, ...] = (), resume: ResumePolicy | None = GATEWAY_RESUME) -> None:
+        from pagedkv.client import Client
+
+        # NOTE: the client resumes a Generate stream whose scheduler went away (pagedkv.client), so an HTTP client
+        # sees one stream across a scheduler's death or restart.
+        self.client = Client(address, tls_ca=tls_ca, tls_server_name=tls_server_name, resume=resume)
+        self.names: tuple[str, ...] = served_names  # empty: learned from ModelInfo on first use
+        self.max_model_len = 0  # learned from ModelInfo on first use
+        self.created = int(time.time())
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def model_info(self, metadata) -> api.ModelInfoResponse:
+        try:
+            info = await self.client.stub.ModelInfo(api.ModelInfoRequest(), metadata=metadata, timeout=10)
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err.code(), err.details() or "") from None
+        if not self.names:
+            self.names = (info.model,)
+        self.max_model_len = info.max_model_len
+        return info
+
+    async def learned_max_model_len(self, metadata) -> int:
+        """The scheduler's max_model_len, asked once (with the caller's credentials: ModelInfo authenticates)."""
+        if not self.max_model_len:
+            await self.model_info(metadata)
+        return self.max_model_len
+
+    async def check_model(self, name: str, metadata) -> str:
+        if not self.names:
+            await self.model_info(metadata)
+        if name not in self.names:
+            raise ApiError(404, f"model: {name!r} is not served here; GET /v1/models lists {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return name
+
+    async def serving(self) -> tuple[bool, str]:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            r = await health_pb2_grpc.HealthStub(self.client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                            timeout=2.0)
+        except grpc.aio.AioRpcError as err:
+            return False, f"{err.code().name}: {err.details()}"
+        return r.status == health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(
+            r.status)
+
+
+def auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The caller's Authorization header, passed to the scheduler as it came (it must be valid metadata). More
+    than one credential (two Authorization headers, or one and an api-key header) is refused: which one would
+    count is exactly what a client and a proxy in front of us could disagree on."""
+    sent = [name for name, _ in request.headers.items() if name in CREDENTIAL_HEADERS]
+    if len(sent) > 1:
+        raise ApiError(401, f"Authorization: {len(sent)} credentials ({', '.join(sent)} headers); send exactly "
+                       "one, as 'Authorization: Bearer <key>'", code="invalid_api_key")
+    value = request.headers.get("authorization")
+    if value is None:
+        return ()
+    if len(value) > MAX_AUTH_HEADER_CHARS or not all(0x20 <= ord(c) <= 0x7E for c in value):
+        raise ApiError(401, f"Authorization: must be 'Bearer <key>' in printable ASCII, at most "
+                       f"{MAX_AUTH_HEADER_CHARS} characters", code="invalid_api_key")
+    return (("authorization", value),)
