@@ -17,9 +17,10 @@ from executor_svc.args import BLOCK_SIZES, DEFAULT_GRAPH_MAX_BATCH, MAX_SWAP_RAT
 from executor_svc.attention import BACKENDS, cpu_kernel, select_backend
 from executor_svc.costs import cached_costs, cost_key
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
+from executor_svc.generation_config import sampling_defaults
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
-from executor_svc.model_config import ModelConfig, parse_dtype, sampling_defaults
+from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
 from pagedkv import grpc_common, logs, runtime, security

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from executor_svc.model_config import sampling_defaults
+from executor_svc.generation_config import sampling_defaults
 from pagedkv.client import Client
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc import cluster as cluster_mod

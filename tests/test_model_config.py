@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc.model_config import FIELDS, FOREIGN_MATH, HANDLED, IRRELEVANT, REFUSED, ModelConfig
+from executor_svc.config_fields import FIELDS, FOREIGN_MATH, HANDLED, IRRELEVANT, REFUSED
+from executor_svc.model_config import ModelConfig
 from pagedkv.models import build_random_model
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.model_helpers import SMALL, VOCAB, assert_greedy_equal, paged_greedy, with_config

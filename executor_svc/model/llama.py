@@ -76,7 +76,7 @@ class Rotary:
             self.scaling = 1.0
         elif rope_type in ("linear", "llama3", "yarn"):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device, **kw)
-        else:  # model_config refuses these first; longrope and dynamic change the tables with the length
+        else:  # config_fields refuses these first; longrope and dynamic change the tables with the length
             raise ValueError(f"rope type {rope_type!r} is not supported (its tables depend on the length)")
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
 
