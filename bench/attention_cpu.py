@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 from executor_svc.attention import cpu_kernel  # noqa: E402
 from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
 from pagedkv.models import build_tiny_llama  # noqa: E402
-from tests.fake_executor import make_request  # noqa: E402
-from tests.inprocess import InProcessServer  # noqa: E402
+from tests.support.fake_executor import make_request  # noqa: E402
+from tests.support.inprocess import InProcessServer  # noqa: E402
 
 GATHER_OPS = ("aten::index_select",)
 
@@ -90,7 +90,7 @@ def run(model_dir: Path, reference: bool, args, profile: bool) -> dict:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
     t = time.perf_counter()
-    from tests.fake_executor import drive
+    from tests.support.fake_executor import drive
 
     drive(server.scheduler, executor=server)
     wall = time.perf_counter() - t

@@ -39,8 +39,8 @@ def measure(n: int, steps: int, sampling: str = "greedy") -> dict[str, float]:
     torch.set_num_threads(1)
     from pagedkv.executor.v1 import executor_pb2 as pb
     from pagedkv.models import resolve_model
-    from tests.fake_executor import make_request
-    from tests.inprocess import InProcessServer
+    from tests.support.fake_executor import make_request
+    from tests.support.inprocess import InProcessServer
 
     server = InProcessServer(resolve_model("tiny-llama"), num_pages=n * 4 + 64, max_num_seqs=n,
                              max_num_batched_tokens=4096)

@@ -72,7 +72,7 @@ def measure(args) -> dict:
     from pagedkv import logs
     from scheduler_svc.pages import PagePool
     from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-    from tests.fake_executor import make_request
+    from tests.support.fake_executor import make_request
 
     p = argparse.ArgumentParser()
     executor_args.add_args(p)

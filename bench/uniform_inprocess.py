@@ -31,8 +31,8 @@ def main() -> int:
     from e2e_peers import _hf_model, workload
 
     from pagedkv.models import resolve_model
-    from tests.fake_executor import drive, make_request
-    from tests.inprocess import InProcessServer
+    from tests.support.fake_executor import drive, make_request
+    from tests.support.inprocess import InProcessServer
 
     path = resolve_model("tiny-llama")
     reqs = workload("uniform", 0)

@@ -15,7 +15,7 @@ from pagedkv.security import EXECUTOR_SECRET_ENV
 
 __all__ = ["ROOT", "Server", "wait_until"]
 
-# Every property test, not only the adversarial ones (tests/adversarial/profiles.py): no per-example deadline (a
+# Every property test, not only the adversarial ones (tests/support/adversarial_profiles.py): no per-example deadline (a
 # clock, which a loaded machine misses) and the same examples every run; PAGEDKV_ADVERSARIAL=long explores.
 settings.register_profile("ci", deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -131,9 +131,9 @@ def start_servers():
 
 @pytest.fixture
 def boxes(monkeypatch):
-    """Cluster tests in one process: FakeClients (tests/fake_cluster.py) stand in for the gRPC executor client;
+    """Cluster tests in one process: FakeClients (tests/support/fake_cluster.py) stand in for the gRPC executor client;
     the Boxes (what runs at each address) by address, empty."""
-    from tests.fake_cluster import install_fake_clients
+    from tests.support.fake_cluster import install_fake_clients
 
     return install_fake_clients(monkeypatch)
 

@@ -19,7 +19,7 @@ import yaml
 from pagedkv import security
 from pagedkv.cli import free_port
 from pagedkv.client import Client
-from tests import procs
+from tests.support import procs
 
 COMPOSE = procs.ROOT / "docker-compose.yml"
 ALIAS = "executors"

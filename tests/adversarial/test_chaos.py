@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from pagedkv.client import Client, Completion, accumulate
-from tests import procs
+from tests.support import procs
 
 SEED = 13
 STREAMS = 40

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 from pagedkv.local_server import TEST_EXECUTOR_SECRET
-from tests.adversarial.profiles import profile
-from tests.procs import Proc
+from tests.support.adversarial_profiles import profile
+from tests.support.procs import Proc
 
 VOCAB, MAX_POSITIONS, BLOCK = 259, 2048, 16  # tiny-llama
 NUM_PAGES, NUM_HOST_PAGES = 160, 16

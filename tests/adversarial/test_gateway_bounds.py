@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagedkv.gateway.guards import DEFAULT_MAX_HEADER_BYTES, MAX_JSON_DEPTH
-from tests import procs
+from tests.support import procs
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_STREAMS = 1.0, 2.0, 8
 MODEL = "tiny-llama"

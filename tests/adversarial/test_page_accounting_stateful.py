@@ -1,6 +1,6 @@
 """A hypothesis state machine against the scheduler's page accounting (issue 13, the adversarial suite).
 
-A real Scheduler drives a FakeExecutor (tests/fake_executor.py: it checks that every scheduled request reads
+A real Scheduler drives a FakeExecutor (tests/support/fake_executor.py: it checks that every scheduled request reads
 back exactly the KV it wrote, through swaps, spills and copies). Rules admit requests (random lengths, shared
 prefixes, tenants with quotas, reserves and concurrency limits, n > 1 forks, page budgets with the window and
 stop policies, sliding windows), plan and complete steps (separately, so cancels and failures land while a plan
@@ -31,9 +31,9 @@ from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Request, Sampling, Status
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
-from tests.adversarial.profiles import LONG, profile
-from tests.driven import Driven, driven
-from tests.fake_executor import FakeExecutor, NullTokenizer
+from tests.support.adversarial_profiles import LONG, profile
+from tests.support.driven import Driven, driven
+from tests.support.fake_executor import FakeExecutor, NullTokenizer
 
 BS = 4
 MAX_MODEL_LEN = 64

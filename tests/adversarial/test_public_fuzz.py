@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.local_server import free_port
-from tests.adversarial.profiles import profile
 from tests.conftest import Server, wait_until
+from tests.support.adversarial_profiles import profile
 
 MAX_LEN = 128
 PROMPT = [1, 10, 20, 30]

@@ -20,8 +20,8 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
-from tests.driven import Driven, driven
-from tests.fake_executor import drive, make_request
+from tests.support.driven import Driven, driven
+from tests.support.fake_executor import drive, make_request
 
 BS = 4
 

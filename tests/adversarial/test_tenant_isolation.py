@@ -1,5 +1,5 @@
 """Tenant side channels and bounds, probed as a tenant would (issue 29), in one process: the real API servicer,
-Cluster, Engine and Scheduler over a FakeExecutor (tests/fake_cluster.py), called with each tenant's key.
+Cluster, Engine and Scheduler over a FakeExecutor (tests/support/fake_cluster.py), called with each tenant's key.
 
 - B's ModelInfo is the same, field by field, whether tenant A is idle or floods the server (before: B's weighted
   service was lifted to A's on its return from idle, which told B A's usage; its fair share halved).
@@ -26,9 +26,9 @@ from scheduler_svc.api import GenerationService
 from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.tenancy import Tenants, hash_key
 from scheduler_svc.validation import Limits
-from tests.fake_cluster import Box, until, up_cluster
-from tests.fake_executor import NullTokenizer
-from tests.fake_grpc import Aborted, Context
+from tests.support.fake_cluster import Box, until, up_cluster
+from tests.support.fake_executor import NullTokenizer
+from tests.support.fake_grpc import Aborted, Context
 
 UNAUTHENTICATED, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
 

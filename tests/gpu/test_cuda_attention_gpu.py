@@ -1,7 +1,7 @@
 """The CUDA kernels against the torch reference, on a GPU. Skipped without CUDA or CuPy.
 
-The checks and their tolerances are in tests/cuda_attention_cases.py (shared with the CPU-emulated run in
-tests/test_kernels_emulated.py); here they run on the real kernels at full size: batch 1 / 8 (ragged) / 256,
+The checks and their tolerances are in tests/support/cuda_attention_cases.py (shared with the CPU-emulated run in
+tests/e2e/test_kernels_emulated.py); here they run on the real kernels at full size: batch 1 / 8 (ragged) / 256,
 contexts up to 32K, block sizes 8/16/32, head dims 64/128, fp16 and bf16 (fp32 too), query groups of 1-10,
 split-K on, off and with small partitions, sinks/windows with unreadable pages (ids far outside the pool).
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kernels_cuda import specs
-from tests import cuda_attention_cases as cases
-from tests.cuda_attention_cases import SINK_WINDOW, SPLIT, Env, Request
+from tests.support import cuda_attention_cases as cases
+from tests.support.cuda_attention_cases import SINK_WINDOW, SPLIT, Env, Request
 
 
 def _skip_reason() -> str | None:

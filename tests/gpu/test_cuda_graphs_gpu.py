@@ -2,7 +2,7 @@
 (--enforce-eager), token for token, at batch 1, 8 and 64, for the torch and the cuda attention backends.
 
 The real Scheduler plans each step and the real ModelRunner runs it on the GPU (in one process, as
-tests/inprocess.py does on the CPU). float32 and a random model with a large initializer_range: greedy
+tests/support/inprocess.py does on the CPU). float32 and a random model with a large initializer_range: greedy
 choices are far from ties, so the graph's one decode group per step (the eager path groups by length) cannot
 flip a token. Skipped without CUDA or structlog (and, for the cuda backend, CuPy).
 """
@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.fake_executor import drive, make_request
+from tests.support.fake_executor import drive, make_request
 
 
 def _skip_reason() -> str | None:
@@ -61,7 +61,7 @@ def _generate(model_dir, backend: str, graphs_on: bool, batch: int, device: str 
     from executor_svc.runner import ModelRunner
     from scheduler_svc.pages import PagePool
     from scheduler_svc.scheduler import SchedulerConfig
-    from tests.driven import driven
+    from tests.support.driven import driven
 
     cuda = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)

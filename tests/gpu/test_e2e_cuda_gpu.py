@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from pagedkv.client import Client
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.support.hf_reference import hf_greedy, random_prompts
 
 
 def _skip_reason() -> str | None:

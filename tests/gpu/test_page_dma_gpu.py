@@ -1,12 +1,12 @@
 """Page DMA on a GPU: pinned host pool, copies on their own stream, ordered with the compute stream.
-Skipped without CUDA. The same cases run on the CPU in tests/test_page_dma.py."""
+Skipped without CUDA. The same cases run on the CPU in tests/unit/test_page_dma.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.page_dma_cases import out_then_in_same_step, pools, round_trip_is_bit_exact
+from tests.support.page_dma_cases import out_then_in_same_step, pools, round_trip_is_bit_exact
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

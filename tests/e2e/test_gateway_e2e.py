@@ -1,0 +1,358 @@
+"""The OpenAI SDK against ``pagedkv gateway`` in front of a real scheduler and executor on loopback, every link
+with TLS (HTTPS to the gateway, TLS from the gateway to the scheduler) and a tenants file: completions and chat,
+streamed and not, n > 1, stop strings, logprobs, greedy and seeded tokens identical to the gRPC path, auth
+failures, refusals, a client disconnect freeing its pages, /health, /metrics, and 503 with no scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pagedkv.cli import build_parser, free_port
+from pagedkv.client import Client
+from pagedkv.local_server import LocalServer
+from scheduler_svc.tenancy import hash_key
+from tests.support import procs
+from tests.support.chat_template import TEMPLATE, template_ids
+
+KEY, ADMIN_KEY = "key-gw-user", "key-gw-ops"
+TENANTS = f"""
+[tenants.user]
+keys = ["{hash_key(KEY)}"]
+revoked_keys = ["{hash_key('key-gw-revoked')}"]
+
+[tenants.ops]
+keys = ["{hash_key(ADMIN_KEY)}"]
+admin = true
+"""
+MODEL = "chat-tiny"  # --served-model-name
+
+
+class Stack:
+    model_dir = None
+
+    def __init__(self, tmp) -> None:
+        from transformers import AutoTokenizer
+
+        from pagedkv.models import build_random_model
+
+        path = build_random_model(tmp / "model", seed=5, hidden_size=64, intermediate_size=128, num_layers=2,
+                                  num_heads=4, num_kv_heads=2)
+        tok = AutoTokenizer.from_pretrained(str(path))
+        tok.chat_template = TEMPLATE
+        tok.save_pretrained(str(path))
+        self.model_dir = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        certs = tmp / "certs"
+        r = subprocess.run([sys.executable, "-m", "pagedkv", "gen-certs", "--out", str(certs), "--hosts", "scheduler"],
+                           cwd=procs.ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        self.certs, self.ca = certs, str(certs / "ca.pem")
+        tls = ("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"))
+        (tmp / "tenants.toml").write_text(TENANTS)
+        self.procs: list[procs.Proc] = []
+        self.executor = self._start(lambda: procs.executor("--model", str(path), "--num-pages", "256"))
+        self.scheduler = self._start(lambda: procs.scheduler(self.executor.address, args=(
+            "--tenants-file", str(tmp / "tenants.toml"), *tls)))
+        self.gateway = self._start(lambda: procs.Proc("gateway", "--address", self.scheduler.address, "--tls-ca",
+                                                      self.ca, "--served-model-name", MODEL, *tls))
+        self.base = f"https://127.0.0.1:{self.gateway.port}"
+
+    def _start(self, start):
+        try:
+            p = start()
+        except Exception:
+            self.stop()
+            raise
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> list[int | None]:
+        return [p.stop(60) for p in reversed(self.procs)]
+
+    def openai(self, key: str | None = KEY, **kw) -> openai.OpenAI:
+        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=self.ca))
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or "", max_retries=0, http_client=http,
+                             timeout=60, **kw)
+
+    def grpc(self, key: str = KEY) -> Client:
+        return Client(self.scheduler.address, api_key=key, tls_ca=self.ca)
+
+    def get(self, path: str) -> tuple[int, str]:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=10, context=ctx) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("gateway"))
+    yield s
+    codes = s.stop()
+    assert codes == [0, 0, 0], "\n\n".join(p.log()[-3000:] for p in s.procs)
+
+
+def ids_of(logprobs_tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in logprobs_tokens)
+    return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _grpc_complete(stack: Stack, prompt=None, **params):
+    async with stack.grpc() as c:
+        if params.get("n", 1) > 1:
+            return await c.complete_n(prompt, **params)
+        return await c.complete(prompt, **params)
+
+
+def test_models_and_health(stack):
+    models = stack.openai().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert stack.get("/health")[0] == 200 and stack.get("/health/live")[0] == 200
+
+
+def test_auth_failures_are_401(stack):
+    for key in ("wrong-key", "key-gw-revoked"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            stack.openai(key).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            stack.openai(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.AuthenticationError):
+            stack.openai(key).models.list()
+    status, body = stack.get("/v1/models")  # no Authorization header at all (the SDK always sends one)
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_greedy_completion_equals_grpc_streamed_and_not(stack):
+    ref = run(_grpc_complete(stack, "The gateway", max_tokens=24, temperature=0, ignore_eos=True, logprobs=True))
+    c = stack.openai()
+    r = c.completions.create(model=MODEL, prompt="The gateway", max_tokens=24, temperature=0, logprobs=0,
+                             extra_body={"ignore_eos": True})
+    (choice,) = r.choices
+    assert ids_of(choice.logprobs.tokens) == ref.token_ids and choice.text == ref.text
+    assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5) and len(ref.logprobs) == 24
+    assert choice.finish_reason == "length" and r.model == MODEL
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.prompt_tokens, 24)
+    chunks = list(c.completions.create(model=MODEL, prompt="The gateway", stream=True, logprobs=0,
+                                       stream_options={"include_usage": True}, extra_body=dict(ignore_eos=True,
+                                                                                               max_tokens=24,
+                                                                                               temperature=0)))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    streamed = [t for ch in chunks[:-1] for t in (ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else [])]
+    assert ids_of(streamed) == ref.token_ids
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == ref.text
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_streamed_and_not_equals_grpc_and_the_template(stack):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ref = run(_grpc_complete(stack, messages=messages, max_tokens=16, temperature=0, ignore_eos=True))
+    assert ref.prompt_tokens == len(template_ids(stack.tokenizer, messages))
+    c = stack.openai()
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0,
+                                  logprobs=True, extra_body={"ignore_eos": True})
+    msg = r.choices[0]
+    assert msg.message.role == "assistant" and msg.message.content == ref.text
+    assert ids_of([t.token for t in msg.logprobs.content]) == ref.token_ids
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.object == "chat.completion"
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_forks_with_a_seed_equal_grpc(stack):
+    ref = run(_grpc_complete(stack, "fork me", n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
+    c = stack.openai()
+    r = c.completions.create(model=MODEL, prompt="fork me", n=3, max_tokens=12, temperature=1.0, seed=42,
+                             logprobs=0, extra_body={"ignore_eos": True})
+    assert [ids_of(ch.logprobs.tokens) for ch in r.choices] == [o.token_ids for o in ref]
+    assert len({tuple(o.token_ids) for o in ref}) > 1  # the forks differ: sampling really ran
+    assert r.usage.prompt_tokens == ref[0].prompt_tokens and r.usage.completion_tokens == 36
+    texts = ["", "", ""]
+    for ch in c.completions.create(model=MODEL, prompt="fork me", n=3, max_tokens=12, temperature=1.0, seed=42,
+                                   stream=True, extra_body={"ignore_eos": True}):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts == [o.text for o in ref]
+
+
+def test_stop_string_ends_the_completion(stack):
+    full = run(_grpc_complete(stack, "stop here", max_tokens=32, temperature=0, ignore_eos=True)).text
+    at = next(i for i in range(4, len(full) - 2) if full[i].isprintable() and full[i] != "\ufffd"
+              and full.find(full[i]) == i)
+    stop = full[at]
+    r = stack.openai().completions.create(model=MODEL, prompt="stop here", max_tokens=32, temperature=0,
+                                          stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
+
+
+def test_refusals(stack):
+    c = stack.openai()
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                  top_logprobs=3)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the scheduler, named in OpenAI's terms
+        c.completions.create(model=MODEL, prompt="x", n=17)
+    assert e.value.body["param"] == "n" and "16" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", extra_body={"priority": 5000})
+    assert e.value.body["param"] == "priority"
+
+
+def test_client_disconnect_cancels_the_request_and_frees_its_pages(stack):
+    stream = stack.openai().completions.create(model=MODEL, prompt="a long one", max_tokens=1800, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    first = next(it)
+    for _ in range(3):
+        next(it)
+    stream.close()
+
+    async def used() -> tuple[int, int]:
+        async with stack.grpc(ADMIN_KEY) as c:
+            info = await c.model_info()
+            return info.num_used_pages, info.num_running
+
+    assert procs.wait_for(lambda: stack.scheduler.saw("request_cancelled", request_id=first.id), timeout=15), \
+        "the scheduler never saw the request cancelled"
+    assert procs.wait_for(lambda: run(used()) == (0, 0), timeout=10, interval=0.2), run(used())
+    assert procs.wait_for(lambda: stack.gateway.saw("request_finished", request_id=first.id,
+                                                    client_disconnected=True), timeout=5)
+    status, metrics = stack.get("/metrics")
+    assert status == 200 and re.search(r"^pagedkv_gateway_client_disconnects_total [1-9]", metrics, re.M)
+    assert 'pagedkv_gateway_requests_total{endpoint="completions",status="200"}' in metrics
+
+
+def test_no_scheduler_is_503(stack):
+    gw = procs.Proc("gateway", "--address", f"127.0.0.1:{free_port()}", "--served-model-name", MODEL)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="k", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{gw.port}/health", timeout=10)
+        assert e.value.code == 503
+    finally:
+        assert gw.stop() == 0, gw.log()
+
+
+def test_sigterm_lets_in_flight_streams_finish(stack):
+    """What a rolling update does to a gateway pod: SIGTERM, the open stream ends normally, exit 0, fast."""
+    gw = procs.Proc("gateway", "--address", stack.scheduler.address, "--tls-ca", stack.ca, "--served-model-name",
+                    MODEL, "--shutdown-timeout", "60")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        stream = c.completions.create(model=MODEL, prompt="drain", max_tokens=300, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        gw.signal(signal.SIGTERM)
+        rest = list(it)
+        assert rest[-1].usage.completion_tokens == 300 and rest[-2].choices[0].finish_reason == "length"
+        assert gw.wait(30) == 0
+        assert gw.saw("gateway_stopped")
+    finally:
+        gw.kill()
+
+
+def _compose_gateway() -> dict:
+    import yaml
+
+    return yaml.safe_load((procs.ROOT / "docker-compose.yml").read_text())["services"]["gateway"]
+
+
+def test_compose_gateway_service_runs_and_its_healthcheck_passes(stack):
+    """docker-compose.yml's gateway: its command run as a local process (the scheduler's name and /certs mapped
+    to this stack), its health check run as docker would; the file validates with the gateway's profile on."""
+    svc = _compose_gateway()
+    assert svc["profiles"] == ["http"] and svc["ports"] == ["${PAGEDKV_PUBLISH_HOST:-127.0.0.1}:8000:8000"]
+    command = [str(c).replace("/certs", str(stack.certs)) for c in svc["command"]]
+    parsed = build_parser().parse_args(command)
+    assert parsed.address == "scheduler:50051" and parsed.tls_server_name == "scheduler" and parsed.port == 8000
+    args = command[1:]
+    for flag_, value in (("--address", stack.scheduler.address), ("--host", "127.0.0.1")):
+        args[args.index(flag_) + 1] = value
+    at = args.index("--port")
+    del args[at:at + 2]  # Proc gives it a free port (and --log-format json)
+    gw = procs.Proc("gateway", *args)
+    port = gw.port
+    try:
+        test = [str(t).replace("/certs", str(stack.certs)).replace(":8000/", f":{port}/")
+                for t in svc["healthcheck"]["test"][1:]]
+        assert test[:3] == ["pagedkv", "health", "--http"]
+        r = subprocess.run([sys.executable, "-m", *test], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and '"scheduler":"SERVING"' in r.stdout, (r.stdout, r.stderr)
+        r = subprocess.run([sys.executable, "-m", "pagedkv", "health", "--http", f"https://127.0.0.1:{port}/nope",
+                            "--tls-ca", stack.ca], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "404" in r.stderr
+        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=stack.ca))
+        c = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=KEY, http_client=http, max_retries=0)
+        (model,) = c.models.list().data  # no --served-model-name: the executor's --model
+        r = c.completions.create(model=model.id, prompt="compose", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+    finally:
+        assert gw.stop() == 0, gw.log()
+    compose = shutil.which("docker-compose")
+    if compose:
+        r = subprocess.run([compose, "-f", str(procs.ROOT / "docker-compose.yml"), "config"], capture_output=True,
+                           text=True, cwd=procs.ROOT, env={**os.environ, "COMPOSE_PROFILES": "cpu,http"}, timeout=120)
+        assert r.returncode == 0, r.stderr
+        import yaml
+
+        assert yaml.safe_load(r.stdout)["services"]["gateway"]["command"] == svc["command"]
+
+
+def test_serve_http_port_runs_the_gateway_as_a_child(model_cache):
+    port = free_port()
+    server = LocalServer("--http-port", str(port), "--num-pages", "64")
+    try:
+        assert f"HTTP (OpenAI API) on 127.0.0.1:{port}" in server.log()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        out = list(c.completions.create(model="tiny-llama", prompt="serve", max_tokens=5, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        assert out[-1].usage.completion_tokens == 5
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_tokenizer_names_logprob_tokens_by_their_text(stack):
+    messages = [{"role": "user", "content": "Hi"}]
+    ref = run(_grpc_complete(stack, messages=messages, max_tokens=8, temperature=0, ignore_eos=True))
+    gw = procs.Proc("gateway", "--address", stack.scheduler.address, "--tls-ca", stack.ca, "--served-model-name",
+                    MODEL, "--tokenizer", str(stack.model_dir))
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                      extra_body={"ignore_eos": True})
+        names = [stack.tokenizer.decode([t]) for t in ref.token_ids]
+        assert [t.token for t in r.choices[0].logprobs.content] == names
+        assert [t.bytes for t in r.choices[0].logprobs.content] == [list(n.encode()) for n in names]
+    finally:
+        assert gw.stop() == 0, gw.log()

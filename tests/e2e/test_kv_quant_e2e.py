@@ -1,0 +1,114 @@
+"""8-bit KV pages through real processes (`pagedkv serve --kv-cache-dtype ...`): the flag passes through,
+ModelInfo reports the format, and the page-moving paths (prefix caching and its spill to the host tier,
+n > 1 copy-on-write forks, swap preemption) work on quantized pools with the integrity check on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from executor_svc.kv_quant import parse_kv_dtype
+from executor_svc.model_config import ModelConfig
+from executor_svc.server import _num_pages
+from pagedkv.client import Client
+from tests.conftest import ROOT, Server
+from tests.support.swap_scenarios import BS, prompt_of, spill_scenario
+
+
+@pytest.fixture(scope="module")
+def fp8_server(model_cache):
+    s = Server("--num-pages", "40", "--num-host-pages", "80", "--check-integrity", "--kv-cache-dtype", "fp8_e4m3",
+               "--threads", "1")
+    yield s
+    s.stop()
+
+
+def test_model_info_reports_the_kv_format(fp8_server):
+    async def scenario():
+        async with Client(fp8_server.address) as client:
+            return await client.model_info()
+    info = asyncio.run(scenario())
+    # tiny-llama: 4 layers x K,V x 4 KV heads x (32 one-byte elements + a 2-byte scale)
+    assert info.kv_dtype == "fp8_e4m3" and info.kv_bytes_per_token == 4 * 2 * 4 * (32 + 2) == 1088
+    assert [(e.kv_dtype, e.kv_bytes_per_token) for e in info.executors] == [("fp8_e4m3", 1088)]
+    assert info.dtype == "float32"
+
+
+def test_prefix_spill_and_hits_on_fp8_pages(fp8_server):
+    first, again, computed, info = asyncio.run(spill_scenario(fp8_server.address))
+    assert info.num_spilled_pages >= 18 and info.num_spill_hits == 18  # the 18 full pages came back from host
+    assert again.cached_tokens == 18 * BS
+    assert computed == 300 - 18 * BS + 7
+    assert len(first.token_ids) == len(again.token_ids) == 8
+    assert info.num_used_pages == 0 and info.num_used_host_pages == 0
+
+
+def test_parallel_sampling_forks_match_separate_seeds_on_fp8_pages(fp8_server):
+    rng = random.Random(3)
+    prompt = [1] + [rng.randrange(3, 259) for _ in range(40)]  # the forks share a partial last page (CoW)
+    params = dict(max_tokens=12, temperature=1.0, top_p=0.9, ignore_eos=True)
+
+    async def scenario():
+        async with Client(fp8_server.address) as client:
+            forks = await client.complete_n(prompt, n=4, seed=77, **params)
+            separate = [await client.complete(prompt, seed=77 + i, **params) for i in range(4)]
+            return forks, separate
+
+    forks, separate = asyncio.run(scenario())
+    assert [f.token_ids for f in forks] == [s.token_ids for s in separate]
+    assert len({tuple(f.token_ids) for f in forks}) == 4
+
+
+def test_swap_preemption_on_int8_pages(start_server):
+    server = start_server("--num-pages", "14", "--num-host-pages", "28", "--preemption-mode", "swap",
+                          "--max-num-seqs", "6", "--swap-in-max-wait", "8", "--check-integrity",
+                          "--kv-cache-dtype", "int8", "--threads", "1")
+    long_prompt = prompt_of(7, 40)
+
+    async def scenario():
+        async with Client(server.address) as client:
+            alone = await client.complete(long_prompt, max_tokens=60, ignore_eos=True)
+            long_task = asyncio.create_task(client.complete(long_prompt, max_tokens=60, ignore_eos=True,
+                                                            priority=1))
+
+            async def short_stream(k: int):
+                i = 0
+                while not long_task.done() and i < 100:
+                    await client.complete(prompt_of(1000 + 50 * k + i, 20), max_tokens=24, ignore_eos=True)
+                    i += 1
+
+            await asyncio.gather(*[short_stream(k) for k in range(5)])
+            return alone, await long_task, await client.model_info()
+
+    alone, out, info = asyncio.run(scenario())
+    assert info.kv_dtype == "int8"
+    assert info.num_swap_preemptions > 0, "the pool was meant to be too small for the long request"
+    assert info.num_swap_bytes == (info.num_pages_swapped_out + info.num_pages_swapped_in) * 16 * 1088
+    assert out.token_ids == alone.token_ids  # swapped out and back in: the same greedy continuation
+    assert info.num_used_pages == 0 and info.num_used_host_pages == 0 and info.num_swapped == 0
+
+
+def test_executor_refuses_four_bit_kv_at_start_up():
+    name = "int4"  # fp4 and nf4: the same parse (tests/unit/test_kv_quant.py)
+    env = {**os.environ, "PAGEDKV_EXECUTOR_SECRET": "kv-quant-test-secret"}
+    out = subprocess.run([sys.executable, "-m", "pagedkv", "executor", "--port", "0", "--log-format", "console",
+                          "--kv-cache-dtype", name, "--num-pages", "16"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--kv-cache-dtype {name}" in out.stderr and "poor kernel support" in out.stderr
+
+
+def test_same_kv_budget_holds_about_twice_the_pages_in_8_bit(tiny_llama_dir):
+    cfg = ModelConfig.from_dir(tiny_llama_dir)
+    args = SimpleNamespace(block_size=16, num_pages=None, kv_cache_gb=0.25)
+    pages = {name: _num_pages(args, cfg, torch.float16, torch.device("cpu"), parse_kv_dtype(name, torch.float16))
+             for name in ("auto", "float32", "fp8_e4m3", "int8")}
+    assert pages["float32"] * 2 == pages["auto"]  # a float32 KV cache under a float16 model: half the pages
+    assert pages["fp8_e4m3"] == pages["int8"] >= 1.88 * pages["auto"]  # head_dim 32: 2048 / 1088 bytes a token

@@ -1,3 +1,0 @@
-"""Scheduler unit tests grouped by behaviour (admission, growth, preemption, the executor session, windows and
-budgets, forks, tenants, the prefix cache), driven by a stand-in executor (tests/fake_executor.py); no process
-is started. Shared set-up: tests/scheduler/helpers.py."""
