@@ -21,6 +21,8 @@ import pytest
 from pagedkv.client import Client, Completion, accumulate
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 SEED = 13
 STREAMS = 40
 MAX_TOKENS = 48

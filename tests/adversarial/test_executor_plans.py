@@ -23,6 +23,8 @@ from pagedkv.local_server import TEST_EXECUTOR_SECRET
 from tests.support.adversarial_profiles import profile
 from tests.support.procs import Proc
 
+pytestmark = pytest.mark.e2e
+
 VOCAB, MAX_POSITIONS, BLOCK = 259, 2048, 16  # tiny-llama
 NUM_PAGES, NUM_HOST_PAGES = 160, 16
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)

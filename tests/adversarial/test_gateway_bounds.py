@@ -19,6 +19,8 @@ import pytest
 from pagedkv.gateway.guards import DEFAULT_MAX_HEADER_BYTES, MAX_JSON_DEPTH
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_STREAMS = 1.0, 2.0, 8
 MODEL = "tiny-llama"
 CLOSE_BOUND_S = 15.0  # for a 1-2 s timeout: a loaded machine's slack, not a measurement

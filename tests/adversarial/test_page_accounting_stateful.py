@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from collections import Counter, deque
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -34,6 +35,9 @@ from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.adversarial_profiles import LONG, profile
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, NullTokenizer
+
+# in-process (no process, no socket), but a stateful property run of 5-10 s here: over the unit budget
+pytestmark = pytest.mark.e2e
 
 BS = 4
 MAX_MODEL_LEN = 64

@@ -27,6 +27,8 @@ from pagedkv.local_server import free_port
 from tests.conftest import Server, wait_until
 from tests.support.adversarial_profiles import profile
 
+pytestmark = pytest.mark.e2e
+
 MAX_LEN = 128
 PROMPT = [1, 10, 20, 30]
 I32_MAX, I32_MIN, U64_MAX = 2**31 - 1, -(2**31), 2**64 - 1

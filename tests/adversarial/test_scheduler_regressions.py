@@ -16,12 +16,16 @@ tenant queued behind it) waiting forever. The API refuses both up front; a reloa
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import drive, make_request
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

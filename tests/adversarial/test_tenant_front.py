@@ -17,6 +17,8 @@ from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from scheduler_svc.tenancy import hash_key
 from tests.conftest import Server, wait_until
 
+pytestmark = pytest.mark.e2e
+
 HOLD = {"max_tokens": 1500, "ignore_eos": True}  # a request that runs until it is cancelled
 TENANTS = f"""
 [tenants.q]

@@ -30,6 +30,8 @@ from tests.support.fake_cluster import Box, until, up_cluster
 from tests.support.fake_executor import NullTokenizer
 from tests.support.fake_grpc import Aborted, Context
 
+pytestmark = pytest.mark.unit
+
 UNAUTHENTICATED, EXHAUSTED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pagedkv.client import Client
 from tests.support.swap_scenarios import prompt_of
+
+pytestmark = pytest.mark.e2e
 
 SMALL_POOL = ("--num-pages", "24", "--num-host-pages", "48", "--max-num-seqs", "12", "--check-integrity")
 

@@ -13,6 +13,8 @@ import pytest
 from pagedkv.client import Client
 from tests.conftest import ROOT, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MAX_LEN = 256
 
 

@@ -16,6 +16,8 @@ from pagedkv.client import Client
 from tests.support import procs
 from tests.support.chat_template import TEMPLATE, template_ids
 
+pytestmark = pytest.mark.e2e
+
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
 
 

@@ -11,6 +11,8 @@ import pytest
 from pagedkv.cli import free_port
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.e2e
+
 
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pagedkv", *args, "--log-format", "json"], cwd=ROOT,

@@ -4,6 +4,8 @@ import pytest
 
 from scheduler_svc.detokenizer import COMPACT_CHARS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 
+pytestmark = pytest.mark.e2e  # in-process, but about 15 s here (property runs, six tokenizers): over the unit budget
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):

@@ -9,6 +9,8 @@ import pytest
 from pagedkv.client import Client
 from tests.support.hf_reference import hf_greedy, hf_margins, random_prompts
 
+pytestmark = pytest.mark.e2e
+
 PROMPT_LENS = [3, 9, 17, 31, 16, 15, 33, 64, 100, 130, 200, 47, 5, 80, 250, 12, 1, 2]
 OUTPUT_LENS = [40, 8, 24, 16, 33, 48, 10, 20, 31, 9, 17, 45, 60, 12, 25, 38, 20, 30]
 VOCAB = 259

@@ -11,12 +11,15 @@ import asyncio
 import threading
 
 import grpc
+import pytest
 import structlog
 
 from executor_svc.server import ExecutorService
 from pagedkv import grpc_common
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.e2e
 
 HOLD_S = 20.0  # the longest step 2 waits for result 1 to arrive (it arrives in milliseconds)
 

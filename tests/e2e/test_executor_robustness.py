@@ -10,14 +10,13 @@ import signal
 
 import grpc
 import pytest
-import torch
 
-from executor_svc.runner import ModelRunner
-from executor_svc.sampler import SamplingParams, sample, sample_one
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
-from tests.support.page_dma_cases import pools
+from tests.support.executor_requests import BLOCK, MAX_POSITIONS, VOCAB, new_request
 from tests.support.procs import Proc, scheduler, wait_for
+
+pytestmark = pytest.mark.e2e
 
 try:
     from pagedkv.local_server import TEST_EXECUTOR_SECRET as SECRET
@@ -25,7 +24,6 @@ except ImportError:  # before executor authentication landed
     SECRET = "pagedkv-test-executor-secret-0123456789abcdef"
 
 AUTH = (("authorization", f"Bearer {SECRET}"),)
-VOCAB, MAX_POSITIONS, BLOCK = 259, 2048, 16  # tiny-llama
 RUN = "/pagedkv.executor.v1.Executor/Run"
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(40)]  # 3 pages
 LONG = 1200  # tokens in a prefill that takes a while on the CPU
@@ -33,12 +31,6 @@ LONG = 1200  # tokens in a prefill that takes a while on the CPU
 
 def session(name: str) -> tuple[tuple[str, str], ...]:
     return (*AUTH, ("x-pagedkv-session", name))
-
-
-def new_request(rid: str, tokens: list[int], pages: list[int], computed: int = 0, **sampling) -> pb.NewRequest:
-    return pb.NewRequest(request_id=rid, token_ids=tokens, num_computed_tokens=computed,
-                         num_scheduled_tokens=len(tokens) - computed, page_ids=pages,
-                         sampling=pb.SamplingParams(**sampling))
 
 
 def long_plan(step: int = 1) -> pb.StepPlan:
@@ -81,20 +73,6 @@ def assert_healthy(executor: Proc, alive: bool = True) -> None:
     log = executor.log()
     for bad in ("never retrieved", "Segmentation fault", "Traceback", "Unexpected"):
         assert bad not in log, f"{bad!r} in the executor's log:\n{log[-3000:]}"
-
-
-# ---- sampling ------------------------------------------------------------------------------------
-def test_tiny_and_nan_temperatures_sample_greedily():
-    logits = torch.full((259,), -3.0)
-    logits[17], logits[200] = 4.0, 3.5  # the argmax is not token 0
-    for t in (1e-38, 1e-30, 1e-6, float("nan")):
-        p = SamplingParams(temperature=t, seed=3)
-        assert p.greedy
-        assert [sample_one(logits, p, d) for d in range(5)] == [17] * 5, t
-        assert sample(logits.view(1, -1), [p], [0])[0] == [17]
-    assert not SamplingParams(temperature=1e-5).greedy  # at the threshold it samples again
-    draws = {sample_one(logits, SamplingParams(temperature=5.0, seed=1), d) for d in range(40)}
-    assert len(draws) > 1
 
 
 # ---- a plain disconnect ------------------------------------------------------------------------------
@@ -146,20 +124,6 @@ def test_pages_stay_for_the_same_session_and_read_as_zeros_for_another(executor)
     assert_healthy(executor)
 
 
-def test_wipe_zeroes_written_device_and_host_pages():
-    dev, host, _ = pools("cpu", num_pages=8, num_host=16, dtype=torch.float32)
-    runner = ModelRunner(type("M", (), {})(), dev, attention=None, device=torch.device("cpu"), host_pool=host)
-    host.pages.zero_()
-    plan = pb.StepPlan(step_id=1)
-    plan.page_ops.swap_out.add(src=2, dst=9)  # writes host page 9
-    plan.page_ops.swap_in.add(src=9, dst=4)  # writes device page 4
-    assert not runner.step(plan).error
-    assert host.pages[9].abs().sum() > 0 and dev.pages.abs().sum() > 0
-    assert runner.wipe_pages()
-    assert dev.pages.abs().sum() == 0 and host.pages.abs().sum() == 0
-    assert not runner.wipe_pages()  # nothing written since: nothing to zero
-
-
 # ---- bad plans -----------------------------------------------------------------------------------
 def bad_plans() -> list[tuple[str, pb.StepPlan]]:
     """(text the error must contain, plan). Each would run a forward (or corrupt state) if let through."""
@@ -197,19 +161,6 @@ def bad_plans() -> list[tuple[str, pb.StepPlan]]:
     ops.page_ops.copy.add(src=1, dst=999)
     cases.append(("page_ops.copy", ops))
     return cases
-
-
-def test_validation_accepts_the_limits_themselves():
-    """The edges are valid: the last vocabulary id, the last position, top_p 1, temperature 0 (checked on the
-    runner alone: its mirror accepting the plan is the point, no forward is needed)."""
-    dev, host, _ = pools("cpu", num_pages=200, num_host=0, dtype=torch.float32)
-    cfg = type("C", (), {"vocab_size": VOCAB, "max_position_embeddings": MAX_POSITIONS})()
-    runner = ModelRunner(type("M", (), {"cfg": cfg})(), dev, attention=None, device=torch.device("cpu"),
-                         host_pool=host)
-    edge = new_request("e", [VOCAB - 1] * MAX_POSITIONS, list(range(MAX_POSITIONS // BLOCK)),
-                       computed=MAX_POSITIONS - 1, top_p=1.0, temperature=0.0)
-    scheduled = runner.mirror.apply(pb.StepPlan(step_id=1, new_requests=[edge]))
-    assert [(s.request_id, s.start, s.count) for s in scheduled] == [("e", MAX_POSITIONS - 1, 1)]
 
 
 def test_bad_plans_are_refused_naming_the_field_and_change_nothing(executor):

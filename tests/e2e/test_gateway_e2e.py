@@ -27,6 +27,8 @@ from scheduler_svc.tenancy import hash_key
 from tests.support import procs
 from tests.support.chat_template import TEMPLATE, template_ids
 
+pytestmark = pytest.mark.e2e
+
 KEY, ADMIN_KEY = "key-gw-user", "key-gw-ops"
 TENANTS = f"""
 [tenants.user]

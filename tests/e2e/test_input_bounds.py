@@ -15,6 +15,8 @@ from pagedkv.client import Client
 from scheduler_svc.validation import MIN_PROMPT_BYTES, max_request_bytes
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 MAX_LEN = 256
 LIMIT = MIN_PROMPT_BYTES  # the default for a short context: 16 bytes/token x 256 is below the floor
 GENERATE = "/pagedkv.api.v1.Generation/Generate"
@@ -171,58 +173,3 @@ def test_serve_passes_the_prompt_limit_and_metrics_host_on(model_cache):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in err.details(), err.details()
     assert ok.completion_tokens == 2
     assert "pagedkv_requests_running" in pages[0] and "pagedkv_executor" in pages[1]
-
-
-class _WaitingTokenizer:
-    """Records the thread it runs on, and returns only once the event loop has run on while it waited (``loop_ran``,
-    set from the loop): a tokenizer that ran on the loop thread would wait out its 30 s bound instead."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.threads: list[int] = []
-        self.loop_ran = threading.Event()
-        self.saw_loop_run: list[bool] = []
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        import threading
-
-        self.threads.append(threading.get_ident())
-        self.saw_loop_run.append(self.loop_ran.wait(30))
-        return {"input_ids": [1] + list(text.encode())}
-
-
-def test_tokenizing_runs_off_the_event_loop_and_only_within_the_limit():
-    """While one prompt is tokenized the event loop keeps running (other streams keep streaming); text over
-    the limit never reaches the tokenizer."""
-    import threading
-
-    from scheduler_svc.api import GenerationService
-    from scheduler_svc.validation import InvalidRequest, Limits
-
-    tokenizer = _WaitingTokenizer()
-    service = GenerationService(None, tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=259, max_prompt_bytes=100),
-                                {}, None)
-
-    async def scenario():
-        ticks = 0
-
-        async def ticker():  # another stream's work on the loop: the tokenizer returns once it has run 10 times
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0 if ticks < 10 else 0.01)
-                ticks += 1
-                if ticks == 10:
-                    tokenizer.loop_ran.set()
-
-        task = asyncio.create_task(ticker())
-        ids = await service._prompt_ids(api.GenerateRequest(text="hello"))
-        task.cancel()
-        with pytest.raises(InvalidRequest, match="prompt.text: at least 101 bytes of UTF-8; at most 100 "):
-            await service._prompt_ids(api.GenerateRequest(text="x" * 101))
-        return ids, threading.get_ident()
-
-    ids, loop_thread = asyncio.run(scenario())
-    assert ids == [1, *b"hello"]
-    assert len(tokenizer.threads) == 1 and tokenizer.threads[0] != loop_thread
-    assert tokenizer.saw_loop_run == [True], "the event loop did not run while the prompt was tokenized"

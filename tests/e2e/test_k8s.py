@@ -22,6 +22,8 @@ import yaml
 from pagedkv.cli import build_parser, free_port
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 K8S = procs.ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"  # the oldest minor the manifests target (lifecycle.preStop.sleep needs 1.30+)
 KUSTOMIZATIONS = ["base", "overlays/gpu"]

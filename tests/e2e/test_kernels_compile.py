@@ -21,6 +21,8 @@ import pytest
 
 from kernels_cuda import specs
 
+pytestmark = pytest.mark.e2e  # builds every CUDA kernel with nvcc (about 15 s here, uncached): over the unit budget
+
 NVCC = shutil.which("nvcc")
 ARCH = "sm_90"
 

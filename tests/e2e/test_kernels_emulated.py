@@ -17,7 +17,8 @@ from tests.support.cuda_emulator import EmulatedLibrary, unavailable_reason
 from tests.support.fake_executor import samples
 
 SKIP = unavailable_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+# in-process (the CUDA kernels' source under g++), but about 18 s here: over the unit budget
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 SMALL = [Request(c) for c in (1, 5, 16, 17, 100, 300)]
 
 

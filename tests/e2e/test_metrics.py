@@ -9,9 +9,13 @@ import random
 import re
 import urllib.request
 
+import pytest
+
 from pagedkv.cli import free_port
 from pagedkv.client import Client, Completion, accumulate
 from tests.support import procs
+
+pytestmark = pytest.mark.e2e
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -22,6 +22,8 @@ from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.inprocess import InProcessServer
 from tests.support.model_helpers import SMALL, VOCAB, with_config
 
+pytestmark = pytest.mark.e2e  # in-process (InProcessServer), but about 11 s here: over the unit budget
+
 torch.set_num_threads(1)
 
 MAX_NEW = 24

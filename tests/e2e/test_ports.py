@@ -12,6 +12,8 @@ import pytest
 from pagedkv import grpc_common
 from pagedkv.cli import free_port
 
+pytestmark = pytest.mark.e2e
+
 
 def test_a_second_server_on_a_port_in_use_fails_naming_the_port():
     async def main():

@@ -11,6 +11,8 @@ from pagedkv.client import Client
 from scheduler_svc.tenancy import hash_key
 from tests.conftest import Server
 
+pytestmark = pytest.mark.e2e
+
 BS = 16
 
 

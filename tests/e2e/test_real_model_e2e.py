@@ -20,6 +20,8 @@ import torch
 
 from pagedkv.client import Client, Completion, accumulate
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "smollm2-135m-instruct"
 FP32_TIE = 1e-3  # logits of this model are O(10); float32 sums of 576-1536 products stray by ~1e-5
 SYSTEM = ("You are a concise assistant for a travel agency. Answer in one or two sentences, name places "

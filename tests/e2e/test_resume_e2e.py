@@ -33,6 +33,8 @@ from pagedkv.client import Client, Completion, accumulate
 from pagedkv.local_server import LocalServer
 from tests.conftest import ROOT, wait_until
 
+pytestmark = pytest.mark.e2e
+
 SEED = 29
 MAX_TOKENS = 128
 GREEDY, SEEDED, UNSEEDED = 32, 16, 4

@@ -17,6 +17,8 @@ import pytest
 from pagedkv.client import Client, Completion, accumulate
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 MAX_TOKENS = 40
 
 

@@ -26,9 +26,10 @@ import pytest
 
 from pagedkv.client import Client, Completion, accumulate
 from pagedkv.local_server import TEST_EXECUTOR_SECRET, LocalServer
-from pagedkv.supervisor import executor_secret_file
 from scheduler_svc.tenancy import hash_key
 from tests.conftest import ROOT, wait_until
+
+pytestmark = pytest.mark.e2e
 
 # ---- stand-in children -------------------------------------------------------------------------
 # argv: name, notes file, drain seconds (on the first SIGTERM), crash-after seconds (<0: never).
@@ -240,17 +241,6 @@ def test_failed_start_exits_1_and_stops_the_started_children(tmp_path):
     failed = [e for e in logs if e["event"] == "serve_start_failed"]
     assert failed and "scheduler exited with code 2 during start-up" in failed[0]["error"], logs
     assert run.saw("executor", "term") and run.saw("executor", "exit"), "the started executor is stopped"
-
-
-def test_executor_secret_file_is_private_and_removed():
-    with executor_secret_file() as path:
-        secret = Path(path).read_text()
-        assert len(secret) == 64 and int(secret, 16) >= 0
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
-        with executor_secret_file() as other:
-            assert Path(other).read_text() != secret
-    assert not os.path.exists(os.path.dirname(path))
 
 
 # ---- through a real pagedkv serve --------------------------------------------------------------

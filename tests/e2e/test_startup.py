@@ -25,6 +25,8 @@ from pagedkv.cli import free_port
 from pagedkv.client import Client
 from tests.conftest import ROOT, wait_until
 
+pytestmark = pytest.mark.e2e
+
 # argv: name, notes file, crash: "never" | "first" (exit 3 at once on the first start only) | "always".
 CHILD = textwrap.dedent("""
     import os, signal, sys, time

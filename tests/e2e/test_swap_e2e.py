@@ -7,9 +7,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from pagedkv.client import Client
 from tests.conftest import ROOT
 from tests.support.swap_scenarios import BS, prompt_of, spill_scenario
+
+pytestmark = pytest.mark.e2e
 
 # one torch thread per executor: with torch's default (2 here) the executor, the scheduler and this client fight
 # over the 2-core machine and steps slow down several-fold in some runs (the steady-stream scenario: 1.5-3 s with

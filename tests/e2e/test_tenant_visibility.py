@@ -16,20 +16,10 @@ from pagedkv.client import Client
 from scheduler_svc.tenancy import hash_key
 from tests.support import procs
 from tests.support.procs import METRICS_HOST, can_bind
+from tests.support.tenant_visibility import TENANTS, WRONG_KEY
 
-WRONG_KEY = "sk-not-a-key-7f3a9c"
-TENANTS = f"""
-[tenants.alpha]
-keys = ["{hash_key('key-alpha')}"]
+pytestmark = pytest.mark.e2e
 
-[tenants.beta]
-keys = ["{hash_key('key-beta')}"]
-
-[tenants.ops]
-keys = ["{hash_key('key-ops')}"]
-revoked_keys = ["{hash_key('key-ops-old')}"]
-admin = true
-"""
 CLUSTER_FIELDS = ("num_free_pages", "num_used_pages", "num_cached_pages", "num_running", "num_waiting",
                   "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens",
                   "num_used_host_pages", "num_swapped", "num_pages_swapped_out", "num_pages_swapped_in")
@@ -148,19 +138,3 @@ def test_metrics_listen_on_the_metrics_host_and_show_no_keys(cluster):
         assert secret not in text  # ... keys and their hashes never are
     ready = next(e for e in scheduler.events if e.get("event") == "scheduler_ready")
     assert ready["metrics"] == f"{METRICS_HOST}:{sched_metrics}"
-
-
-def test_admin_flag_in_the_tenants_file(tmp_path):
-    from scheduler_svc.tenancy import InvalidTenant, Tenants, Unauthenticated
-
-    path = tmp_path / "t.toml"
-    path.write_text(TENANTS)
-    tenants = Tenants.load(path, 64)
-    assert [t.id for t in tenants if tenants.sees_cluster(t)] == ["ops"]
-    assert Tenants().sees_cluster(Tenants().get("default")), "a single-tenant server's one caller sees all"
-    path.write_text('[tenants.a]\nadmin = "yes"\n')
-    with pytest.raises(InvalidTenant, match="tenants.a.admin: must be true or false"):
-        Tenants.load(path, 64)
-    with pytest.raises(Unauthenticated) as err:
-        tenants.authenticate([("authorization", f"Bearer {WRONG_KEY}")])
-    assert err.value.reason == "unknown" and WRONG_KEY not in str(err.value)

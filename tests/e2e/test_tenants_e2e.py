@@ -13,6 +13,8 @@ from scheduler_svc.tenancy import hash_key
 from tests.conftest import Server, wait_until
 from tests.support.hf_reference import hf_windowed_greedy
 
+pytestmark = pytest.mark.e2e
+
 BS = 16
 
 TENANTS = f"""

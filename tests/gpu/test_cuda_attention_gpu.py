@@ -26,7 +26,7 @@ def _skip_reason() -> str | None:
 
 
 SKIP = _skip_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 GPU = Env("cuda")
 DTYPES = [torch.float16, torch.bfloat16]

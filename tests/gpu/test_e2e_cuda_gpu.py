@@ -44,7 +44,7 @@ def _skip_reason() -> str | None:
 
 
 SKIP = _skip_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 PROMPT_LENS = [3, 17, 64, 130, 250, 700, 1, 33, 520, 90]
 OUTPUT_LENS = [40, 24, 33, 20, 31, 60, 45, 16, 50, 38]

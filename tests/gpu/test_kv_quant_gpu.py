@@ -14,7 +14,7 @@ from executor_svc.attention import select_backend
 from executor_svc.kv_quant import parse_kv_dtype, to_fp8_e4m3
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_fp8_conversion_is_identical_on_gpu_and_cpu():

@@ -8,7 +8,7 @@ import torch
 
 from tests.support.page_dma_cases import out_then_in_same_step, pools, round_trip_is_bit_exact
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_host_pool_is_pinned():

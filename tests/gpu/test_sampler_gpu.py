@@ -9,7 +9,7 @@ import torch
 
 from executor_svc.sampler import SamplingParams, filter_logits, sample, thresholds
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_filters_and_tokens_on_the_gpu_equal_the_cpu():

@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the checkout
 MAX_LINES = 400
 MAX_PLANNER_METHODS = 25
 GENERATED = ("pagedkv/api/", "pagedkv/executor/")  # protobuf stubs (pagedkv.proto_gen writes them)

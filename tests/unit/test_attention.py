@@ -10,6 +10,8 @@ from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, Pref
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from tests.support.attention_reference import dense
 
+pytestmark = pytest.mark.unit
+
 
 def kernel_built() -> bool:
     """The CPU kernel is built here; only a machine without a compiler may lack it (then the gather serves)."""

@@ -13,8 +13,9 @@ from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.kv_quant import QuantizedCache, parse_kv_dtype
 
-pytestmark = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
-                                reason=f"CPU kernel not buildable here: {cpu_kernel.unavailable_reason()}")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
+                                 reason=f"CPU kernel not buildable here: {cpu_kernel.unavailable_reason()}")]
 
 
 def pool_views(num_pages: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -22,6 +22,8 @@ from tests.support.chat_template import TEMPLATE, template_ids
 from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_grpc import Aborted, Context
 
+pytestmark = pytest.mark.unit
+
 LIMIT = 200  # --max-prompt-bytes
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo?"}]
 

@@ -14,6 +14,8 @@ from scheduler_svc import engine as engine_mod
 from tests.support.fake_cluster import Box, FakeClient, collect, new_cluster, until, up_cluster
 from tests.support.fake_executor import make_request
 
+pytestmark = pytest.mark.unit
+
 
 def test_executor_failure_moves_a_stream_with_no_token_lost_or_repeated(boxes):
     async def scenario():

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import stat
 
+import pytest
+
 from executor_svc import costs as costs_mod
 from executor_svc.costs import Costs, cached_costs, cost_key
+
+pytestmark = pytest.mark.unit
 
 
 def _counting(monkeypatch, value: Costs) -> list[int]:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from executor_svc.model import cpu_linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
-                                reason="torch built without oneDNN")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.float32),
+                                reason="torch built without oneDNN")]
 
 # SmolLM2's shapes (in -> out): qkv, o, gate_up, down, and a tied head; tiny-llama's qkv
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096), (64, 192)]

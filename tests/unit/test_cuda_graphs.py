@@ -22,6 +22,8 @@ from executor_svc.cuda_graphs import (
 from tests.support.fake_executor import samples
 from tests.support.inprocess import InProcessServer
 
+pytestmark = pytest.mark.unit
+
 
 def test_buckets_are_powers_of_two_up_to_the_largest():
     assert decode_buckets(1) == [1]

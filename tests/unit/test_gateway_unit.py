@@ -32,6 +32,8 @@ from pagedkv.gateway.openai_responses import Choice, chunk_body, response_body
 from pagedkv.gateway.upstream import GATEWAY_RESUME
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 
+pytestmark = pytest.mark.unit
+
 
 # ---- translation -------------------------------------------------------------------------------
 def test_completion_fields_map_to_the_generate_request():
@@ -578,20 +580,3 @@ def test_serve_child_command(monkeypatch):
     monkeypatch.setenv("PAGEDKV_TLS_CA", "ca.pem")
     cmd = serve_child_command(args)
     assert [cmd[cmd.index(f) + 1] for f in ("--tls-cert", "--tls-key", "--tls-ca")] == ["s.pem", "s.key", "ca.pem"]
-
-
-def test_check_http_refuses_what_is_not_an_http_url():
-    from pagedkv.gateway.cli import check_http
-
-    with pytest.raises(ValueError, match="--http"):
-        check_http("127.0.0.1:8000/health")
-    ok, said = check_http(f"http://127.0.0.1:{_closed_port()}/health", timeout=2)
-    assert not ok and "health" in said
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

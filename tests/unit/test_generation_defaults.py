@@ -19,6 +19,8 @@ from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_executor import NullTokenizer
 from tests.support.fake_grpc import Context
 
+pytestmark = pytest.mark.unit
+
 LLAMA3_INSTRUCT = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128009],
                    "temperature": 0.6, "top_p": 0.9}
 QWEN25_INSTRUCT = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}

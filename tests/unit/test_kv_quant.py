@@ -25,6 +25,8 @@ from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
 from tests.support.attention_reference import dense
 
+pytestmark = pytest.mark.unit
+
 QUANTIZED = ["fp8_e4m3", "int8"]
 
 

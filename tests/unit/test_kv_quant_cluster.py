@@ -13,6 +13,8 @@ from scheduler_svc import engine as engine_mod
 from tests.support.fake_cluster import Box, FakeClient, collect, until, up_cluster
 from tests.support.fake_executor import make_request
 
+pytestmark = pytest.mark.unit
+
 KV = {"a:1": ("fp8_e4m3", 1088), "b:1": ("int8", 1088), "c:1": ("float32", 4096)}
 
 

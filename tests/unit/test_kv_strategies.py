@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 sys.path.insert(0, str(ROOT / "bench"))
 import kv_strategies as ks  # noqa: E402
 

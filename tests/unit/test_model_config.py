@@ -18,6 +18,8 @@ from pagedkv.models import build_random_model
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.model_helpers import SMALL, VOCAB, assert_greedy_equal, paged_greedy, with_config
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executor_svc.pages import _runs
 from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
 from tests.support.page_dma_cases import out_then_in_same_step, pools, round_trip_is_bit_exact
+
+pytestmark = pytest.mark.unit
 
 
 def test_runs_merge_consecutive_pages_and_keep_order():

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pagedkv.proto_gen import ROOT, generate
+
+pytestmark = pytest.mark.unit
 
 
 def test_generated_stubs_are_current(tmp_path: Path):

@@ -21,6 +21,8 @@ from tests.support.fake_cluster import Box, up_cluster
 from tests.support.fake_executor import NullTokenizer
 from tests.support.fake_grpc import Aborted, Context
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [1, 5, 6, 7, 8]
 EOS = 2
 
@@ -350,26 +352,3 @@ def test_a_callers_own_continuation_is_where_progress_starts():
     assert err is None and len(stub.requests) == 2
     forks = [(list(f.token_ids), f.draw_offset, f.finished) for f in stub.requests[1].continuation.forks]
     assert forks == [([7, 8, 10], 3, False), ([9], 1, True)]
-
-
-def test_generate_and_the_gateway_resume_by_default():
-    """pagedkv generate: ResumePolicy's defaults unless told; 0 attempts: never; a negative count is refused. The
-    gateway's: the same, except that a full queue before anything was sent is passed on (its 429)."""
-    from pagedkv.cli import build_parser
-    from pagedkv.client import DEFAULT_RESUME, resume_policy
-    from pagedkv.gateway.upstream import GATEWAY_RESUME
-
-    parse = build_parser().parse_args
-    assert resume_policy(parse(["generate", "hi"])) == DEFAULT_RESUME == ResumePolicy()
-    assert resume_policy(parse(["generate", "hi", "--resume-attempts", "0"])) is None
-    assert resume_policy(parse(["generate", "hi", "--resume-attempts", "2", "--resume-timeout", "9"])) == ResumePolicy(
-        attempts=2, timeout_s=9.0)
-    for bad in (["--resume-attempts", "-1"], ["--resume-timeout", "0"]):
-        with pytest.raises(ValueError, match="--resume-"):
-            resume_policy(parse(["generate", "hi", *bad]))
-    assert resume_policy(parse(["gateway"])) == DEFAULT_RESUME and not GATEWAY_RESUME.queue_full_at_start
-
-    async def client_default() -> ResumePolicy | None:
-        async with Client("127.0.0.1:1") as client:
-            return client.resume
-    assert asyncio.run(client_default()) == DEFAULT_RESUME

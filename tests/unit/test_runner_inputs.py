@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from executor_svc.batch import group_by_length, padded_tables
 from executor_svc.tensors import long_tensor
+
+pytestmark = pytest.mark.unit
 
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 

@@ -5,6 +5,8 @@ import torch
 
 from executor_svc.sampler import SamplingParams, filter_logits, sample, sample_one
 
+pytestmark = pytest.mark.unit
+
 
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)

@@ -14,6 +14,8 @@ from pagedkv.serve_args import SET_BY_SERVE, _ServiceFlags, child_commands
 from pagedkv.serve_args import add_args as add_serve_args
 from scheduler_svc import args as scheduler_args
 
+pytestmark = pytest.mark.unit
+
 EXEC_PORT = 5999
 ADD_ARGS = {"scheduler": scheduler_args.add_args, "executor": executor_args.add_args}
 FOLLOWS = {"--cuda-graph-max-batch": "--max-num-seqs"}  # serve's default for the first is the second's value

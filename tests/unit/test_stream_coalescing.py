@@ -25,6 +25,8 @@ from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_executor import NullTokenizer
 from tests.support.fake_grpc import Context
 
+pytestmark = pytest.mark.unit
+
 
 def _stream(forks: int, lengths: list[int], order: list[int], error_fork: int | None) -> list[Output]:
     """Each fork's token messages then its final (an error final for error_fork), interleaved by ``order``."""

@@ -17,6 +17,8 @@ from pagedkv.models import build_byte_tokenizer
 from scheduler_svc.tokenizer import OWN_TOKENIZER_TYPES, FastTokenizer, fast_path_refusal, load_tokenizer
 from tests.support.chat_template import TEMPLATE
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["Hello world", "", " leading and  double  spaces\n\ttabs", "héllo ☃ 日本語 🦙", "<s>inside</s> text <unk>",
          "<|im_start|>user\nhi<|im_end|>", "a" * 300]
 MESSAGES = [

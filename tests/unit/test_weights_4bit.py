@@ -16,6 +16,8 @@ from pagedkv.models import build_random_model, quantize_checkpoint
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.model_helpers import VOCAB, paged_greedy, with_config
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 SMALL = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish
 from scheduler_svc.scheduler import SchedulerConfig
 from tests.support.driven import driven
 from tests.support.fake_executor import drive, make_request
 from tests.support.scheduler_helpers import assert_empty, new_scheduler
+
+pytestmark = pytest.mark.unit
 
 
 def test_chunked_prefill_respects_token_budget_and_finishes_everything():

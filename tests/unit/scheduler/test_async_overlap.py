@@ -21,6 +21,8 @@ from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.fake_executor import NullTokenizer, drive
 from tests.support.scheduler_helpers import BS, assert_empty, new_scheduler
 
+pytestmark = pytest.mark.unit
+
 
 def varied(request_id: str, position: int) -> int:
     return 2 + zlib.crc32(f"{request_id}@{position}".encode()) % 40  # 2 is EOS

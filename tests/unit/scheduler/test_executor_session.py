@@ -11,6 +11,8 @@ from scheduler_svc.request import Finish, Status
 from tests.support.fake_executor import FakeExecutor, drive, make_request, scheduled
 from tests.support.scheduler_helpers import BS, CHEAP_SWAP, assert_empty, new_scheduler
 
+pytestmark = pytest.mark.unit
+
 
 def test_rejected_plan_resends_its_swaps_alone_and_first():
     s = new_scheduler(pages=9, hot=0, cold=0)

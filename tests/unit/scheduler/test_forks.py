@@ -4,11 +4,15 @@ seats before it forks."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.pages import PagePool
 from scheduler_svc.scheduler import SchedulerConfig
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import drive, make_request
 from tests.support.scheduler_helpers import new_prefix_scheduler as new_scheduler
+
+pytestmark = pytest.mark.unit
 
 
 def test_fork_shares_pages_and_copies_the_partial_last_page():

@@ -11,6 +11,8 @@ from scheduler_svc.scheduler import SchedulerConfig
 from tests.support.driven import driven
 from tests.support.fake_executor import fake_result, make_request
 
+pytestmark = pytest.mark.unit
+
 
 def test_continuing_requests_send_only_appended_pages():
     pool = PagePool(num_pages=50, block_size=4)

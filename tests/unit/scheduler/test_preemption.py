@@ -19,6 +19,8 @@ from tests.support.driven import driven
 from tests.support.fake_executor import FakeExecutor, drive, make_request
 from tests.support.scheduler_helpers import BS, CHEAP_SWAP, assert_empty, new_scheduler
 
+pytestmark = pytest.mark.unit
+
 
 def test_preemption_picks_the_newest_and_everything_still_finishes():
     pool = PagePool(num_pages=10, block_size=4)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from scheduler_svc.prefix_cache import page_hash, tenant_root
 from tests.support.driven import Driven
 from tests.support.fake_executor import drive, make_request
 from tests.support.scheduler_helpers import PREFIX_BS as BS
 from tests.support.scheduler_helpers import new_prefix_scheduler as new_scheduler
+
+pytestmark = pytest.mark.unit
 
 
 def test_hash_chain_is_salted_by_tenant_and_tags_extra_keys():

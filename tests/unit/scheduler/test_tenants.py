@@ -15,6 +15,8 @@ from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, drive, make_request
 from tests.support.scheduler_helpers import BS, assert_empty, new_scheduler
 
+pytestmark = pytest.mark.unit
+
 
 def load(tmp_path, text: str, num_pages: int = 100) -> Tenants:
     path = tmp_path / "tenants.toml"

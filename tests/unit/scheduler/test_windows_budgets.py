@@ -13,6 +13,8 @@ from scheduler_svc.request import Finish
 from tests.support.fake_executor import FakeExecutor, drive, make_request
 from tests.support.scheduler_helpers import BS, assert_empty, new_scheduler
 
+pytestmark = pytest.mark.unit
+
 
 def windowed(i: int, prompt_len: int, max_tokens: int, budget: int = 0, window: int = 0, sink: int = 0,
              overflow: str = "window", **kw):

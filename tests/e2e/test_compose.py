@@ -21,6 +21,8 @@ from pagedkv.cli import free_port
 from pagedkv.client import Client
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 COMPOSE = procs.ROOT / "docker-compose.yml"
 ALIAS = "executors"
 CERTS = "/certs"  # the certs volume's mount point
@@ -115,7 +117,6 @@ def _check_links(services: dict) -> None:
     assert port["host_ip"] == "127.0.0.1" and str(port["published"]) == "50051"
 
 
-@pytest.mark.unit
 def test_every_published_port_is_loopback_and_prometheus_scrapes_each_service():
     """Read as written (no docker-compose needed): each service publishes on PAGEDKV_PUBLISH_HOST, loopback by
     default; Prometheus scrapes the scheduler, the executors and the gateway, the gateway over verified HTTPS."""
