@@ -1,7 +1,8 @@
 # make serve   - install into .venv (first time) and serve the built-in smollm2-135m-instruct on 127.0.0.1:50051
 #                (MODEL=tiny-llama for the random test model, MODEL=/path/to/hf-dir for a checkpoint)
 # make test    - install into .venv (first time) and run the test suite
-# make test-fast - the fast tier only (no process started; pytest -m unit): run it on every edit
+# make test-fast - the unit tier only (pytest -m unit: no process, no socket, <= 60 s): run it on every edit
+#                  (tiers and folders: tests/README.md)
 # make test-unit - the same as test-fast
 # make bench   - the benchmarks under bench/ (tables on stdout, JSON under bench/results/)
 PYTHON ?= python3

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 
 from pagedkv.local_server import ROOT, TEST_EXECUTOR_SECRET, LocalServer
 from pagedkv.security import EXECUTOR_SECRET_ENV
+from tests.support import tiers
 
 __all__ = ["ROOT", "Server", "wait_until"]
 
@@ -22,28 +23,42 @@ settings.register_profile("ci", deadline=None, derandomize=True, database=None,
 settings.register_profile("long", deadline=None)
 settings.load_profile("long" if os.environ.get("PAGEDKV_ADVERSARIAL", "") == "long" else "ci")
 
-# Tiers: `pytest -m unit` is the fast one (no process started); `e2e` tests start real services on loopback;
-# `gpu` tests need CUDA (they skip without it). A module may set its tier itself with `pytestmark`; otherwise a
-# module that starts processes is e2e.
-TIERS = ("unit", "e2e", "gpu")
-_STARTS_PROCESSES = ("LocalServer", "ServiceProcess", "Server(", "start_server", "procs", "Proc(", "subprocess")
-_module_tier: dict[Path, str] = {}
+# Tiers (tests/README.md): every test module sets its own with `pytestmark` (unit, e2e or gpu; slow may be added)
+# and sits in its tier's folder (tests/unit/, tests/e2e/, tests/gpu/; tests/adversarial/ holds unit and e2e).
+# Collection stops on a module that does not; a unit test that starts a process or opens a socket fails.
 
 
-def _tier(path: Path) -> str:
-    if path not in _module_tier:
-        if "gpu" in path.parts:
-            _module_tier[path] = "gpu"
-        else:
-            text = path.read_text()
-            _module_tier[path] = "e2e" if any(m in text for m in _STARTS_PROCESSES) else "unit"
-    return _module_tier[path]
-
-
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if not any(item.get_closest_marker(t) for t in TIERS):
-            item.add_marker(getattr(pytest.mark, _tier(Path(str(item.fspath)))))
+    tiers.check_tiers(items)
+
+
+def pytest_configure(config) -> None:
+    tiers.GUARD.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if not tiers.is_unit(item):
+        return (yield)
+    with tiers.GUARD.run(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if not tiers.is_unit(item):
+        return (yield)
+    with tiers.GUARD.run(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    if not tiers.is_unit(item):
+        return (yield)
+    with tiers.GUARD.run(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)
