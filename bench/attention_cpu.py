@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from executor_svc.attention import cpu_kernel  # noqa: E402
 from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
-from pagedkv.models import build_tiny_llama  # noqa: E402
+from pagedkv.tools.random_model import build_tiny_llama  # noqa: E402
 from tests.support.fake_executor import make_request  # noqa: E402
 from tests.support.inprocess import InProcessServer  # noqa: E402
 

@@ -76,13 +76,14 @@ def workload(name: str, mixed_requests: int, seed: int = 0) -> list[Request]:
 
 
 def model_dir(name: str) -> Path:
-    from pagedkv.models import _build_atomically, build_random_model, cache_dir, resolve_model
+    from pagedkv.models import build_atomically, cache_dir, resolve_model
+    from pagedkv.tools.random_model import build_random_model
 
     if name != "random-40m":
         return resolve_model(name)
     path = cache_dir() / "random-llama-40m-v1"
     if not (path / "config.json").exists():
-        _build_atomically(path, lambda d: build_random_model(d, arch="llama", seed=20261130, **MODEL_40M))
+        build_atomically(path, lambda d: build_random_model(d, arch="llama", seed=20261130, **MODEL_40M))
     return path
 
 
@@ -345,12 +346,13 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
 
 
 def four_bit_copy(model: str, path: Path) -> Path:
-    """A GPTQ 4-bit group-32 copy of the model (pagedkv.models.quantize_checkpoint), built once."""
-    from pagedkv.models import _build_atomically, cache_dir, quantize_checkpoint
+    """A GPTQ 4-bit group-32 copy of the model (pagedkv.tools.quantize.quantize_checkpoint), built once."""
+    from pagedkv.models import build_atomically, cache_dir
+    from pagedkv.tools.quantize import quantize_checkpoint
 
     out = cache_dir() / f"{model}-gptq4-g32-v1"
     if not (out / "config.json").exists():
-        _build_atomically(out, lambda d: quantize_checkpoint(path, d, method="gptq", group_size=32))
+        build_atomically(out, lambda d: quantize_checkpoint(path, d, method="gptq", group_size=32))
     return out
 
 

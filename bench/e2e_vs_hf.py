@@ -248,12 +248,13 @@ RANDOM_MODELS = {
 
 def random_model_dir(size: str) -> Path:
     """The random Llama of ``size`` (RANDOM_MODELS), built on first use into the pagedkv cache."""
-    from pagedkv.models import _build_atomically, build_random_model, cache_dir
+    from pagedkv.models import build_atomically, cache_dir
+    from pagedkv.tools.random_model import build_random_model
 
     path = cache_dir() / f"random-llama-{size}-v1"
     if not (path / "config.json").exists():
         print(f"building the random {size} Llama into {path} (once) ...", flush=True)
-        _build_atomically(path, lambda d: build_random_model(d, arch="llama", seed=20261129, **RANDOM_MODELS[size]))
+        build_atomically(path, lambda d: build_random_model(d, arch="llama", seed=20261129, **RANDOM_MODELS[size]))
     return path
 
 

@@ -14,7 +14,7 @@
      page-channel e8m0 the same with power-of-two scales in one byte (the exponent)
      KIVI              K page-channel (streamed), V token-head
      KIVI, K e8m0      K page-channel e8m0 (streamed), V token-head bf16 (int8's default)
-3. Quality on a small trained model (executor_svc.model.trained_tiny: a tiny Llama trained on CPU on Python's
+3. Quality on a small trained model (pagedkv.tools.trained_tiny: a tiny Llama trained on CPU on Python's
    stdlib source), through the executor's own model, page pool and torch backend, against float32 KV:
    held-out perplexity (1024-token sequences run as 128-token chunked prefills over the cache), top-1
    next-token agreement, mean KL(full || quantized), and greedy continuations (first divergent position).
@@ -60,10 +60,10 @@ from executor_svc.kv_quant import (  # noqa: E402
     to_fp8_e4m3,
 )
 from executor_svc.model import load_model  # noqa: E402
-from executor_svc.model.trained_tiny import held_out_tokens, trained_tiny_llama  # noqa: E402
 from executor_svc.model_config import ModelConfig  # noqa: E402
 from executor_svc.pages import DevicePagePool  # noqa: E402
 from pagedkv.models import resolve_model  # noqa: E402
+from pagedkv.tools.trained_tiny import held_out_tokens, trained_tiny_llama  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 QUANT = ("fp8_e4m3", "int8")

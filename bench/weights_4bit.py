@@ -4,7 +4,7 @@
    (``_weight_int4pack_mm_for_cpu``) with bf16 inside (what pagedkv runs) and in fp32 (exact, scalar
    code), and dequantize-then-matmul per call (what a hand-written fallback would do). torchao's int4 CPU
    layout calls the same aten op, so it is not a separate candidate.
-2. A random Llama (hidden 1024, 4 layers) quantized by pagedkv.models.quantize_checkpoint: the decoder
+2. A random Llama (hidden 1024, 4 layers) quantized by pagedkv.tools.quantize.quantize_checkpoint: the decoder
    linears' bytes held (vs the same weights in fp16 and fp32) and decode tokens/s through the executor's
    ModelRunner and paged KV, batch 1 and 8, for fp32 weights and each 4-bit format.
 
@@ -31,7 +31,8 @@ from common import write_report  # noqa: E402
 from executor_svc.model import load_model, quant  # noqa: E402
 from executor_svc.model.quant import Int4Weight, build_int4  # noqa: E402
 from executor_svc.model_config import ModelConfig  # noqa: E402
-from pagedkv.models import build_random_model, quantize_checkpoint  # noqa: E402
+from pagedkv.tools.quantize import quantize_checkpoint  # noqa: E402
+from pagedkv.tools.random_model import build_random_model  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4)
 FORMATS = {  # name -> quantize_checkpoint keywords

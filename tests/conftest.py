@@ -100,7 +100,7 @@ def smollm2_dir(model_cache) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     """A random Qwen2-style model (qkv bias, tied embeddings) built and saved by the test itself."""
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("qwen2-tiny"), arch="qwen2", seed=7, hidden_size=192,
                               intermediate_size=512, num_layers=3, num_heads=6, num_kv_heads=2)

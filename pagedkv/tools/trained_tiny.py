@@ -6,7 +6,7 @@ A random-weight model's logits say little about quantization error; this one pre
 Built once and cached beside tiny-llama (``tiny-llama-trained-<version>``); deterministic for a given Python
 stdlib and torch build (fixed seed, one thread, fixed step count).
 
-    python -m executor_svc.model.trained_tiny [--steps N]   # build (or find) it; prints the path
+    python -m pagedkv.tools.trained_tiny [--steps N]   # build (or find) it; prints the path
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def held_out_tokens(limit: int | None = None) -> list[int]:
 def build(out_dir: Path, steps: int = STEPS, log=print) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedkv.models import build_byte_tokenizer
+    from pagedkv.tools.random_model import build_byte_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -103,11 +103,11 @@ def build(out_dir: Path, steps: int = STEPS, log=print) -> Path:
 
 def trained_tiny_llama(steps: int = STEPS, log=print) -> Path:
     """The cached model directory, trained now when missing."""
-    from pagedkv.models import _build_atomically
+    from pagedkv.models import build_atomically
 
     path = persistent_cache_dir() / NAME
     if not (path / "config.json").exists():
-        _build_atomically(path, lambda d: build(Path(d), steps, log))
+        build_atomically(path, lambda d: build(Path(d), steps, log))
     return path
 
 

@@ -25,7 +25,7 @@ GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "t
 def chat_model(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     # initializer_range 0.02: nearly flat logits, so that sampling (unlike greedy) varies with the seed
     path = build_random_model(tmp_path_factory.mktemp("chat-model"), seed=11, hidden_size=64, intermediate_size=128,

@@ -139,7 +139,7 @@ def byte_level_bpe():
     token that ends or starts mid-character, a literal U+FFFD, special and added tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    from pagedkv.models import SPECIAL_TOKENS, byte_to_char
+    from pagedkv.tools.random_model import SPECIAL_TOKENS, byte_to_char
 
     b2c = byte_to_char()
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}

@@ -107,7 +107,7 @@ def test_seeded_sampling_independent_of_batch(start_server, tiny_llama_dir):
 
 def test_mistral_sliding_window_matches_transformers(start_server, tmp_path):
     """Mistral's sliding window (here 24 tokens, shorter than most prompts) through the paged path."""
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / "mistral", arch="mistral", seed=11, hidden_size=128,
                                    intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, sliding_window=24)

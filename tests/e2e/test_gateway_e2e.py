@@ -48,7 +48,7 @@ class Stack:
     def __init__(self, tmp) -> None:
         from transformers import AutoTokenizer
 
-        from pagedkv.models import build_random_model
+        from pagedkv.tools.random_model import build_random_model
 
         path = build_random_model(tmp / "model", seed=5, hidden_size=64, intermediate_size=128, num_layers=2,
                                   num_heads=4, num_kv_heads=2)

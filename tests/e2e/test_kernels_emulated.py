@@ -104,7 +104,7 @@ def test_runner_greedy_matches_torch_backend(emu, tmp_path, kv_dtype):
     from executor_svc.pages import DevicePagePool
     from executor_svc.runner import ModelRunner
     from pagedkv.executor.v1 import executor_pb2 as pb
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     path = build_random_model(tmp_path / "m", hidden_size=512, intermediate_size=512, num_layers=2, num_heads=8,
                               num_kv_heads=2, seed=5)

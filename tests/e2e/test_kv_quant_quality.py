@@ -1,4 +1,4 @@
-"""What 8-bit KV costs on a model that has learned something (executor_svc.model.trained_tiny, trained on CPU
+"""What 8-bit KV costs on a model that has learned something (pagedkv.tools.trained_tiny, trained on CPU
 on Python's stdlib source; built into the user cache the first time, a few minutes), through the executor's
 model, page pool and torch backend: held-out perplexity and top-1 agreement against float32 KV.
 
@@ -25,7 +25,7 @@ def quality():
     sys.path.insert(0, str(ROOT / "bench"))
     import kv_quant
 
-    from executor_svc.model.trained_tiny import trained_tiny_llama
+    from pagedkv.tools.trained_tiny import trained_tiny_llama
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

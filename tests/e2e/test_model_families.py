@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from executor_svc.model_config import ModelConfig
-from pagedkv.models import build_random_model
+from pagedkv.tools.random_model import build_random_model
 from tests.support.fake_executor import samples
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.inprocess import InProcessServer
@@ -221,7 +221,7 @@ def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch,
     Gemma 2's linears, and every MoE expert (routers stay float, as the tools leave them) load 4-bit; the int4
     kernel in fp32 equals transformers on the dequantized float weights."""
     from executor_svc.model import load_model, quant
-    from pagedkv.models import quantize_checkpoint
+    from pagedkv.tools.quantize import quantize_checkpoint
     from tests.support.model_helpers import paged_greedy
 
     monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)  # bit-for-bit the dequantized weights' math

@@ -222,7 +222,7 @@ def gateway_server(model_cache, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from pagedkv.cli import free_port
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
     from tests.support.chat_template import TEMPLATE
 
     path = build_random_model(tmp_path_factory.mktemp("chat-tiny-llama") / "model")

@@ -33,7 +33,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("llama-graphs"), arch="llama", seed=11, hidden_size=512,
                               intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2)

@@ -56,7 +56,7 @@ MODELS = {"d64": dict(hidden_size=512, num_heads=8, num_kv_heads=2),
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict:
-    from pagedkv.models import build_random_model
+    from pagedkv.tools.random_model import build_random_model
 
     return {name: build_random_model(tmp_path_factory.mktemp(f"llama-{name}"), arch="llama", seed=11,
                                      intermediate_size=1024, num_layers=4, **kw) for name, kw in MODELS.items()}

@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
-from pagedkv.models import build_byte_tokenizer
+from pagedkv.tools.random_model import build_byte_tokenizer
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService

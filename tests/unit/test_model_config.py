@@ -14,7 +14,7 @@ import torch
 
 from executor_svc.config_fields import FIELDS, FOREIGN_MATH, HANDLED, IRRELEVANT, REFUSED
 from executor_svc.model_config import ModelConfig
-from pagedkv.models import build_random_model
+from pagedkv.tools.random_model import build_random_model
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.model_helpers import SMALL, VOCAB, assert_greedy_equal, paged_greedy, with_config
 

@@ -12,7 +12,7 @@ import torch
 
 from executor_svc.model_config import ModelConfig
 from pagedkv.executor.v1 import executor_pb2 as pb
-from pagedkv.models import build_random_model
+from pagedkv.tools.random_model import build_random_model
 from scheduler_svc import fit
 from scheduler_svc.args import model_window
 from scheduler_svc.tenancy import Tenant

@@ -1,8 +1,8 @@
 """The scheduler's tokenizer (scheduler_svc/tokenizer.py) answers as transformers' AutoTokenizer does: token ids
 with and without special tokens, convert_ids_to_tokens, decoding (special tokens kept or skipped, broken UTF-8
 included) and chat templates rendered to text, for the built-in tiny-llama and the tokenizers the suite builds
-(pagedkv.models.build_byte_tokenizer, tests/support/chat_template.py), in every form a checkpoint stores them. Where it
-cannot, it says why and hands over to transformers."""
+(pagedkv.tools.random_model.build_byte_tokenizer, tests/support/chat_template.py), in every form a checkpoint stores
+them. Where it cannot, it says why and hands over to transformers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.models import build_byte_tokenizer
+from pagedkv.tools.random_model import build_byte_tokenizer
 from scheduler_svc.tokenizer import OWN_TOKENIZER_TYPES, FastTokenizer, fast_path_refusal, load_tokenizer
 from tests.support.chat_template import TEMPLATE
 
@@ -101,7 +101,8 @@ def test_tiny_llama(tiny_llama_dir):
     assert fast.chat_template is None
 
 
-# The model types of the checkpoints pagedkv.models.build_random_model writes (ARCHS), each with the byte tokenizer.
+# The model types of the checkpoints pagedkv.tools.random_model.build_random_model writes (ARCHS), each with the byte
+# tokenizer.
 SUITE_MODEL_TYPES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
                      "mixtral", "qwen2_moe", "qwen3_moe"]
 

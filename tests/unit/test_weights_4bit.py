@@ -1,6 +1,6 @@
 """4-bit weights: AWQ (GEMM) and GPTQ checkpoints in the tools' format load, stay 4-bit in memory, run on
 torch's int4 matmul, and decode greedily exactly as transformers does on the dequantized fp32 weights.
-In-process, tiny models; checkpoints made by pagedkv.models.quantize_checkpoint (round-to-nearest)."""
+In-process, tiny models; checkpoints made by pagedkv.tools.quantize.quantize_checkpoint (round-to-nearest)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from executor_svc.model.quant import AWQ_ORDER, QuantSpec, unpack_linear
 from executor_svc.model_config import ModelConfig
-from pagedkv.models import build_random_model, quantize_checkpoint
+from pagedkv.tools.quantize import quantize_checkpoint
+from pagedkv.tools.random_model import build_random_model
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.model_helpers import VOCAB, paged_greedy, with_config
 
