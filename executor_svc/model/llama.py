@@ -10,80 +10,34 @@ Mixtral and the Qwen MoE models route each token to top-k experts (moe.py). Per-
 attends with its own window (a copy of the step's metadata per distinct window).
 
 The arithmetic follows transformers' eager implementation op for op (RMSNorm in fp32, rotary
-embedding from the same inverse frequencies, fp32 softmax) so greedy output is token-exact.
+embedding from the same inverse frequencies, fp32 softmax) so greedy output is token-exact. The norms, activations
+and rotary tables are layers.py's; which tensors a checkpoint holds and how they are read, checkpoint.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import structlog
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model import cpu_linear
+from executor_svc.model.checkpoint import (
+    expected_tensors,
+    expert_modules,
+    fused_modules,
+    language_model_tensors,
+    read_safetensors,
+    router_name,
+)
+from executor_svc.model.layers import ACTIVATIONS, Rotary, gemma_norm, rms_norm, rotate_half
 from executor_svc.model.moe import DenseMlp, MoeMlp
 from executor_svc.model.quant import DenseLinear, build_int4, quant_tensor_names, unpack_linear
 from executor_svc.model.softcap import softcapped_attention
-from executor_svc.model_config import ModelConfig, MoeSpec
+from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: ``weight`` holds 1 + w in fp32, applied before the cast back."""
-    h = x.to(torch.float32)
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-
-
-ACTIVATIONS = {  # the torch functions transformers' ACT2FN uses for these names
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Rotary:
-    """cos/sin tables computed the way transformers computes them (incl. rope scaling types)."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device, layer_type: str | None = None) -> None:
-        """``layer_type``: Gemma 3's rope parameter set (rope_parameters[layer_type])."""
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        hf = cfg.hf_config
-        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        if layer_type is not None:
-            params = params[layer_type]
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        kw = {} if layer_type is None else {"layer_type": layer_type}
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-            dim = cfg.head_dim
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.scaling = 1.0
-        elif rope_type in ("linear", "llama3", "yarn"):
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device, **kw)
-        else:  # config_fields refuses these first; longrope and dynamic change the tables with the length
-            raise ValueError(f"rope type {rope_type!r} is not supported (its tables depend on the length)")
-        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
 class LlamaModel:
@@ -101,7 +55,7 @@ class LlamaModel:
         if cfg.gemma:  # norms hold 1 + w in fp32 (Gemma's RMSNorm computes it so)
             w.update({k: 1.0 + v.to(device=device, dtype=torch.float32) for k, v in weights.items()
                       if k.endswith("norm.weight")})
-        self.norm = _gemma_norm if cfg.gemma else _rms_norm
+        self.norm = gemma_norm if cfg.gemma else rms_norm
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.embed = w["model.embed_tokens.weight"]
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device) if cfg.gemma else None
@@ -123,7 +77,7 @@ class LlamaModel:
         tensor is in the file."""
         cfg = self.cfg
         p = f"model.layers.{i}."
-        qkv, gate_up = _fused_modules(cfg, p)
+        qkv, gate_up = fused_modules(cfg, p)
         out = {
             "in_norm": w[p + "input_layernorm.weight"],
             "qkv": self._linear(w, qkv, cfg.attention_bias),
@@ -152,7 +106,7 @@ class LlamaModel:
         spec = self.cfg.moe
         experts = []
         for e in range(spec.num_experts):
-            gate_up, down = _expert_modules(spec, p, e)
+            gate_up, down = expert_modules(spec, p, e)
             experts.append((self._linear(w, gate_up, False), self._linear(w, [down], False)))
         shared = gate = None
         if spec.shared_size:
@@ -160,7 +114,7 @@ class LlamaModel:
             shared = (self._linear(w, [s + "gate_proj", s + "up_proj"], False),
                       self._linear(w, [s + "down_proj"], False))
             gate = w[p + "mlp.shared_expert_gate.weight"]
-        return MoeMlp(spec, w[_router_name(spec, p)], experts, self.act, shared, gate)
+        return MoeMlp(spec, w[router_name(spec, p)], experts, self.act, shared, gate)
 
     def _linear(self, w: dict[str, torch.Tensor], modules: list[str], bias: bool):
         """One matmul over modules (same input, outputs concatenated): 4-bit where the checkpoint holds them
@@ -243,8 +197,8 @@ class LlamaModel:
         if cfg.qk_norm:  # Qwen3, Gemma 3: per head, before rope
             q = self.norm(q, lw["q_norm"], cfg.rms_norm_eps)
             k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = pool.layer(i)
         attention.write_cache(k_cache, v_cache, k, v, meta)
         if cfg.attn_softcap:
@@ -299,8 +253,8 @@ class LlamaModel:
             q = ops.rotary_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
         else:  # (8-bit pages, or a backend with writes of its own)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             attention.write_cache(k_cache, v_cache, k, v, meta)
         a = attention.forward(q, k_cache, v_cache, meta)
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
@@ -317,38 +271,10 @@ def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[
     return out
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model {path}: no *.safetensors files (only safetensors checkpoints load)")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                weights[key] = fh.get_tensor(key)
-    return weights
-
-
-# a multimodal checkpoint's language model tensors -> the names of a causal LM's (both layouts in use)
-LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
-
-
-def _language_model_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The language model's tensors under causal-LM names; the vision tower's and projector's are dropped."""
-    out = {}
-    for key, tensor in weights.items():
-        for old, new in LANGUAGE_MODEL_PREFIXES:
-            if key.startswith(old):
-                out[new + key[len(old):]] = tensor
-                break
-    return out
-
-
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    weights = _read_safetensors(cfg.path)
+    weights = read_safetensors(cfg.path)
     if cfg.language_model_only:
-        weights = _language_model_tensors(weights)
+        weights = language_model_tensors(weights)
     missing = [k for k in expected_tensors(cfg) if k not in weights]
     if missing:
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
@@ -364,68 +290,3 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
                 k.startswith("dequantized") for k in kinds) else "kept 4-bit")
     return model
 
-
-def _fused_modules(cfg: ModelConfig, p: str) -> tuple[list[str], list[str]]:
-    """The checkpoint modules whose outputs make the fused q/k/v and gate/up matmuls of layer prefix p."""
-    if cfg.fused_projections:  # Phi-3
-        return [p + "self_attn.qkv_proj"], [p + "mlp.gate_up_proj"]
-    return [p + f"self_attn.{n}_proj" for n in "qkv"], [p + f"mlp.{n}_proj" for n in ("gate", "up")]
-
-
-def _expert_modules(spec: MoeSpec, p: str, e: int) -> tuple[list[str], str]:
-    """Expert e's (gate and up modules, down module) in layer prefix p, as the checkpoints name them."""
-    if spec.mixtral_names:
-        x = p + f"block_sparse_moe.experts.{e}."
-        return [x + "w1", x + "w3"], x + "w2"
-    x = p + f"mlp.experts.{e}."
-    return [x + "gate_proj", x + "up_proj"], x + "down_proj"
-
-
-def _router_name(spec: MoeSpec, p: str) -> str:
-    return p + ("block_sparse_moe.gate.weight" if spec.mixtral_names else "mlp.gate.weight")
-
-
-def _mlp_modules(cfg: ModelConfig, i: int, p: str) -> tuple[list[str], list[str]]:
-    """(linear modules, plain tensors) of layer i's MLP or MoE block."""
-    spec = cfg.moe
-    if spec is None or not spec.sparse_layers[i]:
-        return _fused_modules(cfg, p)[1] + [p + "mlp.down_proj"], []
-    modules = []
-    for e in range(spec.num_experts):
-        gate_up, down = _expert_modules(spec, p, e)
-        modules += gate_up + [down]
-    tensors = [_router_name(spec, p)]
-    if spec.shared_size:
-        modules += [p + f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")]
-        tensors.append(p + "mlp.shared_expert_gate.weight")
-    return modules, tensors
-
-
-def expected_tensors(cfg: ModelConfig) -> list[str]:
-    """Every tensor the config implies, as transformers' modules would hold them."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if cfg.sandwich_norms:
-            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
-        if cfg.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        qkv = _fused_modules(cfg, p)[0]
-        mlp, tensors = _mlp_modules(cfg, i, p)
-        names += tensors
-        for module in qkv + [p + "self_attn.o_proj"] + mlp:
-            spec = cfg.quantization
-            if spec is not None and spec.quantizes(module):
-                names += [f"{module}.{t}" for t in quant_tensor_names(spec)]
-            else:
-                names.append(f"{module}.weight")
-        if cfg.attention_bias:
-            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
-        if cfg.o_proj_bias:
-            names.append(p + "self_attn.o_proj.bias")
-        if cfg.mlp_bias:
-            names += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
-    return names
