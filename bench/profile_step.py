@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, on the executor's own path (``executor_svc.server.build``: the attention backend
+"""Where a decode step's time goes, on the executor's own path (``executor_svc.startup.build``: the attention backend
 ``auto`` picks, the model as served), in one process with the real Scheduler planning.
 
 For each batch size, ``--batch`` requests with ``--prompt-len``-token prompts are prefilled, then ``--steps`` decode
@@ -68,7 +68,7 @@ def measure(args) -> dict:
     import torch
 
     from executor_svc import args as executor_args
-    from executor_svc.server import build
+    from executor_svc.startup import build
     from pagedkv import logs
     from scheduler_svc.pages import PagePool
     from scheduler_svc.scheduler import Scheduler, SchedulerConfig

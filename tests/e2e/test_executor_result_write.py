@@ -1,5 +1,5 @@
 """The executor starts writing a step's result and runs the next plan without waiting for the write to be
-confirmed (executor_svc/server.py, Run). That only pays if the result's bytes leave when the write starts: were
+confirmed (executor_svc/service.py, Run). That only pays if the result's bytes leave when the write starts: were
 they held until the handler next yields to its event loop, a result would reach the scheduler a whole step late
 and async scheduling would lose its overlap. Here the scheduler side reads on its own thread while the executor's
 second step blocks its event loop (as a forward does) until the first result has arrived: it must arrive during
@@ -14,7 +14,7 @@ import grpc
 import pytest
 import structlog
 
-from executor_svc.server import ExecutorService
+from executor_svc.service import ExecutorService
 from pagedkv import grpc_common
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc

@@ -482,7 +482,7 @@ def test_the_executor_builds_and_runs_the_new_families(arch, tmp_path):
     import argparse
 
     from executor_svc.args import add_args
-    from executor_svc.server import build
+    from executor_svc.startup import build
     from pagedkv import logs
     from pagedkv.executor.v1 import executor_pb2 as pb
 

@@ -132,7 +132,7 @@ def test_graphs_are_off_where_they_cannot_run(tiny_llama_dir):
     from executor_svc.kv_quant import parse_kv_dtype
     from executor_svc.model import load_model
     from executor_svc.model_config import ModelConfig
-    from executor_svc.server import _graphs_off_reason
+    from executor_svc.startup import _graphs_off_reason
 
     cfg = ModelConfig.from_dir(tiny_llama_dir)
     model = load_model(cfg, torch.device("cpu"), torch.float32)

@@ -10,7 +10,7 @@ import torch
 
 from executor_svc.kv_quant import parse_kv_dtype
 from executor_svc.model_config import ModelConfig
-from executor_svc.server import _num_pages
+from executor_svc.startup import _num_pages
 
 pytestmark = pytest.mark.unit
 

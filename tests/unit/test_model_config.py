@@ -225,7 +225,7 @@ def test_generation_config_eos_stops_where_transformers_stops(tmp_path):
     import argparse
 
     from executor_svc.args import add_args
-    from executor_svc.server import build
+    from executor_svc.startup import build
     from pagedkv import logs
 
     parser = argparse.ArgumentParser()

@@ -113,7 +113,7 @@ def test_serve_captures_graphs_up_to_the_scheduler_batch_unless_told(argv, expec
 
 
 def test_an_executor_alone_captures_up_to_the_scheduler_default():
-    from executor_svc.server import _graph_max_batch
+    from executor_svc.startup import _graph_max_batch
 
     assert service_parser("executor").parse_args([]).cuda_graph_max_batch is None
     assert _graph_max_batch(service_parser("executor").parse_args([])) == 256

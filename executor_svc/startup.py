@@ -1,0 +1,184 @@
+"""What an executor builds at start-up from its flags: the device, the model, the attention backend, the device
+and host page pools (sized from --num-pages / --kv-cache-gb / --swap-space and the memory there is), CUDA graphs,
+the start-up costs, and the Describe answer the scheduler reads."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from executor_svc.args import DEFAULT_GRAPH_MAX_BATCH, MAX_SWAP_RATIO
+from executor_svc.attention import BACKENDS, cpu_kernel, select_backend
+from executor_svc.costs import cached_costs, cost_key
+from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
+from executor_svc.generation_config import sampling_defaults
+from executor_svc.kv_quant import KvFormat, parse_kv_dtype
+from executor_svc.model import load_model
+from executor_svc.model_config import ModelConfig, parse_dtype
+from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
+from executor_svc.runner import ModelRunner
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.models import resolve_model
+from pagedkv.wire import EXECUTOR_PROTOCOL
+
+HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def _num_pages(args, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               kv: KvFormat | None = None) -> int:
+    if kv is not None and not kv.quantized:
+        dtype, kv = kv.storage, None
+    per_page = page_bytes(cfg, args.block_size, dtype, kv)
+    if args.num_pages is not None:
+        if args.num_pages < 1:
+            raise ValueError(f"--num-pages must be >= 1, got {args.num_pages}")
+        return args.num_pages
+    if args.kv_cache_gb is not None:
+        budget = int(args.kv_cache_gb * GiB)
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1 - args.gpu_memory_utilization) * total)
+    else:
+        budget = GiB
+    pages = pages_for_budget(budget, per_page)
+    if pages < 1:
+        raise ValueError(f"KV budget of {budget} bytes holds no page of {per_page} bytes")
+    return pages
+
+
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _num_host_pages(args, num_device_pages: int, per_page: int, log) -> int:
+    """The host tier: bounded (at most MAX_SWAP_RATIO x the device KV) because an unbounded swap turns
+    a 3 s P99 into 20 s (seeds, practice note 3)."""
+    limit = int(MAX_SWAP_RATIO * num_device_pages)
+    device_gib = num_device_pages * per_page / GiB
+    if args.num_host_pages is not None:
+        pages, asked = args.num_host_pages, f"--num-host-pages {args.num_host_pages}"
+    elif args.swap_space is not None:
+        pages, asked = int(args.swap_space * GiB // per_page), f"--swap-space {args.swap_space:g} GiB"
+        if args.swap_space > 0 and pages == 0:
+            raise ValueError(f"{asked} holds no page of {per_page} bytes")
+    else:
+        avail = available_host_memory()
+        pages = min(num_device_pages, int(HOST_MEMORY_SHARE * avail) // per_page)
+        if pages < num_device_pages:
+            log.warning("swap_space_capped", host_pages=pages, device_pages=num_device_pages,
+                        available_host_bytes=avail, hint="the default host tier takes at most half the "
+                        "available host memory; set --swap-space to choose")
+        return pages
+    if pages < 0:
+        raise ValueError(f"{asked}: must be >= 0")
+    if pages > limit:
+        raise ValueError(
+            f"{asked} is {pages} pages ({pages * per_page / GiB:.3g} GiB), above {MAX_SWAP_RATIO:g}x the device "
+            f"KV cache ({num_device_pages} pages, {device_gib:.3g} GiB): at most {limit} pages. An unbounded "
+            "swap tier trades a short queue for long tail latency; give the device more KV instead")
+    avail = available_host_memory()
+    if pages * per_page > avail:
+        raise ValueError(f"{asked} needs {pages * per_page / GiB:.3g} GiB of host memory but only "
+                         f"{avail / GiB:.3g} GiB is available")
+    return pages
+
+
+def _graph_max_batch(args) -> int:
+    value = getattr(args, "cuda_graph_max_batch", None)
+    value = DEFAULT_GRAPH_MAX_BATCH if value is None else value
+    if value < 1:
+        raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {value}")
+    return value
+
+
+def _graphs_off_reason(args, device: torch.device, model, kv) -> str | None:
+    """Why decode steps run eager on this executor (None: CUDA graphs for decode-only steps)."""
+    _graph_max_batch(args)
+    if getattr(args, "enforce_eager", False):
+        return "--enforce-eager"
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this executor runs on {device})"
+    if kv.quantized:
+        return "8-bit KV pages"
+    return graph_blocker(model, None)
+
+
+def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    dtype = parse_dtype(args.dtype)
+    kv = parse_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)  # before loading: refuse 4-bit early
+    path = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(path)
+    if cfg.unknown_fields:  # no supported family defines them: transformers ignores them too
+        log.warning("config_fields_ignored", fields=list(cfg.unknown_fields), model=str(path))
+    temperature, top_p, top_k = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
+    model = load_model(cfg, device, dtype)
+    backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
+    attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+    graphs_off = _graphs_off_reason(args, device, model, kv)
+    num_pages = _num_pages(args, cfg, dtype, device, kv)
+    pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
+    pool.copier = attention.copy_pages
+    host_pool = HostPagePool(pool, _num_host_pages(args, num_pages, pool.page_bytes, log))
+    graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
+                                                 scratch_page=num_pages)
+    runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
+    log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
+             eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
+    costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),
+                               cpu_kernel.cache_dir().parent / "costs")
+    describe = pb.DescribeResponse(
+        model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        dtype=str(dtype).removeprefix("torch."), kv_dtype=pool.kv_dtype,
+        kv_bytes_per_token=pool.page_bytes // args.block_size,
+        block_size=args.block_size, num_device_pages=runner.num_pages, num_host_pages=host_pool.num_pages,
+        page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
+        eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
+        swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
+        default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
+        model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
+    )
+    log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
+             kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
+             block_size=args.block_size, num_pages=runner.num_pages, num_host_pages=host_pool.num_pages,
+             page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
+             swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
+             prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1),
+             costs="kept from an earlier start" if kept else "measured")
+    return runner, describe
+
+
+def _costs_key(path, runner: ModelRunner, dtype: torch.dtype, pool: DevicePagePool, host_pool: HostPagePool,
+               backend: str) -> str:
+    """What the start-up costs depend on: the model's files, the dtypes and page layout, the device, the
+    threads, the attention backend and kernels, torch and the CPU (costs.cached_costs)."""
+    files = sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists()]
+    device = runner.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_kernel.cpu_signature()
+    return cost_key([str(path.resolve()), *stats, str(dtype), pool.kv_dtype, str(pool.page_bytes),
+                     str(runner.block_size), str(host_pool.num_pages > 0), str(device), name,
+                     str(torch.get_num_threads()), backend, cpu_kernel.build_name(),
+                     str(cpu_kernel.unavailable_reason()), torch.__version__])
