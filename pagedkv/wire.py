@@ -7,7 +7,8 @@ EXECUTOR_PROTOCOL = 2
 
 # Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
 # its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and
-# starts any other session from zeroed pages.
+# starts any other session from zeroed pages. "Session" in the code means this and nothing else (a link's Run
+# streams, not a client's requests; the test helper that drives a planner calls its StepStream ``stream``).
 SESSION_HEADER = "x-pagedkv-session"
 # The executor's answer, in Run's initial metadata: PAGES_KEPT (this session's pages as they were) or PAGES_FRESH
 # (zeroed: another session attached meanwhile). The scheduler reads anything else as fresh: forgetting its prefix

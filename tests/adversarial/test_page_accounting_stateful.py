@@ -181,7 +181,7 @@ class PageAccounting(RuleBasedStateMachine):
                 self.complete()
 
     # (a rejection with another plan in flight is a lost executor: see executor_fails)
-    @precondition(lambda self: len(self.pending) == 1 and not self.s.session.resending)
+    @precondition(lambda self: len(self.pending) == 1 and not self.s.stream.resending)
     @rule(name_them=st.booleans(), odds=st.integers(0, 3))
     def reject(self, name_them: bool, odds: int) -> None:
         """The executor disagreed with the plan and ran nothing of it (a desync)."""

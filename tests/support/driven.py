@@ -14,34 +14,34 @@ from scheduler_svc.step_stream import StepStream
 class Driven:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.session = StepStream(scheduler)  # the wire
+        self.stream = StepStream(scheduler)  # the wire
 
     # ---- the loop ------------------------------------------------------------------------------
     def schedule(self):
-        return self.session.next_plan()
+        return self.stream.next_plan()
 
     def process(self, result):
-        return self.session.apply(result)
+        return self.stream.apply(result)
 
     def malformed(self, result, vocab_size: int = 0) -> str:
-        return self.session.malformed(result, vocab_size)
+        return self.stream.malformed(result, vocab_size)
 
     @property
     def has_work(self) -> bool:
-        return self.session.has_work
+        return self.stream.has_work
 
     def check_integrity(self) -> None:
-        self.session.check_integrity()
+        self.stream.check_integrity()
 
     # ---- the executor goes away or comes back --------------------------------------------------
     def evacuate(self, keep_cache: bool = False):
-        return self.session.lost(keep_cache)
+        return self.stream.lost(keep_cache)
 
     def fail_all(self, error: str):
-        return self.session.fail_all(error)
+        return self.stream.fail_all(error)
 
     def drained(self):
-        return self.session.drained()
+        return self.stream.drained()
 
     def reconnected(self, num_pages: int | None = None, block_size: int | None = None,
                     num_host_pages: int | None = None, costs: PreemptionCosts | None = None, kept: bool = True) -> None:
@@ -53,7 +53,7 @@ class Driven:
                                 snap.host.num_pages if num_host_pages is None else num_host_pages,
                                 costs, kept)
         if planner is not s:
-            self.scheduler, self.session = planner, StepStream(planner)
+            self.scheduler, self.stream = planner, StepStream(planner)
 
     # ---- the planner's parts -------------------------------------------------------------------
     @property

@@ -1,5 +1,5 @@
 """When the executor disagrees or goes away: a rejected plan's page operations are resent alone and first, a
-request the executor keeps rejecting fails alone, endless rejections end the session, executor failure frees
+request the executor keeps rejecting fails alone, endless rejections end the Run stream, executor failure frees
 both tiers, and counters survive a new pool geometry."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_a_request_the_executor_keeps_rejecting_fails_alone():
     assert_empty(s)
 
 
-def test_page_operations_rejected_again_and_again_end_the_executor_session():
+def test_page_operations_rejected_again_and_again_end_the_run_stream():
     from scheduler_svc.step_stream import PlanLoopError
 
     s = new_scheduler(pages=9, hot=0, cold=0)
@@ -117,7 +117,7 @@ def test_counters_survive_a_new_pool_geometry():
 
 def test_drained_forgets_plans_its_closed_stream_never_answered():
     """The executor closes its stream once a draining executor is empty, possibly with a plan unanswered (one that
-    only forgets a cancelled request): that plan leaves the session, or every later result was settled against
+    only forgets a cancelled request): that plan leaves the stream, or every later result was settled against
     the plan before it (found in review of async scheduling)."""
     s = new_scheduler()
     r = make_request(1, 6, 5)
@@ -128,7 +128,7 @@ def test_drained_forgets_plans_its_closed_stream_never_answered():
     s.schedule()  # the reaped abort: a plan that only forgets it
     assert not s.live_requests()
     s.drained()
-    assert not s.session.in_flight
+    assert not s.stream.in_flight
     s.reconnected(kept=False)  # another process answers at the address
     r2 = make_request(2, 6, 5)
     s.add(r2)
