@@ -34,6 +34,8 @@ RECORD_BASES = {"Enum", "IntEnum", "NamedTuple", "Protocol", "Exception", "Typed
 
 # ---- parsing ---------------------------------------------------------------------------------------
 def _modules(root: Path, package: str) -> dict[str, ast.Module]:
+    if not (root / package).is_dir():  # (a scan of nothing finds nothing: a wrong root must not pass)
+        raise FileNotFoundError(f"{root / package}: no such package")
     return {f"{package}.{p.stem}": ast.parse(p.read_text(), str(p)) for p in sorted((root / package).glob("*.py"))}
 
 
@@ -320,6 +322,8 @@ def import_cycles(root: Path = ROOT, package: str = "scheduler_svc") -> list[lis
 def long_files(root: Path = ROOT, limit: int = MAX_LINES) -> list[tuple[int, str]]:
     out = []
     for package in ("scheduler_svc", "executor_svc", "pagedkv"):
+        if not (root / package).is_dir():
+            raise FileNotFoundError(f"{root / package}: no such package")
         for p in sorted((root / package).rglob("*.py")):
             rel = p.relative_to(root).as_posix()
             if rel.startswith(GENERATED):
