@@ -128,9 +128,11 @@ class _Guard:
 
             setattr(socket.socket, name, wrapped)
 
-        import grpc
-        import grpc.aio
-
+        try:
+            import grpc
+            import grpc.aio
+        except ImportError:  # (the GPU check's machine may lack the services' packages: no gRPC, no channels)
+            return
         for module in (grpc, grpc.aio):
             for name in ("server", "insecure_channel", "secure_channel"):
                 setattr(module, name, self._refusing(getattr(module, name), f"made a gRPC {module.__name__}.{name}"))
