@@ -5,8 +5,11 @@ torch's float32 ``F.linear`` on the CPU calls MKL's sgemm. On the AMD EPYC (AVX2
 the decode-sized products (a few to a few dozen rows) 1.5-5x slower than oneDNN over a prepacked weight, and the
 49k-row lm_head at batch 1 at half the memory bandwidth (bench/NOTES.md, session 11). And MKL's rows depend on the
 batch: a row's output differs between a product of fewer than 16 rows and one of more. oneDNN's do not (each row
-of x gives the same bits whatever else is in the batch; tests/test_cpu_linear.py), so a request's tokens do not
-depend on what it was batched with.
+of x gives the same bits whatever else is in the batch; tests/unit/test_cpu_linear.py), so a request's tokens do
+not depend on what it was batched with -- with one exception: on an AVX-512 AMD EPYC, oneDNN takes a lone row
+(M = 1) through another kernel whose sums differ in the last bits for K = 1,536 (SmolLM2's down projection). A
+lone row is therefore computed as two (the row twice), which goes through the batched kernel: at batch 1 the
+weight read dominates, so the second row costs ~5% of the product.
 
 ``PAGEDKV_CPU_ATTENTION=reference`` (the same switch that turns the CPU kernel library off) keeps torch's
 ``F.linear``: the reference path.
@@ -37,6 +40,9 @@ class PackedLinear:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:  # a lone row through the batched kernel (the module docstring)
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed, self.bias,
+                                                      "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def nbytes(self) -> int:
