@@ -2,7 +2,7 @@
 
 The uniform workload of issue 17 (64 requests, 128-token prompts, 64 output tokens each, greedy, no early
 stop) on tiny-llama, in one process: the real Scheduler plans each step and the real ModelRunner runs it
-(tests/inprocess.py). For each path: the executor's step time, the attention time inside it (a timer around
+(tests/support/inprocess.py). For each path: the executor's step time, the attention time inside it (a timer around
 every ``forward``), and a torch.profiler run of the same workload for the share of the KV gather
 (``aten::index_select`` and the copies it feeds) in the executor's CPU time. Outputs of the two paths are
 compared token by token.

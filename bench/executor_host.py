@@ -1,7 +1,7 @@
 """The executor's host time per step at N decodes: what the executor does on the CPU around the model's forward.
 
 The real ModelRunner (tiny-llama, torch backend on the CPU, one torch thread) holds ``--requests`` requests that
-decode in step (32-token prompts, EOS ignored; the real Scheduler plans, in-process, tests/inprocess.py). Over
+decode in step (32-token prompts, EOS ignored; the real Scheduler plans, in-process, tests/support/inprocess.py). Over
 ``--steps`` decode steps the parts are timed, median per step: ``apply`` (the plan checked and committed),
 ``prepare`` (the forward's inputs built), ``sample`` (tokens drawn, the result filled), and the plan's parse and
 the result's serialization, beside the whole step and the model's forward. On a GPU the forward shrinks and these

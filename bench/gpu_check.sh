@@ -48,7 +48,7 @@ tests_rc=0 attn_rc=0 dma_rc=0 e2e_rc=0 graphs_rc=0
 if [ "$run_tests" = 1 ]; then
 echo "== GPU tests (PAGEDKV_CUDA_DEBUG=1: every kernel launch checked)"
 PAGEDKV_CUDA_DEBUG=1 timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 \
-  tests/gpu tests/test_page_dma.py tests/test_kernels_compile.py tests/test_cuda_backend_cpu.py 2>&1 \
+  tests/gpu tests/unit/test_page_dma.py tests/e2e/test_kernels_compile.py tests/unit/test_cuda_backend_cpu.py tests/e2e/test_cuda_backend_cpu.py 2>&1 \
   | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "== decode kernels again without the debug synchronisation (ordering between launches as in serving)"

@@ -842,7 +842,7 @@ def noisy_part(args: argparse.Namespace, servers: Servers, flood_reqs: list[Requ
             if is_contended(runs[name]):
                 print(f"  WARNING: other processes used {runs[name]['cpu']['foreign_share']:.0%} of the machine's "
                       f"CPU during {name}; its timings are not trustworthy", flush=True)
-    for pct in ("p50", "p99"):  # the timing side of tests/test_tenants_e2e.py's admission-order check
+    for pct in ("p50", "p99"):  # the timing side of tests/e2e/test_tenants_e2e.py's admission-order check
         base = runs[ALONE]["quiet"][f"ttft_{pct}_s"]
         for run in runs.values():
             run["quiet"][f"ttft_{pct}_vs_alone"] = run["quiet"][f"ttft_{pct}_s"] / base if base > 0 else float("nan")

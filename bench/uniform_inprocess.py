@@ -1,7 +1,7 @@
 """The uniform workload (64 x 128-token prompts -> 64 tokens, greedy, no early stop; tiny-llama) in one process,
-with no serving cost: pagedkv's real Scheduler and ModelRunner (tests/inprocess.py, integrity checks off) against
-HF ``generate`` on one static batch of 64, alternating, ``--rounds`` rounds. What pagedkv would reach against HF
-static with a free server (no gRPC, no scheduler process, no client reading streams).
+with no serving cost: pagedkv's real Scheduler and ModelRunner (tests/support/inprocess.py, integrity checks off)
+against HF ``generate`` on one static batch of 64, alternating, ``--rounds`` rounds. What pagedkv would reach
+against HF static with a free server (no gRPC, no scheduler process, no client reading streams).
 
     python bench/uniform_inprocess.py [--threads 2] [--rounds 3]
 """

@@ -6,7 +6,7 @@ Qwen3MoeConfig) is
 classified in FIELDS below: ``handled`` (the model code implements it; where it changes the math a test
 compares with transformers), ``refused`` (start-up stops with a ValueError naming the field and its value
 whenever it is set to anything but its "off" value), or ``irrelevant`` (it does not change inference math;
-the reason is given). tests/test_model_config.py walks transformers' config classes and fails on a field
+the reason is given). tests/unit/test_model_config.py walks transformers' config classes and fails on a field
 that is in none of the three, so a new transformers field has to be classified before it is silently
 ignored. Some handled fields accept only some values (check_fields below); others are refused.
 

@@ -29,7 +29,7 @@ Scales are computed when a token is written (no calibration step). The granulari
 
 FP8 conversion saturates (values beyond +-448 become +-448, never NaN) and rounds to nearest even: the value
 is clamped to [-448, 448] first, then converted by torch's ``float8_e4m3fn`` cast, which rounds to nearest
-even (tests/test_kv_quant.py checks it bit for bit against ``fp8_e4m3_reference`` below on every
+even (tests/unit/test_kv_quant.py checks it bit for bit against ``fp8_e4m3_reference`` below on every
 representable value, every midpoint between neighbours and random values).
 """
 

@@ -2,7 +2,7 @@
 // see exactly the same text, and no include path to the toolkit is needed at run time.
 //
 // Element types are tag structs over their bits; conversions are single PTX instructions (sm_80+).
-// With PKV_HOST_EMULATION (only tests/cuda_emulator builds it) the few PTX helpers are plain C++ instead, so the
+// With PKV_HOST_EMULATION (only tests/support/cuda_emulator builds it) the few PTX helpers are plain C++ instead, so the
 // kernels' logic runs on a CPU under the emulator.
 #pragma once
 
@@ -50,7 +50,7 @@ __device__ __forceinline__ unsigned int float2_to_bf16x2(float lo, float hi) {
     return w;
 }
 
-#else  // the CPU emulator of the tests (tests/cuda_emulator.py): the same functions in C++
+#else  // the CPU emulator of the tests (tests/support/cuda_emulator/): the same functions in C++
 __device__ __forceinline__ void f16x2_to_float2(unsigned int w, float& lo, float& hi) {
     lo = host_half_to_float((unsigned short)(w & 0xffffu));
     hi = host_half_to_float((unsigned short)(w >> 16));

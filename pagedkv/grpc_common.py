@@ -28,7 +28,7 @@ CHANNEL_OPTIONS = [
 # Servers accept a ping every MIN_PING_INTERVAL_MS on any connection (permit_without_calls: the 2-hour rule
 # for idle connections does not apply). That is half the clients' interval, so timer slack never makes a
 # strike. A client pinging faster gets MAX_PING_STRIKES strikes, then GOAWAY too_many_pings. grpc then
-# doubles that client's interval for good, so the two ends must agree: tests/test_links_keepalive.py checks.
+# doubles that client's interval for good, so the two ends must agree: tests/unit/test_links_keepalive.py checks.
 # Beware: grpc ignores unknown option names silently. The server's is min_ping_interval_without_data_ms
 # (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS), not "min_recv_...". Spelt that way it kept the
 # 5-minute default, and every idle link died after ~30 s.

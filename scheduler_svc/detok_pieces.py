@@ -29,7 +29,7 @@ byte-fallback tokens adds its bytes as UTF-8 once they are complete (``Pieces.by
 before it ends with a whole character (ByteFallback decodes the window's last bytes and the run's together, and
 whole plus whole is whole). Added tokens and tokens whose text alone is empty take the two decodes. Any other
 decoder always takes the two decodes.
-tests/test_detokenizer.py checks the streamed text against the two-decode rule on random token
+tests/e2e/test_detokenizer.py checks the streamed text against the two-decode rule on random token
 sequences. (``decode_batch`` over a step's requests was measured slower than one decode per request
 for windows this short, so decodes are not batched.)
 """

@@ -37,7 +37,7 @@ KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # The dtype torch's CPU int4 matmul runs in. Only its bfloat16 path is vectorized (AVX-512/AVX2): one 4096 x
 # 4096 linear, one row, one thread: 0.85 ms in bf16 against 29 ms in fp32 and 31 ms in fp16, and fp32 F.linear
 # on the float weights takes 3.4 ms (bench/weights_4bit.py). So with --dtype float32 the 4-bit linears take
-# bf16 activations and a bf16 scale table (logits within the tolerance tests/test_weights_4bit.py states);
+# bf16 activations and a bf16 scale table (logits within the tolerance tests/unit/test_weights_4bit.py states);
 # None runs it in the compute dtype: exact against the dequantized weights but slow (tests use it to check
 # the formats bit for bit).
 CPU_KERNEL_DTYPE: torch.dtype | None = torch.bfloat16
