@@ -123,7 +123,8 @@ def generate(out: Path, hosts: Sequence[str] = (), days: int = 825, executor_sec
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    hosts = args.hosts.split(",") if args.hosts else []
+    # (empty names dropped: compose passes "scheduler,executors," when $PAGEDKV_CERT_HOSTS is unset)
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     wanted = [CA_FILE, CERT_FILE, KEY_FILE, *([SECRET_FILE] if args.executor_secret else [])]
     if args.if_missing and all((out / n).exists() for n in wanted):
         print(f"pagedkv gen-certs: {out} already holds {', '.join(wanted)}; kept")

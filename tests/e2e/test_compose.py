@@ -24,6 +24,7 @@ from tests.support import procs
 pytestmark = pytest.mark.e2e
 
 COMPOSE = procs.ROOT / "docker-compose.yml"
+COMPOSE_GPU = procs.ROOT / "docker-compose.gpu.yml"  # the override for GPU executors
 ALIAS = "executors"
 CERTS = "/certs"  # the certs volume's mount point
 
@@ -43,7 +44,11 @@ def _flag(command: list[str], flag: str) -> str:
 
 @pytest.fixture(scope="module")
 def docker_compose() -> str:
-    """Debian's docker-compose, installed here when missing (CI runs as root on Debian)."""
+    return docker_compose_binary()
+
+
+def docker_compose_binary() -> str:
+    """Debian's docker-compose (Compose v1), installed here when missing (CI runs as root on Debian)."""
     found = shutil.which("docker-compose")
     if found:
         return found
@@ -60,28 +65,38 @@ def docker_compose() -> str:
     return shutil.which("docker-compose")
 
 
-def compose_config(binary: str, profiles: str) -> dict:
-    r = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=procs.ROOT,
-                       env={**os.environ, "COMPOSE_PROFILES": profiles}, timeout=120)
+def compose_config(binary: str, profiles: str, files: tuple[Path, ...] = (COMPOSE,)) -> dict:
+    env = {**os.environ, "COMPOSE_PROFILES": profiles}
+    env.pop("COMPOSE_FILE", None)
+    r = subprocess.run([binary, *(a for f in files for a in ("-f", str(f))), "config"], capture_output=True,
+                       text=True, cwd=procs.ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return yaml.safe_load(r.stdout)
 
 
-@pytest.mark.parametrize("profiles", ["cpu", "gpu", "cpu,metrics"])
-def test_compose_file_is_valid(docker_compose, profiles):
-    cfg = compose_config(docker_compose, profiles)
+@pytest.mark.parametrize("profiles,files", [("", (COMPOSE,)), ("http,metrics", (COMPOSE,)),
+                                            ("http", (COMPOSE, COMPOSE_GPU))], ids=["cpu", "cpu+http+metrics", "gpu"])
+def test_compose_file_is_valid(docker_compose, profiles, files):
+    cfg = compose_config(docker_compose, profiles, files)
     services = cfg["services"]
     executors = {n: s for n, s in services.items() if s.get("command", [None])[0] == "executor"}
-    assert len(executors) >= 2
+    assert set(executors) == {"executor-1", "executor-2"}
+    gpu = COMPOSE_GPU in files
     for name, svc in executors.items():
         assert ALIAS in svc["networks"]["default"]["aliases"], name
-        if "gpu" in name:
+        assert _flag(svc["command"], "--device") == ("cuda" if gpu else "cpu"), name
+        if gpu:  # one GPU each, from the CUDA build
             devices = svc["deploy"]["resources"]["reservations"]["devices"]
             assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+            assert svc["image"] == "pagedkv:cuda" and svc["build"]["args"]["EXTRAS"] == "cuda"
         else:
-            assert "--device" in svc["command"] and "cpu" in svc["command"]
+            assert "deploy" not in svc and svc["image"] == "pagedkv:latest", name
+    if gpu:
+        assert {tuple(s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"])
+                for s in executors.values()} == {("0",), ("1",)}
+    _check_stop_order(services)
     for name, svc in services.items():
-        if svc.get("image") == "pagedkv:latest" and name != "certs":
+        if svc.get("image", "").startswith("pagedkv:") and name != "certs":
             assert "pagedkv" in svc["healthcheck"]["test"] and "health" in svc["healthcheck"]["test"], name
             assert _flag(svc["healthcheck"]["test"], "--tls-ca") == f"{CERTS}/ca.pem", name
             assert any(":/models" in str(v) or "'/models'" in str(v) for v in svc["volumes"]), name
@@ -90,6 +105,35 @@ def test_compose_file_is_valid(docker_compose, profiles):
     scheduler = services["scheduler"]["command"]
     assert scheduler[scheduler.index("--executor") + 1] == f"{ALIAS}:50061"
     _check_links(services)
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("75s", "1m30s") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", str(duration))
+    assert parts and duration, duration
+    return int(parts.group(1) or 0) * 60 + int(parts.group(2) or 0)
+
+
+def _check_stop_order(services: dict) -> None:
+    """`stop`/`down` let in-flight streams finish: compose stops a service before those it depends on, so the
+    gateway stops first, then the scheduler (it drains while every executor still runs), then the executors; every
+    grace period covers the drain or shutdown timeout its service really runs with (parsed by pagedkv's own parser,
+    defaults included), so docker never SIGKILLs a drain; an executor waits for the scheduler's drain to end."""
+    from pagedkv.cli import build_parser
+
+    parser = build_parser()
+    executors = {n: s for n, s in services.items() if s.get("command", [None])[0] == "executor"}
+    assert set(executors) <= set(services["scheduler"]["depends_on"]), services["scheduler"]["depends_on"]
+    parsed = {n: parser.parse_args([str(c) for c in s["command"]]) for n, s in services.items()
+              if s.get("command", [None])[0] in ("scheduler", "executor", "gateway")}
+    scheduler = parsed["scheduler"]
+    assert _seconds(services["scheduler"]["stop_grace_period"]) >= scheduler.shutdown_timeout + 10
+    for name in executors:
+        assert parsed[name].drain_timeout > scheduler.drain_timeout, name  # the scheduler moves requests first
+        assert _seconds(services[name]["stop_grace_period"]) >= parsed[name].drain_timeout + 10, name
+    if "gateway" in services:
+        assert "scheduler" in services["gateway"]["depends_on"]
+        assert _seconds(services["gateway"]["stop_grace_period"]) >= parsed["gateway"].shutdown_timeout + 10
 
 
 def _check_links(services: dict) -> None:
@@ -136,8 +180,9 @@ def test_every_published_port_is_loopback_and_prometheus_scrapes_each_service():
     assert f"certs:{CERTS}:ro" in services["prometheus"]["volumes"]
 
 
-def _services(profile: str) -> dict[str, dict]:
-    """docker-compose.yml's services active under one profile (merge keys resolved by PyYAML)."""
+def _services(profile: str = "") -> dict[str, dict]:
+    """docker-compose.yml's pagedkv services active with no profile or ``profile`` (merge keys resolved by
+    PyYAML)."""
     cfg = yaml.safe_load(COMPOSE.read_text())
     return {n: s for n, s in cfg["services"].items()
             if s.get("image") == "pagedkv:latest" and (not s.get("profiles") or profile in s["profiles"])}
@@ -168,8 +213,9 @@ def _local(command: list[str], ports: dict[str, int], aliases: dict[str, list[st
     return out
 
 
-def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp_path):
-    services = _services("cpu")
+def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_MODEL", "tiny-llama")  # (the stack's default is smollm2-135m-instruct)
+    services = _services()
     init = services.pop("certs")
     executors = [n for n, s in services.items() if s["command"][0] == "executor"]
     assert set(services) == {"scheduler", *executors} and len(executors) == 2
@@ -177,6 +223,7 @@ def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp
     r = subprocess.run([sys.executable, "-m", "pagedkv", *_local(init["command"], {}, {}, certs)], cwd=procs.ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert ", ," not in r.stdout and "server certificate for scheduler, executors, localhost" in r.stdout, r.stdout
     ca = str(certs / "ca.pem")
     ports = {n: {"--port": free_port(), "--metrics-port": free_port()} for n in services}
     aliases = {ALIAS: [f"127.0.0.1:{ports[n]['--port']}" for n in executors]}
