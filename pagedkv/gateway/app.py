@@ -1,5 +1,6 @@
 """The gateway's ASGI app: the routes (``create_app``) and what answers them (``Gateway``): a request checked and
-translated (openai_requests.py), then answered by a ``Generation`` (streaming.py); /v1/models, /health, /metrics."""
+translated (openai_requests.py, after fields.py's table), then answered by a ``Generation`` (streaming.py);
+/v1/models, /version, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import pagedkv
+from pagedkv.gateway import fields
 from pagedkv.gateway import openai_requests as requests
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedkv.gateway.guards import read_json
@@ -63,23 +66,42 @@ class Gateway:
                       completion_tokens=sum(c.completion_tokens for c in gen.choices), seconds=round(elapsed, 4),
                       client_disconnected=gen.disconnected)
 
+    def log_fields(self, plan: Plan, rid: str) -> None:
+        """Unknown fields: a warning (and IGNORED_FIELDS_HEADER in the answer); fields ignored by design: debug."""
+        screened = plan.screened
+        if screened and screened.unknown:
+            self.log.warning("request_fields_ignored", request_id=rid, count=len(screened.unknown),
+                             fields=[name[:64] for name in screened.unknown[:fields.MAX_HEADER_NAMES]],
+                             note="fields were present in the request but ignored (not in the gateway's table)")
+        if screened and screened.ignored:
+            self.log.debug("request_fields_ignored_by_design", request_id=rid, fields=screened.ignored)
+
     async def generate(self, request: Request, chat: bool) -> Response:
         started = time.perf_counter()
         endpoint = "chat" if chat else "completions"
+        header_id = request.headers.get("x-request-id")
+        echo: dict[str, str] = {}
         try:
             metadata = auth_metadata(request)
             limits = await self.request_limits(metadata)
             body = await read_json(request, limits, "messages" if chat else "prompt")
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            plan = requests.parse_chat(body, rid) if chat else requests.parse_completion(body, rid)
-            plan.token_text = self.token_text
+            client_id = requests.client_request_id(header_id, body)
+            if header_id is not None and client_id != header_id:
+                self.log.warning("x_request_id_not_used", length=len(header_id),
+                                 note=f"not 1 to {requests.MAX_CLIENT_ID_CHARS} printable ASCII characters")
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+            echo["x-request-id"] = client_id or rid
+            upstream_id = client_id or rid  # (the scheduler's request_id: its logs and its Cancel know it by it)
+            plan = requests.parse_chat(body, upstream_id) if chat else requests.parse_completion(body, upstream_id)
+            plan.token_text, plan.client_id = self.token_text, client_id
+            self.log_fields(plan, rid)
             requests.check_sizes(plan, limits)
             model = await self.upstream.check_model(plan.model, metadata)
             self.check_streams(plan)
         except ApiError as err:
             REQUESTS.labels(endpoint, str(err.status)).inc()
             self.log.info("request_refused", endpoint=endpoint, status=err.status, error=err.message)
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+            return JSONResponse(err.body(), status_code=err.status, headers={**err.headers(), **echo})
         self.active += plan.num_choices
         STREAMS.inc(plan.num_choices)
         return Generation(self.upstream.client, self.finished, plan, rid, model, metadata, endpoint, started)
@@ -105,6 +127,9 @@ class Gateway:
             return JSONResponse({"status": "ok", "scheduler": status})
         return JSONResponse(ApiError(503, f"the scheduler is not serving ({status})").body(), status_code=503)
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": pagedkv.__version__})
+
     async def live(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -124,6 +149,7 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/version", gateway.version, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", gateway.live, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),

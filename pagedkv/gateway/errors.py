@@ -1,5 +1,6 @@
 """The gateway's errors in OpenAI's form: ``ApiError`` (an OpenAI error body with its HTTP status), and the
-scheduler's gRPC refusals mapped to them (``from_grpc``)."""
+scheduler's gRPC refusals mapped to them (``from_grpc``; a prompt too long for the context in the words OpenAI
+uses, which litellm and LangChain recognise: ``context_length_exceeded``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,34 @@ class ApiError(Exception):
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
+
+
+def context_length_exceeded(max_len: int, prompt: int, completion: int | None, chat: bool, detail: str) -> ApiError:
+    """OpenAI's refusal of a request longer than the context (code context_length_exceeded): ``completion`` None
+    when the prompt alone is too long. ``detail``: the scheduler's words, which name what sets the limit (a
+    tenant's pages may hold fewer tokens than max_model_len)."""
+    field = "messages" if chat else "prompt"
+    if completion is None:
+        asked = f"your {field} resulted in {prompt} tokens. Please reduce the length of the {field}."
+    else:
+        asked = (f"you requested {prompt + completion} tokens ({prompt} in the {field}, {completion} in the "
+                 f"completion). Please reduce the length of the {field} or completion.")
+    return ApiError(400, f"This model's maximum context length is {max_len} tokens. However, {asked} ({detail})",
+                    param=field, code="context_length_exceeded")
+
+
+# The scheduler's refusals for length (scheduler_svc/validation.py: check_prompt_ids, check_sampling), mapped
+_PROMPT_TOO_LONG = re.compile(r"^prompt: (\d+) tokens; must be shorter than .*=(\d+) \(at least one token")
+_OUTPUT_TOO_LONG = re.compile(r"^sampling\.max_tokens: prompt \((\d+)\) \+ max_tokens \((\d+)\) = \d+ "
+                              r"exceeds .*=(\d+)$")
+
+
+def _context_length(details: str, chat: bool) -> ApiError | None:
+    if m := _PROMPT_TOO_LONG.match(details):
+        return context_length_exceeded(int(m.group(2)), int(m.group(1)), None, chat, details)
+    if m := _OUTPUT_TOO_LONG.match(details):
+        return context_length_exceeded(int(m.group(3)), int(m.group(1)), int(m.group(2)), chat, details)
+    return None
 
 
 # ---- gRPC status -> HTTP ------------------------------------------------------------------------
@@ -84,6 +113,8 @@ def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiErr
                             "of token ids, plus a resume's token ids and 64 KiB)", param=field,
                             code="request_too_large")
         return ApiError(400, details or code.name, code="resource_exhausted")
+    if code == grpc.StatusCode.INVALID_ARGUMENT and (err := _context_length(details or "", chat)):
+        return err
     status, err_code = GRPC_STATUS.get(code, (500, None))
     param = param_of(details, chat) if status == 400 else None
     return ApiError(status, details or code.name, param=param, code=err_code or code.name.lower())

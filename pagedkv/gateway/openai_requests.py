@@ -9,29 +9,28 @@ Translation (OpenAI field -> GenerateRequest):
   temperature, top_p, top_k, seed, stop, n -> sampling.*; unset -> the checkpoint's defaults
   logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
   extensions (extra body fields): page_budget, priority, ignore_eos, stop_token_ids, include_stop_str_in_output
+Every other field is refused, ignored by design or unknown, as fields.py's table says (``fields.screen``).
+The client's request id (X-Request-Id, else the body's request_id: ``client_request_id``) is the upstream one.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway.errors import ApiError, bad
+from pagedkv.gateway import fields
+from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
 from scheduler_svc.validation import InvalidRequest, check_text_bytes, default_max_prompt_bytes, max_message_bytes
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
 MAX_USER_CHARS = 256
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-# Fields we cannot honour: refused (400, naming the field) unless absent or at their neutral value.
-UNSUPPORTED_UNLESS_NEUTRAL = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "audio": (None,), "prediction": (None,), "modalities": (None, ["text"]),
-}
+MAX_CLIENT_ID_CHARS = 200  # X-Request-Id or request_id: the scheduler takes 256, and "-31" may be appended
+_CLIENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_CLIENT_ID_CHARS}}}")  # printable ASCII, no space: safe to echo
 
 
 # ---- field readers -------------------------------------------------------------------------------
@@ -83,6 +82,20 @@ def _ids(v, name: str) -> list[int] | None:
     return None
 
 
+def client_request_id(header: str | None, body: Mapping) -> str:
+    """The client's id for this request: its X-Request-Id header (vLLM's rule: the header wins), else the body's
+    request_id (vLLM's extension), else '' (the gateway makes one). A header that is not 1 to MAX_CLIENT_ID_CHARS
+    printable ASCII characters is not used (a proxy may set it: the request goes on); such a request_id is refused."""
+    if header is not None and _CLIENT_ID.fullmatch(header):
+        return header
+    value = body.get("request_id") if isinstance(body, Mapping) else None
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not _CLIENT_ID.fullmatch(value):
+        raise bad("request_id", f"must be 1 to {MAX_CLIENT_ID_CHARS} printable ASCII characters without spaces")
+    return value
+
+
 # ---- requests ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Plan:
@@ -96,6 +109,8 @@ class Plan:
     include_usage: bool
     logprobs: bool
     user: str = ""
+    screened: fields.Screened | None = None  # the fields ignored by design, and the unknown ones
+    client_id: str = ""  # the client's X-Request-Id or request_id (echoed in X-Request-Id)
     token_text: Callable[[int], str] | None = None  # names tokens in logprobs (the gateway's --tokenizer)
 
     @property
@@ -104,14 +119,8 @@ class Plan:
 
 
 def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
-    """Sampling and the request-level extensions shared by both endpoints."""
-    for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
-        if body.get(name, None) not in neutral:
-            raise bad(name, f"{body[name]!r} is not supported by this server (only {neutral[-1]!r} or absent)")
-    if chat:
-        fmt = body.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise bad("response_format", "only {\"type\": \"text\"} is supported")
+    """Sampling and the request-level extensions shared by both endpoints (what is not implemented: refused by
+    fields.screen)."""
     max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
@@ -199,6 +208,7 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     """POST /v1/completions."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
+    screened = fields.screen(body, chat=False)
     model, stream, include_usage, user = _model_and_stream(body)
     sampling, ext = _common(body, chat=False)
     requests = []
@@ -211,7 +221,7 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
         else:
             req.token_ids.ids.extend(prompt)
         requests.append(req)
-    return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user)
+    return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
 def _content(value, i: int) -> str:
@@ -234,6 +244,7 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     """POST /v1/chat/completions: the messages go to the scheduler, which applies the chat template."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
+    screened = fields.screen(body, chat=True)
     model, stream, include_usage, user = _model_and_stream(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -252,7 +263,7 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     sampling, ext = _common(body, chat=True)
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
                               page_budget=ext["page_budget"])
-    return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user)
+    return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
@@ -289,9 +300,10 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
             except InvalidRequest as err:
                 raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
         elif kind == "token_ids" and len(req.token_ids.ids) >= limits.max_model_len:
-            raise ApiError(400, f"{name}: {len(req.token_ids.ids)} token ids; must be fewer than max_model_len="
-                           f"{limits.max_model_len} (at least one token must be generated)", param="prompt",
-                           code="prompt_too_long")
+            raise context_length_exceeded(limits.max_model_len, len(req.token_ids.ids), None, chat=False,
+                                          detail=f"{name}: {len(req.token_ids.ids)} token ids; must be fewer than "
+                                          f"max_model_len={limits.max_model_len} (at least one token must be "
+                                          "generated)")
         elif kind == "chat":
             contents = [m.content for m in req.chat.messages]
             size, more = sum(map(len, contents)), "at least "  # a character is 1 to 4 bytes

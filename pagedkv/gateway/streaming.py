@@ -15,6 +15,7 @@ from starlette.responses import Response
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import openai_responses as answers
 from pagedkv.gateway.errors import ApiError, from_grpc
+from pagedkv.gateway.fields import IGNORED_FIELDS_HEADER, ignored_header
 from pagedkv.gateway.metrics import DISCONNECTS, IN_FLIGHT, RELAY, TTFT
 from pagedkv.gateway.openai_requests import Plan
 
@@ -56,6 +57,14 @@ async def _merged(streams: list[AsyncIterator[api.GenerateResponse]]) -> AsyncIt
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # (their streams closed: their calls cancelled)
+
+
+def plan_headers(plan: Plan, rid: str) -> list[tuple[bytes, bytes]]:
+    """X-Request-Id (the client's, else the answer's id), and the unknown fields the request had."""
+    headers = [(b"x-request-id", (plan.client_id or rid).encode())]
+    if plan.screened and plan.screened.unknown:
+        headers.append((IGNORED_FIELDS_HEADER.encode(), ignored_header(plan.screened.unknown).encode()))
+    return headers
 
 
 def _sse(obj) -> bytes:
@@ -140,7 +149,7 @@ class Generation(Response):
 
     async def _stream(self, send, first: list[Event], events: AsyncIterator[Event]) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no"), (b"x-request-id", self.rid.encode())]
+                   (b"x-accel-buffering", b"no"), *plan_headers(self.plan, self.rid)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         plan, created = self.plan, answers.now()
         if plan.chat:
@@ -188,7 +197,7 @@ class Generation(Response):
         extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                                (b"x-request-id", self.rid.encode()), *extra]})
+                                *plan_headers(self.plan, self.rid), *extra]})
         await send({"type": "http.response.body", "body": data})
 
     async def _send_error(self, send, err: ApiError) -> None:

@@ -227,6 +227,28 @@ def test_refusals(stack):
     assert e.value.body["param"] == "priority"
 
 
+
+def test_fields_table_context_length_and_request_id_through_the_sdk(stack):
+    """A refused field is the SDK's BadRequestError naming it; an unknown one passes, named in a header; the
+    client's X-Request-Id is used and echoed; a request too long for the context is OpenAI's
+    context_length_exceeded (pagedkv/gateway/fields.py, errors.py)."""
+    c = stack.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 10})
+    assert e.value.body["param"] == "min_tokens" and e.value.body["message"].startswith("min_tokens: ")
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
+                                                 extra_body={"frobnicate": 1, "repetition_penalty": 1.0},
+                                                 extra_headers={"X-Request-Id": "e2e-fields-1"})
+    assert raw.headers["x-pagedkv-ignored-fields"] == "frobnicate" and raw.headers["x-request-id"] == "e2e-fields-1"
+    r = raw.parse()
+    assert r.id == "cmpl-e2e-fields-1" and r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "messages"
+    assert e.value.body["message"].startswith("This model's maximum context length is ")
+    status, body = stack.get("/version")
+    assert status == 200 and json.loads(body)["version"]
+
 def test_client_disconnect_cancels_the_request_and_frees_its_pages(stack):
     stream = stack.openai().completions.create(model=MODEL, prompt="a long one", max_tokens=1800, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True})

@@ -321,8 +321,19 @@ class FakeUpstream:
 
 
 class Log:
-    def info(self, *a, **k) -> None:
-        pass
+    """The gateway's structlog logger, kept: (level, event, fields) per line."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def info(self, event: str, **kw) -> None:
+        self.lines.append(("info", event, kw))
+
+    def warning(self, event: str, **kw) -> None:
+        self.lines.append(("warning", event, kw))
+
+    def debug(self, event: str, **kw) -> None:
+        self.lines.append(("debug", event, kw))
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

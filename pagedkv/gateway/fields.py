@@ -1,0 +1,258 @@
+"""Every request field of OpenAI's completions and chat APIs and of vLLM's extensions, each honoured, refused or
+ignored by design (``FIELDS``): a field this server does not implement is refused (400 naming it), never silently
+dropped. ``screen`` applies the table to a body before it is translated (openai_requests.py):
+
+- honoured: translated into the GenerateRequest (or the answer's shape); openai_requests.py reads it;
+- refused: 400 naming the field, unless absent or at a value that changes nothing (its default: ``accepted``);
+- ignored by design: cannot change the output (``user``, ``metadata``, ...); named in a debug log line;
+- a field not in the table (unknown): accepted, named in a warning log line and in the IGNORED_FIELDS_HEADER of
+  the answer (vLLM logs "fields were present in the request but ignored").
+
+The nested fields that matter have tables of their own: ``STREAM_OPTIONS`` and ``MESSAGE_FIELDS`` (a chat
+message's: the scheduler's ChatMessage carries role and content only)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagedkv.gateway.errors import bad
+
+IGNORED_FIELDS_HEADER = "x-pagedkv-ignored-fields"
+HONOURED, REFUSED, IGNORED = "honoured", "refused", "ignored by design"
+BOTH, COMPLETIONS, CHAT = "both", "completions", "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One request field: ``where`` it belongs (both endpoints, completions or chat); what pagedkv does with it
+    (``kind``); the values a refused field is accepted at (``accepted``: its defaults, which change nothing);
+    ``example``, a value that is not the default (the table's test sends it); ``note``: where an honoured field
+    goes, or why a field is refused."""
+
+    name: str
+    where: str
+    kind: str
+    example: object
+    accepted: tuple = (None,)
+    note: str = ""
+
+    def accepts(self, value: object) -> bool:
+        # (True == 1 in Python: a bool is accepted only as a bool)
+        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in self.accepted)
+
+
+def _honoured(name: str, where: str, example: object, note: str) -> Field:
+    return Field(name, where, HONOURED, example, note=note)
+
+
+def _refused(name: str, where: str, example: object, accepted: tuple = (), note: str = "") -> Field:
+    return Field(name, where, REFUSED, example, (None, *accepted), note)
+
+
+def _ignored(name: str, where: str, example: object, note: str = "") -> Field:
+    return Field(name, where, IGNORED, example, note=note)
+
+
+_NO_SAMPLER = "not implemented by the executor's sampler"
+_NO_STRUCTURED = "structured output is not implemented"
+_NO_TEMPLATE_ARGS = "the scheduler renders the checkpoint's own chat template only"
+_NO_TOOLS = "tool calling is not implemented"
+
+FIELDS: tuple[Field, ...] = (
+    # -- honoured: where each goes (GenerateRequest fields; plan: the answer's shape) --
+    _honoured("model", BOTH, "m2", "checked against GET /v1/models (plan.model)"),
+    _honoured("prompt", COMPLETIONS, "other", "text or token_ids, one request per prompt"),
+    _honoured("messages", CHAT, [{"role": "user", "content": "other"}], "chat.messages (role, content)"),
+    _honoured("max_tokens", BOTH, 7, "sampling.max_tokens"),
+    _honoured("max_completion_tokens", CHAT, 7, "sampling.max_tokens"),
+    _honoured("temperature", BOTH, 0.5, "sampling.temperature"),
+    _honoured("top_p", BOTH, 0.5, "sampling.top_p"),
+    _honoured("top_k", BOTH, 5, "sampling.top_k (-1: off)"),
+    _honoured("seed", BOTH, 7, "sampling.seed"),
+    _honoured("stop", BOTH, ["x"], "sampling.stop"),
+    _honoured("stop_token_ids", BOTH, [3], "sampling.stop_token_ids"),
+    _honoured("ignore_eos", BOTH, True, "sampling.ignore_eos"),
+    _honoured("include_stop_str_in_output", BOTH, True, "sampling.include_stop_str_in_output"),
+    _honoured("n", BOTH, 2, "sampling.n"),
+    _honoured("logprobs", COMPLETIONS, 0, "sampling.logprobs: 0 only (the sampled token's); N > 0 refused"),
+    _honoured("logprobs", CHAT, True, "sampling.logprobs (the sampled token's)"),
+    _honoured("stream", BOTH, True, "SSE chunks (plan.stream)"),
+    _honoured("stream_options", BOTH, {"include_usage": True}, "its fields: STREAM_OPTIONS"),
+    _honoured("priority", BOTH, 3, "priority"),
+    _honoured("page_budget", BOTH, 4, "page_budget (pagedkv's)"),
+    _honoured("request_id", BOTH, "my-id", "request_id (as X-Request-Id; the header wins)"),
+    _honoured("add_generation_prompt", CHAT, False, "chat.add_generation_prompt"),
+    # -- refused unless at their defaults --
+    _refused("presence_penalty", BOTH, 0.5, (0,), _NO_SAMPLER),
+    _refused("frequency_penalty", BOTH, 0.5, (0,), _NO_SAMPLER),
+    _refused("repetition_penalty", BOTH, 1.2, (1,), _NO_SAMPLER),
+    _refused("logit_bias", BOTH, {"5": 10}, ({},), _NO_SAMPLER),
+    _refused("min_p", BOTH, 0.1, (0,), _NO_SAMPLER),
+    _refused("min_tokens", BOTH, 3, (0,), _NO_SAMPLER),
+    _refused("allowed_token_ids", BOTH, [1, 2], (), _NO_SAMPLER),
+    _refused("bad_words", BOTH, ["x"], ([],), _NO_SAMPLER),
+    _refused("logits_processors", BOTH, ["a.b"], ([],), _NO_SAMPLER),
+    _refused("top_logprobs", CHAT, 2, (0,), "the executor returns the sampled token's log-probability only"),
+    _refused("prompt_logprobs", BOTH, 1, (), "the executor returns no prompt log-probabilities"),
+    _refused("echo", BOTH, True, (False,), "the prompt is not returned"),
+    _refused("return_tokens_as_token_ids", BOTH, True, (False,), "tokens are named by --tokenizer"),
+    _refused("best_of", BOTH, 2, (1,), "one sample per choice"),
+    _refused("use_beam_search", BOTH, True, (False,), "beam search is not implemented"),
+    _refused("length_penalty", BOTH, 0.5, (1,), "beam search is not implemented"),
+    _refused("suffix", COMPLETIONS, "x", ("",), "insertion is not implemented"),
+    _refused("response_format", BOTH, {"type": "json_object"}, ({"type": "text"},), _NO_STRUCTURED),
+    _refused("guided_json", BOTH, {"type": "object"}, (), _NO_STRUCTURED),
+    _refused("guided_regex", BOTH, "a+", (), _NO_STRUCTURED),
+    _refused("guided_choice", BOTH, ["yes", "no"], (), _NO_STRUCTURED),
+    _refused("guided_grammar", BOTH, "root ::= \"a\"", (), _NO_STRUCTURED),
+    _refused("guided_decoding_backend", BOTH, "outlines", (), _NO_STRUCTURED),
+    _refused("guided_whitespace_pattern", BOTH, " ", (), _NO_STRUCTURED),
+    _refused("structural_tag", BOTH, "{}", (), _NO_STRUCTURED),
+    _refused("tools", CHAT, [{"type": "function"}], ([],), _NO_TOOLS),
+    _refused("tool_choice", CHAT, "auto", ("none",), _NO_TOOLS),
+    _refused("functions", CHAT, [{"name": "f"}], ([],), _NO_TOOLS),
+    _refused("function_call", CHAT, "auto", ("none",), _NO_TOOLS),
+    _refused("truncate_prompt_tokens", BOTH, 4, (), "prompts are never truncated"),
+    _refused("add_special_tokens", COMPLETIONS, False, (True,), "a text prompt is tokenized with BOS"),
+    _refused("add_special_tokens", CHAT, True, (False,), "the chat template places the special tokens"),
+    _refused("skip_special_tokens", BOTH, False, (True,), "the text skips special tokens"),
+    _refused("spaces_between_special_tokens", BOTH, False, (True,), "the text skips special tokens"),
+    _refused("chat_template", CHAT, "{{ messages }}", (), _NO_TEMPLATE_ARGS),
+    _refused("chat_template_kwargs", CHAT, {"enable_thinking": False}, ({},), _NO_TEMPLATE_ARGS),
+    _refused("continue_final_message", CHAT, True, (False,), _NO_TEMPLATE_ARGS),
+    _refused("documents", CHAT, [{"text": "x"}], ([],), _NO_TEMPLATE_ARGS),
+    _refused("reasoning_effort", CHAT, "low", (), _NO_TEMPLATE_ARGS),
+    _refused("include_reasoning", CHAT, False, (True,), "no reasoning parser: reasoning stays in the text"),
+    _refused("verbosity", CHAT, "low", (), _NO_TEMPLATE_ARGS),
+    _refused("audio", CHAT, {"format": "wav"}, (), "text only"),
+    _refused("modalities", CHAT, ["audio"], (["text"],), "text only"),
+    _refused("prediction", CHAT, {"type": "content", "content": "x"}, (), "predicted outputs are not implemented"),
+    _refused("web_search_options", CHAT, {}, (), "web search is not implemented"),
+    _refused("moderation", CHAT, {}, (), "moderation is not implemented"),
+    _refused("prompt_embeds", COMPLETIONS, "AAAA", (), "embeddings as prompts are not implemented"),
+    _refused("mm_processor_kwargs", BOTH, {"x": 1}, ({},), "text only"),
+    _refused("cache_salt", BOTH, "salt", (), "the prefix cache is salted per tenant, not per request"),
+    _refused("kv_transfer_params", BOTH, {"x": 1}, (), "disaggregated serving is not implemented"),
+    _refused("vllm_xargs", BOTH, {"x": 1}, ({},), "no custom extensions"),
+    # -- ignored by design: cannot change the output --
+    _ignored("user", BOTH, "u1", "logged with the request"),
+    _ignored("safety_identifier", CHAT, "s1"),
+    _ignored("metadata", CHAT, {"k": "v"}),
+    _ignored("store", CHAT, True),
+    _ignored("service_tier", CHAT, "default"),
+    _ignored("parallel_tool_calls", CHAT, False, "tools are refused"),
+    _ignored("prompt_cache_key", CHAT, "k", "the prefix cache is automatic"),
+    _ignored("prompt_cache_retention", CHAT, "24h", "the prefix cache is automatic"),
+    _ignored("prompt_cache_options", CHAT, {}, "the prefix cache is automatic"),
+)
+
+# stream_options' fields; include_obfuscation pads chunks (OpenAI's), which changes no token
+STREAM_OPTIONS: tuple[Field, ...] = (
+    _honoured("include_usage", BOTH, True, "a final usage chunk"),
+    _refused("continuous_usage_stats", BOTH, True, (False,), "usage comes in the final chunk only"),
+    _ignored("include_obfuscation", BOTH, False),
+)
+# a chat message's fields: the ChatMessage the scheduler templates has role and content only
+MESSAGE_FIELDS: tuple[Field, ...] = (
+    _honoured("role", CHAT, "assistant", "chat.messages[].role"),
+    _honoured("content", CHAT, "other", "chat.messages[].content (text parts)"),
+    _refused("name", CHAT, "bob", ("",), "the chat template gets role and content only"),
+    _refused("tool_calls", CHAT, [{"id": "c"}], ([],), "the chat template gets role and content only"),
+    _refused("tool_call_id", CHAT, "c", ("",), "the chat template gets role and content only"),
+    _refused("function_call", CHAT, {"name": "f"}, (), "the chat template gets role and content only"),
+    _refused("audio", CHAT, {"id": "a"}, (), "text only"),
+    _refused("refusal", CHAT, "no", ("",), "the chat template gets role and content only"),
+    _refused("reasoning_content", CHAT, "hm", ("",), "the chat template gets role and content only"),
+)
+
+
+def table(chat: bool, fields: tuple[Field, ...] = FIELDS) -> dict[str, Field]:
+    """The fields of one endpoint, by name."""
+    return {f.name: f for f in fields if f.where in (BOTH, CHAT if chat else COMPLETIONS)}
+
+
+_TABLES = {False: table(False), True: table(True)}
+_STREAM_OPTIONS, _MESSAGE_FIELDS = table(True, STREAM_OPTIONS), table(True, MESSAGE_FIELDS)
+
+
+@dataclass(slots=True)
+class Screened:
+    """What ``screen`` found besides refusals: fields ignored by design, and unknown ones (dotted for a nested
+    field: ``stream_options.x``, ``messages[0].x``)."""
+
+    ignored: list[str]
+    unknown: list[str]
+
+
+def _check(fields: dict[str, Field], body: Mapping, prefix: str, found: Screened) -> None:
+    for name, value in body.items():
+        f = fields.get(name)
+        if f is None:
+            found.unknown.append(f"{prefix}{name}")
+        elif f.kind == REFUSED and not f.accepts(value):
+            shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:61] + "..."
+            allowed = " or ".join(repr(a) for a in f.accepted if a is not None)
+            fix = f"send {allowed} or leave it out" if allowed else "leave it out"
+            raise bad(f"{prefix}{name}", f"{shown} is not supported by this server ({f.note}); {fix}")
+        elif f.kind == IGNORED:
+            found.ignored.append(f"{prefix}{name}")
+
+
+def screen(body: Mapping, chat: bool) -> Screened:
+    """Refuses (400 naming it) a field the table refuses at its value; returns the fields ignored by design and
+    the unknown ones. Types and ranges of honoured fields are openai_requests.py's to check."""
+    found = Screened([], [])
+    _check(_TABLES[chat], body, "", found)
+    opts = body.get("stream_options")
+    if isinstance(opts, Mapping):
+        _check(_STREAM_OPTIONS, opts, "stream_options.", found)
+    messages = body.get("messages") if chat else None
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            if isinstance(m, Mapping):
+                _check(_MESSAGE_FIELDS, m, f"messages[{i}].", found)
+    return found
+
+
+_SHOWN_NAME = re.compile(r"[\w.\[\]-]{1,64}", re.ASCII)
+MAX_HEADER_NAMES = 16
+
+
+def ignored_header(names: list[str]) -> str:
+    """IGNORED_FIELDS_HEADER's value: the unknown fields' names, at most MAX_HEADER_NAMES of them, and only names
+    that are safe in a header (word characters, '.', '[', ']', '-'); the rest counted."""
+    shown = [n for n in names if _SHOWN_NAME.fullmatch(n)][:MAX_HEADER_NAMES]
+    more = len(names) - len(shown)
+    return ", ".join(shown + ([f"(+{more} more)"] if more else []))
+
+
+# ---- the README's table ------------------------------------------------------------------------
+def _shown(f: Field, prefix: str) -> str:
+    where = "" if f.where == BOTH or prefix else f" ({f.where})"
+    default = [a for a in f.accepted if a is not None]
+    value = "=" + repr(default[0]).replace("'", '"') if f.kind == REFUSED and default else ""
+    return f"`{prefix}{f.name}{value}`{where}"
+
+
+def readme_table() -> str:
+    """README's "OpenAI fields" table, written from the tables above (tests/unit/test_gateway_fields.py checks that
+    README has it as written here): a row of honoured fields, one of refused fields per reason, one of fields
+    ignored by design."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for prefix, table in (("", FIELDS), ("stream_options.", STREAM_OPTIONS), ("messages[].", MESSAGE_FIELDS)):
+        for f in table:
+            groups.setdefault((f.kind, f.note if f.kind == REFUSED else ""), []).append(_shown(f, prefix))
+    rows = ["| fields | what the gateway does |", "|---|---|"]
+    for (kind, note), names in sorted(groups.items(), key=lambda g: [HONOURED, REFUSED, IGNORED].index(g[0][0])):
+        what = {HONOURED: "honoured", IGNORED: "ignored by design (they cannot change the output; logged at debug)",
+                REFUSED: f"refused: {note}"}[kind]
+        rows.append(f"| {', '.join(names)} | {what} |")
+    return "\n".join(rows)
+
+
+def counts() -> dict[str, int]:
+    """Fields by kind, nested ones included (a field of both endpoints counted once)."""
+    every = FIELDS + STREAM_OPTIONS + MESSAGE_FIELDS
+    return {kind: sum(f.kind == kind for f in every) for kind in (HONOURED, REFUSED, IGNORED)}

@@ -1,0 +1,293 @@
+"""The gateway's field table (pagedkv/gateway/fields.py) walked: every honoured field sent at a value that is not its
+default reaches the GenerateRequest (or the answer's shape); every refused one is a 400 naming it, and is accepted
+at its defaults; every one ignored by design leaves the GenerateRequest as it was and is logged at debug; an
+unknown field is accepted, logged as a warning and named in a response header. With them: the context-length
+refusal in OpenAI's words (mapped from the scheduler's own messages), X-Request-Id used and echoed, /version, and
+README's table as the code writes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+import pagedkv
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.gateway import fields
+from pagedkv.gateway.app import Gateway, create_app
+from pagedkv.gateway.errors import ApiError, from_grpc
+from pagedkv.gateway.openai_requests import (
+    MAX_CLIENT_ID_CHARS,
+    RequestLimits,
+    check_sizes,
+    client_request_id,
+    parse_chat,
+    parse_completion,
+)
+from scheduler_svc.validation import InvalidRequest, Limits, check_prompt_ids, check_sampling
+from tests.unit.test_gateway_unit import FakeUpstream, Log, _msg, asgi, rpc_error
+
+pytestmark = pytest.mark.unit
+
+BASE = {False: {"model": "m", "prompt": "hi"}, True: {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+
+
+def _parse(chat: bool, **extra):
+    body = {**BASE[chat], **extra}
+    return (parse_chat if chat else parse_completion)(body, "r")
+
+
+def _req(plan):
+    return plan.requests[0]
+
+
+def _sampled(name):
+    return lambda body, plan: (_req(plan).sampling.HasField(name), getattr(_req(plan).sampling, name))
+
+
+# Where each honoured field lands: (body, plan) -> a value that differs from the baseline's when it is honoured.
+HONOURED = {
+    "model": lambda body, plan: plan.model,
+    "prompt": lambda body, plan: _req(plan).text,
+    "messages": lambda body, plan: [(m.role, m.content) for m in _req(plan).chat.messages],
+    "max_tokens": lambda body, plan: _req(plan).sampling.max_tokens,
+    "max_completion_tokens": lambda body, plan: _req(plan).sampling.max_tokens,
+    "temperature": _sampled("temperature"),
+    "top_p": _sampled("top_p"),
+    "top_k": _sampled("top_k"),
+    "seed": _sampled("seed"),
+    "stop": lambda body, plan: list(_req(plan).sampling.stop),
+    "stop_token_ids": lambda body, plan: list(_req(plan).sampling.stop_token_ids),
+    "ignore_eos": lambda body, plan: _req(plan).sampling.ignore_eos,
+    "include_stop_str_in_output": lambda body, plan: _req(plan).sampling.include_stop_str_in_output,
+    "n": lambda body, plan: (_req(plan).sampling.n, plan.num_choices),
+    "logprobs": lambda body, plan: (_req(plan).sampling.logprobs, plan.logprobs),
+    "stream": lambda body, plan: plan.stream,
+    "stream_options": lambda body, plan: plan.include_usage,
+    "priority": lambda body, plan: _req(plan).priority,
+    "page_budget": lambda body, plan: _req(plan).page_budget,
+    "request_id": lambda body, plan: client_request_id(None, body),
+    "add_generation_prompt": lambda body, plan: (_req(plan).chat.HasField("add_generation_prompt"),
+                                                 _req(plan).chat.add_generation_prompt),
+}
+
+
+def _endpoints(f: fields.Field) -> list[bool]:
+    return {fields.BOTH: [False, True], fields.COMPLETIONS: [False], fields.CHAT: [True]}[f.where]
+
+
+def _cases(kind: str, table=fields.FIELDS):
+    return [pytest.param(f, chat, id=f"{'chat' if chat else 'completions'}-{f.name}")
+            for f in table if f.kind == kind for chat in _endpoints(f)]
+
+
+def test_the_table_names_each_field_once_per_endpoint_and_every_honoured_field_has_a_check():
+    for table in (fields.FIELDS, fields.STREAM_OPTIONS, fields.MESSAGE_FIELDS):
+        for chat in (False, True):
+            names = [f.name for f in table if f.where in (fields.BOTH, fields.CHAT if chat else fields.COMPLETIONS)]
+            assert len(names) == len(set(names))
+        assert all(not f.accepts(f.example) for f in table)  # each example is a value that is not the default
+    assert {f.name for f in fields.FIELDS if f.kind == fields.HONOURED} == set(HONOURED)
+
+
+@pytest.mark.parametrize("field, chat", _cases(fields.HONOURED))
+def test_an_honoured_field_reaches_the_generate_request(field, chat):
+    extra = {"stream": True} if field.name == "stream_options" else {}
+    body = {**BASE[chat], **extra}
+    sent = {**body, field.name: field.example}
+    parse = parse_chat if chat else parse_completion
+    check = HONOURED[field.name]
+    assert check(sent, parse(sent, "r")) != check(body, parse(body, "r"))
+
+
+@pytest.mark.parametrize("field, chat", _cases(fields.REFUSED))
+def test_a_refused_field_is_a_400_naming_it_and_its_defaults_pass(field, chat):
+    with pytest.raises(ApiError) as e:
+        _parse(chat, **{field.name: field.example})
+    assert e.value.status == 400 and e.value.param == field.name and e.value.type == "invalid_request_error"
+    assert e.value.message.startswith(f"{field.name}: ") and "not supported" in e.value.message
+    baseline = _parse(chat).requests
+    for value in field.accepted:  # (None: as if absent)
+        plan = _parse(chat, **{field.name: value})
+        assert plan.requests == baseline and not plan.screened.unknown
+
+
+@pytest.mark.parametrize("field, chat", _cases(fields.IGNORED))
+def test_a_field_ignored_by_design_changes_nothing_sent(field, chat):
+    plan = _parse(chat, **{field.name: field.example})
+    assert plan.requests == _parse(chat).requests
+    assert plan.screened.ignored == [field.name] and not plan.screened.unknown
+
+
+def test_value_dependent_refusals_accept_the_defaults():
+    for chat in (False, True):
+        plan = _parse(chat, repetition_penalty=1.0, min_tokens=0, skip_special_tokens=True, min_p=0,
+                      presence_penalty=0.0, logit_bias={}, bad_words=[], response_format={"type": "text"})
+        assert plan.requests == _parse(chat).requests
+    with pytest.raises(ApiError) as e:
+        _parse(False, skip_special_tokens=1)  # 1 is not True
+    assert e.value.param == "skip_special_tokens"
+    with pytest.raises(ApiError) as e:
+        _parse(False, logprobs=2)  # completions: the sampled token's (0) only
+    assert e.value.param == "logprobs"
+
+
+def test_an_unknown_field_is_accepted_and_named():
+    for chat in (False, True):
+        plan = _parse(chat, frobnicate=1, suffix_=2)
+        assert plan.requests == _parse(chat).requests and plan.screened.unknown == ["frobnicate", "suffix_"]
+    plan = _parse(True, suffix="x")  # a completions field on chat: unknown there
+    assert plan.screened.unknown == ["suffix"]
+
+
+def test_stream_options_fields():
+    assert _parse(False, stream=True, stream_options={"include_usage": True}).include_usage
+    for value in (None, False):
+        plan = _parse(False, stream=True, stream_options={"continuous_usage_stats": value})
+        assert not plan.screened.unknown
+    with pytest.raises(ApiError) as e:
+        _parse(True, stream=True, stream_options={"continuous_usage_stats": True})
+    assert e.value.status == 400 and e.value.param == "stream_options.continuous_usage_stats"
+    plan = _parse(True, stream=True, stream_options={"include_obfuscation": False, "other": 1})
+    assert plan.screened.ignored == ["stream_options.include_obfuscation"]
+    assert plan.screened.unknown == ["stream_options.other"]
+
+
+@pytest.mark.parametrize("field", [f for f in fields.MESSAGE_FIELDS if f.kind == fields.REFUSED], ids=lambda f: f.name)
+def test_a_message_field_the_template_would_not_get_is_refused(field):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", field.name: field.example}]
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": messages}, "r")
+    assert e.value.status == 400 and e.value.param == f"messages[1].{field.name}"
+    for value in field.accepted:
+        messages[1][field.name] = value
+        assert [m.content for m in parse_chat({"model": "m", "messages": messages}, "r").requests[0].chat.messages] \
+            == ["hi", "x"]
+
+
+def test_message_role_and_content_are_honoured_and_other_message_fields_named():
+    plan = parse_chat({"model": "m", "messages": [{"role": "assistant", "content": "other", "extra": 1}]}, "r")
+    assert [(m.role, m.content) for m in _req(plan).chat.messages] == [("assistant", "other")]
+    assert plan.screened.unknown == ["messages[0].extra"]
+    assert {f.name for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED} == {"role", "content"}
+
+
+def test_the_header_shows_safe_names_only_and_a_bounded_number():
+    assert fields.ignored_header(["a", "b.c"]) == "a, b.c"
+    assert fields.ignored_header(["ok", "bad\r\nX-Injected: 1", "é"]) == "ok, (+2 more)"
+    many = [f"f{i}" for i in range(100)]
+    assert fields.ignored_header(many).endswith(f"f{fields.MAX_HEADER_NAMES - 1}, (+84 more)")
+
+
+def test_readme_has_the_table_as_the_code_writes_it():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = "\n".join(line.strip() for line in readme.splitlines())  # (it is indented in a list item)
+    assert fields.readme_table() in readme, "README's 'OpenAI fields' table: paste fields.readme_table()"
+
+
+# ---- the context-length refusal --------------------------------------------------------------------
+def _scheduler_refusal(prompt_len: int, max_tokens: int, max_model_len: int = 2048) -> str:
+    """The scheduler's own message (scheduler_svc/validation.py) for a request too long for its context."""
+    limits = Limits(max_model_len=max_model_len, vocab_size=32000)
+    try:
+        check_prompt_ids([1] * prompt_len, limits)
+        check_sampling(api.SamplingParams(max_tokens=max_tokens), prompt_len, limits)
+    except InvalidRequest as err:
+        return str(err)
+    raise AssertionError("the scheduler took it")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_schedulers_length_refusals_become_openais_context_length_error(chat):
+    field = "messages" if chat else "prompt"
+    err = from_grpc(grpc.StatusCode.INVALID_ARGUMENT, _scheduler_refusal(2000, 100), chat=chat)
+    assert (err.status, err.code, err.param, err.type) == (400, "context_length_exceeded", field,
+                                                           "invalid_request_error")
+    assert err.message.startswith("This model's maximum context length is 2048 tokens. However, you requested 2100 "
+                                  f"tokens (2000 in the {field}, 100 in the completion). Please reduce the length "
+                                  f"of the {field} or completion.")
+    err = from_grpc(grpc.StatusCode.INVALID_ARGUMENT, _scheduler_refusal(2048, 0), chat=chat)
+    assert err.code == "context_length_exceeded" and err.message.startswith(
+        f"This model's maximum context length is 2048 tokens. However, your {field} resulted in 2048 tokens.")
+    tenant = Limits(max_model_len=512, vocab_size=10, max_len_name="the 32 pages tenant t can hold (tokens)")
+    with pytest.raises(InvalidRequest) as e:
+        check_sampling(api.SamplingParams(max_tokens=100), 500, tenant)
+    err = from_grpc(grpc.StatusCode.INVALID_ARGUMENT, str(e.value))
+    assert "maximum context length is 512 tokens" in err.message and "tenant t" in err.message
+    other = from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p: 2; must be in (0, 1]")
+    assert other.code != "context_length_exceeded" and other.param == "top_p"
+
+
+def test_the_gateways_own_token_count_check_is_a_context_length_error():
+    plan = parse_completion({"model": "m", "prompt": [1] * 2048}, "r")
+    with pytest.raises(ApiError) as e:
+        check_sizes(plan, RequestLimits.of(2048))
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert e.value.message.startswith("This model's maximum context length is 2048 tokens.")
+
+
+def test_app_answers_a_length_refusal_in_openais_words():
+    up = FakeUpstream([rpc_error(grpc.StatusCode.INVALID_ARGUMENT, _scheduler_refusal(20, 2040))])
+    body = json.dumps({**BASE[True], "max_tokens": 2040}).encode()
+    status, _, data = asyncio.run(asgi(create_app(Gateway(up, Log())), "/v1/chat/completions", body))
+    error = json.loads(data)["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
+
+
+# ---- the app: headers, logs, request ids, /version ------------------------------------------------
+def _done() -> list:
+    return [_msg(text="a", ids=[1], finish=api.FINISH_REASON_STOP, prompt=1, completion=1)]
+
+
+def _post(body: dict, headers=(), stream: bool = False):
+    up, log = FakeUpstream(_done()), Log()
+    status, got, data = asyncio.run(asgi(create_app(Gateway(up, log)), "/v1/completions",
+                                         json.dumps({**BASE[False], "stream": stream, **body}).encode(),
+                                         headers=headers))
+    return status, got, data, up, log
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_app_names_unknown_fields_in_a_header_and_a_warning(stream):
+    status, headers, _, up, log = _post({"frobnicate": 1, "user": "u"}, stream=stream)
+    assert status == 200 and headers[fields.IGNORED_FIELDS_HEADER.encode()] == b"frobnicate"
+    assert [(lvl, kw["fields"]) for lvl, event, kw in log.lines if event == "request_fields_ignored"] == [
+        ("warning", ["frobnicate"])]
+    assert [(lvl, kw["fields"]) for lvl, event, kw in log.lines if event == "request_fields_ignored_by_design"] == [
+        ("debug", ["user"])]
+    status, headers, _, _, log = _post({})
+    assert status == 200 and fields.IGNORED_FIELDS_HEADER.encode() not in headers
+    assert not [line for line in log.lines if line[0] != "info"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_app_uses_and_echoes_the_clients_request_id(stream):
+    status, headers, data, up, _ = _post({}, headers=[(b"x-request-id", b"trace-42")], stream=stream)
+    assert status == 200 and headers[b"x-request-id"] == b"trace-42" and up.requests[0].request_id == "trace-42"
+    if not stream:
+        assert json.loads(data)["id"] == "cmpl-trace-42"
+    _, headers, _, up, _ = _post({"request_id": "body-7"})  # vLLM's body field, when no header
+    assert headers[b"x-request-id"] == b"body-7" and up.requests[0].request_id == "body-7"
+    _, headers, _, up, _ = _post({"request_id": "body-7"}, headers=[(b"x-request-id", b"hdr")])
+    assert up.requests[0].request_id == "hdr"  # the header wins, as vLLM's
+
+
+def test_app_makes_its_own_id_for_an_unusable_header_and_refuses_a_bad_body_id():
+    long = b"x" * (MAX_CLIENT_ID_CHARS + 1)
+    status, headers, _, up, log = _post({}, headers=[(b"x-request-id", long)])
+    rid = up.requests[0].request_id
+    assert status == 200 and rid.startswith("cmpl-") and headers[b"x-request-id"] == rid.encode()
+    assert any(event == "x_request_id_not_used" for _, event, _ in log.lines)
+    status, headers, data, up, _ = _post({"request_id": "has space"})
+    assert status == 400 and json.loads(data)["error"]["param"] == "request_id" and not up.requests
+    status, headers, data, up, _ = _post({"min_tokens": 5}, headers=[(b"x-request-id", b"t-1")])
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "min_tokens" and headers[b"x-request-id"] == b"t-1"
+
+
+def test_app_version():
+    status, _, data = asyncio.run(asgi(create_app(Gateway(FakeUpstream(), Log())), "/version", b"", method="GET"))
+    assert status == 200 and json.loads(data) == {"version": pagedkv.__version__}
