@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from executor_svc.sampler import SamplingParams
+from executor_svc.token_counts import TokenCounts
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.wire import DROPPED_PAGE
 
@@ -25,6 +28,7 @@ class RequestState:
     num_output: int  # draws made so far: the index of the next draw in the seed stream
     sink: int = 0  # attention sink + window (0: full attention); dropped pages are DROPPED_PAGE in page_ids
     window: int = 0
+    counts_slot: int = -1  # its row of the mirror's TokenCounts (-1: none yet; only a penalised request has one)
 
 
 class PlanError(Exception):
@@ -46,14 +50,30 @@ class Scheduled:
 def check_sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
     """The plan's sampling values, refused unless finite and in range (NaN fails every comparison)."""
     top_p = s.top_p or 1.0  # 0: unset
+    repetition = s.repetition_penalty or 1.0  # 0: unset
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         bad = f"sampling.temperature = {s.temperature} (must be finite and >= 0)"
     elif not 0.0 < top_p <= 1.0:
         bad = f"sampling.top_p = {s.top_p} (must be in (0, 1])"
     elif s.top_k < 0:
         bad = f"sampling.top_k = {s.top_k} (must be >= 0)"
+    elif not (math.isfinite(s.presence_penalty) and math.isfinite(s.frequency_penalty)):
+        bad = f"sampling.presence_penalty / frequency_penalty = {s.presence_penalty} / {s.frequency_penalty} " \
+              "(must be finite)"
+    elif not (math.isfinite(repetition) and repetition > 0):
+        bad = f"sampling.repetition_penalty = {s.repetition_penalty} (must be finite and > 0)"
+    elif not 0.0 <= s.min_p <= 1.0:
+        bad = f"sampling.min_p = {s.min_p} (must be in [0, 1])"
+    elif s.min_tokens < 0:
+        bad = f"sampling.min_tokens = {s.min_tokens} (must be >= 0)"
+    elif not all(math.isfinite(v) for v in s.logit_bias.values()):
+        bad = "sampling.logit_bias: a value is not finite"
     else:
-        return SamplingParams(s.temperature, top_p, s.top_k, s.seed, s.logprobs)
+        return SamplingParams(
+            s.temperature, top_p, s.top_k, s.seed, s.logprobs, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, repetition_penalty=repetition, min_p=s.min_p,
+            min_tokens=s.min_tokens, min_tokens_stop_ids=tuple(s.min_tokens_stop_ids),
+            logit_bias=tuple(sorted(s.logit_bias.items())))
     raise PlanError(f"request {rid}: {bad}", [rid])
 
 
@@ -67,12 +87,34 @@ class RequestMirror:
         self.num_pages, self.num_host_pages, self.block_size = num_pages, num_host_pages, block_size
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.requests: dict[str, RequestState] = {}
+        self.token_counts = TokenCounts()  # the penalised requests' token counts (a slot each)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def reset(self) -> None:
         self.requests.clear()
+        self.token_counts.release_all()
+
+    def _drop(self, rid: str) -> None:
+        st = self.requests.pop(rid, None)
+        if st is not None and st.counts_slot >= 0:
+            self.token_counts.release(st.counts_slot)
+
+    def penalty_counts(self, states: list[RequestState], vocab: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output counts [P, V], prompt mask [P, V]) of ``states`` (each a request about to sample: its tokens are
+        its prompt and its num_output sampled ones), for the sampler's penalties. A request's counts are built from
+        its tokens the first time (a new or resent request), then kept up by ``count_samples``."""
+        counts = self.token_counts
+        for st in states:
+            if st.counts_slot < 0:
+                st.counts_slot = counts.assign(st.token_ids, st.num_output, vocab, device)
+        return counts.rows([st.counts_slot for st in states])
+
+    def count_samples(self, states: list[RequestState], tokens: list[int]) -> None:
+        """The tokens ``states`` (those ``penalty_counts`` gave rows) just sampled, counted into their output."""
+        self.token_counts.add([st.counts_slot for st in states], tokens)
 
     def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:
         for p in page_ids:
@@ -96,6 +138,11 @@ class RequestMirror:
         rid = new.request_id
         self._check_pages(rid, new.page_ids, dropped_ok=new.window_tokens > 0)
         tokens = list(new.token_ids)
+        vocab = self.vocab_size
+        if vocab is not None and not all(0 <= t < vocab for t in (*new.sampling.logit_bias,
+                                                                  *new.sampling.min_tokens_stop_ids)):
+            raise PlanError(f"request {rid}: sampling.logit_bias / min_tokens_stop_ids: an id outside the "
+                            f"vocabulary [0, {vocab})", [rid])
         if tokens and self.vocab_size is not None and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             bad = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
             raise PlanError(f"request {rid}: token_ids[{bad}] = {tokens[bad]} outside the vocabulary "
@@ -179,8 +226,9 @@ class RequestMirror:
                 self._check_fit(rid, st, 1, st.page_ids.__getitem__, len(st.page_ids))
         # The plan is consistent: commit.
         for rid in forget:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for rid, state, _ in staged:
+            self._drop(rid)
             self.requests[rid] = state
         for c in plan.continuing:
             st = self.requests[c.request_id]

@@ -144,7 +144,12 @@ class ModelRunner:
                 rows.append(row)
         if not finishing:
             return
-        tokens, logprobs = sample(logits, [st.sampling for st in finishing], [st.num_output for st in finishing])
+        params = [st.sampling for st in finishing]
+        penalised = [st for st, p in zip(finishing, params) if p.penalised]
+        counts = self.mirror.penalty_counts(penalised, logits.shape[-1], logits.device) if penalised else (None, None)
+        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], *counts)
+        if penalised:
+            self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
         for st, token in zip(finishing, tokens):
             st.token_ids.append(token)
             st.num_output += 1

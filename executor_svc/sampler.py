@@ -1,4 +1,5 @@
-"""Sampling: greedy, temperature, top-k, top-p, with a per-request seed stream.
+"""Sampling: greedy, temperature, min-p, top-k, top-p, with a per-request seed stream; before them the logits
+controls (``adjust_logits``): min_tokens, logit_bias, and the repetition, frequency and presence penalties.
 
 Draw number i of a request inverts its filtered distribution (in token order) at a uniform number made from
 (seed, i) alone, so what a request samples depends neither on the other requests in the batch nor on whether it
@@ -8,7 +9,7 @@ once (batched torch ops, no loop over rows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,22 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     logprobs: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token the output holds (vLLM, OpenAI)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides a positive logit, multiplies a negative one, of each token in
+    #                                  prompt + output (transformers' RepetitionPenaltyLogitsProcessor, vLLM)
+    min_p: float = 0.0  # tokens less probable than min_p x the most probable one are cut (after temperature)
+    min_tokens: int = 0  # until this many tokens are drawn, min_tokens_stop_ids are masked
+    min_tokens_stop_ids: tuple[int, ...] = ()  # (EOS unless ignore_eos, and the stop token ids: the scheduler's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    penalised: bool = field(init=False, default=False)  # a penalty is set: the row needs its token counts
+    adjusts: bool = field(init=False, default=False)  # ``adjust_logits`` changes the row
+
+    def __post_init__(self) -> None:
+        penalised = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        object.__setattr__(self, "penalised", penalised)
+        object.__setattr__(self, "adjusts", penalised or bool(self.logit_bias)
+                           or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
 
     @property
     def greedy(self) -> bool:
@@ -121,18 +138,82 @@ def _draw(scaled: torch.Tensor, threshold: torch.Tensor, u: torch.Tensor) -> tor
     return at
 
 
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
+                  output_counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] with each row's controls applied, in vLLM's order: min_tokens (its stop ids at -inf while
+    fewer than min_tokens tokens are drawn), logit_bias (added), then the penalties. The rows that set none are
+    left as they are, and when no row sets any the logits themselves are returned (no copy).
+
+    ``output_counts`` [P, V] (how often each token is in the output) and ``prompt_mask`` [P, V] (in the prompt)
+    are the penalised rows' (``SamplingParams.penalised``), in row order: repetition_penalty applies to the tokens
+    of prompt + output, frequency and presence to those of the output (as vLLM defines each)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts]
+    if not rows:
+        return logits
+    logits = logits.clone()  # (the raw logits stay: log-probabilities are the model's)
+    device = logits.device
+    masked_rows, masked_ids, bias_rows, bias_ids, bias_values = [], [], [], [], []
+    for i in rows:
+        p = params[i]
+        if draws[i] < p.min_tokens:
+            masked_rows += [i] * len(p.min_tokens_stop_ids)
+            masked_ids += p.min_tokens_stop_ids
+        for token, value in p.logit_bias:
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(value)
+    if masked_rows:
+        logits[long_tensor(masked_rows, device), long_tensor(masked_ids, device)] = float("-inf")
+    if bias_rows:
+        logits.index_put_((long_tensor(bias_rows, device), long_tensor(bias_ids, device)),
+                          torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
+    penalised = [i for i in rows if params[i].penalised]
+    if penalised:
+        assert output_counts is not None and prompt_mask is not None and len(output_counts) == len(penalised)
+        idx = long_tensor(penalised, device)
+        picked = [params[i] for i in penalised]
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=logits.dtype, device=device).view(-1, 1)
+
+        sub = logits[idx]
+        in_output = output_counts > 0
+        rep = column([p.repetition_penalty for p in picked])
+        repeated = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(prompt_mask | in_output, repeated, sub)
+        sub = (sub - column([p.frequency_penalty for p in picked]) * output_counts.to(logits.dtype)
+               - column([p.presence_penalty for p in picked]) * in_output.to(logits.dtype))
+        logits[idx] = sub
+    return logits
+
+
+def min_p_cut(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """scaled [S, V] (divided by temperature) with the tokens less probable than min_p x the row's most probable
+    one at -inf, computed as transformers' MinPLogitsWarper does (on probabilities; the most probable token is
+    always kept). min_p 0: nothing cut."""
+    probs = torch.softmax(scaled, dim=-1)
+    cut = torch.tensor(min_p, dtype=probs.dtype, device=scaled.device).view(-1, 1) * probs.amax(-1, keepdim=True)
+    return scaled.masked_fill(probs < cut, float("-inf"))
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
     """One row's token: what ``sample`` draws for it in any batch."""
     return sample(logits.view(1, -1), [params], [draw])[0][0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int]) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
+           output_counts: torch.Tensor | None = None,
+           prompt_mask: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
 
-    Greedy rows take the argmax. The others, all at once: divided by their temperature, cut by their top-k and
-    top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token order, at
+    The rows' controls first (``adjust_logits``; ``output_counts`` and ``prompt_mask``: the penalised rows'
+    counts). Greedy rows take the argmax. The others, all at once: divided by their temperature, cut by their
+    min-p (before top-k and top-p, as vLLM does), top-k and top-p (``thresholds``), and drawn by inverting the
+    cumulative distribution, in token order, at
     ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number alone, never
     on the batch."""
+    raw = logits
+    logits = adjust_logits(logits, params, draws, output_counts, prompt_mask)
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy
@@ -143,6 +224,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
         picked = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in picked], dtype=logits.dtype, device=device).view(-1, 1)
         scaled = (logits if len(rows) == len(params) else logits[long_tensor(rows, device)]) / temps
+        if any(p.min_p > 0 for p in picked):
+            scaled = min_p_cut(scaled, [p.min_p for p in picked])
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in picked):
             threshold = thresholds(scaled, [p.top_k for p in picked], [p.top_p for p in picked])
         else:
@@ -155,7 +238,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
     logprobs = [0.0] * len(tokens)
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
-        lp = torch.log_softmax(logits[long_tensor(want, logits.device)], dim=-1)
+        lp = torch.log_softmax(raw[long_tensor(want, raw.device)], dim=-1)
         chosen_lp = lp.gather(1, long_tensor([tokens[i] for i in want], logits.device).view(-1, 1))
         for i, value in zip(want, chosen_lp.view(-1).tolist()):
             logprobs[i] = value
