@@ -316,13 +316,18 @@ class Client:
                       seed: int | None = None, stop: Sequence[str] = (),
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                       include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1,
-                      priority: int = 0, page_budget: int = 0) -> api.GenerateRequest:
+                      priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
+                      frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
+                      min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
         temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
-        sampling_defaults); temperature 0 is greedy."""
+        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                      logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output)
+                                      logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
+                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                      repetition_penalty=repetition_penalty if repetition_penalty != 1 else 0.0,
+                                      min_p=min_p, min_tokens=min_tokens, logit_bias=dict(logit_bias or {}))
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
             if value is not None:
                 setattr(sampling, name, value)

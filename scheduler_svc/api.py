@@ -204,7 +204,7 @@ class GenerationService(api_grpc.GenerationServicer):
         check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
         check_priority(request.priority)
-        sampling = check_sampling(request.sampling, len(ids), limits)
+        sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
         n = max(1, request.sampling.n)
         fit.check_n(n, tenant, lim)
         resume = None

@@ -37,6 +37,13 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = field(default_factory=list)  # stop_token_ids, and EOS unless ignore_eos
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -233,7 +233,11 @@ def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
             num_computed_tokens=req.num_computed - n,  # (the planner counted this step's n already)
             num_scheduled_tokens=n, page_ids=req.page_table,
             sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       seed=s.seed, logprobs=s.logprobs),
+                                       seed=s.seed, logprobs=s.logprobs, presence_penalty=s.presence_penalty,
+                                       frequency_penalty=s.frequency_penalty,
+                                       repetition_penalty=s.repetition_penalty, min_p=s.min_p,
+                                       min_tokens=s.min_tokens, min_tokens_stop_ids=s.min_tokens_stop_ids,
+                                       logit_bias=s.logit_bias),
             num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
             window_tokens=req.window_tokens,
         )

@@ -99,7 +99,43 @@ def check_prompt_ids(ids: list[int], limits: Limits) -> None:
         raise InvalidRequest(f"prompt.token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
 
 
-def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sampling:
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: [-MAX_PENALTY, MAX_PENALTY] (vLLM's, OpenAI's)
+MAX_LOGIT_BIAS_ENTRIES = 300  # (OpenAI's)
+MAX_LOGIT_BIAS = 100.0
+
+
+def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits) -> dict:
+    """The penalties, min_p, min_tokens and logit_bias of ``p`` as Sampling's fields, refused out of range."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # (NaN fails it)
+            raise InvalidRequest(f"sampling.{name}: {value}; must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
+                                 "(0: no penalty)")
+    repetition = p.repetition_penalty or 1.0
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise InvalidRequest(f"sampling.repetition_penalty: {p.repetition_penalty}; must be a finite number > 0 "
+                             "(1 or 0: no penalty)")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidRequest(f"sampling.min_p: {p.min_p}; must be in [0, 1] (0: no min-p filter)")
+    if not 0 <= p.min_tokens <= max_tokens:
+        raise InvalidRequest(f"sampling.min_tokens: {p.min_tokens}; must be in [0, max_tokens={max_tokens}]")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest(f"sampling.logit_bias: {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, value in p.logit_bias.items():
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequest(f"sampling.logit_bias: id {token} outside the vocabulary [0, {limits.vocab_size})")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"sampling.logit_bias: {value} for id {token}; each value must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    return {"presence_penalty": float(p.presence_penalty), "frequency_penalty": float(p.frequency_penalty),
+            "repetition_penalty": float(repetition), "min_p": float(p.min_p), "min_tokens": p.min_tokens,
+            "logit_bias": dict(p.logit_bias)}
+
+
+def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits,
+                   eos_token_ids: Collection[int] = ()) -> Sampling:
+    """The request's sampling, checked; ``eos_token_ids``: the model's (masked, with stop_token_ids, until
+    min_tokens are generated unless ignore_eos)."""
     room = limits.max_model_len - prompt_len
     if p.max_tokens < 0:
         raise InvalidRequest(f"sampling.max_tokens: {p.max_tokens}; must be > 0 (or 0 for 'up to max_model_len')")
@@ -133,11 +169,15 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits) -> Sa
         raise InvalidRequest(f"sampling.stop_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
     if p.n < 0 or p.n > MAX_FORKS:
         raise InvalidRequest(f"sampling.n: {p.n}; must be in [1, {MAX_FORKS}] (0 means 1)")
+    controls = check_logits_controls(p, max_tokens, limits)
+    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else [t for t in eos_token_ids
+                                                                    if t not in p.stop_token_ids])
     return Sampling(
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output,
+        min_tokens_stop_ids=stop_ids if p.min_tokens else [], **controls,
     )
 
 
