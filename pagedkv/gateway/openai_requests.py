@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
 from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
-from scheduler_svc.validation import InvalidRequest, check_text_bytes, default_max_prompt_bytes, max_message_bytes
+from scheduler_svc.validation import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    InvalidRequest,
+    check_text_bytes,
+    default_max_prompt_bytes,
+    max_message_bytes,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
@@ -137,6 +145,9 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
         if name == "seed" and value < 0:  # OpenAI takes signed seeds; the sampler's seed is 64 bits
             value += 2**64
         setattr(sampling, name, value)
+    _logits_controls(body, sampling)
+    if max_tokens and sampling.min_tokens > max_tokens:
+        raise bad("min_tokens", f"{sampling.min_tokens}; must be at most max_tokens ({max_tokens})")
     sampling.stop.extend(_strings(body, "stop"))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
@@ -164,6 +175,38 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
     ext = {"priority": _int(body, "priority", -(2**31), 2**31 - 1) or 0,
            "page_budget": _int(body, "page_budget", 0, 2**31 - 1) or 0, "logprobs": logprobs}
     return sampling, ext
+
+
+def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
+    """presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens and logit_bias (OpenAI's and
+    vLLM's) into ``sampling``; the scheduler checks the ids against the vocabulary and min_tokens against
+    max_tokens."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _float(body, name, -MAX_PENALTY, MAX_PENALTY)
+        if value is not None:
+            setattr(sampling, name, value)
+    repetition = _float(body, "repetition_penalty", 0.0, math.inf)
+    if repetition is not None:
+        if repetition <= 0:
+            raise bad("repetition_penalty", f"{repetition}; must be > 0 (1: no penalty)")
+        sampling.repetition_penalty = repetition if repetition != 1 else 0.0  # (0: unset, no penalty)
+    sampling.min_p = _float(body, "min_p", 0.0, 1.0) or 0.0
+    sampling.min_tokens = _int(body, "min_tokens", 0, 2**31 - 1) or 0
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, Mapping):
+        raise bad("logit_bias", "must be an object mapping token ids (as strings) to numbers")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < 2**31):
+            raise bad("logit_bias", f"key {str(key)[:32]!r} is not a token id")
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise bad("logit_bias", f"{value!r} for token {key}; each value must be a number in "
+                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        sampling.logit_bias[int(key)] = float(value)
 
 
 def _model_and_stream(body: Mapping) -> tuple[str, bool, bool, str]:

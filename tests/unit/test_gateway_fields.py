@@ -72,6 +72,12 @@ HONOURED = {
     "request_id": lambda body, plan: client_request_id(None, body),
     "add_generation_prompt": lambda body, plan: (_req(plan).chat.HasField("add_generation_prompt"),
                                                  _req(plan).chat.add_generation_prompt),
+    "presence_penalty": lambda body, plan: _req(plan).sampling.presence_penalty,
+    "frequency_penalty": lambda body, plan: _req(plan).sampling.frequency_penalty,
+    "repetition_penalty": lambda body, plan: _req(plan).sampling.repetition_penalty,
+    "min_p": lambda body, plan: _req(plan).sampling.min_p,
+    "min_tokens": lambda body, plan: _req(plan).sampling.min_tokens,
+    "logit_bias": lambda body, plan: dict(_req(plan).sampling.logit_bias),
 }
 
 
@@ -122,7 +128,7 @@ def test_a_field_ignored_by_design_changes_nothing_sent(field, chat):
     assert plan.screened.ignored == [field.name] and not plan.screened.unknown
 
 
-def test_value_dependent_refusals_accept_the_defaults():
+def test_value_dependent_refusals_and_the_logits_controls_accept_the_defaults():
     for chat in (False, True):
         plan = _parse(chat, repetition_penalty=1.0, min_tokens=0, skip_special_tokens=True, min_p=0,
                       presence_penalty=0.0, logit_bias={}, bad_words=[], response_format={"type": "text"})
@@ -283,9 +289,9 @@ def test_app_makes_its_own_id_for_an_unusable_header_and_refuses_a_bad_body_id()
     assert any(event == "x_request_id_not_used" for _, event, _ in log.lines)
     status, headers, data, up, _ = _post({"request_id": "has space"})
     assert status == 400 and json.loads(data)["error"]["param"] == "request_id" and not up.requests
-    status, headers, data, up, _ = _post({"min_tokens": 5}, headers=[(b"x-request-id", b"t-1")])
+    status, headers, data, up, _ = _post({"bad_words": ["x"]}, headers=[(b"x-request-id", b"t-1")])
     error = json.loads(data)["error"]
-    assert status == 400 and error["param"] == "min_tokens" and headers[b"x-request-id"] == b"t-1"
+    assert status == 400 and error["param"] == "bad_words" and headers[b"x-request-id"] == b"t-1"
 
 
 def test_app_version():
