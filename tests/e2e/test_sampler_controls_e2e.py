@@ -1,0 +1,114 @@
+"""Through real processes on loopback: greedy output with the logits controls (repetition_penalty,
+frequency_penalty, presence_penalty, min_tokens, logit_bias) is token-exact against transformers' generate() with
+the equivalent logits processors, under preemption too (a preempted request is resent in full: its token counts
+are rebuilt from its tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from pagedkv.client import Client
+from tests.support.hf_reference import random_prompts
+
+pytestmark = pytest.mark.e2e
+
+VOCAB = 259
+PROMPT_LENS = [3, 17, 40, 9, 64, 25]
+MAX_TOKENS = 40
+CASES = {  # name: the request's controls
+    "repetition": {"repetition_penalty": 1.4},
+    "repetition-below-1": {"repetition_penalty": 0.7},
+    "frequency-presence": {"frequency_penalty": 1.5, "presence_penalty": 0.8},
+    "all-penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.5},
+    "logit-bias": {"logit_bias": {7: 8.0, 42: 5.5, 100: -100.0}},
+    "min-tokens": {"min_tokens": 30},
+}
+
+
+class OutputPenalties(LogitsProcessor):
+    """vLLM's frequency and presence penalties, over the tokens generated (transformers has no such processor)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        counts = torch.zeros_like(scores)
+        out = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def processors(controls: dict, prompt_len: int, eos: list[int]) -> LogitsProcessorList:
+    procs = LogitsProcessorList()  # (vLLM's order: min_tokens, logit_bias, repetition, frequency and presence)
+    if controls.get("min_tokens"):
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, controls["min_tokens"], eos))
+    if controls.get("logit_bias"):
+        procs.append(SequenceBiasLogitsProcessor([[[t], v] for t, v in controls["logit_bias"].items()]))
+    if "repetition_penalty" in controls:
+        procs.append(RepetitionPenaltyLogitsProcessor(controls["repetition_penalty"]))
+    if "frequency_penalty" in controls or "presence_penalty" in controls:
+        procs.append(OutputPenalties(prompt_len, controls.get("frequency_penalty", 0.0),
+                                     controls.get("presence_penalty", 0.0)))
+    return procs
+
+
+def hf_greedy_with(model_dir, prompts: list[list[int]], controls: dict | None) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            procs = processors(controls, len(prompt), eos) if controls else None
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0, logits_processor=procs)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir):
+    prompts = random_prompts(5, PROMPT_LENS, VOCAB)
+    return prompts, {name: hf_greedy_with(tiny_llama_dir, prompts, c) for name, c in {**CASES, "plain": None}.items()}
+
+
+async def run_all(address: str, prompts, controls: dict) -> list:
+    async with Client(address) as client:
+        return await asyncio.gather(*[client.complete(p, max_tokens=MAX_TOKENS, temperature=0.0, **controls)
+                                      for p in prompts])
+
+
+async def _preemptions(address: str) -> int:
+    async with Client(address) as client:
+        return (await client.model_info()).num_preemptions
+
+
+@pytest.mark.parametrize("pool", ["roomy", "preempting"])
+def test_greedy_with_controls_matches_transformers(start_server, references, pool):
+    prompts, expected = references
+    args = ["--num-pages", "512"] if pool == "roomy" else ["--num-pages", "10", "--preemption-mode", "recompute",
+                                                           "--max-model-len", "128"]
+    server = start_server("--block-size", "16", "--max-num-batched-tokens", "64", "--check-integrity", *args)
+    for name, controls in CASES.items():
+        outs = asyncio.run(run_all(server.address, prompts, controls))
+        for i, (out, ref) in enumerate(zip(outs, expected[name])):
+            assert out.token_ids == ref, f"{name}: request {i} (prompt {len(prompts[i])} tokens) differs"
+    if pool == "preempting":
+        assert asyncio.run(_preemptions(server.address)) > 0, "the pool was meant to be too small"
+    changed = [name for name in CASES if expected[name] != expected["plain"]]
+    assert changed == list(CASES), f"each case must change transformers' greedy output (unchanged: " \
+        f"{set(CASES) - set(changed)})"
