@@ -25,11 +25,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-SAMPLING = {  # --sampling: what every request asks for (temperature, top_p, top_k)
-    "greedy": (0.0, 1.0, 0),
-    "temperature": (0.8, 1.0, 0),
-    "top-p": (0.8, 0.95, 0),
-    "top-k-top-p": (0.8, 0.95, 50),
+SAMPLING = {  # --sampling: what every request asks for (scheduler_svc.request.Sampling's fields)
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "top-p": {"temperature": 0.8, "top_p": 0.95},
+    "top-k-top-p": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+    # the logits controls (#31): a checkout without them refuses these (an AttributeError in its child)
+    "greedy-penalties": {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
+                         "presence_penalty": 0.5},
+    "penalties": {"temperature": 0.8, "repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    "all-controls": {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
+                     "presence_penalty": 0.5, "min_p": 0.05, "min_tokens": 1 << 20, "min_tokens_stop_ids": [2],
+                     "logit_bias": {i: 1.0 for i in range(3, 13)}},
 }
 
 
@@ -48,7 +55,8 @@ def measure(n: int, steps: int, sampling: str = "greedy") -> dict[str, float]:
     for i in range(n):
         req = make_request(i, 0, 1 << 20, prompt=[1] + [3 + (i * 7 + j) % 250 for j in range(31)])
         req.sampling.ignore_eos = True
-        req.sampling.temperature, req.sampling.top_p, req.sampling.top_k = SAMPLING[sampling]
+        for name, value in SAMPLING[sampling].items():
+            setattr(req.sampling, name, value)
         req.sampling.seed = i
         scheduler.add(req)
     while True:  # to the steady decode: every request in plan.decodes
@@ -122,7 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--against", default="", metavar="DIR", help="another checkout, measured alternately")
     p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per tree (medians reported)")
     p.add_argument("--sampling", choices=list(SAMPLING), default="greedy",
-                   help="what every request samples with (temperature 0.8; top-p 0.95; top-k 50)")
+                   help="what every request samples with (temperature 0.8; top-p 0.95; top-k 50; the penalties: "
+                   "repetition 1.1, frequency and presence 0.5; all-controls: those, min_p 0.05, min_tokens, "
+                   "10 logit_bias entries)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "executor_host.json"))
     args = p.parse_args(argv)

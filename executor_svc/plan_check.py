@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.sampler import SamplingParams
+from executor_svc.sampler import History, SamplingParams
 from executor_svc.token_counts import TokenCounts
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.wire import DROPPED_PAGE
@@ -101,19 +101,18 @@ class RequestMirror:
         if st is not None and st.counts_slot >= 0:
             self.token_counts.release(st.counts_slot)
 
-    def penalty_counts(self, states: list[RequestState], vocab: int,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output counts [P, V], prompt mask [P, V]) of ``states`` (each a request about to sample: its tokens are
-        its prompt and its num_output sampled ones), for the sampler's penalties. A request's counts are built from
-        its tokens the first time (a new or resent request), then kept up by ``count_samples``."""
+    def penalty_history(self, states: list[RequestState], vocab: int, device: torch.device) -> History:
+        """The tokens of ``states`` (each a request about to sample: its tokens are its prompt and its num_output
+        sampled ones) with their output counts, for the sampler's penalties. A request's counts are built from its
+        tokens the first time (a new or resent request), then kept up by ``count_samples``."""
         counts = self.token_counts
         for st in states:
             if st.counts_slot < 0:
                 st.counts_slot = counts.assign(st.token_ids, st.num_output, vocab, device)
-        return counts.rows([st.counts_slot for st in states])
+        return counts.history([st.counts_slot for st in states])
 
     def count_samples(self, states: list[RequestState], tokens: list[int]) -> None:
-        """The tokens ``states`` (those ``penalty_counts`` gave rows) just sampled, counted into their output."""
+        """The tokens ``states`` (those ``penalty_history`` gave rows) just sampled, counted into their output."""
         self.token_counts.add([st.counts_slot for st in states], tokens)
 
     def _check_pages(self, request_id: str, page_ids, dropped_ok: bool = False) -> None:

@@ -146,8 +146,8 @@ class ModelRunner:
             return
         params = [st.sampling for st in finishing]
         penalised = [st for st, p in zip(finishing, params) if p.penalised]
-        counts = self.mirror.penalty_counts(penalised, logits.shape[-1], logits.device) if penalised else (None, None)
-        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], *counts)
+        history = self.mirror.penalty_history(penalised, logits.shape[-1], logits.device) if penalised else None
+        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history)
         if penalised:
             self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
         for st, token in zip(finishing, tokens):

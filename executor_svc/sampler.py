@@ -10,6 +10,7 @@ once (batched torch ops, no loop over rows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,15 @@ _MASK64 = (1 << 64) - 1
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a tiny temperature overflows to
 # inf, softmax turns inf - inf into NaN, and the draw then always picks token 0.
 GREEDY_TEMPERATURE = 1e-5
+
+
+class History(NamedTuple):
+    """The tokens of the penalised rows of a step (``TokenCounts.history``): one entry per (row, token) for each
+    token in the row's prompt or output; rows are numbered among the penalised rows."""
+
+    rows: torch.Tensor  # [N] long
+    tokens: torch.Tensor  # [N] long
+    output_counts: torch.Tensor  # [N] int: how often the row's output holds the token (0: in the prompt only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +149,14 @@ def _draw(scaled: torch.Tensor, threshold: torch.Tensor, u: torch.Tensor) -> tor
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
-                  output_counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  history: History | None = None) -> torch.Tensor:
     """logits [B, V] with each row's controls applied, in vLLM's order: min_tokens (its stop ids at -inf while
     fewer than min_tokens tokens are drawn), logit_bias (added), then the penalties. The rows that set none are
     left as they are, and when no row sets any the logits themselves are returned (no copy).
 
-    ``output_counts`` [P, V] (how often each token is in the output) and ``prompt_mask`` [P, V] (in the prompt)
-    are the penalised rows' (``SamplingParams.penalised``), in row order: repetition_penalty applies to the tokens
-    of prompt + output, frequency and presence to those of the output (as vLLM defines each)."""
+    ``history``: the penalised rows' tokens (``SamplingParams.penalised``; rows numbered among them, in row
+    order), one entry per token in a row's prompt or output: repetition_penalty applies to each, frequency and
+    presence to those whose output count is not 0 (as vLLM defines each). Only those entries are touched."""
     rows = [i for i, p in enumerate(params) if p.adjusts]
     if not rows:
         return logits
@@ -169,21 +179,20 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], draws: lis
                           torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
     penalised = [i for i in rows if params[i].penalised]
     if penalised:
-        assert output_counts is not None and prompt_mask is not None and len(output_counts) == len(penalised)
-        idx = long_tensor(penalised, device)
+        assert history is not None, "penalised rows need their token history"
         picked = [params[i] for i in penalised]
 
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=logits.dtype, device=device).view(-1, 1)
+        def per_entry(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=logits.dtype, device=device)[history.rows]
 
-        sub = logits[idx]
-        in_output = output_counts > 0
-        rep = column([p.repetition_penalty for p in picked])
-        repeated = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(prompt_mask | in_output, repeated, sub)
-        sub = (sub - column([p.frequency_penalty for p in picked]) * output_counts.to(logits.dtype)
-               - column([p.presence_penalty for p in picked]) * in_output.to(logits.dtype))
-        logits[idx] = sub
+        at = (long_tensor(penalised, device)[history.rows], history.tokens)
+        value = logits[at]
+        rep = per_entry([p.repetition_penalty for p in picked])
+        value = torch.where(value > 0, value / rep, value * rep)  # (transformers' RepetitionPenaltyLogitsProcessor)
+        count = history.output_counts.to(logits.dtype)
+        value = (value - per_entry([p.frequency_penalty for p in picked]) * count
+                 - per_entry([p.presence_penalty for p in picked]) * (count > 0).to(logits.dtype))
+        logits[at] = value
     return logits
 
 
@@ -202,18 +211,16 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
-           output_counts: torch.Tensor | None = None,
-           prompt_mask: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+           history: History | None = None) -> tuple[list[int], list[float]]:
     """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
 
-    The rows' controls first (``adjust_logits``; ``output_counts`` and ``prompt_mask``: the penalised rows'
-    counts). Greedy rows take the argmax. The others, all at once: divided by their temperature, cut by their
-    min-p (before top-k and top-p, as vLLM does), top-k and top-p (``thresholds``), and drawn by inverting the
-    cumulative distribution, in token order, at
-    ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number alone, never
-    on the batch."""
+    The rows' controls first (``adjust_logits``; ``history``: the penalised rows' tokens). Greedy rows take the
+    argmax. The others, all at once: divided by their temperature, cut by their min-p (before top-k and top-p, as
+    vLLM does), top-k and top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token
+    order, at ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number
+    alone, never on the batch."""
     raw = logits
-    logits = adjust_logits(logits, params, draws, output_counts, prompt_mask)
+    logits = adjust_logits(logits, params, draws, history)
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy

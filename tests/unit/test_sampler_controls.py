@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from executor_svc.plan_check import RequestMirror
-from executor_svc.sampler import SamplingParams, adjust_logits, min_p_cut, sample
+from executor_svc.sampler import History, SamplingParams, adjust_logits, min_p_cut, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -79,23 +79,22 @@ def random_batch(seed: int, rows: int, sampled: bool):
     return logits, params, histories
 
 
-def counts_of(params, histories) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(output counts, prompt mask) of the penalised rows, as the mirror gives them."""
+def history_of(params, histories) -> History | None:
+    """The penalised rows' tokens, as the mirror gives them: each token of prompt or output once, with its output
+    count."""
     pen = [h for p, h in zip(params, histories) if p.penalised]
     if not pen:
-        return None, None
-    out = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=VOCAB) for _, o in pen])
-    prompt = torch.zeros(len(pen), VOCAB, dtype=torch.bool)
-    for i, (pr, _) in enumerate(pen):
-        prompt[i, pr] = True
-    return out.to(torch.int32), prompt
+        return None
+    entries = [(r, t, output.count(t)) for r, (prompt, output) in enumerate(pen) for t in sorted({*prompt, *output})]
+    rows, tokens, counts = zip(*entries)
+    return History(torch.tensor(rows), torch.tensor(tokens), torch.tensor(counts, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_controls_equal_transformers_processors_row_by_row(seed):
     logits, params, histories = random_batch(seed, 24, sampled=False)
     draws = [len(o) for _, o in histories]
-    got = adjust_logits(logits, params, draws, *counts_of(params, histories))
+    got = adjust_logits(logits, params, draws, history_of(params, histories))
     for i, (p, (prompt, output)) in enumerate(zip(params, histories)):
         ref = reference_logits(logits[i], prompt, output, p)
         assert torch.allclose(got[i], ref, rtol=0, atol=1e-5), f"row {i}: {p}"
@@ -108,7 +107,7 @@ def test_greedy_tokens_equal_the_reference_argmax(seed):
     logits, params, histories = random_batch(100 + seed, 32, sampled=False)
     draws = [len(o) for _, o in histories]
     tokens, logprobs = sample(logits, [SamplingParams(**{**_fields(p), "logprobs": True}) for p in params], draws,
-                              *counts_of(params, histories))
+                              history_of(params, histories))
     ref = [int(reference_logits(logits[i], *histories[i], p).argmax()) for i, p in enumerate(params)]
     assert tokens == ref
     assert tokens != logits.argmax(-1).tolist()  # (the controls changed some tokens: the test can fail)
@@ -134,7 +133,7 @@ def _plain(p: SamplingParams) -> SamplingParams:
 def test_seeded_tokens_equal_the_draws_on_the_reference_logits(seed):
     logits, params, histories = random_batch(200 + seed, 32, sampled=True)
     draws = [len(o) for _, o in histories]
-    tokens, _ = sample(logits, params, draws, *counts_of(params, histories))
+    tokens, _ = sample(logits, params, draws, history_of(params, histories))
     ref_logits = torch.stack([reference_logits(logits[i], *histories[i], p) for i, p in enumerate(params)])
     ref, _ = sample(ref_logits, [_plain(p) for p in params], draws)
     assert tokens == ref
@@ -192,23 +191,26 @@ def test_counts_after_a_full_resend_equal_the_incremental_ones():
     a, b = mirror.requests["a"], mirror.requests["b"]
     for _ in range(12):  # decode: count each sampled token as the runner does
         states = [a, b]
-        mirror.penalty_counts(states, VOCAB, torch.device("cpu"))
+        mirror.penalty_history(states, VOCAB, torch.device("cpu"))
         tokens = [rng.randrange(10) for _ in states]
         mirror.count_samples(states, tokens)
         for st, t in zip(states, tokens):
             st.token_ids.append(t)
             st.num_output += 1
             st.num_computed = len(st.token_ids) - 1
-    incremental = mirror.penalty_counts([a, b], VOCAB, torch.device("cpu"))
+    incremental = mirror.penalty_history([a, b], VOCAB, torch.device("cpu"))
     slots = (a.counts_slot, b.counts_slot)
     # the scheduler resends "a" in full (a plan refused, a resume, a migration): its counts come from the tokens
     mirror.apply(pb.StepPlan(step_id=2, new_requests=[_new("a", a.token_ids, a.num_output,
                                                            repetition_penalty=1.3)], decodes=["b"]))
     a2 = mirror.requests["a"]
     assert a2 is not a and a2.counts_slot < 0
-    rebuilt = mirror.penalty_counts([a2, b], VOCAB, torch.device("cpu"))
-    assert torch.equal(rebuilt[0], incremental[0]) and torch.equal(rebuilt[1], incremental[1])
+    rebuilt = mirror.penalty_history([a2, b], VOCAB, torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(rebuilt, incremental))
     assert a2.counts_slot == slots[0]  # (the old slot was released and reused)
-    assert int(incremental[0][0].sum()) == 12 and bool(incremental[1][0][prompt[0]]) == (prompt[0] in prompt[:5])
+    expected = history_of([a2.sampling, b.sampling], [(prompt, a2.token_ids[len(prompt):]),
+                                                       (prompt[:5], b.token_ids[5:])])
+    assert all(torch.equal(x, y) for x, y in zip(incremental, expected))
+    assert int(incremental.output_counts[incremental.rows == 0].sum()) == 12
     mirror.apply(pb.StepPlan(step_id=3, forget=["a", "b"]))
-    assert sorted(mirror.token_counts.free) == list(range(len(mirror.token_counts.output)))
+    assert sorted(mirror.token_counts.free) == list(range(len(mirror.token_counts.counts)))
