@@ -68,12 +68,15 @@ def check_sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
         bad = f"sampling.min_tokens = {s.min_tokens} (must be >= 0)"
     elif not all(math.isfinite(v) for v in s.logit_bias.values()):
         bad = "sampling.logit_bias: a value is not finite"
+    elif not all(w.token_ids for w in s.bad_words):
+        bad = "sampling.bad_words: an empty token sequence"
     else:
         return SamplingParams(
             s.temperature, top_p, s.top_k, s.seed, s.logprobs, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, repetition_penalty=repetition, min_p=s.min_p,
             min_tokens=s.min_tokens, min_tokens_stop_ids=tuple(s.min_tokens_stop_ids),
-            logit_bias=tuple(sorted(s.logit_bias.items())))
+            logit_bias=tuple(sorted(s.logit_bias.items())), allowed_token_ids=tuple(s.allowed_token_ids),
+            bad_words=tuple(tuple(w.token_ids) for w in s.bad_words))
     raise PlanError(f"request {rid}: {bad}", [rid])
 
 
@@ -138,10 +141,12 @@ class RequestMirror:
         self._check_pages(rid, new.page_ids, dropped_ok=new.window_tokens > 0)
         tokens = list(new.token_ids)
         vocab = self.vocab_size
-        if vocab is not None and not all(0 <= t < vocab for t in (*new.sampling.logit_bias,
-                                                                  *new.sampling.min_tokens_stop_ids)):
-            raise PlanError(f"request {rid}: sampling.logit_bias / min_tokens_stop_ids: an id outside the "
-                            f"vocabulary [0, {vocab})", [rid])
+        s = new.sampling
+        if vocab is not None and not all(0 <= t < vocab for t in (*s.logit_bias, *s.min_tokens_stop_ids,
+                                                                  *s.allowed_token_ids,
+                                                                  *(t for w in s.bad_words for t in w.token_ids))):
+            raise PlanError(f"request {rid}: sampling.logit_bias / min_tokens_stop_ids / allowed_token_ids / "
+                            f"bad_words: an id outside the vocabulary [0, {vocab})", [rid])
         if tokens and self.vocab_size is not None and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             bad = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
             raise PlanError(f"request {rid}: token_ids[{bad}] = {tokens[bad]} outside the vocabulary "

@@ -147,7 +147,12 @@ class ModelRunner:
         params = [st.sampling for st in finishing]
         penalised = [st for st, p in zip(finishing, params) if p.penalised]
         history = self.mirror.penalty_history(penalised, logits.shape[-1], logits.device) if penalised else None
-        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history)
+
+        def outputs(row: int, n: int) -> list[int]:  # (the last n of a row's output tokens, for its bad words)
+            st = finishing[row]
+            return st.token_ids[len(st.token_ids) - min(n, st.num_output):]
+
+        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history, outputs)
         if penalised:
             self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
         for st, token in zip(finishing, tokens):

@@ -1,5 +1,6 @@
 """Sampling: greedy, temperature, min-p, top-k, top-p, with a per-request seed stream; before them the logits
-controls (``adjust_logits``): min_tokens, logit_bias, and the repetition, frequency and presence penalties.
+controls (``adjust_logits``): allowed_token_ids, bad_words, min_tokens, logit_bias, and the repetition, frequency and
+presence penalties.
 
 Draw number i of a request inverts its filtered distribution (in token order) at a uniform number made from
 (seed, i) alone, so what a request samples depends neither on the other requests in the batch nor on whether it
@@ -9,6 +10,7 @@ once (batched torch ops, no loop over rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,13 +48,16 @@ class SamplingParams:
     min_tokens: int = 0  # until this many tokens are drawn, min_tokens_stop_ids are masked
     min_tokens_stop_ids: tuple[int, ...] = ()  # (EOS unless ignore_eos, and the stop token ids: the scheduler's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # (): every token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token is masked after the others
     penalised: bool = field(init=False, default=False)  # a penalty is set: the row needs its token counts
     adjusts: bool = field(init=False, default=False)  # ``adjust_logits`` changes the row
 
     def __post_init__(self) -> None:
         penalised = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         object.__setattr__(self, "penalised", penalised)
-        object.__setattr__(self, "adjusts", penalised or bool(self.logit_bias)
+        object.__setattr__(self, "adjusts", penalised or bool(self.logit_bias or self.allowed_token_ids
+                                                              or self.bad_words)
                            or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
 
     @property
@@ -148,11 +153,25 @@ def _draw(scaled: torch.Tensor, threshold: torch.Tensor, u: torch.Tensor) -> tor
     return at
 
 
+def banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output: Sequence[int]) -> list[int]:
+    """The tokens ``bad_words`` mask after ``output`` (vLLM's rule): each word's last token, when the output ends
+    with the word's other tokens (a one-token word: always)."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= len(output) and list(output[len(output) - prefix:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
-                  history: History | None = None) -> torch.Tensor:
-    """logits [B, V] with each row's controls applied, in vLLM's order: min_tokens (its stop ids at -inf while
-    fewer than min_tokens tokens are drawn), logit_bias (added), then the penalties. The rows that set none are
-    left as they are, and when no row sets any the logits themselves are returned (no copy).
+                  history: History | None = None,
+                  outputs: Callable[[int, int], Sequence[int]] | None = None) -> torch.Tensor:
+    """logits [B, V] with each row's controls applied, in vLLM's order: allowed_token_ids (every other token at
+    -inf), bad_words (``banned_by_bad_words`` at -inf; ``outputs(row, n)``: the last n tokens of the row's output),
+    min_tokens (its stop ids at -inf while fewer than min_tokens tokens are drawn), logit_bias (added), then the
+    penalties. The rows that set none are left as they are, and when no row sets any the logits themselves are
+    returned (no copy).
 
     ``history``: the penalised rows' tokens (``SamplingParams.penalised``; rows numbered among them, in row
     order), one entry per token in a row's prompt or output: repetition_penalty applies to each, frequency and
@@ -163,8 +182,20 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], draws: lis
     logits = logits.clone()  # (the raw logits stay: log-probabilities are the model's)
     device = logits.device
     masked_rows, masked_ids, bias_rows, bias_ids, bias_values = [], [], [], [], []
+    allowed = [i for i in rows if params[i].allowed_token_ids]
+    if allowed:
+        keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=device)
+        keep[long_tensor([j for j, i in enumerate(allowed) for _ in params[i].allowed_token_ids], device),
+             long_tensor([t for i in allowed for t in params[i].allowed_token_ids], device)] = True
+        idx = long_tensor(allowed, device)
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
     for i in rows:
         p = params[i]
+        if p.bad_words:
+            assert outputs is not None, "bad words need the rows' outputs"
+            banned = banned_by_bad_words(p.bad_words, outputs(i, max(len(w) for w in p.bad_words) - 1))
+            masked_rows += [i] * len(banned)
+            masked_ids += banned
         if draws[i] < p.min_tokens:
             masked_rows += [i] * len(p.min_tokens_stop_ids)
             masked_ids += p.min_tokens_stop_ids
@@ -210,17 +241,18 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
     return sample(logits.view(1, -1), [params], [draw])[0][0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
-           history: History | None = None) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int], history: History | None = None,
+           outputs: Callable[[int, int], Sequence[int]] | None = None) -> tuple[list[int], list[float]]:
     """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
 
-    The rows' controls first (``adjust_logits``; ``history``: the penalised rows' tokens). Greedy rows take the
+    The rows' controls first (``adjust_logits``; ``history``: the penalised rows' tokens; ``outputs``: the rows'
+    recent output tokens, for bad words). Greedy rows take the
     argmax. The others, all at once: divided by their temperature, cut by their min-p (before top-k and top-p, as
     vLLM does), top-k and top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token
     order, at ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number
     alone, never on the batch."""
     raw = logits
-    logits = adjust_logits(logits, params, draws, history)
+    logits = adjust_logits(logits, params, draws, history, outputs)
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy

@@ -23,6 +23,8 @@ from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
+    bad_words_token_ids,
+    check_bad_words,
     check_chat,
     check_continuation,
     check_priority,
@@ -191,8 +193,20 @@ class GenerationService(api_grpc.GenerationServicer):
             return list(request.token_ids.ids)
         raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
 
-    def _build_request(self, request: api.GenerateRequest, tenant: Tenant,
-                       ids: list[int]) -> tuple[Request, list[tuple[int, list[int]]] | None]:
+    async def _bad_words_ids(self, words) -> list[list[int]]:
+        """sampling.bad_words, bounded, then tokenized on the tokenizer thread (``bad_words_token_ids``)."""
+        if not words:
+            return []
+        words = list(words)
+        check_bad_words(words)
+
+        def run():
+            return bad_words_token_ids(words, lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
+
+    def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
+                       bad_words_ids: list[list[int]] | None = None,
+                       ) -> tuple[Request, list[tuple[int, list[int]]] | None]:
         """The request, and with a continuation the forks it resumes (fork index, token ids received)."""
         cluster = self.cluster
         lim = cluster.fit_limits(tenant.id)  # (the largest executor's)
@@ -205,6 +219,10 @@ class GenerationService(api_grpc.GenerationServicer):
         check_request_id(request.request_id)
         check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
+        sampling.bad_words_ids = list(bad_words_ids or [])
+        if any(not 0 <= t < limits.vocab_size for w in sampling.bad_words_ids for t in w):
+            raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
+                                 f"{limits.vocab_size}) (the tokenizer and the model disagree)")
         n = max(1, request.sampling.n)
         fit.check_n(n, tenant, lim)
         resume = None
@@ -253,7 +271,8 @@ class GenerationService(api_grpc.GenerationServicer):
         received = time.perf_counter()
         tenant, key = await self._caller(context, METHODS + "Generate")
         try:
-            req, resume = self._build_request(request, tenant, await self._prompt_ids(request))
+            req, resume = self._build_request(request, tenant, await self._prompt_ids(request),
+                                              await self._bad_words_ids(request.sampling.bad_words))
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)

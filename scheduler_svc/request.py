@@ -44,6 +44,8 @@ class Sampling:
     min_tokens: int = 0
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # stop_token_ids, and EOS unless ignore_eos
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized (bad_words_token_ids)
 
 
 @dataclass(slots=True)

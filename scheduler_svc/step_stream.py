@@ -237,7 +237,8 @@ def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
                                        frequency_penalty=s.frequency_penalty,
                                        repetition_penalty=s.repetition_penalty, min_p=s.min_p,
                                        min_tokens=s.min_tokens, min_tokens_stop_ids=s.min_tokens_stop_ids,
-                                       logit_bias=s.logit_bias),
+                                       logit_bias=s.logit_bias, allowed_token_ids=s.allowed_token_ids,
+                                       bad_words=[pb.TokenSequence(token_ids=w) for w in s.bad_words_ids]),
             num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
             window_tokens=req.window_tokens,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
@@ -127,9 +127,46 @@ def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise InvalidRequest(f"sampling.logit_bias: {value} for id {token}; each value must be in "
                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    if len(p.allowed_token_ids) > limits.vocab_size:
+        raise InvalidRequest(f"sampling.allowed_token_ids: {len(p.allowed_token_ids)} ids; at most the vocabulary's "
+                             f"size {limits.vocab_size}")
+    bad = next((t for t in p.allowed_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"sampling.allowed_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    check_bad_words(list(p.bad_words))
     return {"presence_penalty": float(p.presence_penalty), "frequency_penalty": float(p.frequency_penalty),
             "repetition_penalty": float(repetition), "min_p": float(p.min_p), "min_tokens": p.min_tokens,
-            "logit_bias": dict(p.logit_bias)}
+            "logit_bias": dict(p.logit_bias), "allowed_token_ids": list(p.allowed_token_ids)}
+
+
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_CHARS = 256
+
+
+def check_bad_words(words: list[str]) -> None:
+    """sampling.bad_words: at most MAX_BAD_WORDS, each 1 to MAX_BAD_WORD_CHARS characters (checked before they are
+    tokenized)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"sampling.bad_words: {len(words)} words; at most {MAX_BAD_WORDS}")
+    for w in words:
+        if not 0 < len(w.strip()) <= MAX_BAD_WORD_CHARS:
+            raise InvalidRequest(f"sampling.bad_words: a word of {len(w)} characters; each must have 1 to "
+                                 f"{MAX_BAD_WORD_CHARS} (spaces around it aside)")
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The token sequences the sampler masks for ``words`` (vLLM's rule): each word, spaces on its left stripped,
+    tokenized as is, and with a leading space when that gives a different first token and as many tokens (the word
+    inside a sentence). ``encode``: text -> ids, without special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        if plain:
+            out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
 
 
 def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits,

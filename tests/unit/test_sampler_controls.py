@@ -15,13 +15,16 @@ from transformers import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
 )
 
 from executor_svc.plan_check import RequestMirror
 from executor_svc.sampler import History, SamplingParams, adjust_logits, min_p_cut, sample
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.validation import bad_words_token_ids
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +36,11 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
     ids = torch.tensor([prompt + output])
     scores = logits.view(1, -1).clone()
     procs = LogitsProcessorList()
+    if p.allowed_token_ids:
+        procs.append(SuppressTokensLogitsProcessor(sorted(set(range(scores.shape[-1])) - set(p.allowed_token_ids))))
+    if p.bad_words:  # (vLLM's bad words look at the output only: the processor is given the output as its input)
+        scores = NoBadWordsLogitsProcessor([list(w) for w in p.bad_words])(torch.tensor([output], dtype=torch.long),
+                                                                          scores)
     if p.min_tokens and p.min_tokens_stop_ids:
         procs.append(MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, list(p.min_tokens_stop_ids)))
     if p.logit_bias:
@@ -46,8 +54,9 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
     return scores.view(-1)
 
 
-def random_params(rng: random.Random, sampled: bool) -> SamplingParams:
-    kind = rng.choice(["none", "repetition", "frequency", "presence", "all", "min_tokens", "bias"])
+def random_params(rng: random.Random, sampled: bool, output: list[int]) -> SamplingParams:
+    kind = rng.choice(["none", "repetition", "frequency", "presence", "all", "min_tokens", "bias", "allowed",
+                       "bad_words"])
     kw: dict = {}
     if kind in ("repetition", "all"):
         kw["repetition_penalty"] = rng.choice([0.5, 1.3, 1.9])
@@ -60,6 +69,14 @@ def random_params(rng: random.Random, sampled: bool) -> SamplingParams:
         kw["min_tokens_stop_ids"] = tuple(rng.sample(range(VOCAB), 3))
     if kind in ("bias", "all"):
         kw["logit_bias"] = tuple(sorted((t, rng.uniform(-100, 100)) for t in rng.sample(range(VOCAB), 5)))
+    if kind in ("allowed", "all"):
+        kw["allowed_token_ids"] = tuple(rng.sample(range(VOCAB), rng.randint(1, 60)))
+    if kind in ("bad_words", "all"):  # one-token words, words the output ends with the start of, and others
+        words = [(rng.randrange(VOCAB),), (rng.randrange(20), rng.randrange(20)), (1, 2, 3)]
+        for k in (1, 2):
+            if len(output) >= k:
+                words.append((*output[-k:], rng.randrange(VOCAB)))
+        kw["bad_words"] = tuple(words)
     if sampled:
         kw.update(temperature=rng.choice([0.5, 1.0, 1.5]), seed=rng.randrange(2**63),
                   top_k=rng.choice([0, 40]), top_p=rng.choice([1.0, 0.9]))
@@ -70,13 +87,20 @@ def random_batch(seed: int, rows: int, sampled: bool):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     logits = torch.randn(rows, VOCAB) * 3  # (never zeros: every sign, no ties at 0)
-    params = [random_params(rng, sampled) for _ in range(rows)]
     histories = []
     for _ in range(rows):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
         output = [rng.randrange(20) for _ in range(rng.randint(0, 16))]  # (a few ids: repeats)
         histories.append((prompt, output))
+    params = [random_params(rng, sampled, output) for _, output in histories]
     return logits, params, histories
+
+
+def outputs_of(histories):
+    def outputs(row: int, n: int) -> list[int]:
+        output = histories[row][1]
+        return output[len(output) - min(n, len(output)):]
+    return outputs
 
 
 def history_of(params, histories) -> History | None:
@@ -94,12 +118,14 @@ def history_of(params, histories) -> History | None:
 def test_controls_equal_transformers_processors_row_by_row(seed):
     logits, params, histories = random_batch(seed, 24, sampled=False)
     draws = [len(o) for _, o in histories]
-    got = adjust_logits(logits, params, draws, history_of(params, histories))
+    got = adjust_logits(logits, params, draws, history_of(params, histories), outputs_of(histories))
     for i, (p, (prompt, output)) in enumerate(zip(params, histories)):
         ref = reference_logits(logits[i], prompt, output, p)
         assert torch.allclose(got[i], ref, rtol=0, atol=1e-5), f"row {i}: {p}"
         assert torch.equal(torch.isinf(got[i]), torch.isinf(ref))
     assert any(p.adjusts for p in params) and any(not p.adjusts for p in params)  # (a mixed batch)
+    assert any(torch.isinf(got[i]).any() and p.bad_words and not (p.allowed_token_ids or p.min_tokens)
+               for i, p in enumerate(params))  # (a bad word was masked)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -107,7 +133,7 @@ def test_greedy_tokens_equal_the_reference_argmax(seed):
     logits, params, histories = random_batch(100 + seed, 32, sampled=False)
     draws = [len(o) for _, o in histories]
     tokens, logprobs = sample(logits, [SamplingParams(**{**_fields(p), "logprobs": True}) for p in params], draws,
-                              history_of(params, histories))
+                              history_of(params, histories), outputs_of(histories))
     ref = [int(reference_logits(logits[i], *histories[i], p).argmax()) for i, p in enumerate(params)]
     assert tokens == ref
     assert tokens != logits.argmax(-1).tolist()  # (the controls changed some tokens: the test can fail)
@@ -118,7 +144,7 @@ def test_greedy_tokens_equal_the_reference_argmax(seed):
 def _fields(p: SamplingParams) -> dict:
     return {k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty",
                                        "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                                       "min_tokens_stop_ids", "logit_bias")}
+                                       "min_tokens_stop_ids", "logit_bias", "allowed_token_ids", "bad_words")}
 
 
 def _plain(p: SamplingParams) -> SamplingParams:
@@ -126,14 +152,15 @@ def _plain(p: SamplingParams) -> SamplingParams:
     f = _fields(p)
     for k in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens"):
         f[k] = 0
-    return SamplingParams(**{**f, "repetition_penalty": 1.0, "min_tokens_stop_ids": (), "logit_bias": ()})
+    return SamplingParams(**{**f, "repetition_penalty": 1.0, "min_tokens_stop_ids": (), "logit_bias": (),
+                             "allowed_token_ids": (), "bad_words": ()})
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_tokens_equal_the_draws_on_the_reference_logits(seed):
     logits, params, histories = random_batch(200 + seed, 32, sampled=True)
     draws = [len(o) for _, o in histories]
-    tokens, _ = sample(logits, params, draws, history_of(params, histories))
+    tokens, _ = sample(logits, params, draws, history_of(params, histories), outputs_of(histories))
     ref_logits = torch.stack([reference_logits(logits[i], *histories[i], p) for i, p in enumerate(params)])
     ref, _ = sample(ref_logits, [_plain(p) for p in params], draws)
     assert tokens == ref
@@ -214,3 +241,20 @@ def test_counts_after_a_full_resend_equal_the_incremental_ones():
     assert int(incremental.output_counts[incremental.rows == 0].sum()) == 12
     mirror.apply(pb.StepPlan(step_id=3, forget=["a", "b"]))
     assert sorted(mirror.token_counts.free) == list(range(len(mirror.token_counts.counts)))
+
+
+def test_bad_words_mask_after_their_prefix_only():
+    logits = torch.randn(1, VOCAB)
+    top = int(logits.argmax())
+    p = SamplingParams(bad_words=((5, 6, top),))
+    def run(output):
+        return sample(logits, [p], [len(output)], outputs=lambda row, n: output[len(output) - min(n, len(output)):])
+    assert run([5, 6])[0] != [top] and run([1, 5, 6])[0] != [top]
+    assert run([6, 5])[0] == [top] and run([6])[0] == [top] and run([])[0] == [top]
+
+
+def test_bad_words_token_ids_follow_vllms_rule():
+    vocab = {"bad": [10], " bad": [11], "two words": [20, 21], " two words": [22, 21], "same": [30], " same": [30],
+             "long": [40], " long": [41, 42]}
+    assert bad_words_token_ids(["bad", "  two words", "same", "long"], vocab.__getitem__) == [
+        [10], [11], [20, 21], [22, 21], [30], [40]]

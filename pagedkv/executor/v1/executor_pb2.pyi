@@ -69,7 +69,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_stop_ids", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_stop_ids", "logit_bias", "allowed_token_ids", "bad_words")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -101,7 +103,15 @@ class SamplingParams(_message.Message):
     min_tokens: int
     min_tokens_stop_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_computed_tokens", "num_scheduled_tokens", "page_ids", "sampling", "num_output_tokens", "sink_tokens", "window_tokens")
