@@ -90,9 +90,9 @@ FIELDS: tuple[Field, ...] = (
     _honoured("min_p", BOTH, 0.1, "sampling.min_p"),
     _honoured("min_tokens", BOTH, 3, "sampling.min_tokens"),
     _honoured("logit_bias", BOTH, {"5": 10}, "sampling.logit_bias (keys: token ids)"),
+    _honoured("allowed_token_ids", BOTH, [1, 2], "sampling.allowed_token_ids"),
+    _honoured("bad_words", BOTH, ["x"], "sampling.bad_words (tokenized by the scheduler)"),
     # -- refused unless at their defaults --
-    _refused("allowed_token_ids", BOTH, [1, 2], (), _NO_SAMPLER),
-    _refused("bad_words", BOTH, ["x"], ([],), _NO_SAMPLER),
     _refused("logits_processors", BOTH, ["a.b"], ([],), _NO_SAMPLER),
     _refused("top_logprobs", CHAT, 2, (0,), "the executor returns the sampled token's log-probability only"),
     _refused("prompt_logprobs", BOTH, 1, (), "the executor returns no prompt log-probabilities"),

@@ -178,9 +178,9 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
 
 
 def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
-    """presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens and logit_bias (OpenAI's and
-    vLLM's) into ``sampling``; the scheduler checks the ids against the vocabulary and min_tokens against
-    max_tokens."""
+    """presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens, allowed_token_ids, bad_words and
+    logit_bias (OpenAI's and vLLM's) into ``sampling``; the scheduler checks the ids against the vocabulary and
+    tokenizes the bad words."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = _float(body, name, -MAX_PENALTY, MAX_PENALTY)
         if value is not None:
@@ -192,6 +192,12 @@ def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
         sampling.repetition_penalty = repetition if repetition != 1 else 0.0  # (0: unset, no penalty)
     sampling.min_p = _float(body, "min_p", 0.0, 1.0) or 0.0
     sampling.min_tokens = _int(body, "min_tokens", 0, 2**31 - 1) or 0
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if _ids(allowed, "allowed_token_ids") is None:
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        sampling.allowed_token_ids.extend(allowed)
+    sampling.bad_words.extend(_strings(body, "bad_words"))
     bias = body.get("logit_bias")
     if bias is None:
         return

@@ -234,8 +234,8 @@ def test_fields_table_context_length_and_request_id_through_the_sdk(stack):
     context_length_exceeded (pagedkv/gateway/fields.py, errors.py)."""
     c = stack.openai()
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["x"]})
-    assert e.value.body["param"] == "bad_words" and e.value.body["message"].startswith("bad_words: ")
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"best_of": 2})
+    assert e.value.body["param"] == "best_of" and e.value.body["message"].startswith("best_of: ")
     raw = c.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2, temperature=0,
                                                  extra_body={"frobnicate": 1, "repetition_penalty": 1.0},
                                                  extra_headers={"X-Request-Id": "e2e-fields-1"})

@@ -1,7 +1,7 @@
 """Through real processes on loopback: greedy output with the logits controls (repetition_penalty,
-frequency_penalty, presence_penalty, min_tokens, logit_bias) is token-exact against transformers' generate() with
-the equivalent logits processors, under preemption too (a preempted request is resent in full: its token counts
-are rebuilt from its tokens)."""
+frequency_penalty, presence_penalty, min_tokens, logit_bias, allowed_token_ids, bad_words) is token-exact against
+transformers' generate() with the equivalent logits processors, under preemption too (a preempted request is resent
+in full: its token counts are rebuilt from its tokens)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
 )
 
 from pagedkv.client import Client
+from scheduler_svc.validation import bad_words_token_ids
 from tests.support.hf_reference import random_prompts
 
 pytestmark = pytest.mark.e2e
@@ -32,6 +35,8 @@ CASES = {  # name: the request's controls
     "all-penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.5},
     "logit-bias": {"logit_bias": {7: 8.0, 42: 5.5, 100: -100.0}},
     "min-tokens": {"min_tokens": 30},
+    "allowed-token-ids": {"allowed_token_ids": list(range(35, 130, 2))},
+    # "bad-words": words taken from the plain greedy outputs (the references fixture)
 }
 
 
@@ -48,8 +53,23 @@ class OutputPenalties(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def processors(controls: dict, prompt_len: int, eos: list[int]) -> LogitsProcessorList:
-    procs = LogitsProcessorList()  # (vLLM's order: min_tokens, logit_bias, repetition, frequency and presence)
+class OutputBadWords(LogitsProcessor):
+    """transformers' NoBadWordsLogitsProcessor over the tokens generated (vLLM's bad words look at the output
+    only)."""
+
+    def __init__(self, prompt_len: int, words: list[list[int]]) -> None:
+        self.prompt_len, self.inner = prompt_len, NoBadWordsLogitsProcessor(words)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.inner(input_ids[:, self.prompt_len:], scores)
+
+
+def processors(controls: dict, prompt_len: int, eos: list[int], encode) -> LogitsProcessorList:
+    procs = LogitsProcessorList()  # (vLLM's order: allowed, bad words, min_tokens, logit_bias, the penalties)
+    if controls.get("allowed_token_ids"):
+        procs.append(SuppressTokensLogitsProcessor(sorted(set(range(VOCAB)) - set(controls["allowed_token_ids"]))))
+    if controls.get("bad_words"):
+        procs.append(OutputBadWords(prompt_len, bad_words_token_ids(controls["bad_words"], encode)))
     if controls.get("min_tokens"):
         procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, controls["min_tokens"], eos))
     if controls.get("logit_bias"):
@@ -63,7 +83,12 @@ def processors(controls: dict, prompt_len: int, eos: list[int]) -> LogitsProcess
 
 
 def hf_greedy_with(model_dir, prompts: list[list[int]], controls: dict | None) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
     model.eval()
@@ -73,17 +98,28 @@ def hf_greedy_with(model_dir, prompts: list[list[int]], controls: dict | None) -
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            procs = processors(controls, len(prompt), eos) if controls else None
+            procs = processors(controls, len(prompt), eos, encode) if controls else None
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
                                  do_sample=False, pad_token_id=0, logits_processor=procs)
             outs.append(gen[0, len(prompt):].tolist())
     return outs
 
 
+def bad_words_from(outputs: list[list[int]]) -> list[str]:
+    """A one-character word and a two-character one that the plain outputs hold (tiny-llama's tokens are bytes:
+    id = byte + 3; printable ASCII, no spaces)."""
+    printable = [[t for t in out if 36 <= t < 130] for out in outputs]
+    pair = next((a, b) for out in outputs for a, b in zip(out, out[1:]) if 36 <= a < 130 and 36 <= b < 130)
+    return [chr(printable[0][0] - 3), chr(pair[0] - 3) + chr(pair[1] - 3)]
+
+
 @pytest.fixture(scope="module")
 def references(tiny_llama_dir):
     prompts = random_prompts(5, PROMPT_LENS, VOCAB)
-    return prompts, {name: hf_greedy_with(tiny_llama_dir, prompts, c) for name, c in {**CASES, "plain": None}.items()}
+    plain = hf_greedy_with(tiny_llama_dir, prompts, None)
+    cases = {**CASES, "bad-words": {"bad_words": bad_words_from(plain)}}
+    return prompts, cases, {"plain": plain, **{name: hf_greedy_with(tiny_llama_dir, prompts, c)
+                                               for name, c in cases.items()}}
 
 
 async def run_all(address: str, prompts, controls: dict) -> list:
@@ -99,16 +135,16 @@ async def _preemptions(address: str) -> int:
 
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
 def test_greedy_with_controls_matches_transformers(start_server, references, pool):
-    prompts, expected = references
+    prompts, cases, expected = references
     args = ["--num-pages", "512"] if pool == "roomy" else ["--num-pages", "10", "--preemption-mode", "recompute",
                                                            "--max-model-len", "128"]
     server = start_server("--block-size", "16", "--max-num-batched-tokens", "64", "--check-integrity", *args)
-    for name, controls in CASES.items():
+    for name, controls in cases.items():
         outs = asyncio.run(run_all(server.address, prompts, controls))
         for i, (out, ref) in enumerate(zip(outs, expected[name])):
             assert out.token_ids == ref, f"{name}: request {i} (prompt {len(prompts[i])} tokens) differs"
     if pool == "preempting":
         assert asyncio.run(_preemptions(server.address)) > 0, "the pool was meant to be too small"
-    changed = [name for name in CASES if expected[name] != expected["plain"]]
-    assert changed == list(CASES), f"each case must change transformers' greedy output (unchanged: " \
-        f"{set(CASES) - set(changed)})"
+    changed = [name for name in cases if expected[name] != expected["plain"]]
+    assert changed == list(cases), f"each case must change transformers' greedy output (unchanged: " \
+        f"{set(cases) - set(changed)})"

@@ -78,6 +78,8 @@ HONOURED = {
     "min_p": lambda body, plan: _req(plan).sampling.min_p,
     "min_tokens": lambda body, plan: _req(plan).sampling.min_tokens,
     "logit_bias": lambda body, plan: dict(_req(plan).sampling.logit_bias),
+    "allowed_token_ids": lambda body, plan: list(_req(plan).sampling.allowed_token_ids),
+    "bad_words": lambda body, plan: list(_req(plan).sampling.bad_words),
 }
 
 
@@ -289,9 +291,9 @@ def test_app_makes_its_own_id_for_an_unusable_header_and_refuses_a_bad_body_id()
     assert any(event == "x_request_id_not_used" for _, event, _ in log.lines)
     status, headers, data, up, _ = _post({"request_id": "has space"})
     assert status == 400 and json.loads(data)["error"]["param"] == "request_id" and not up.requests
-    status, headers, data, up, _ = _post({"bad_words": ["x"]}, headers=[(b"x-request-id", b"t-1")])
+    status, headers, data, up, _ = _post({"best_of": 2}, headers=[(b"x-request-id", b"t-1")])
     error = json.loads(data)["error"]
-    assert status == 400 and error["param"] == "bad_words" and headers[b"x-request-id"] == b"t-1"
+    assert status == 400 and error["param"] == "best_of" and headers[b"x-request-id"] == b"t-1"
 
 
 def test_app_version():

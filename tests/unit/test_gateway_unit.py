@@ -93,6 +93,8 @@ def test_chat_messages_and_max_completion_tokens():
     ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
     ({"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"model": "m", "prompt": "x", "bad_words": [3]}, "bad_words"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
