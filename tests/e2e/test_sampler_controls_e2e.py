@@ -148,3 +148,61 @@ def test_greedy_with_controls_matches_transformers(start_server, references, poo
     changed = [name for name in cases if expected[name] != expected["plain"]]
     assert changed == list(cases), f"each case must change transformers' greedy output (unchanged: " \
         f"{set(cases) - set(changed)})"
+
+
+SEEDED = {  # name: (temperature, the request's controls)
+    "penalties": (0.9, {"repetition_penalty": 1.3, "frequency_penalty": 0.6, "presence_penalty": 0.4}),
+    "min-p": (1.2, {"min_p": 0.1}),
+    "bias-min-tokens": (0.8, {"logit_bias": {7: 8.0, 42: 5.5}, "min_tokens": 25}),
+}
+
+
+def seeded_reference(model_dir, prompts: list[list[int]], temperature: float, controls: dict,
+                     seed: int) -> list[list[int]]:
+    """Per step: transformers' logits (eager, fp32, the whole sequence recomputed), its processors, min-p by
+    MinPLogitsWarper after temperature, then the executor's draw (seed, draw number) on what is left: what a seeded
+    run must give, token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MinPLogitsWarper
+
+    from executor_svc.sampler import SamplingParams, sample
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            procs = processors(controls, len(prompt), eos,
+                               lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+            for draw in range(MAX_TOKENS):
+                t = torch.tensor([ids])
+                scores = procs(t, model(t).logits[:, -1].float())
+                if controls.get("min_p"):
+                    cut = MinPLogitsWarper(controls["min_p"])(t, scores / temperature)
+                    scores = scores.masked_fill(torch.isinf(cut), float("-inf"))
+                token = sample(scores, [SamplingParams(temperature=temperature, seed=seed)], [draw])[0][0]
+                ids.append(token)
+                if token in eos:
+                    break
+            outs.append(ids[len(prompt):])
+    return outs
+
+
+def test_seeded_with_controls_matches_the_reference_draws(start_server, tiny_llama_dir):
+    prompts = random_prompts(6, PROMPT_LENS[:4], VOCAB)
+    server = start_server("--block-size", "16", "--num-pages", "512", "--check-integrity")
+
+    async def run(temperature: float, controls: dict, seed: int) -> list:
+        async with Client(server.address) as client:
+            return await asyncio.gather(*[client.complete(p, max_tokens=MAX_TOKENS, temperature=temperature,
+                                                          seed=seed, **controls) for p in prompts])
+    for name, (temperature, controls) in SEEDED.items():
+        expected = seeded_reference(tiny_llama_dir, prompts, temperature, controls, seed=11)
+        plain = seeded_reference(tiny_llama_dir, prompts, temperature, {}, seed=11)
+        assert expected != plain, f"{name}: the controls must change the seeded output"
+        outs = asyncio.run(run(temperature, controls, 11))
+        for i, (out, ref) in enumerate(zip(outs, expected)):
+            assert out.token_ids == ref, f"{name}: request {i} differs from the reference draws"
