@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,4 +34,7 @@ def generate(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.proto_gen", description=__doc__)
+    parser.add_argument("out_dir", nargs="?", type=Path, default=ROOT,
+                        help="where the pagedkv/api and pagedkv/executor stubs go (default: this checkout)")
+    generate(parser.parse_args().out_dir)
