@@ -119,6 +119,9 @@ def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits
         raise InvalidRequest(f"sampling.min_p: {p.min_p}; must be in [0, 1] (0: no min-p filter)")
     if not 0 <= p.min_tokens <= max_tokens:
         raise InvalidRequest(f"sampling.min_tokens: {p.min_tokens}; must be in [0, max_tokens={max_tokens}]")
+    if p.min_tokens and p.stop:  # (vLLM skips the stop strings until min_tokens; the detokenizer cannot yet)
+        raise InvalidRequest(f"sampling.min_tokens: {p.min_tokens} with sampling.stop strings is not supported "
+                             "(a stop string would end the request before min_tokens); send one or the other")
     if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidRequest(f"sampling.logit_bias: {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
     for token, value in p.logit_bias.items():

@@ -23,6 +23,7 @@ LIMITS = Limits(max_model_len=64, vocab_size=300)
     ({"min_p": 1.5}, "sampling.min_p: 1.5; must be in [0, 1]"),
     ({"min_tokens": 9, "max_tokens": 8}, "sampling.min_tokens: 9; must be in [0, max_tokens=8]"),
     ({"min_tokens": -1}, "sampling.min_tokens: -1"),
+    ({"min_tokens": 2, "stop": ["x"]}, "sampling.min_tokens: 2 with sampling.stop strings is not supported"),
     ({"logit_bias": {i: 1.0 for i in range(301)}}, "sampling.logit_bias: 301 entries; at most 300"),
     ({"logit_bias": {300: 1.0}}, "sampling.logit_bias: id 300 outside the vocabulary [0, 300)"),
     ({"logit_bias": {5: 100.5}}, "sampling.logit_bias: 100.5 for id 5; each value must be in [-100, 100]"),
