@@ -72,6 +72,7 @@ def measure(args) -> dict:
     from pagedkv import logs
     from scheduler_svc.pages import PagePool
     from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+    from tests.support.driven import Driven
     from tests.support.fake_executor import make_request
 
     p = argparse.ArgumentParser()
@@ -87,10 +88,10 @@ def measure(args) -> dict:
                  "weight_bytes": weights, "read_gb_s": read_bandwidth(args.threads), "batches": {}}
     out["read_gb_s"] = max(out["read_gb_s"], read_bandwidth(args.threads))
     for b in batches:
-        sched = Scheduler(PagePool(runner.num_pages, runner.block_size),
-                          SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(2048, args.prompt_len),
-                                          max_model_len=args.prompt_len + args.steps + 16, watermark=0.0),
-                          list(describe.eos_token_ids))
+        sched = Driven(Scheduler(PagePool(runner.num_pages, runner.block_size),
+                                 SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(2048, args.prompt_len),
+                                                 max_model_len=args.prompt_len + args.steps + 16, watermark=0.0),
+                                 list(describe.eos_token_ids)))  # planned through its wire, as the engine does
         for i in range(b):
             req = make_request(i, 0, args.steps + 8, prompt=[1] + [100 + (i * 37 + j) % 40000
                                                                    for j in range(args.prompt_len - 1)])

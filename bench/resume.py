@@ -28,7 +28,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from common import ROOT, Server, make_workload, percentile, wait_idle, write_report
@@ -48,18 +47,6 @@ def workload(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
             params.update(temperature=0.9, top_p=0.95, seed=700 + i)
         out.append((r.prompt, params))
     return out
-
-
-def scheduler_pid(server: Server) -> int | None:
-    for pid in server.child_pids():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"scheduler" in argv and state != "Z":
-            return pid
-    return None
 
 
 class Stream:
@@ -105,7 +92,7 @@ def make_killer(servers: list[Server], shares: list[float], total: int):
             while sum(len(s.out.token_ids) for s in streams) < share * total:
                 await asyncio.sleep(0.005)
             server = servers[k % len(servers)]
-            while (pid := scheduler_pid(server)) is None:
+            while (pid := server.scheduler_pid()) is None:
                 await asyncio.sleep(0.01)
             if len(servers) > 1:  # the other one must be serving again before this one goes
                 other = servers[(k + 1) % len(servers)]

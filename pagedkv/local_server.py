@@ -73,6 +73,19 @@ class LocalServer:
                 pass
         return pids
 
+    def scheduler_pid(self) -> int | None:
+        """serve's live scheduler child now (a restarted one has a new pid; None between a death and the restart,
+        or while the restarted one has not yet exec'd), from /proc."""
+        for pid in self.child_pids():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if b"scheduler" in argv and state != "Z":
+                return pid
+        return None
+
     def stop(self) -> int:
         """Ctrl-C, as a user would; SIGKILL to serve and its children (each in a process group of its own) if it
         does not stop within 30 s."""
