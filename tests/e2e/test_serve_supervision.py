@@ -142,7 +142,7 @@ def _gone(pid: int) -> bool:
 def test_sighup_goes_to_the_scheduler_and_shutdown_drains_it_before_the_executor(tmp_path):
     run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler", "drain": 1.5}], reload="scheduler")
     run.proc.send_signal(signal.SIGHUP)
-    assert wait_until(lambda: run.saw("scheduler", "hup"), 10)
+    assert wait_until(lambda: run.saw("scheduler", "hup"), 60)
     time.sleep(0.3)
     assert run.proc.poll() is None, "a SIGHUP must not stop the supervisor"
     assert not run.saw("executor", "hup") and len(run.saw("scheduler", "start")) == 1
@@ -165,7 +165,7 @@ def test_second_signal_stops_at_once(tmp_path):
     run = Runner(tmp_path, [{"name": "executor"}, {"name": "scheduler", "drain": 60, "stop_timeout": 90}],
                  reload="scheduler")
     run.proc.send_signal(signal.SIGINT)
-    assert wait_until(lambda: run.saw("scheduler", "term"), 10)
+    assert wait_until(lambda: run.saw("scheduler", "term"), 60)
     t0 = time.monotonic()
     run.proc.send_signal(signal.SIGINT)
     code, logs = run.finish(timeout=20)
@@ -229,7 +229,7 @@ def test_children_die_with_a_sigkilled_supervisor(tmp_path):
     pids = [run.saw(name, "start")[0][1] for name in ("executor", "scheduler")]
     run.proc.kill()
     run.proc.wait()
-    assert wait_until(lambda: all(_gone(p) for p in pids), 5), "children outlived their supervisor"
+    assert wait_until(lambda: all(_gone(p) for p in pids), 60), "children outlived their supervisor"
     assert run.saw("executor", "term") and run.saw("scheduler", "term"), "the death signal is SIGTERM"
 
 
@@ -307,7 +307,7 @@ def test_sighup_reloads_the_scheduler_and_serve_keeps_serving(server, undisturbe
     assert set(before) == {"executor", "scheduler"}
     reloads = server.log().count("tenants_reloaded")
     server.proc.send_signal(signal.SIGHUP)
-    assert wait_until(lambda: server.log().count("tenants_reloaded") > reloads, 20), server.log()
+    assert wait_until(lambda: server.log().count("tenants_reloaded") > reloads, 60), server.log()
     assert server.proc.poll() is None and children(server) == before
     assert _complete(server.address).token_ids == undisturbed.token_ids
 
@@ -345,7 +345,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(server, undisturbed):
     out = asyncio.run(_stream(server.address, lambda: server.proc.send_signal(signal.SIGTERM)))
     assert out.finish_reason == "length" and out.token_ids == undisturbed.token_ids
     assert server.proc.wait(timeout=60) == 0, server.log()
-    assert wait_until(lambda: all(_gone(p) for p in pids.values()), 10)
+    assert wait_until(lambda: all(_gone(p) for p in pids.values()), 60)
     stopped = [line for line in server.log().splitlines() if "child_stopped" in line]
     assert len(stopped) == 2 and "scheduler" in stopped[0] and "executor" in stopped[1], stopped
     assert all("exited with code 0" in line for line in stopped), stopped
@@ -427,7 +427,7 @@ def test_tls_serve_with_its_own_secret_a_short_unplaced_timeout_and_a_sigkill(tm
         assert set(pids) == {"executor", "scheduler"}
         s.proc.kill()
         s.proc.wait()
-        assert wait_until(lambda: all(_gone(p) for p in pids.values()), 15), "children outlived serve"
+        assert wait_until(lambda: all(_gone(p) for p in pids.values()), 60), "children outlived serve"
         shutil.rmtree(secret_file.parent)  # a SIGKILLed serve cannot remove it
     finally:
         s.stop()

@@ -148,7 +148,7 @@ def test_every_child_starts_at_once_and_serve_is_ready_when_all_are(tmp_path):
 def test_a_child_that_exits_while_the_ones_ahead_start_starts_again_once_they_are_ready(tmp_path):
     run = Together(tmp_path, [{"name": "executor", "ready_after": 1.5, "after_exit": "scheduler"},
                               {"name": "scheduler", "crash": "first", "ready_after": 0.5}])
-    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
+    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 60), run.err.read_text()
     (exec_start,) = run.saw("executor", "start")
     first, second = run.saw("scheduler", "start")
     assert run.saw("scheduler", "crash") and second >= exec_start + 1.5, "restarted before the executor was ready"
@@ -165,7 +165,7 @@ def test_a_ready_timeout_counts_from_when_the_children_ahead_are_ready(tmp_path)
     # the executor's readiness (the margin left is the supervisor's poll, 0.1 s, against 1.5 s)
     run = Together(tmp_path, [{"name": "executor", "ready_after": 2.0},
                               {"name": "scheduler", "after_ready": "executor", "ready_timeout": 1.5}])
-    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 20), run.err.read_text()
+    assert wait_until(lambda: run.ready() or run.proc.poll() is not None, 60), run.err.read_text()
     run.proc.send_signal(signal.SIGTERM)
     code, logs = run.finish()
     assert code == 0 and not any(e["event"] == "serve_start_failed" for e in logs), logs
