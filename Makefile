@@ -16,11 +16,16 @@ MODEL ?= smollm2-135m-instruct
 install: $(VENV)/.installed
 
 # torch is pinned to the CPU build that this project's machines carry; an unpinned torch pulls a CUDA build.
+# xgrammar (structured outputs, executor_svc/grammar.py) goes in with --no-deps: its wheel requires triton (~1 GB,
+# for its GPU kernels, which pagedkv never calls: it applies the bitmask itself), and xgrammar imports and works
+# without it. Its real runtime dependencies (apache-tvm-ffi, pydantic; numpy, torch and transformers are there
+# anyway) are in pyproject.toml's dependencies.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $@
 
 serve: install

@@ -50,6 +50,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    f"decode steps run eager); set it to the scheduler's --max-num-seqs (default: "
                    f"{DEFAULT_GRAPH_MAX_BATCH}, the scheduler's default; under pagedkv serve, its --max-num-seqs)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="structured outputs: a constraint (JSON schema, regex, choice, grammar) that takes longer to "
+                   "compile against the vocabulary is refused (INVALID_ARGUMENT naming the field); compiles run on "
+                   "their own threads, off the step loop")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
                    "before exiting anyway")

@@ -18,6 +18,8 @@ REQUESTS = Gauge("pagedkv_executor_requests", "Requests whose state this executo
 DEVICE_PAGES = Gauge("pagedkv_executor_device_pages", "Device KV pages in this executor's pool")
 HOST_PAGES = Gauge("pagedkv_executor_host_pages", "Host-tier pages in this executor's pool")
 DRAINING = Gauge("pagedkv_executor_draining", "1 while the executor drains after SIGTERM")
+GRAMMAR_REFUSED = Counter("pagedkv_executor_grammar_refused_tokens_total", "Sampled tokens a constrained request's "
+                          "matcher refused (0 unless the logits were NaN: the mask allows only what it accepts)")
 
 
 def observe_step(plan, result, num_requests: int) -> None:

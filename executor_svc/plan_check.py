@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.grammar import ConstraintError, GrammarEngine, GrammarState
 from executor_svc.sampler import History, SamplingParams
 from executor_svc.token_counts import TokenCounts
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -29,6 +30,7 @@ class RequestState:
     sink: int = 0  # attention sink + window (0: full attention); dropped pages are DROPPED_PAGE in page_ids
     window: int = 0
     counts_slot: int = -1  # its row of the mirror's TokenCounts (-1: none yet; only a penalised request has one)
+    grammar: GrammarState | None = None  # structured outputs: its matcher, rebuilt from its outputs when sent in full
 
 
 class PlanError(Exception):
@@ -91,6 +93,7 @@ class RequestMirror:
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.requests: dict[str, RequestState] = {}
         self.token_counts = TokenCounts()  # the penalised requests' token counts (a slot each)
+        self.grammars: GrammarEngine | None = None  # structured outputs (None: constrained requests are refused)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -157,8 +160,21 @@ class RequestMirror:
         return RequestState(
             token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
             sampling=check_sampling(rid, new.sampling), num_output=new.num_output_tokens, sink=new.sink_tokens,
-            window=new.window_tokens,
+            window=new.window_tokens, grammar=self._grammar(new) if new.HasField("constraint") else None,
         )
+
+    def _grammar(self, new: pb.NewRequest) -> GrammarState:
+        """A constrained request's matcher, after the output tokens the plan carries (compiled first if this
+        executor has not yet: the only compile on the step loop)."""
+        rid, n = new.request_id, new.num_output_tokens
+        if self.grammars is None:
+            raise PlanError(f"request {rid}: sampling.constraint: this executor has no grammar engine", [rid])
+        if n > len(new.token_ids):
+            raise PlanError(f"request {rid}: num_output_tokens {n} exceeds its {len(new.token_ids)} tokens", [rid])
+        try:
+            return self.grammars.state(new.constraint, new.token_ids[len(new.token_ids) - n:], rid)
+        except ConstraintError as err:
+            raise PlanError(f"request {rid}: {err}", [rid]) from None
 
     def _check_fit(self, rid: str, st: RequestState, n: int, page_at, table: int) -> None:
         """``n`` tokens from position ``st.num_computed`` must be known, have pages (none dropped among those

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from executor_svc import metrics
 from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import DECODE_SLACK
 from executor_svc.batch import build_batch, decode_row
@@ -152,9 +153,16 @@ class ModelRunner:
             st = finishing[row]
             return st.token_ids[len(st.token_ids) - min(n, st.num_output):]
 
-        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history, outputs)
+        grammars = [st.grammar for st in finishing]
+        engine = self.mirror.grammars
+        mask = engine.masks(grammars) if engine is not None and any(g is not None for g in grammars) else None
+        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history, outputs, grammar=mask)
         if penalised:
             self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
+        if mask is not None:
+            refused = engine.advance([grammars[i] for i in mask.rows], [tokens[i] for i in mask.rows])
+            if refused:  # (the mask allows only what the matcher accepts: NaN logits at most)
+                metrics.GRAMMAR_REFUSED.inc(len(refused))
         for st, token in zip(finishing, tokens):
             st.token_ids.append(token)
             st.num_output += 1

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from executor_svc.grammar_mask import GrammarMask, constrain
 from executor_svc.tensors import long_tensor
 
 _MASK64 = (1 << 64) - 1
@@ -242,17 +243,21 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int], history: History | None = None,
-           outputs: Callable[[int, int], Sequence[int]] | None = None) -> tuple[list[int], list[float]]:
+           outputs: Callable[[int, int], Sequence[int]] | None = None, *,
+           grammar: GrammarMask | None = None) -> tuple[list[int], list[float]]:
     """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
 
     The rows' controls first (``adjust_logits``; ``history``: the penalised rows' tokens; ``outputs``: the rows'
-    recent output tokens, for bad words). Greedy rows take the
+    recent output tokens, for bad words), then the constrained rows' grammar masks (``grammar``: structured outputs,
+    grammar_mask.constrain). Greedy rows take the
     argmax. The others, all at once: divided by their temperature, cut by their min-p (before top-k and top-p, as
     vLLM does), top-k and top-p (``thresholds``), and drawn by inverting the cumulative distribution, in token
     order, at ``uniform(seed, draw)`` (``_draw``): the token depends on the row's logits, seed and draw number
     alone, never on the batch."""
     raw = logits
     logits = adjust_logits(logits, params, draws, history, outputs)
+    if grammar is not None:
+        logits = constrain(logits, raw, grammar)
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy

@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from executor_svc import metrics
+from executor_svc.grammar import ConstraintError
 from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -47,6 +48,23 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
     async def Describe(self, request, context):  # noqa: N802
         return self.describe
+
+    async def CheckConstraint(self, request, context):  # noqa: N802
+        """Compiles a constraint into the grammar cache on the engine's threads (the step loop goes on meanwhile):
+        an empty error once it is there, else why not."""
+        engine = self.runner.mirror.grammars
+        if engine is None:
+            return pb.CheckConstraintResponse(error="sampling.constraint: this executor has no grammar engine")
+        started = time.perf_counter()
+        try:
+            cached = engine.cached(request)
+            compiling = asyncio.shield(asyncio.wrap_future(engine.submit(request)))  # (shared with other callers)
+            await asyncio.wait_for(compiling, engine.compile_timeout)
+        except asyncio.TimeoutError:
+            return pb.CheckConstraintResponse(error=str(engine.timed_out(request)))
+        except ConstraintError as err:
+            return pb.CheckConstraintResponse(error=str(err))
+        return pb.CheckConstraintResponse(compile_ms=(time.perf_counter() - started) * 1e3, cached=cached)
 
     async def Run(self, request_iterator, context):  # noqa: N802
         """One scheduler's stream of plans.

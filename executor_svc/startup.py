@@ -14,6 +14,7 @@ from executor_svc.attention import BACKENDS, cpu_kernel, select_backend
 from executor_svc.costs import cached_costs, cost_key
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
 from executor_svc.generation_config import sampling_defaults
+from executor_svc.grammar import GrammarEngine
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -143,6 +144,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
                                                  scratch_page=num_pages)
     runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
+    runner.mirror.grammars = GrammarEngine(path, cfg.vocab_size, getattr(args, "grammar_compile_timeout", 5.0))
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
              eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
     costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),

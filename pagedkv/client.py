@@ -319,10 +319,12 @@ class Client:
                       priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
-                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = ()) -> api.GenerateRequest:
+                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
+                      constraint: api.Constraint | None = None) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
         temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
-        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
+        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams; ``constraint``:
+        structured outputs (api.proto's Constraint)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
@@ -330,6 +332,8 @@ class Client:
                                       repetition_penalty=repetition_penalty if repetition_penalty != 1 else 0.0,
                                       min_p=min_p, min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
                                       allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
+        if constraint is not None:
+            sampling.constraint.CopyFrom(constraint)
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
             if value is not None:
                 setattr(sampling, name, value)

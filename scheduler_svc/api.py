@@ -14,6 +14,7 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc import fit, metrics
 from scheduler_svc.cluster import Cluster
+from scheduler_svc.constraints import check_constraint, compile_on_executors
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
@@ -220,6 +221,7 @@ class GenerationService(api_grpc.GenerationServicer):
         check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
         sampling.bad_words_ids = list(bad_words_ids or [])
+        sampling.constraint = check_constraint(request.sampling, sampling, cluster.reference.eos_token_ids)
         if any(not 0 <= t < limits.vocab_size for w in sampling.bad_words_ids for t in w):
             raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
                                  f"{limits.vocab_size}) (the tokenizer and the model disagree)")
@@ -273,6 +275,7 @@ class GenerationService(api_grpc.GenerationServicer):
         try:
             req, resume = self._build_request(request, tenant, await self._prompt_ids(request),
                                               await self._bad_words_ids(request.sampling.bad_words))
+            await compile_on_executors(self.cluster.clients(), req.sampling.constraint)  # (refused before placed)
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)

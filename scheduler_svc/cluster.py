@@ -90,6 +90,7 @@ class Cluster:
         self.unplaced_timeout = unplaced_timeout
         self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
+        self._clients: dict[str, ExecutorClient] = {}  # each engine's connection (by address, as engines)
         self._unplaced: deque[tuple[Request, float]] = deque()
         self.arrivals = 0
         self.any_up = asyncio.Event()
@@ -107,7 +108,8 @@ class Cluster:
     def set_addresses(self, addresses: set[str]) -> None:
         """Adds an engine per new address; drains and drops those no longer listed."""
         for address in sorted(addresses - self.engines.keys()):
-            engine = Engine(self._hooks, ExecutorClient(address, self.step_timeout, self.link), self.log,
+            client = self._clients[address] = ExecutorClient(address, self.step_timeout, self.link)
+            engine = Engine(self._hooks, client, self.log,
                             check_every_step=self.check_every_step, drain_timeout=self.drain_timeout,
                             async_scheduling=self.async_scheduling)
             self.engines[address] = engine
@@ -121,6 +123,7 @@ class Cluster:
         for address, engine in list(self.engines.items()):  # drained and stopped for good
             if engine.removed and engine.stopped:
                 del self.engines[address]
+                self._clients.pop(address, None)
                 if engine.scheduler is not None:
                     engine.scheduler.serving(False)
                 asyncio.ensure_future(engine.stop())
@@ -225,6 +228,10 @@ class Cluster:
     @property
     def available(self) -> bool:
         return any(e.accepts for e in self.engines.values())
+
+    def clients(self) -> list[ExecutorClient]:
+        """The connections to the executors that take work (structured outputs asks them to compile first)."""
+        return [c for address, e in self.engines.items() if e.accepts and (c := self._clients.get(address))]
 
     def next_arrival(self) -> int:
         self.arrivals += 1

@@ -46,6 +46,7 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized (bad_words_token_ids)
+    constraint: object = None  # structured outputs: the executor's pb.Constraint (constraints.py), None: none
 
 
 @dataclass(slots=True)

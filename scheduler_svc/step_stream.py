@@ -240,7 +240,7 @@ def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
                                        logit_bias=s.logit_bias, allowed_token_ids=s.allowed_token_ids,
                                        bad_words=[pb.TokenSequence(token_ids=w) for w in s.bad_words_ids]),
             num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
-            window_tokens=req.window_tokens,
+            window_tokens=req.window_tokens, constraint=s.constraint,
         )
     else:
         plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,

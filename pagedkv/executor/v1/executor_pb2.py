@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pagedkv/executor/v1/executor.proto\x12\x13pagedkv.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xf9\x04\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x18\n\x10num_device_pages\x18\r \x01(\x05\x12\x16\n\x0enum_host_pages\x18\x0e \x01(\x05\x12\x12\n\npage_bytes\x18\x0f \x01(\x03\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x13 \x01(\t\x12\x1d\n\x15swap_bytes_per_second\x18\x14 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\x15 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x16 \x01(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_temperature\x18\x17 \x01(\x02\x12\x15\n\rdefault_top_p\x18\x18 \x01(\x02\x12\x15\n\rdefault_top_k\x18\x19 \x01(\x05\x12\x1c\n\x14model_sliding_window\x18\x1a \x01(\x05\x12\x10\n\x08protocol\x18\x1b \x01(\r\"\xc0\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x46\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x32.pagedkv.executor.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\r \x03(\x05\x12\x35\n\tbad_words\x18\x0e \x03(\x0b\x32\".pagedkv.executor.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xfe\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.pagedkv.executor.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x08 \x01(\x05\x12\x15\n\rwindow_tokens\x18\t \x01(\x05\"y\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64ropped_page_indices\x18\x04 \x03(\x05\"$\n\x08PageCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x97\x01\n\x07PageOps\x12/\n\x08swap_out\x18\x01 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12.\n\x07swap_in\x18\x02 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12+\n\x04\x63opy\x18\x03 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\"\xdf\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1f.pagedkv.executor.v1.NewRequest\x12:\n\ncontinuing\x18\x03 \x03(\x0b\x32&.pagedkv.executor.v1.ContinuingRequest\x12\x0e\n\x06\x66orget\x18\x04 \x03(\t\x12.\n\x08page_ops\x18\x05 \x01(\x0b\x32\x1c.pagedkv.executor.v1.PageOps\x12\x0f\n\x07\x64\x65\x63odes\x18\x06 \x03(\t\"\x80\x01\n\x0bStepTimings\x12\x13\n\x0bpage_ops_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nprepare_ms\x18\x06 \x01(\x02\"\x86\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07timings\x18\x03 \x01(\x0b\x32 .pagedkv.executor.v1.StepTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65synced_request_ids\x18\x05 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0csampled_rows\x18\x08 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\t \x03(\x05\x12\x18\n\x10sampled_logprobs\x18\n \x03(\x02J\x04\x08\x02\x10\x03R\x07sampled2\xae\x01\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.pagedkv.executor.v1.DescribeRequest\x1a%.pagedkv.executor.v1.DescribeResponse\x12I\n\x03Run\x12\x1d.pagedkv.executor.v1.StepPlan\x1a\x1f.pagedkv.executor.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pagedkv/executor/v1/executor.proto\x12\x13pagedkv.executor.v1\"\xbd\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.pagedkv.executor.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x15\n\rend_token_ids\x18\x07 \x03(\x05\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"L\n\x17\x43heckConstraintResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x12\n\ncompile_ms\x18\x02 \x01(\x02\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"\xf9\x04\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x18\n\x10num_device_pages\x18\r \x01(\x05\x12\x16\n\x0enum_host_pages\x18\x0e \x01(\x05\x12\x12\n\npage_bytes\x18\x0f \x01(\x03\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x13 \x01(\t\x12\x1d\n\x15swap_bytes_per_second\x18\x14 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\x15 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x16 \x01(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_temperature\x18\x17 \x01(\x02\x12\x15\n\rdefault_top_p\x18\x18 \x01(\x02\x12\x15\n\rdefault_top_k\x18\x19 \x01(\x05\x12\x1c\n\x14model_sliding_window\x18\x1a \x01(\x05\x12\x10\n\x08protocol\x18\x1b \x01(\r\"\xc0\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x46\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x32.pagedkv.executor.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\r \x03(\x05\x12\x35\n\tbad_words\x18\x0e \x03(\x0b\x32\".pagedkv.executor.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb3\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\x05\x12\x10\n\x08page_ids\x18\x05 \x03(\x05\x12\x35\n\x08sampling\x18\x06 \x01(\x0b\x32#.pagedkv.executor.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x13\n\x0bsink_tokens\x18\x08 \x01(\x05\x12\x15\n\rwindow_tokens\x18\t \x01(\x05\x12\x33\n\nconstraint\x18( \x01(\x0b\x32\x1f.pagedkv.executor.v1.Constraint\"y\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cnew_page_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64ropped_page_indices\x18\x04 \x03(\x05\"$\n\x08PageCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x97\x01\n\x07PageOps\x12/\n\x08swap_out\x18\x01 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12.\n\x07swap_in\x18\x02 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\x12+\n\x04\x63opy\x18\x03 \x03(\x0b\x32\x1d.pagedkv.executor.v1.PageCopy\"\xdf\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x35\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1f.pagedkv.executor.v1.NewRequest\x12:\n\ncontinuing\x18\x03 \x03(\x0b\x32&.pagedkv.executor.v1.ContinuingRequest\x12\x0e\n\x06\x66orget\x18\x04 \x03(\t\x12.\n\x08page_ops\x18\x05 \x01(\x0b\x32\x1c.pagedkv.executor.v1.PageOps\x12\x0f\n\x07\x64\x65\x63odes\x18\x06 \x03(\t\"\x80\x01\n\x0bStepTimings\x12\x13\n\x0bpage_ops_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nprepare_ms\x18\x06 \x01(\x02\"\x86\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07timings\x18\x03 \x01(\x0b\x32 .pagedkv.executor.v1.StepTimings\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65synced_request_ids\x18\x05 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0csampled_rows\x18\x08 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\t \x03(\x05\x12\x18\n\x10sampled_logprobs\x18\n \x03(\x02J\x04\x08\x02\x10\x03R\x07sampled2\x90\x02\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.pagedkv.executor.v1.DescribeRequest\x1a%.pagedkv.executor.v1.DescribeResponse\x12I\n\x03Run\x12\x1d.pagedkv.executor.v1.StepPlan\x1a\x1f.pagedkv.executor.v1.StepResult(\x01\x30\x01\x12`\n\x0f\x43heckConstraint\x12\x1f.pagedkv.executor.v1.Constraint\x1a,.pagedkv.executor.v1.CheckConstraintResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DESCRIBEREQUEST']._serialized_start=59
-  _globals['_DESCRIBEREQUEST']._serialized_end=76
-  _globals['_DESCRIBERESPONSE']._serialized_start=79
-  _globals['_DESCRIBERESPONSE']._serialized_end=712
-  _globals['_SAMPLINGPARAMS']._serialized_start=715
-  _globals['_SAMPLINGPARAMS']._serialized_end=1163
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1115
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1163
-  _globals['_TOKENSEQUENCE']._serialized_start=1165
-  _globals['_TOKENSEQUENCE']._serialized_end=1199
-  _globals['_NEWREQUEST']._serialized_start=1202
-  _globals['_NEWREQUEST']._serialized_end=1456
-  _globals['_CONTINUINGREQUEST']._serialized_start=1458
-  _globals['_CONTINUINGREQUEST']._serialized_end=1579
-  _globals['_PAGECOPY']._serialized_start=1581
-  _globals['_PAGECOPY']._serialized_end=1617
-  _globals['_PAGEOPS']._serialized_start=1620
-  _globals['_PAGEOPS']._serialized_end=1771
-  _globals['_STEPPLAN']._serialized_start=1774
-  _globals['_STEPPLAN']._serialized_end=1997
-  _globals['_STEPTIMINGS']._serialized_start=2000
-  _globals['_STEPTIMINGS']._serialized_end=2128
-  _globals['_STEPRESULT']._serialized_start=2131
-  _globals['_STEPRESULT']._serialized_end=2393
-  _globals['_EXECUTOR']._serialized_start=2396
-  _globals['_EXECUTOR']._serialized_end=2570
+  _globals['_CONSTRAINT']._serialized_start=60
+  _globals['_CONSTRAINT']._serialized_end=249
+  _globals['_CHOICES']._serialized_start=251
+  _globals['_CHOICES']._serialized_end=277
+  _globals['_CHECKCONSTRAINTRESPONSE']._serialized_start=279
+  _globals['_CHECKCONSTRAINTRESPONSE']._serialized_end=355
+  _globals['_DESCRIBEREQUEST']._serialized_start=357
+  _globals['_DESCRIBEREQUEST']._serialized_end=374
+  _globals['_DESCRIBERESPONSE']._serialized_start=377
+  _globals['_DESCRIBERESPONSE']._serialized_end=1010
+  _globals['_SAMPLINGPARAMS']._serialized_start=1013
+  _globals['_SAMPLINGPARAMS']._serialized_end=1461
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1413
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1461
+  _globals['_TOKENSEQUENCE']._serialized_start=1463
+  _globals['_TOKENSEQUENCE']._serialized_end=1497
+  _globals['_NEWREQUEST']._serialized_start=1500
+  _globals['_NEWREQUEST']._serialized_end=1807
+  _globals['_CONTINUINGREQUEST']._serialized_start=1809
+  _globals['_CONTINUINGREQUEST']._serialized_end=1930
+  _globals['_PAGECOPY']._serialized_start=1932
+  _globals['_PAGECOPY']._serialized_end=1968
+  _globals['_PAGEOPS']._serialized_start=1971
+  _globals['_PAGEOPS']._serialized_end=2122
+  _globals['_STEPPLAN']._serialized_start=2125
+  _globals['_STEPPLAN']._serialized_end=2348
+  _globals['_STEPTIMINGS']._serialized_start=2351
+  _globals['_STEPTIMINGS']._serialized_end=2479
+  _globals['_STEPRESULT']._serialized_start=2482
+  _globals['_STEPRESULT']._serialized_end=2744
+  _globals['_EXECUTOR']._serialized_start=2747
+  _globals['_EXECUTOR']._serialized_end=3019
 # @@protoc_insertion_point(module_scope)

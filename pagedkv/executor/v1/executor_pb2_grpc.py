@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.CheckConstraint = channel.unary_unary(
+                '/pagedkv.executor.v1.Executor/CheckConstraint',
+                request_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.SerializeToString,
+                response_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -62,6 +67,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckConstraint(self, request, context):
+        """Compiles a constraint (structured outputs) into the executor's grammar cache, off the step loop: the scheduler
+        asks before it places a constrained request, so a bad or slow one is refused before anything runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'CheckConstraint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckConstraint,
+                    request_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.FromString,
+                    response_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class Executor:
             '/pagedkv.executor.v1.Executor/Run',
             pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             pagedkv_dot_executor_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckConstraint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.executor.v1.Executor/CheckConstraint',
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.SerializeToString,
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.FromString,
             options,
             channel_credentials,
             insecure,

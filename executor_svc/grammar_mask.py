@@ -1,0 +1,56 @@
+"""A step's grammar masks applied to its logits (structured outputs; the masks come from executor_svc/grammar.py).
+
+xgrammar packs a row's allowed tokens as int32 words, token t at bit t % 32 of word t // 32: on a little-endian
+machine that is bit t % 8 of byte t // 8, which is how they are unpacked here, every constrained row at once (a
+batched torch op on the logits' device; xgrammar's own CPU apply loops per row and costs ~10x more at 256 x 49k).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import torch
+
+from executor_svc.tensors import long_tensor
+
+assert sys.byteorder == "little", "the bitmask is unpacked byte by byte"
+
+
+class GrammarMask(NamedTuple):
+    rows: list[int]  # the constrained rows of the step's sampled logits, ascending
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32 on the CPU: xgrammar's packed allowed tokens
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] bool: the tokens each row of ``bitmask`` allows."""
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8).to(device).view(1, 1, 8)
+    packed = bitmask.to(device, non_blocking=True).view(torch.uint8)  # [R, 4 * words]
+    return (packed.unsqueeze(-1) & bits).view(len(bitmask), -1)[:, :vocab] != 0
+
+
+def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """``logits`` [B, V] (the step's, after the other controls) with every token a constrained row's grammar does
+    not allow at -inf; the other rows untouched. A constrained row that the other controls left with no token its
+    grammar allows (say min_tokens masking EOS where the grammar must end) takes its raw logits under the grammar
+    alone: the constraint wins. ``logits`` is changed in place unless it is ``raw`` (the model's, kept for the
+    log-probabilities), which is copied first."""
+    if logits is raw:
+        logits = logits.clone()
+    vocab = logits.shape[-1]
+    ok = allowed(mask.bitmask, vocab, logits.device)
+    idx = long_tensor(mask.rows, logits.device)
+    picked = logits if len(mask.rows) == len(logits) else logits[idx]
+    masked = picked.masked_fill(~ok, float("-inf"))
+    empty = ~(masked.amax(-1) > float("-inf"))
+    if bool(empty.any()):
+        masked = torch.where(empty.view(-1, 1), raw[idx].masked_fill(~ok, float("-inf")), masked)
+    if len(mask.rows) == len(logits):
+        return masked
+    logits[idx] = masked
+    return logits

@@ -1,0 +1,82 @@
+"""Structured outputs on the scheduler's side: a request's ``sampling.constraint`` checked and sent on.
+
+The scheduler loads no torch, so it neither parses grammars nor compiles them: it bounds a constraint's size before
+anything parses it, checks what is cheap (one kind, JSON that parses, choices), and then asks the executors to
+compile it (``CheckConstraint``, on their grammar threads, off their step loops) before the request is placed. An
+executor's refusal (an invalid schema, regex or grammar; a compile longer than its --grammar-compile-timeout) ends the
+call with INVALID_ARGUMENT naming the field, before any page is taken; the executor that runs the request finds the
+grammar compiled. The executor keeps the matcher (executor_svc/grammar.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+
+import grpc
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.request import Sampling
+from scheduler_svc.validation import InvalidRequest
+
+FIELD = "sampling.constraint"
+MAX_CONSTRAINT_BYTES = 65536  # UTF-8 bytes of a schema, regex or grammar, or of the choices together
+MAX_CHOICES = 1024
+CHECK_TIMEOUT_S = 120.0  # the RPC's own deadline (the executor answers within its compile timeout)
+
+
+def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: Iterable[int]) -> pb.Constraint | None:
+    """The executor's form of the request's constraint (None: unconstrained), checked as far as the scheduler can
+    without a grammar library; InvalidRequest naming the field otherwise."""
+    if not p.HasField("constraint"):
+        return None
+    c = p.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(f"{FIELD}: set one of json_schema, json_object, regex, choice or grammar")
+    field = f"{FIELD}.{kind}"
+    if c.strict and kind != "json_schema":
+        raise InvalidRequest(f"{FIELD}.strict: only with {FIELD}.json_schema (the constraint is {kind})")
+    if kind == "choice":
+        choices = list(c.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
+            raise InvalidRequest(f"{field}: {len(choices)} choices; give 1 to {MAX_CHOICES}, none empty")
+        size = sum(len(s.encode()) for s in choices)
+    else:
+        size = len(getattr(c, kind).encode()) if kind != "json_object" else 0
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequest(f"{field}: {size} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    if kind in ("regex", "grammar") and not getattr(c, kind):
+        raise InvalidRequest(f"{field}: must not be empty")
+    if kind == "json_object" and not c.json_object:
+        raise InvalidRequest(f"{field}: must be true when set")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(c.json_schema)
+        except ValueError as err:
+            raise InvalidRequest(f"{field}: not JSON: {err}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(f"{field}: a JSON Schema is an object (or true/false), not {type(schema).__name__}")
+    if sampling.ignore_eos:
+        raise InvalidRequest(f"sampling.ignore_eos: refused with {FIELD} (a complete output ends with EOS)")
+    out = pb.Constraint.FromString(c.SerializeToString())  # (the same fields, numbered alike)
+    out.end_token_ids.extend(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
+    return out
+
+
+async def compile_on_executors(clients: list, constraint: pb.Constraint | None) -> None:
+    """Has every executor that takes work compile ``constraint`` (``clients``: their ExecutorClients), at once;
+    InvalidRequest with the first refusal. An executor that cannot be asked (down, or older than the RPC) is
+    skipped: it compiles the constraint when a plan brings it."""
+    if constraint is None or not clients:
+        return
+    calls = [client.stub.CheckConstraint(constraint, timeout=CHECK_TIMEOUT_S, metadata=client.metadata)
+             for client in clients]
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, pb.CheckConstraintResponse) and answer.error:
+            raise InvalidRequest(answer.error)
+        if isinstance(answer, BaseException) and not isinstance(answer, grpc.aio.AioRpcError):
+            raise answer

@@ -1,0 +1,240 @@
+"""Structured outputs on the executor, in one process: the grammar mask applied to a step's logits (constrained rows
+only; their argmax and draws among the tokens the grammar allows; the grammar wins where other controls leave
+nothing), the matcher rebuilt exactly from a request's outputs when it is sent in full, errors that name the field,
+and the scheduler's checks before it asks an executor."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from executor_svc.grammar import ConstraintError, GrammarEngine, constraint_key
+from executor_svc.grammar_mask import GrammarMask, allowed, constrain
+from executor_svc.plan_check import PlanError, RequestMirror
+from executor_svc.sampler import SamplingParams, sample
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc.constraints import MAX_CONSTRAINT_BYTES, check_constraint
+from scheduler_svc.request import Sampling
+from scheduler_svc.validation import InvalidRequest
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 320  # tiny-llama's logits (its tokenizer has 259 tokens)
+EOS = 2
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                           "kind": {"enum": ["cat", "dog"]},
+                                           "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+          "required": ["name", "kind", "tags"]}
+
+
+def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+
+
+def bit(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+
+def test_unpacked_bits_are_xgrammars_layout():
+    bm = random_bitmask(3, 100, 1)
+    ok = allowed(bm, 100, torch.device("cpu"))
+    assert ok.shape == (3, 100)
+    assert all(bool(ok[r, t]) == bit(bm, r, t) for r in range(3) for t in range(100))
+
+
+def test_mask_touches_constrained_rows_only_and_their_tokens_are_allowed():
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2))
+    raw = logits.clone()
+    rows = [1, 3]
+    bm = random_bitmask(len(rows), VOCAB, 3)
+    bm[1] = 0
+    bm[1, 0] = 1 << 7  # row 3: token 7 alone
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=4), SamplingParams(),
+              SamplingParams(temperature=0.8, seed=5)]
+    tokens, _ = sample(logits, params, [0] * 5, grammar=GrammarMask(rows, bm))
+    assert torch.equal(logits, raw)  # (the model's logits stay: log-probabilities are theirs)
+    plain, _ = sample(logits, params, [0] * 5)
+    assert [tokens[i] for i in (0, 2, 4)] == [plain[i] for i in (0, 2, 4)]
+    assert bit(bm, 0, tokens[1]) and tokens[3] == 7
+    masked = constrain(logits, logits, GrammarMask(rows, bm))
+    for j, r in enumerate(rows):
+        best = max((t for t in range(VOCAB) if bit(bm, j, t)), key=lambda t: float(raw[r, t]))
+        assert int(masked[r].argmax()) == best
+    assert torch.equal(masked[[0, 2, 4]], raw[[0, 2, 4]])
+
+
+def test_the_grammar_wins_where_the_other_controls_leave_nothing():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6))
+    bm = torch.zeros(2, (VOCAB + 31) // 32, dtype=torch.int32)
+    bm[:, 0] = (1 << 5) | (1 << 9)  # the grammar allows 5 and 9
+    params = [SamplingParams(allowed_token_ids=(11, 12)), SamplingParams(allowed_token_ids=(9, 12))]
+    tokens, _ = sample(logits, params, [0, 0], grammar=GrammarMask([0, 1], bm))
+    assert tokens[0] in (5, 9)  # nothing allowed by both: the grammar alone
+    assert tokens[1] == 9  # the intersection
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir) -> GrammarEngine:
+    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=30.0)
+    yield e
+    e.close()
+
+
+def _constraint(**kind) -> pb.Constraint:
+    return pb.Constraint(**kind, end_token_ids=[EOS])
+
+
+def _new(rid: str, tokens: list[int], num_output: int, constraint: pb.Constraint, **sampling) -> pb.NewRequest:
+    first = 0 if rid == "a" else 32
+    return pb.NewRequest(request_id=rid, token_ids=tokens, num_computed_tokens=len(tokens) - 1,
+                         num_scheduled_tokens=1, page_ids=list(range(first, first + 32)),
+                         sampling=pb.SamplingParams(**sampling), num_output_tokens=num_output, constraint=constraint)
+
+
+def _bits(engine: GrammarEngine, state) -> torch.Tensor:
+    mask = engine.masks([state])
+    return mask.bitmask.clone() if mask is not None else None
+
+
+def test_the_matcher_rebuilt_from_the_outputs_equals_the_advanced_one(engine):
+    """The runner's path (mask, sample, advance), then the request resent in full (recompute, swap-in, migration,
+    resume all send a NewRequest): the rebuilt matcher allows exactly what the advanced one does, step after step."""
+    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
+    mirror.grammars = engine
+    c = _constraint(json_schema=json.dumps(SCHEMA), strict=True)
+    prompt = [5, 6, 7]
+    mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", prompt, 0, c, temperature=1.0, seed=9)]))
+    a = mirror.requests["a"]
+    g = torch.Generator().manual_seed(10)
+    for step in range(150):
+        mask = engine.masks([a.grammar])
+        if mask is None:
+            break
+        tokens, _ = sample(torch.randn(1, VOCAB, generator=g), [a.sampling], [a.num_output], grammar=mask)
+        assert engine.advance([a.grammar], tokens) == []
+        a.token_ids.append(tokens[0])
+        a.num_output += 1
+        a.num_computed = len(a.token_ids) - 1
+        resent = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
+        resent.grammars = engine
+        resent.apply(pb.StepPlan(step_id=2, new_requests=[_new("a", a.token_ids, a.num_output, c)]))
+        rebuilt = resent.requests["a"].grammar
+        assert rebuilt.terminated == a.grammar.terminated
+        if not a.grammar.terminated:
+            assert torch.equal(_bits(engine, rebuilt), _bits(engine, a.grammar)), f"step {step}"
+    assert a.grammar.terminated and a.token_ids[-1] == EOS
+    text = bytes(t - 3 for t in a.token_ids[len(prompt):-1]).decode()  # (tiny-llama: byte b is token b + 3)
+    value = json.loads(text)
+    assert set(value) == {"name", "kind", "tags"} and value["kind"] in ("cat", "dog") and len(value["tags"]) <= 2
+
+
+def test_outputs_that_break_the_constraint_refuse_the_plan(engine):
+    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
+    mirror.grammars = engine
+    c = _constraint(choice=pb.Choices(choices=["yes", "no"]))
+    bad = [5, 6, ord("x") + 3]
+    with pytest.raises(PlanError, match="request a: output token 0 .* does not follow its sampling.constraint"):
+        mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", bad, 1, c)]))
+    assert "a" not in mirror.requests
+    good = [5, 6, ord("y") + 3, ord("e") + 3]
+    mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", good, 2, c)]))
+    assert bit(_bits(engine, mirror.requests["a"].grammar), 0, ord("s") + 3)
+
+
+def test_an_executor_without_a_grammar_engine_refuses_constrained_requests():
+    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
+    with pytest.raises(PlanError, match="no grammar engine"):
+        mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", [5], 0, _constraint(regex="a+"))]))
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("json_schema", '{"type": "objectx"}', "sampling.constraint.json_schema: not usable: Unsupported type"),
+    ("regex", "[a-", "sampling.constraint.regex: not usable: Regex parsing error"),
+    ("grammar", "root ::= missing", "sampling.constraint.grammar: not usable: .*missing"),
+])
+def test_invalid_constraints_name_their_field(engine, kind, value, message):
+    with pytest.raises(ConstraintError, match=message):
+        engine.compiled(_constraint(**{kind: value}))
+
+
+def test_compiled_grammars_are_cached_per_constraint(engine):
+    c = _constraint(regex="[0-9]{3}-[a-z]{2}")
+    assert not engine.cached(c)
+    first = engine.compiled(c)
+    assert engine.cached(c) and engine.compiled(c) is first
+    assert engine.compiled(pb.Constraint(regex="[0-9]{3}-[a-z]{2}", end_token_ids=[7])) is first  # (not the ends)
+    assert constraint_key(pb.Constraint(json_schema="{}", strict=True)) != constraint_key(pb.Constraint(
+        json_schema="{}"))
+
+
+def test_a_compile_over_the_timeout_is_refused_and_remembered(tiny_llama_dir):
+    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=0.0)
+    try:
+        c = _constraint(regex="[a-z]{2,40}@[a-z]{3,30}\\.(com|org)")
+        with pytest.raises(ConstraintError, match=r"limit of 0 s \(--grammar-compile-timeout"):
+            e.compiled(c)
+        e.compile_timeout = 30.0
+        with pytest.raises(ConstraintError, match="longer than"):  # (refused at once from then on)
+            e.compiled(c)
+    finally:
+        e.close()
+
+
+# ---- the scheduler's checks --------------------------------------------------------------------------------
+def _check(constraint: api.Constraint, **sampling):
+    p = api.SamplingParams(constraint=constraint)
+    return check_constraint(p, Sampling(max_tokens=10, **sampling), [EOS])
+
+
+def test_the_scheduler_sends_the_constraint_with_its_end_tokens():
+    assert check_constraint(api.SamplingParams(), Sampling(max_tokens=1), [EOS]) is None
+    out = _check(api.Constraint(json_schema=json.dumps(SCHEMA), strict=True), stop_token_ids=[9])
+    assert out.json_schema == json.dumps(SCHEMA) and out.strict and list(out.end_token_ids) == [EOS, 9]
+    choice = _check(api.Constraint(choice=api.Choices(choices=["a", "b"])))
+    assert list(choice.choice.choices) == ["a", "b"]
+
+
+@pytest.mark.parametrize("constraint, sampling, message", [
+    (api.Constraint(), {}, "sampling.constraint: set one of json_schema"),
+    (api.Constraint(regex="a" * (MAX_CONSTRAINT_BYTES + 1)), {}, f"regex: {MAX_CONSTRAINT_BYTES + 1} bytes; at most"),
+    (api.Constraint(choice=api.Choices(choices=["x" * 40000, "y" * 40000])), {}, "choice: 80000 bytes"),
+    (api.Constraint(choice=api.Choices(choices=["a", ""])), {}, "choice: 2 choices; give 1 to 1024, none empty"),
+    (api.Constraint(json_schema="{not json"), {}, "json_schema: not JSON"),
+    (api.Constraint(json_schema="[1, 2]"), {}, "json_schema: a JSON Schema is an object"),
+    (api.Constraint(regex="a+", strict=True), {}, "sampling.constraint.strict: only with"),
+    (api.Constraint(grammar=""), {}, "grammar: must not be empty"),
+    (api.Constraint(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos: refused with sampling.constraint"),
+])
+def test_the_scheduler_refuses_what_it_can_see_is_wrong(constraint, sampling, message):
+    with pytest.raises(InvalidRequest, match=message):
+        _check(constraint, **sampling)
+
+
+def test_random_outputs_of_every_kind_follow_their_constraint(engine):
+    """Seeded random logits through the mask until the grammar ends: each output is what its kind promises."""
+    import re
+
+    cases = [(_constraint(regex="[a-c]{2}-[0-9]{1,3}"), lambda s: re.fullmatch("[a-c]{2}-[0-9]{1,3}", s)),
+             (_constraint(choice=pb.Choices(choices=["alpha", "beta", "gamma"])), lambda s: s in {"alpha", "beta",
+                                                                                                   "gamma"}),
+             (_constraint(grammar='root ::= "(" [0-9] ("+" [0-9])* ")"'), lambda s: re.fullmatch(r"\(\d(\+\d)*\)", s))]
+    rng = random.Random(11)
+    for c, check in cases:
+        for trial in range(3):
+            state = engine.state(c, [], "r")
+            out = []
+            for draw in range(60):
+                mask = engine.masks([state])
+                if mask is None:
+                    break
+                logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+                tokens, _ = sample(logits, [SamplingParams(temperature=1.0, seed=trial)], [draw], grammar=mask)
+                engine.advance([state], tokens)
+                out.append(tokens[0])
+            assert out[-1] == EOS, (c, out)
+            assert check(bytes(t - 3 for t in out[:-1]).decode()), (c, out)
