@@ -56,7 +56,7 @@ def _ignored(name: str, where: str, example: object, note: str = "") -> Field:
 
 
 _NO_SAMPLER = "not implemented by the executor's sampler"
-_NO_STRUCTURED = "structured output is not implemented"
+_STRUCTURED = "sampling.constraint (structured.py)"
 _NO_TEMPLATE_ARGS = "the scheduler renders the checkpoint's own chat template only"
 _NO_TOOLS = "tool calling is not implemented"
 
@@ -92,6 +92,12 @@ FIELDS: tuple[Field, ...] = (
     _honoured("logit_bias", BOTH, {"5": 10}, "sampling.logit_bias (keys: token ids)"),
     _honoured("allowed_token_ids", BOTH, [1, 2], "sampling.allowed_token_ids"),
     _honoured("bad_words", BOTH, ["x"], "sampling.bad_words (tokenized by the scheduler)"),
+    _honoured("response_format", BOTH, {"type": "json_object"}, f"{_STRUCTURED}: json_object, json_schema"),
+    _honoured("structured_outputs", BOTH, {"choice": ["yes", "no"]}, f"{_STRUCTURED}: json, regex, choice, grammar"),
+    _honoured("guided_json", BOTH, {"type": "object"}, f"{_STRUCTURED}: json_schema, strict"),
+    _honoured("guided_regex", BOTH, "a+", f"{_STRUCTURED}: regex"),
+    _honoured("guided_choice", BOTH, ["yes", "no"], f"{_STRUCTURED}: choice"),
+    _honoured("guided_grammar", BOTH, "root ::= \"a\"", f"{_STRUCTURED}: grammar (xgrammar's EBNF)"),
     # -- refused unless at their defaults --
     _refused("logits_processors", BOTH, ["a.b"], ([],), _NO_SAMPLER),
     _refused("top_logprobs", CHAT, 2, (0,), "the executor returns the sampled token's log-probability only"),
@@ -102,14 +108,9 @@ FIELDS: tuple[Field, ...] = (
     _refused("use_beam_search", BOTH, True, (False,), "beam search is not implemented"),
     _refused("length_penalty", BOTH, 0.5, (1,), "beam search is not implemented"),
     _refused("suffix", COMPLETIONS, "x", ("",), "insertion is not implemented"),
-    _refused("response_format", BOTH, {"type": "json_object"}, ({"type": "text"},), _NO_STRUCTURED),
-    _refused("guided_json", BOTH, {"type": "object"}, (), _NO_STRUCTURED),
-    _refused("guided_regex", BOTH, "a+", (), _NO_STRUCTURED),
-    _refused("guided_choice", BOTH, ["yes", "no"], (), _NO_STRUCTURED),
-    _refused("guided_grammar", BOTH, "root ::= \"a\"", (), _NO_STRUCTURED),
-    _refused("guided_decoding_backend", BOTH, "outlines", (), _NO_STRUCTURED),
-    _refused("guided_whitespace_pattern", BOTH, " ", (), _NO_STRUCTURED),
-    _refused("structural_tag", BOTH, "{}", (), _NO_STRUCTURED),
+    _refused("guided_decoding_backend", BOTH, "outlines", ("xgrammar", "auto"), "structured outputs use xgrammar"),
+    _refused("guided_whitespace_pattern", BOTH, " ", (), "JSON is written compact (no whitespace pattern)"),
+    _refused("structural_tag", BOTH, "{}", (), "structural tags are not implemented"),
     _refused("tools", CHAT, [{"type": "function"}], ([],), _NO_TOOLS),
     _refused("tool_choice", CHAT, "auto", ("none",), _NO_TOOLS),
     _refused("functions", CHAT, [{"name": "f"}], ([],), _NO_TOOLS),

@@ -9,6 +9,7 @@ Translation (OpenAI field -> GenerateRequest):
   temperature, top_p, top_k, seed, stop, n -> sampling.*; unset -> the checkpoint's defaults
   logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
   extensions (extra body fields): page_budget, priority, ignore_eos, stop_token_ids, include_stop_str_in_output
+  response_format, structured_outputs, guided_json/regex/choice/grammar -> sampling.constraint (structured.py)
 Every other field is refused, ignored by design or unknown, as fields.py's table says (``fields.screen``).
 The client's request id (X-Request-Id, else the body's request_id: ``client_request_id``) is the upstream one.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
 from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
+from pagedkv.gateway.structured import constraint_of
 from scheduler_svc.validation import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -146,6 +148,9 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
             value += 2**64
         setattr(sampling, name, value)
     _logits_controls(body, sampling)
+    constraint = constraint_of(body)  # (structured outputs: response_format, structured_outputs, guided_*)
+    if constraint is not None:
+        sampling.constraint.CopyFrom(constraint)
     if max_tokens and sampling.min_tokens > max_tokens:
         raise bad("min_tokens", f"{sampling.min_tokens}; must be at most max_tokens ({max_tokens})")
     sampling.stop.extend(_strings(body, "stop"))

@@ -80,6 +80,9 @@ HONOURED = {
     "logit_bias": lambda body, plan: dict(_req(plan).sampling.logit_bias),
     "allowed_token_ids": lambda body, plan: list(_req(plan).sampling.allowed_token_ids),
     "bad_words": lambda body, plan: list(_req(plan).sampling.bad_words),
+    **{name: lambda body, plan: _req(plan).sampling.constraint.WhichOneof("kind")
+       for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar")},
 }
 
 
