@@ -27,11 +27,16 @@ _BITS: dict[torch.device, torch.Tensor] = {}
 
 def allowed(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
     """[R, vocab] bool: the tokens each row of ``bitmask`` allows."""
+    return ~refused(bitmask, vocab, device)
+
+
+def refused(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] bool: the tokens each row of ``bitmask`` does not allow (one pass over the output)."""
     bits = _BITS.get(device)
     if bits is None:
         bits = _BITS[device] = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8).to(device).view(1, 1, 8)
     packed = bitmask.to(device, non_blocking=True).view(torch.uint8)  # [R, 4 * words]
-    return (packed.unsqueeze(-1) & bits).view(len(bitmask), -1)[:, :vocab] != 0
+    return ((packed.unsqueeze(-1) & bits) == 0).view(len(bitmask), -1)[:, :vocab]
 
 
 def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
@@ -39,18 +44,21 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask) -> tor
     not allow at -inf; the other rows untouched. A constrained row that the other controls left with no token its
     grammar allows (say min_tokens masking EOS where the grammar must end) takes its raw logits under the grammar
     alone: the constraint wins. ``logits`` is changed in place unless it is ``raw`` (the model's, kept for the
-    log-probabilities), which is copied first."""
-    if logits is raw:
-        logits = logits.clone()
-    vocab = logits.shape[-1]
-    ok = allowed(mask.bitmask, vocab, logits.device)
-    idx = long_tensor(mask.rows, logits.device)
-    picked = logits if len(mask.rows) == len(logits) else logits[idx]
-    masked = picked.masked_fill(~ok, float("-inf"))
-    empty = ~(masked.amax(-1) > float("-inf"))
-    if bool(empty.any()):
-        masked = torch.where(empty.view(-1, 1), raw[idx].masked_fill(~ok, float("-inf")), masked)
-    if len(mask.rows) == len(logits):
+    log-probabilities): then only the masked rows are new, or a copy when some rows are not constrained."""
+    adjusted = logits is not raw  # (only the other controls can leave a row with nothing the grammar allows)
+    out = refused(mask.bitmask, logits.shape[-1], logits.device)
+    every = len(mask.rows) == len(logits)
+    idx = None if every else long_tensor(mask.rows, logits.device)
+    picked = logits if every else logits[idx]
+    masked = picked.masked_fill(out, float("-inf"))
+    if adjusted:
+        empty = ~(masked.amax(-1) > float("-inf"))
+        if bool(empty.any()):
+            alone = (raw if every else raw[idx]).masked_fill(out, float("-inf"))
+            masked = torch.where(empty.view(-1, 1), alone, masked)
+    if every:
         return masked
+    if not adjusted:
+        logits = logits.clone()
     logits[idx] = masked
     return logits
