@@ -39,13 +39,31 @@ def refused(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Te
     return ((packed.unsqueeze(-1) & bits) == 0).view(len(bitmask), -1)[:, :vocab]
 
 
-def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+def _cpu_op():
+    """``torch.ops.pagedkv_cpu.grammar_mask`` (executor_svc/model/cpu_ops.cpp: one pass a row, in C++), or None where
+    the CPU kernel library is not built (the torch path below is then the one, and stays the reference)."""
+    if "op" not in _CPU:
+        from executor_svc.attention import cpu_kernel
+
+        ops = cpu_kernel.load()
+        _CPU["op"] = getattr(ops, "grammar_mask", None) if ops is not None else None
+    return _CPU["op"]
+
+
+_CPU: dict[str, object] = {}
+
+
+def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask, keep_raw: bool = True) -> torch.Tensor:
     """``logits`` [B, V] (the step's, after the other controls) with every token a constrained row's grammar does
     not allow at -inf; the other rows untouched. A constrained row that the other controls left with no token its
     grammar allows (say min_tokens masking EOS where the grammar must end) takes its raw logits under the grammar
     alone: the constraint wins. ``logits`` is changed in place unless it is ``raw`` (the model's, kept for the
-    log-probabilities): then only the masked rows are new, or a copy when some rows are not constrained."""
+    log-probabilities) and ``keep_raw`` (some constrained row wants its log-probabilities): then only the masked
+    rows are new, or a copy when some rows are not constrained."""
     adjusted = logits is not raw  # (only the other controls can leave a row with nothing the grammar allows)
+    in_place = adjusted or not keep_raw
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and (op := _cpu_op()) is not None:
+        return _constrain_cpu(op, logits, raw, mask, adjusted, in_place)
     out = refused(mask.bitmask, logits.shape[-1], logits.device)
     every = len(mask.rows) == len(logits)
     idx = None if every else long_tensor(mask.rows, logits.device)
@@ -58,7 +76,25 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask) -> tor
             masked = torch.where(empty.view(-1, 1), alone, masked)
     if every:
         return masked
-    if not adjusted:
+    if not in_place:
         logits = logits.clone()
     logits[idx] = masked
     return logits
+
+
+def _constrain_cpu(op, logits: torch.Tensor, raw: torch.Tensor, mask: GrammarMask, adjusted: bool,
+                   in_place: bool) -> torch.Tensor:
+    """constrain() through the C++ op: the masked rows written in one pass, in place when the logits are the step's
+    own copy or nothing needs the raw rows any more, else into a new tensor (the other rows copied)."""
+    logits, raw = logits.contiguous(), raw.contiguous()
+    rows = torch.tensor(mask.rows, dtype=torch.long)
+    bitmask = mask.bitmask.contiguous()
+    if in_place:
+        out = logits
+    else:
+        out = torch.empty_like(logits) if len(mask.rows) == len(logits) else logits.clone()
+    empty = op(logits, out, rows, bitmask)
+    if adjusted and bool(empty.any()):  # the grammar alone where the other controls left it nothing
+        again = empty.nonzero().view(-1)
+        op(raw, out, rows[again], bitmask[again].contiguous())
+    return out

@@ -256,8 +256,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
     alone, never on the batch."""
     raw = logits
     logits = adjust_logits(logits, params, draws, history, outputs)
-    if grammar is not None:
-        logits = constrain(logits, raw, grammar)
+    if grammar is not None:  # (raw's constrained rows kept only for those that want their log-probabilities)
+        logits = constrain(logits, raw, grammar, keep_raw=any(params[r].logprobs for r in grammar.rows))
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_math.h"
 
@@ -176,6 +177,56 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
+// Structured outputs (executor_svc/grammar_mask.py): dst[rows[i]] = src[rows[i]] with every token that row i of
+// ``bitmask`` refuses at -inf (xgrammar's packing: token t allowed when bit t % 32 of word t // 32 is set); the
+// other rows of dst untouched. One pass over each constrained row; a word of 32 allowed tokens is copied whole.
+// src may be dst. Returns uint8 [R]: 1 where no allowed token of the row is above -inf.
+at::Tensor grammar_mask(at::Tensor src, at::Tensor dst, at::Tensor rows, at::Tensor bitmask) {
+  check(src.dim() == 2 && src.scalar_type() == at::kFloat && src.stride(1) == 1, "src must be float32 [B, V]");
+  check(dst.sizes() == src.sizes() && dst.scalar_type() == at::kFloat && dst.stride(1) == 1,
+        "dst must be float32 [B, V] like src");
+  check(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [R]");
+  check(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+        bitmask.size(0) == rows.size(0), "bitmask must be contiguous int32 [R, words]");
+  const int64_t n = rows.size(0), vocab = src.size(1), words = bitmask.size(1);
+  check(words * 32 >= vocab, "bitmask has fewer bits than the vocabulary");
+  auto empty = at::zeros({n}, at::kByte);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) check(rp[i] >= 0 && rp[i] < src.size(0), "row out of range");
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  uint8_t* ep = empty.data_ptr<uint8_t>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* s = src.data_ptr<float>() + rp[i] * src.stride(0);
+      float* d = dst.data_ptr<float>() + rp[i] * dst.stride(0);
+      const uint32_t* bits = bp + i * words;
+      bool any = false;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const int64_t lo = w * 32, hi = std::min<int64_t>(lo + 32, vocab);
+        const uint32_t m = bits[w];
+        if (m == 0) {
+          for (int64_t t = lo; t < hi; ++t) d[t] = ninf;
+        } else if (m == 0xffffffffu) {
+          for (int64_t t = lo; t < hi; ++t) {
+            d[t] = s[t];
+            any |= s[t] > ninf;
+          }
+        } else {
+          for (int64_t t = lo; t < hi; ++t) {
+            const bool ok = (m >> (t - lo)) & 1u;
+            const float v = ok ? s[t] : ninf;
+            d[t] = v;
+            any |= v > ninf;
+          }
+        }
+      }
+      ep[i] = any ? 0 : 1;
+    }
+  });
+  return empty;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
@@ -184,6 +235,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("rotary_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_pages, Tensor slot_offsets) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("grammar_mask(Tensor src, Tensor(a!) dst, Tensor rows, Tensor bitmask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
@@ -191,4 +243,5 @@ TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_write", &rotary_write);
   m.impl("silu_mul", &silu_mul);
+  m.impl("grammar_mask", &grammar_mask);
 }

@@ -5,6 +5,7 @@ and the scheduler's checks before it asks an executor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -56,8 +57,13 @@ def test_mask_touches_constrained_rows_only_and_their_tokens_are_allowed():
     bm[1, 0] = 1 << 7  # row 3: token 7 alone
     params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=4), SamplingParams(),
               SamplingParams(temperature=0.8, seed=5)]
-    tokens, _ = sample(logits, params, [0] * 5, grammar=GrammarMask(rows, bm))
-    assert torch.equal(logits, raw)  # (the model's logits stay: log-probabilities are theirs)
+    given = logits.clone()
+    tokens, _ = sample(given, params, [0] * 5, grammar=GrammarMask(rows, bm))
+    # the constrained rows are masked in place where none of them wants log-probabilities; the others stay
+    assert torch.equal(given[[0, 2, 4]], raw[[0, 2, 4]]) and not torch.equal(given[rows], raw[rows])
+    wanting = [dataclasses.replace(p, logprobs=True) if i in rows else p for i, p in enumerate(params)]
+    again, _ = sample(logits, wanting, [0] * 5, grammar=GrammarMask(rows, bm))
+    assert again == tokens and torch.equal(logits, raw)  # (theirs are the model's logits: kept)
     plain, _ = sample(logits, params, [0] * 5)
     assert [tokens[i] for i in (0, 2, 4)] == [plain[i] for i in (0, 2, 4)]
     assert bit(bm, 0, tokens[1]) and tokens[3] == 7
@@ -238,3 +244,39 @@ def test_random_outputs_of_every_kind_follow_their_constraint(engine):
                 out.append(tokens[0])
             assert out[-1] == EOS, (c, out)
             assert check(bytes(t - 3 for t in out[:-1]).decode()), (c, out)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 50])
+@pytest.mark.parametrize("adjusted", [False, True])
+def test_the_cpu_op_masks_as_the_torch_path(vocab, adjusted, monkeypatch):
+    """grammar_mask (cpu_ops.cpp) against the torch path, on random bitmasks (a row with every token, one with a
+    single token, the rest random), some rows unconstrained, a vocabulary that is not a multiple of 32; adjusted:
+    a row the other controls left at -inf takes the grammar alone over the raw logits."""
+    import executor_svc.grammar_mask as gm
+    from executor_svc.attention import cpu_kernel
+
+    if cpu_kernel.load() is None:
+        pytest.skip(f"the CPU kernel library is not built here: {cpu_kernel.reason()}")
+    g = torch.Generator().manual_seed(vocab)
+    raw = torch.randn(6, vocab, generator=g)
+    rows = [0, 2, 3, 5]
+    bm = torch.randint(-2**31, 2**31 - 1, (len(rows), (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    bm[0] = -1
+    bm[1] = 0
+    bm[1, 0] = 1 << 3
+    masks = GrammarMask(rows, bm)
+    out = {}
+    for name in ("torch", "cpu"):
+        if name == "torch":
+            monkeypatch.setitem(gm._CPU, "op", None)
+        else:
+            monkeypatch.delitem(gm._CPU, "op", raising=False)
+        logits = raw.clone()
+        if adjusted:
+            logits[2] = float("-inf")
+            out[name] = gm.constrain(logits, raw, masks)  # (in place on the adjusted copy)
+        else:
+            out[name] = gm.constrain(logits, logits, masks)  # (logits kept: a new tensor)
+            assert torch.equal(logits, raw)
+    assert gm._CPU.get("op") is not None  # (the op ran)
+    assert torch.equal(out["torch"], out["cpu"])
