@@ -61,9 +61,20 @@ def constraint_key(c: pb.Constraint) -> Key:
     return kind, text, c.strict and kind == "json_schema"
 
 
+def _xgrammar():
+    """The xgrammar module, or ConstraintError saying it is not installed (a checkout installed without the
+    Makefile: structured outputs are then refused with that message; everything else runs)."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ConstraintError(f"{FIELD}: structured outputs need xgrammar, which this executor lacks ({e}); "
+                              "install it with `pip install --no-deps xgrammar==0.2.9`") from None
+    return xgrammar
+
+
 def build_grammar(key: Key):
     """The xgrammar Grammar of a constraint (no vocabulary needed yet); ConstraintError naming the field."""
-    import xgrammar as xgr
+    xgr = _xgrammar()
 
     kind, text, strict = key
     field = f"{FIELD}.{kind}"
@@ -129,7 +140,7 @@ class GrammarEngine:
         self._compiler = self._pool.submit(self._load, Path(tokenizer_dir), threads)  # (off the loop: ~0.5 s)
 
     def _load(self, path: Path, threads: int):
-        import xgrammar as xgr
+        xgr = _xgrammar()
         from transformers import AutoTokenizer
 
         info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=self.vocab_size)
@@ -215,7 +226,7 @@ class GrammarEngine:
     def state(self, c: pb.Constraint, outputs: Sequence[int], request_id: str) -> GrammarState:
         """A request's matcher after its ``outputs`` (the tokens it sampled so far), or ConstraintError when the
         constraint is unusable or the outputs do not follow it (a resumed request's client sent others)."""
-        import xgrammar as xgr
+        xgr = _xgrammar()
 
         matcher = xgr.GrammarMatcher(self.compiled(c), override_stop_tokens=list(c.end_token_ids) or None)
         for i, token in enumerate(outputs):

@@ -280,3 +280,13 @@ def test_the_cpu_op_masks_as_the_torch_path(vocab, adjusted, monkeypatch):
             assert torch.equal(logits, raw)
     assert gm._CPU.get("op") is not None  # (the op ran)
     assert torch.equal(out["torch"], out["cpu"])
+
+
+def test_without_xgrammar_a_constraint_is_refused_naming_what_is_missing(monkeypatch):
+    import sys
+
+    from executor_svc.grammar import build_grammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # (import xgrammar raises ImportError)
+    with pytest.raises(ConstraintError, match="structured outputs need xgrammar.*pip install --no-deps xgrammar"):
+        build_grammar(("regex", "a+", False))
