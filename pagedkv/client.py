@@ -17,12 +17,14 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.chat_request import Message, chat_of
 from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS, QUEUE_FULL_PREFIX
 from pagedkv.security import open_channel
 
@@ -58,9 +60,6 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
         out.prompt_tokens = msg.usage.prompt_tokens
         out.completion_tokens = msg.usage.completion_tokens
         out.cached_tokens = msg.usage.cached_tokens
-
-
-Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -237,14 +236,6 @@ async def resumable_generate(stub, request: api.GenerateRequest, metadata=(), po
             raise _gave_up(error, f"not resumed within {policy.timeout_s:g}s") from None
 
 
-def chat_of(messages: Sequence[Message], add_generation_prompt: bool | None = None) -> api.Chat:
-    chat = api.Chat(messages=[api.ChatMessage(role=m["role"], content=m["content"]) if isinstance(m, Mapping)
-                              else api.ChatMessage(role=m[0], content=m[1]) for m in messages])
-    if add_generation_prompt is not None:
-        chat.add_generation_prompt = add_generation_prompt
-    return chat
-
-
 # A scheduler that is back (restarted, or a new one at the address) is dialled again within a second: grpc's default
 # reconnect backoff grows to 2 minutes, which a resume would wait out.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -319,8 +310,11 @@ class Client:
                       priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
-                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = ()) -> api.GenerateRequest:
-        """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
+                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
+                      chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
+                      continue_final_message: bool = False) -> api.GenerateRequest:
+        """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
+        ``chat_template``; chat_of says what a message may hold).
         temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
         sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
@@ -338,7 +332,9 @@ class Client:
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt (text or token ids) or messages, not both")
         if messages is not None:
-            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt, chat_template=chat_template,
+                                      chat_template_kwargs=chat_template_kwargs,
+                                      continue_final_message=continue_final_message))
         elif isinstance(prompt, str):
             req.text = prompt
         else:

@@ -71,6 +71,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model's name in ModelInfo, and so in the gateway's /v1/models and the model field "
                    "clients send (default: the executor's --model as given: a built-in name, or the directory)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (a Jinja template: code, run in the sandbox "
+                   "transformers uses, with no bound on its time); off by default, as in vLLM: such a request is "
+                   "refused, and one naming one of the model's templates is taken")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")

@@ -15,8 +15,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
-MAX_CHAT_MESSAGES = 1024
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_FORKS = 16
 PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
 MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
@@ -262,31 +260,6 @@ def check_continuation(c: api.Continuation, n: int, prompt_len: int, sampling: S
     if not resumed:
         raise InvalidRequest("continuation.forks: every fork finished; nothing is left to resume")
     return resumed
-
-
-def check_chat(chat: api.Chat, field: str, limit: int) -> list[dict[str, str]]:
-    """The messages of a chat prompt as apply_chat_template takes them, checked before the template runs:
-    1 to MAX_CHAT_MESSAGES messages, each role one of CHAT_ROLES, the contents together at most ``limit``
-    UTF-8 bytes (--max-prompt-bytes)."""
-    n = len(chat.messages)
-    if not 0 < n <= MAX_CHAT_MESSAGES:
-        raise InvalidRequest(f"{field}.messages: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
-    messages, chars = [], 0
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            role = m.role if len(m.role) <= 32 else m.role[:32] + "..."
-            raise InvalidRequest(f"{field}.messages[{i}].role: {role!r}; must be one of {', '.join(CHAT_ROLES)}")
-        chars += len(m.content)
-        if chars > limit:  # a character is at least one byte: stop before encoding anything big
-            raise InvalidRequest(f"{field}.messages: contents of at least {chars} bytes of UTF-8; at most {limit} "
-                                 "in all (--max-prompt-bytes; send fewer or shorter messages)")
-        messages.append({"role": m.role, "content": m.content})
-    if chars * 4 > limit:
-        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
-        if size > limit:
-            raise InvalidRequest(f"{field}.messages: contents of {size} bytes of UTF-8; at most {limit} in all "
-                                 "(--max-prompt-bytes; send fewer or shorter messages)")
-    return messages
 
 
 def check_request_id(request_id: str) -> None:

@@ -19,7 +19,8 @@ The modules, in the order a request meets them:
 
 - ``guards``: the HTTP head/body bounds (in the protocol, before the parser) and the body's size and nesting;
 - ``app``: the routes and ``Gateway``, which checks and translates a request (``fields``: every OpenAI and vLLM
-  field honoured, refused or ignored by design, by one table; ``openai_requests``: a ``Plan`` of GenerateRequests)
+  field honoured, refused or ignored by design, by one table; ``openai_requests``: a ``Plan`` of GenerateRequests,
+  a chat's conversation by ``chat_requests``)
   and counts the streams;
 - ``upstream``: the scheduler's channel, the caller's credentials as metadata;
 - ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by

@@ -4,7 +4,8 @@ an ApiError naming the field), and their prompts are checked against the schedul
 
 Translation (OpenAI field -> GenerateRequest):
   prompt (str | [str, ...] | [int, ...] | [[int, ...], ...]) -> text / token_ids, one request per prompt
-  messages -> chat (the scheduler renders the checkpoint's chat template)
+  messages -> chat (chat_requests.py; the scheduler renders the chat template), with add_generation_prompt,
+  continue_final_message, chat_template and chat_template_kwargs
   max_tokens | max_completion_tokens -> sampling.max_tokens (completions default 16, as OpenAI; chat: none)
   temperature, top_p, top_k, seed, stop, n -> sampling.*; unset -> the checkpoint's defaults
   logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
+from pagedkv.gateway.chat_requests import chat_of
 from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
+from scheduler_svc.chat import check_chat_size
 from scheduler_svc.validation import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -36,7 +39,6 @@ from scheduler_svc.validation import (
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
 MAX_USER_CHARS = 256
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_CLIENT_ID_CHARS = 200  # X-Request-Id or request_id: the scheduler takes 256, and "-31" may be appended
 _CLIENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_CLIENT_ID_CHARS}}}")  # printable ASCII, no space: safe to echo
 
@@ -273,42 +275,13 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
-def _content(value, i: int) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        parts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) "
-                          "are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-
-
 def parse_chat(body: Mapping, request_id: str) -> Plan:
     """POST /v1/chat/completions: the messages go to the scheduler, which applies the chat template."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     screened = fields.screen(body, chat=True)
     model, stream, include_usage, user = _model_and_stream(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "required: a non-empty list of {role, content}")
-    chat = api.Chat()
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}]", "must be an object with role and content")
-        role = CHAT_ROLES.get(m.get("role"))
-        if role is None:
-            raise bad(f"messages[{i}].role", f"{m.get('role')!r}; must be one of {', '.join(CHAT_ROLES)}")
-        chat.messages.append(api.ChatMessage(role=role, content=_content(m.get("content"), i)))
-    agp = _bool(body, "add_generation_prompt")  # vLLM's extension; default true
-    if agp is not None:
-        chat.add_generation_prompt = agp
+    chat = chat_of(body)
     sampling, ext = _common(body, chat=True)
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
                               page_budget=ext["page_budget"])
@@ -354,11 +327,7 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
                                           f"max_model_len={limits.max_model_len} (at least one token must be "
                                           "generated)")
         elif kind == "chat":
-            contents = [m.content for m in req.chat.messages]
-            size, more = sum(map(len, contents)), "at least "  # a character is 1 to 4 bytes
-            if size <= limits.prompt_bytes < size * 4:
-                size, more = sum(len(c.encode("utf-8", "surrogatepass")) for c in contents), ""
-            if size > limits.prompt_bytes:
-                raise ApiError(400, f"messages: contents of {more}{size} bytes of UTF-8; at most "
-                               f"{limits.prompt_bytes} in all (--max-prompt-bytes; send fewer or shorter messages)",
-                               param="messages", code="prompt_too_long")
+            try:  # (the scheduler's own check: contents, names, ids and tool calls together)
+                check_chat_size(req.chat, "messages", limits.prompt_bytes)
+            except InvalidRequest as err:
+                raise ApiError(400, str(err), param="messages", code="prompt_too_long") from None

@@ -88,3 +88,18 @@ def test_generate_chat_command(server, chat_model):
     out = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "--address", server, "--system", "S", "Hi"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--system needs --chat" in out.stderr
+
+
+def test_a_request_template_is_refused_without_the_trust_flag(server):
+    """The scheduler runs a request's own chat_template only with --trust-request-chat-template (vLLM's rule)."""
+    import grpc
+
+    async def scenario():
+        async with Client(server) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.complete(messages=[("user", "hi")], chat_template="{{ 'x' }}", max_tokens=1)
+            return e.value
+
+    err = asyncio.run(scenario())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("prompt.chat.chat_template: a template from a request is refused")

@@ -25,7 +25,7 @@ from pagedkv.client import Client
 from pagedkv.local_server import LocalServer
 from scheduler_svc.tenancy import hash_key
 from tests.support import procs
-from tests.support.chat_template import TEMPLATE, template_ids
+from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,7 @@ class Stack:
         self.procs: list[procs.Proc] = []
         self.executor = self._start(lambda: procs.executor("--model", str(path), "--num-pages", "256"))
         self.scheduler = self._start(lambda: procs.scheduler(self.executor.address, args=(
-            "--tenants-file", str(tmp / "tenants.toml"), *tls)))
+            "--tenants-file", str(tmp / "tenants.toml"), "--trust-request-chat-template", *tls)))
         self.gateway = self._start(lambda: procs.Proc("gateway", "--address", self.scheduler.address, "--tls-ca",
                                                       self.ca, "--served-model-name", MODEL, *tls))
         self.base = f"https://127.0.0.1:{self.gateway.port}"
@@ -182,6 +182,38 @@ def test_chat_streamed_and_not_equals_grpc_and_the_template(stack):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_tool_calls_template_kwargs_and_continue_through_the_sdk(stack):
+    """OpenAI's tool-call history (an assistant's tool_calls, a tool's tool_call_id, a name), a chat_template of the
+    request's own and chat_template_kwargs reach the template; continue_final_message continues the last message;
+    the prompt is the one transformers renders (vLLM's shape: arguments as an object), token for token."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather?", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "18C", "tool_call_id": "call_1"}]
+    seen_call = {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    seen = [messages[0], {"role": "assistant", "content": "", "tool_calls": [seen_call]}, messages[2]]
+    prompt = template_ids(stack.tokenizer, seen, chat_template=TOOL_TEMPLATE, enable_thinking=False)
+    assert b'{"city": "Paris"}' in bytes(t - 3 for t in prompt[1:]) and prompt[-1] != prompt[-2]
+    ref = run(_grpc_complete(stack, prompt, max_tokens=8, temperature=0, ignore_eos=True))
+    c = stack.openai()
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=dict(
+        ignore_eos=True, chat_template=TOOL_TEMPLATE, chat_template_kwargs={"enable_thinking": False}))
+    assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == ref.text
+    partial = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    continued = template_ids(stack.tokenizer, partial, add_generation_prompt=False, continue_final_message=True)
+    r = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2, temperature=0,
+                                  extra_body=dict(continue_final_message=True, add_generation_prompt=False))
+    assert r.usage.prompt_tokens == len(continued) and bytes(t - 3 for t in continued[1:]).endswith(b"Hello, I")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                  extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message" and "add_generation_prompt" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
 
 
 def test_n_forks_with_a_seed_equal_grpc(stack):

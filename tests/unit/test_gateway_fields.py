@@ -72,6 +72,9 @@ HONOURED = {
     "request_id": lambda body, plan: client_request_id(None, body),
     "add_generation_prompt": lambda body, plan: (_req(plan).chat.HasField("add_generation_prompt"),
                                                  _req(plan).chat.add_generation_prompt),
+    "continue_final_message": lambda body, plan: _req(plan).chat.continue_final_message,
+    "chat_template": lambda body, plan: _req(plan).chat.chat_template,
+    "chat_template_kwargs": lambda body, plan: json.loads(_req(plan).chat.chat_template_kwargs or "{}"),
     "presence_penalty": lambda body, plan: _req(plan).sampling.presence_penalty,
     "frequency_penalty": lambda body, plan: _req(plan).sampling.frequency_penalty,
     "repetition_penalty": lambda body, plan: _req(plan).sampling.repetition_penalty,
@@ -176,11 +179,47 @@ def test_a_message_field_the_template_would_not_get_is_refused(field):
             == ["hi", "x"]
 
 
-def test_message_role_and_content_are_honoured_and_other_message_fields_named():
+MESSAGE_HONOURED = {
+    "role": lambda m: m.role,
+    "content": lambda m: m.content,
+    "name": lambda m: m.name,
+    "tool_calls": lambda m: [(c.id, c.type, c.function.name, c.function.arguments) for c in m.tool_calls],
+    "tool_call_id": lambda m: m.tool_call_id,
+}
+
+
+@pytest.mark.parametrize("field", [f for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED], ids=lambda f: f.name)
+def test_an_honoured_message_field_reaches_the_chat_message(field):
+    base = {"role": "user", "content": "hi"}
+    sent = parse_chat({"model": "m", "messages": [{**base, field.name: field.example}]}, "r")
+    plain = parse_chat({"model": "m", "messages": [base]}, "r")
+    check = MESSAGE_HONOURED[field.name]
+    assert check(_req(sent).chat.messages[0]) != check(_req(plain).chat.messages[0])
+    assert {f.name for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED} == set(MESSAGE_HONOURED)
+
+
+def test_message_fields_are_typed_and_other_message_fields_named():
     plan = parse_chat({"model": "m", "messages": [{"role": "assistant", "content": "other", "extra": 1}]}, "r")
     assert [(m.role, m.content) for m in _req(plan).chat.messages] == [("assistant", "other")]
     assert plan.screened.unknown == ["messages[0].extra"]
-    assert {f.name for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED} == {"role", "content"}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}
+    plan = parse_chat({"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}, "r")
+    (got,) = _req(plan).chat.messages[0].tool_calls
+    assert (got.id, got.function.name, json.loads(got.function.arguments)) == ("c1", "f", {"x": "é"})
+    for message, param in (({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[0].tool_call_id"),
+                           ({"role": "user", "content": "x", "name": ["n"]}, "messages[0].name"),
+                           ({"role": "assistant", "tool_calls": {"id": "c"}}, "messages[0].tool_calls"),
+                           ({"role": "assistant", "tool_calls": ["c"]}, "messages[0].tool_calls[0]"),
+                           ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "messages[0].tool_calls[0].function"),
+                           ({"role": "assistant", "tool_calls": [{"function": {"arguments": 3}}]},
+                            "messages[0].tool_calls[0].function.arguments")):
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": [message]}, "r")
+        assert e.value.status == 400 and e.value.param == param, message
+    for param, value in (("chat_template_kwargs", [1]), ("chat_template", 1), ("continue_final_message", "yes")):
+        with pytest.raises(ApiError) as e:
+            _parse(True, **{param: value})
+        assert e.value.param == param
 
 
 def test_the_header_shows_safe_names_only_and_a_bounded_number():
