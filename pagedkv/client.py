@@ -312,7 +312,7 @@ class Client:
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
                       allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
                       chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
-                      continue_final_message: bool = False) -> api.GenerateRequest:
+                      continue_final_message: bool = False, truncate_prompt_tokens: int = 0) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
         ``chat_template``; chat_of says what a message may hold).
         temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
@@ -328,7 +328,7 @@ class Client:
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
-                                  page_budget=page_budget)
+                                  page_budget=page_budget, truncate_prompt_tokens=truncate_prompt_tokens)
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt (text or token ids) or messages, not both")
         if messages is not None:

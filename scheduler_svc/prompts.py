@@ -1,6 +1,6 @@
 """The scheduler's tokenizer work, on its one thread (``Prompts``): a request's prompt as token ids (text, token ids
-or a chat rendered by its template); Tokenize's answers; the bad words' token sequences. Every input is bounded
-before the tokenizer or a template sees it.
+or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's answers; the bad words'
+token sequences. Every input is bounded before the tokenizer or a template sees it.
 
 One rule says whether special tokens (BOS) are added (``adds_special_tokens``), for Generate and Tokenize alike."""
 
@@ -25,6 +25,17 @@ def adds_special_tokens(kind: str, requested: bool | None = None) -> bool:
     if kind == "chat":
         return False
     return True if requested is None else requested
+
+
+def truncated(ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """The last ``keep`` prompt tokens (vLLM's truncate_prompt_tokens; 0: the prompt as it is), taken before the
+    prompt's length is checked; ``keep`` in [1, max_model_len]."""
+    if keep == 0:
+        return ids
+    if not 1 <= keep <= max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens: {keep}; must be in [1, max_model_len={max_model_len}] (the "
+                             "prompt tokens kept: the last ones), or 0 for the whole prompt")
+    return ids[-keep:]
 
 
 class Prompts:
@@ -66,7 +77,7 @@ class Prompts:
         return await self.run(render)
 
     async def ids(self, request: api.GenerateRequest) -> list[int]:
-        """A Generate request's prompt as token ids."""
+        """A Generate request's prompt as token ids, only its last truncate_prompt_tokens when that is set."""
         which = request.WhichOneof("prompt")
         if which == "chat":
             ids = await self.chat_ids(request.chat, "prompt.chat")
@@ -78,7 +89,7 @@ class Prompts:
             ids = list(request.token_ids.ids)
         else:
             raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
-        return ids
+        return truncated(ids, request.truncate_prompt_tokens, self.limits.max_model_len)
 
     async def bad_words_ids(self, words) -> list[list[int]]:
         """sampling.bad_words, bounded, then tokenized (``bad_words_token_ids``)."""

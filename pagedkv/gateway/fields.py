@@ -89,6 +89,7 @@ FIELDS: tuple[Field, ...] = (
               "--trust-request-chat-template; the name of one of the model's templates: always)"),
     _honoured("chat_template_kwargs", CHAT, {"enable_thinking": False}, "chat.chat_template_kwargs (the template's "
               "variables)"),
+    _honoured("truncate_prompt_tokens", BOTH, 4, "truncate_prompt_tokens (the last N prompt tokens, after tokenizing)"),
     _honoured("presence_penalty", BOTH, 0.5, "sampling.presence_penalty"),
     _honoured("frequency_penalty", BOTH, 0.5, "sampling.frequency_penalty"),
     _honoured("repetition_penalty", BOTH, 1.2, "sampling.repetition_penalty"),
@@ -119,7 +120,6 @@ FIELDS: tuple[Field, ...] = (
     _refused("tool_choice", CHAT, "auto", ("none",), _NO_TOOLS),
     _refused("functions", CHAT, [{"name": "f"}], ([],), _NO_TOOLS),
     _refused("function_call", CHAT, "auto", ("none",), _NO_TOOLS),
-    _refused("truncate_prompt_tokens", BOTH, 4, (), "prompts are never truncated"),
     _refused("add_special_tokens", COMPLETIONS, False, (True,), "a text prompt is tokenized with BOS"),
     _refused("add_special_tokens", CHAT, True, (False,), "the chat template places the special tokens"),
     _refused("skip_special_tokens", BOTH, False, (True,), "the text skips special tokens"),

@@ -175,6 +175,7 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
         logprobs = top == 0
     sampling.logprobs = logprobs
     ext = {"priority": _int(body, "priority", -(2**31), 2**31 - 1) or 0,
+           "truncate_prompt_tokens": _int(body, "truncate_prompt_tokens", 1, 2**31 - 1) or 0,
            "page_budget": _int(body, "page_budget", 0, 2**31 - 1) or 0, "logprobs": logprobs}
     return sampling, ext
 
@@ -266,6 +267,7 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     prompts = _prompts(body.get("prompt"))
     for i, prompt in enumerate(prompts):
         req = api.GenerateRequest(sampling=sampling, priority=ext["priority"], page_budget=ext["page_budget"],
+                                  truncate_prompt_tokens=ext["truncate_prompt_tokens"],
                                   request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}")
         if isinstance(prompt, str):
             req.text = prompt
@@ -284,7 +286,7 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     chat = chat_of(body)
     sampling, ext = _common(body, chat=True)
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
-                              page_budget=ext["page_budget"])
+                              page_budget=ext["page_budget"], truncate_prompt_tokens=ext["truncate_prompt_tokens"])
     return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
@@ -316,14 +318,19 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
     for i, req in enumerate(plan.requests):
         name = "prompt" if len(plan.requests) == 1 else f"prompt[{i}]"
         kind = req.WhichOneof("prompt")
+        keep = req.truncate_prompt_tokens
+        if keep > limits.max_model_len:
+            raise bad("truncate_prompt_tokens", f"{keep}; must be in [1, max_model_len={limits.max_model_len}] (the "
+                      "prompt tokens kept: the last ones)")
         if kind == "text":
             try:
                 check_text_bytes(req.text, name, limits.prompt_bytes)
             except InvalidRequest as err:
                 raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
-        elif kind == "token_ids" and len(req.token_ids.ids) >= limits.max_model_len:
-            raise context_length_exceeded(limits.max_model_len, len(req.token_ids.ids), None, chat=False,
-                                          detail=f"{name}: {len(req.token_ids.ids)} token ids; must be fewer than "
+        elif kind == "token_ids" and (count := min(len(req.token_ids.ids), keep or 2**31)) >= limits.max_model_len:
+            kept = f" (truncate_prompt_tokens={keep})" if keep else ""
+            raise context_length_exceeded(limits.max_model_len, count, None, chat=False,
+                                          detail=f"{name}: {count} token ids{kept}; must be fewer than "
                                           f"max_model_len={limits.max_model_len} (at least one token must be "
                                           "generated)")
         elif kind == "chat":

@@ -216,6 +216,22 @@ def test_chat_tool_calls_template_kwargs_and_continue_through_the_sdk(stack):
     assert e.value.body["param"] == "chat_template_kwargs"
 
 
+def test_truncate_prompt_tokens_keeps_the_last_prompt_tokens(stack):
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = stack.tokenizer(text)["input_ids"]
+    ref = run(_grpc_complete(stack, ids[-9:], max_tokens=6, temperature=0, ignore_eos=True))
+    c = stack.openai()
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0,
+                             extra_body={"truncate_prompt_tokens": 9, "ignore_eos": True})
+    assert r.usage.prompt_tokens == 9 and r.choices[0].text == ref.text
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_n_forks_with_a_seed_equal_grpc(stack):
     ref = run(_grpc_complete(stack, "fork me", n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
     c = stack.openai()

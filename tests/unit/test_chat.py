@@ -355,3 +355,45 @@ def test_template_kwargs_that_are_not_an_object_are_refused(tokenizers, monkeypa
     assert not_object == ("prompt.chat.chat_template_kwargs: must be a JSON object (its keys are the template's "
                           "variables)")
     assert not_json.startswith("prompt.chat.chat_template_kwargs: not valid JSON (")
+
+
+# ---- truncate_prompt_tokens ---------------------------------------------------------------------------------
+def test_truncated_keeps_the_last_tokens_and_names_its_limit():
+    from scheduler_svc.prompts import truncated
+    from scheduler_svc.validation import InvalidRequest
+
+    assert truncated([1, 2, 3, 4], 0, 8) == [1, 2, 3, 4]  # 0: not set
+    assert truncated([1, 2, 3, 4], 2, 8) == [3, 4] and truncated([1, 2, 3, 4], 8, 8) == [1, 2, 3, 4]
+    for keep in (-1, 9):
+        with pytest.raises(InvalidRequest, match=rf"^truncate_prompt_tokens: {keep}; must be in \[1, max_model_len=8"):
+            truncated([1, 2], keep, 8)
+
+
+def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_check(tokenizers, monkeypatch):
+    """The executor gets the last N ids of what the prompt tokenized (rendered) to, and a prompt longer than the
+    context is taken once cut (max_model_len is 512 here)."""
+    sent: list[list[int]] = []
+    step = FakeClient.step
+
+    async def recording_step(self, plan):
+        sent.extend(list(r.token_ids) for r in plan.new_requests)
+        return await step(self, plan)
+    monkeypatch.setattr(FakeClient, "step", recording_step)
+    chat_tok = tokenizers[0]
+    text = "abcdefgh" * 80  # 640 tokens, + BOS
+
+    async def scenario(service):
+        usage = []
+        for prompt, kw in ((text, {}), ([i % 250 for i in range(900)], {}), (None, {"messages": MESSAGES})):
+            req = Client.build_request(prompt, max_tokens=1, truncate_prompt_tokens=7, **kw)
+            usage.append((await generate(service, req))[-1].usage.prompt_tokens)
+        with pytest.raises(Aborted) as err:
+            await generate(service, Client.build_request(text, max_tokens=1, truncate_prompt_tokens=513))
+        return usage, err.value
+
+    usage, err = run_service(chat_tok, scenario, monkeypatch, limit=4000)
+    assert usage == [7, 7, 7]
+    assert sent == [chat_tok(text)["input_ids"][-7:], [143, 144, 145, 146, 147, 148, 149],
+                    template_ids(chat_tok, MESSAGES)[-7:]]
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details.startswith("truncate_prompt_tokens: 513; must be in [1, max_model_len=512]")

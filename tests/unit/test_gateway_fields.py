@@ -75,6 +75,7 @@ HONOURED = {
     "continue_final_message": lambda body, plan: _req(plan).chat.continue_final_message,
     "chat_template": lambda body, plan: _req(plan).chat.chat_template,
     "chat_template_kwargs": lambda body, plan: json.loads(_req(plan).chat.chat_template_kwargs or "{}"),
+    "truncate_prompt_tokens": lambda body, plan: [r.truncate_prompt_tokens for r in plan.requests],
     "presence_penalty": lambda body, plan: _req(plan).sampling.presence_penalty,
     "frequency_penalty": lambda body, plan: _req(plan).sampling.frequency_penalty,
     "repetition_penalty": lambda body, plan: _req(plan).sampling.repetition_penalty,
@@ -274,6 +275,23 @@ def test_the_gateways_own_token_count_check_is_a_context_length_error():
         check_sizes(plan, RequestLimits.of(2048))
     assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     assert e.value.message.startswith("This model's maximum context length is 2048 tokens.")
+
+
+def test_truncate_prompt_tokens_is_checked_against_the_context_before_the_prompts_length():
+    plan = parse_completion({"model": "m", "prompt": [1] * 3000, "truncate_prompt_tokens": 100}, "r")
+    check_sizes(plan, RequestLimits.of(2048))  # 3000 ids, of which the last 100 are kept: taken
+    plan = parse_completion({"model": "m", "prompt": [1] * 3000, "truncate_prompt_tokens": 2048}, "r")
+    with pytest.raises(ApiError) as e:
+        check_sizes(plan, RequestLimits.of(2048))
+    assert e.value.code == "context_length_exceeded"
+    assert "2048 token ids (truncate_prompt_tokens=2048)" in e.value.message
+    for keep, limits in ((2049, RequestLimits.of(2048)), (0, None), (-1, None), ("5", None)):
+        with pytest.raises(ApiError) as e:
+            plan = parse_chat({**BASE[True], "truncate_prompt_tokens": keep}, "r")
+            check_sizes(plan, limits)
+        assert e.value.status == 400 and e.value.param == "truncate_prompt_tokens", keep
+    with pytest.raises(ApiError, match=r"truncate_prompt_tokens: 2049; must be in \[1, max_model_len=2048\]"):
+        check_sizes(parse_completion({**BASE[False], "truncate_prompt_tokens": 2049}, "r"), RequestLimits.of(2048))
 
 
 def test_app_answers_a_length_refusal_in_openais_words():

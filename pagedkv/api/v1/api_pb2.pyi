@@ -120,7 +120,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation", "truncate_prompt_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -137,7 +138,8 @@ class GenerateRequest(_message.Message):
     priority: int
     page_budget: int
     continuation: Continuation
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("forks",)
