@@ -27,6 +27,7 @@ from pagedkv.gateway.chat_requests import chat_of
 from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
 from scheduler_svc.chat import check_chat_size
 from scheduler_svc.validation import (
+    MAX_FORKS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
@@ -136,7 +137,8 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    sampling = api.SamplingParams(max_tokens=max_tokens or 0, n=_int(body, "n", 1, 128) or 1)
+    # (n: the scheduler's own limit, MAX_FORKS, one constant for both)
+    sampling = api.SamplingParams(max_tokens=max_tokens or 0, n=_int(body, "n", 1, MAX_FORKS) or 1)
     for name, value in (("temperature", _float(body, "temperature", 0.0, 2.0)),
                         ("top_p", _float(body, "top_p", 0.0, 1.0)), ("top_k", _int(body, "top_k", -1, 2**31 - 1)),
                         ("seed", _int(body, "seed", -(2**63), 2**64 - 1))):

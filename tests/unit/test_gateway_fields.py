@@ -356,3 +356,19 @@ def test_app_makes_its_own_id_for_an_unusable_header_and_refuses_a_bad_body_id()
 def test_app_version():
     status, _, data = asyncio.run(asgi(create_app(Gateway(FakeUpstream(), Log())), "/version", b"", method="GET"))
     assert status == 200 and json.loads(data) == {"version": pagedkv.__version__}
+
+
+def test_one_n_limit_for_the_gateway_and_the_scheduler():
+    """The gateway refuses n past the scheduler's MAX_FORKS in the same words, naming n and the limit."""
+    from scheduler_svc.validation import MAX_FORKS
+
+    for chat in (False, True):
+        assert _req(_parse(chat, n=MAX_FORKS)).sampling.n == MAX_FORKS
+        with pytest.raises(ApiError) as e:
+            _parse(chat, n=MAX_FORKS + 1)
+        assert (e.value.status, e.value.param) == (400, "n")
+        assert e.value.message == f"n: {MAX_FORKS + 1}; must be in [1, {MAX_FORKS}]"
+    with pytest.raises(InvalidRequest) as e:
+        check_sampling(api.SamplingParams(n=MAX_FORKS + 1), 1, Limits(max_model_len=64, vocab_size=10))
+    assert str(e.value).startswith(f"sampling.n: {MAX_FORKS + 1}; must be in [1, {MAX_FORKS}]")
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, str(e.value)).param == "n"
