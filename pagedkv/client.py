@@ -372,12 +372,15 @@ class Client:
     async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
         return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)
 
-    async def tokenize(self, text: str = "", add_special_tokens: bool = False, *,
-                       messages: Sequence[Message] | None = None,
-                       add_generation_prompt: bool | None = None) -> list[int]:
-        """Token ids of ``text``, or of the prompt the chat template renders from ``messages``."""
-        req = api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    async def tokenize(self, text: str = "", add_special_tokens: bool | None = None, *,
+                       messages: Sequence[Message] | None = None, add_generation_prompt: bool | None = None,
+                       **chat_options) -> list[int]:
+        """Token ids of ``text`` (with BOS unless ``add_special_tokens`` is False: as Generate tokenizes it), or of
+        the prompt the chat template renders from ``messages`` (``chat_options``: chat_of's)."""
+        req = api.TokenizeRequest(text=text)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
         if messages is not None:
-            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt, **chat_options))
         r = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(r.token_ids)

@@ -329,8 +329,8 @@ class GenerationService(api_grpc.GenerationServicer):
                     raise InvalidRequest("text: must be empty when chat is set (send one of them)")
                 ids, tokens = await self.prompts.chat_ids(request.chat, "chat", tokens=True)
             else:
-                ids, tokens = await self.prompts.text_ids(request.text, "text", request.add_special_tokens,
-                                                          tokens=True)
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+                ids, tokens = await self.prompts.text_ids(request.text, "text", special, tokens=True)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:

@@ -397,3 +397,29 @@ def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_
                     template_ids(chat_tok, MESSAGES)[-7:]]
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details.startswith("truncate_prompt_tokens: 513; must be in [1, max_model_len=512]")
+
+
+# ---- one BOS rule ---------------------------------------------------------------------------------------
+def test_tokenize_and_generate_agree_on_bos(tokenizers, monkeypatch):
+    """Tokenize without add_special_tokens gives exactly the ids Generate runs for the same text (BOS added, as
+    transformers' and vLLM's default); add_special_tokens false leaves it out; a chat's template writes its own."""
+    from scheduler_svc.prompts import adds_special_tokens
+
+    assert (adds_special_tokens("text"), adds_special_tokens("text", False), adds_special_tokens("chat"),
+            adds_special_tokens("chat", True)) == (True, False, False, False)
+    sent: list[list[int]] = []
+    step = FakeClient.step
+
+    async def recording_step(self, plan):
+        sent.extend(list(r.token_ids) for r in plan.new_requests)
+        return await step(self, plan)
+    monkeypatch.setattr(FakeClient, "step", recording_step)
+
+    async def scenario(service):
+        await generate(service, Client.build_request("hi", max_tokens=1))
+        default = await service.Tokenize(api.TokenizeRequest(text="hi"), Context())
+        without = await service.Tokenize(api.TokenizeRequest(text="hi", add_special_tokens=False), Context())
+        return list(default.token_ids), list(without.token_ids)
+
+    default, without = run_service(tokenizers[0], scenario, monkeypatch)
+    assert sent == [default] and default == [1, ord("h") + 3, ord("i") + 3] and without == default[1:]
