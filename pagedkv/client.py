@@ -384,3 +384,8 @@ class Client:
             req.chat.CopyFrom(chat_of(messages, add_generation_prompt, **chat_options))
         r = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(r.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens kept (at most max_model_len of them)."""
+        r = await self.stub.Detokenize(api.DetokenizeRequest(token_ids=list(token_ids)), metadata=self.metadata)
+        return r.text

@@ -336,3 +336,11 @@ class GenerationService(api_grpc.GenerationServicer):
         except NoChatTemplate as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return api.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def Detokenize(self, request, context):  # noqa: N802
+        await self._tenant(context, METHODS + "Detokenize")
+        try:
+            text = await self.prompts.detokenize(list(request.token_ids))
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return api.DetokenizeResponse(text=text)

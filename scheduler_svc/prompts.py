@@ -1,6 +1,6 @@
 """The scheduler's tokenizer work, on its one thread (``Prompts``): a request's prompt as token ids (text, token ids
-or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's answers; the bad words'
-token sequences. Every input is bounded before the tokenizer or a template sees it.
+or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's and Detokenize's answers;
+the bad words' token sequences. Every input is bounded before the tokenizer or a template sees it.
 
 One rule says whether special tokens (BOS) are added (``adds_special_tokens``), for Generate and Tokenize alike."""
 
@@ -98,3 +98,14 @@ class Prompts:
         words = list(words)
         check_bad_words(words)
         return await self.run(lambda: bad_words_token_ids(words, lambda text: self._ids(text, False)))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (vLLM's /detokenize): at most max_model_len ids, each in the
+        vocabulary."""
+        limits = self.limits
+        if len(ids) > limits.max_model_len:
+            raise InvalidRequest(f"token_ids: {len(ids)} ids; at most max_model_len={limits.max_model_len}")
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+        return await self.run(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))

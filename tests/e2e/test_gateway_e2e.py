@@ -92,6 +92,16 @@ class Stack:
     def grpc(self, key: str = KEY) -> Client:
         return Client(self.scheduler.address, api_key=key, tls_ca=self.ca)
 
+    def post(self, path: str, body: dict, key: str | None = KEY, method: str = "POST") -> tuple[int, dict]:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
     def get(self, path: str) -> tuple[int, str]:
         ctx = ssl.create_default_context(cafile=self.ca)
         try:
@@ -230,6 +240,27 @@ def test_truncate_prompt_tokens_keeps_the_last_prompt_tokens(stack):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
     assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_tokenize_and_detokenize_give_the_ids_generate_runs(stack):
+    """vLLM's /tokenize and /detokenize: a prompt's ids with BOS as Generate adds it (the usage agrees), a chat's as
+    its template renders them, the text back from ids; the caller's key is checked; 405 for another method."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    status, prompt = stack.post("/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    assert status == 200 and prompt["tokens"] == stack.tokenizer("Hello there")["input_ids"]
+    assert prompt["count"] == len(prompt["tokens"]) and len(prompt["token_strs"]) == prompt["count"]
+    assert prompt["max_model_len"] == stack.openai().models.list().data[0].max_model_len
+    r = stack.openai().completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+    assert r.usage.prompt_tokens == prompt["count"]
+    status, chat = stack.post("/tokenize", {"messages": messages})
+    assert status == 200 and chat["tokens"] == template_ids(stack.tokenizer, messages) and chat["token_strs"] is None
+    status, text = stack.post("/detokenize", {"model": MODEL, "tokens": prompt["tokens"]})
+    assert status == 200 and text == {"prompt": stack.tokenizer.decode(prompt["tokens"])}
+    status, err = stack.post("/detokenize", {"tokens": [1 << 30]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    assert stack.post("/tokenize", {"prompt": "x"}, key="wrong-key")[0] == 401
+    status, err = stack.post("/tokenize", {"prompt": "x"}, method="GET")
+    assert status == 405 and err["error"]["type"] == "invalid_request_error"
 
 
 def test_n_forks_with_a_seed_equal_grpc(stack):

@@ -423,3 +423,22 @@ def test_tokenize_and_generate_agree_on_bos(tokenizers, monkeypatch):
 
     default, without = run_service(tokenizers[0], scenario, monkeypatch)
     assert sent == [default] and default == [1, ord("h") + 3, ord("i") + 3] and without == default[1:]
+
+
+def test_detokenize_keeps_special_tokens_and_is_bounded(tokenizers, monkeypatch):
+    async def scenario(service):
+        ids = (await service.Tokenize(api.TokenizeRequest(text="hé"), Context())).token_ids
+        text = await service.Detokenize(api.DetokenizeRequest(token_ids=ids), Context())
+        errors = []
+        for bad in ([1] * 513, [300], [-1]):
+            with pytest.raises(Aborted) as err:
+                await service.Detokenize(api.DetokenizeRequest(token_ids=bad), Context())
+            errors.append(err.value)
+        return text.text, errors
+
+    text, errors = run_service(tokenizers[0], scenario, monkeypatch)
+    assert text == tokenizers[0].decode(tokenizers[0]("hé")["input_ids"]) and text.endswith("hé") and text != "hé"
+    assert [e.code for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [e.details for e in errors] == ["token_ids: 513 ids; at most max_model_len=512",
+                                           "token_ids: id 300 outside the vocabulary [0, 300)",
+                                           "token_ids: id -1 outside the vocabulary [0, 300)"]
