@@ -177,7 +177,8 @@ async def serve(args) -> None:
     defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
                     sampling_defaults=defaults)
-    info = dict(model=args.served_model_name or describe.model, max_model_len=max_len, block_size=describe.block_size,
+    names = list(dict.fromkeys(args.served_model_name)) or [describe.model]  # (in order, each once)
+    info = dict(model=names[0], served_model_names=names, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
                 sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,

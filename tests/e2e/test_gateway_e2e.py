@@ -433,14 +433,20 @@ def test_compose_gateway_service_runs_and_its_healthcheck_passes(stack):
 
 
 def test_serve_http_port_runs_the_gateway_as_a_child(model_cache):
+    """serve's gateway learns the scheduler's names (vLLM's --served-model-name a b): /v1/models lists both, either
+    may be asked for, answers report the first, another name is 404 model_not_found."""
     port = free_port()
-    server = LocalServer("--http-port", str(port), "--num-pages", "64")
+    server = LocalServer("--http-port", str(port), "--num-pages", "64", "--served-model-name", "tiny", "tiny-alias")
     try:
         assert f"HTTP (OpenAI API) on 127.0.0.1:{port}" in server.log()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        out = list(c.completions.create(model="tiny-llama", prompt="serve", max_tokens=5, stream=True,
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
+        out = list(c.completions.create(model="tiny-alias", prompt="serve", max_tokens=5, stream=True,
                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-        assert out[-1].usage.completion_tokens == 5
+        assert out[-1].usage.completion_tokens == 5 and {ch.model for ch in out} == {"tiny"}
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["code"] == "model_not_found"
     finally:
         assert server.stop() == 0, server.log()
 

@@ -135,3 +135,10 @@ def test_two_services_may_share_a_flag_only_with_one_meaning():
     assert forwarded["--log-format"].services == ["scheduler", "executor"]
     with pytest.raises(TypeError, match="--log-format means different things"):
         _ServiceFlags("executor", group, forwarded).add_argument("--log-format", default="json")
+
+
+@pytest.mark.parametrize("argv", [["--served-model-name", "a", "b"], ["--served-model-name", "a", "--served-model-name",
+                                                                       "b"]])
+def test_several_served_model_names_reach_the_scheduler_in_order(argv):
+    args, parsed = children(argv)
+    assert args.served_model_name == parsed["scheduler"].served_model_name == ["a", "b"]

@@ -196,7 +196,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, reset_peak: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view", "sampling_defaults")
+    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view", "sampling_defaults", "served_model_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class ModelInfoResponse(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_VIEW_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -263,7 +264,8 @@ class ModelInfoResponse(_message.Message):
     kv_bytes_per_token: int
     cluster_view: bool
     sampling_defaults: SamplingDefaults
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")

@@ -1,7 +1,8 @@
-"""The gateway's /tokenize and /detokenize (vLLM's shapes, pagedkv/gateway/tokenize.py) against a scripted
-scheduler stub: what each body becomes, the answer's shape, refusals that name the field and the limit (sizes
-checked before anything is sent), the scheduler's refusals in OpenAI's terms, the model checked when named, one
-credential; and 405 in OpenAI's shape for a known path asked with another method."""
+"""What vLLM and OpenAI clients count on from the gateway, against a scripted scheduler stub: /tokenize and
+/detokenize in vLLM's shapes (pagedkv/gateway/tokenize.py: what each body becomes, the answer's shape, refusals that
+name the field and the limit, sizes checked before anything is sent, the scheduler's refusals in OpenAI's terms,
+the model checked when named, one credential); 405 in OpenAI's shape for a known path asked with another method;
+the served model names (several, the first reported; another is 404 model_not_found)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
 from pagedkv.gateway.app import Gateway, create_app
+from pagedkv.gateway.errors import ApiError
 from tests.unit.test_gateway_unit import FakeUpstream, Log, asgi, rpc_error
 
 pytestmark = pytest.mark.unit
@@ -136,3 +138,41 @@ def test_a_wrong_method_on_a_known_path_is_405_in_openais_shape(method, path, al
     assert body["error"] == {"message": f"{method} is not allowed on {path}", "type": "invalid_request_error",
                              "param": None, "code": None}
     assert post("/nope", b"", method=method)[0] == 404
+
+
+class NamesStub:
+    """A scheduler stub answering ModelInfo (what Upstream learns the names from)."""
+
+    def __init__(self, info: api.ModelInfoResponse) -> None:
+        self.info, self.calls = info, 0
+
+    async def ModelInfo(self, req, metadata, timeout):  # noqa: N802
+        self.calls += 1
+        return self.info
+
+
+def _upstream(info: api.ModelInfoResponse, served: tuple[str, ...] = ()):
+    from pagedkv.gateway.upstream import Upstream
+
+    up = Upstream.__new__(Upstream)  # (no channel: the unit tier opens none)
+    up.client = type("C", (), {"stub": NamesStub(info)})()
+    up.names, up.max_model_len, up.created = served, 0, 0
+    return up
+
+
+def test_served_model_names_the_first_is_reported_and_another_is_404():
+    info = api.ModelInfoResponse(model="a", served_model_names=["a", "b"], max_model_len=64)
+    up = _upstream(info)
+    assert asyncio.run(up.check_model("b", ())) == "a" and up.names == ("a", "b")
+    with pytest.raises(ApiError) as e:
+        asyncio.run(up.check_model("gpt-4", ()))
+    assert (e.value.status, e.value.code, e.value.param, e.value.type) == (404, "model_not_found", "model",
+                                                                           "not_found_error")
+    assert "lists a, b" in e.value.message
+    assert asyncio.run(_upstream(api.ModelInfoResponse(model="old")).check_model("old", ())) == "old"  # older one
+    up = _upstream(info, served=("x", "y"))  # the gateway's own --served-model-name wins
+    assert asyncio.run(up.check_model("y", ())) == "x" and up.client.stub.calls == 0
+    from pagedkv.cli import build_parser
+
+    for argv in (["--served-model-name", "a", "b"], ["--served-model-name", "a", "--served-model-name", "b"]):
+        assert build_parser().parse_args(["gateway", *argv]).served_model_name == ["a", "b"]
