@@ -308,23 +308,25 @@ class Client:
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                       include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1,
                       priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
-                      frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
+                      frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                      min_p: float | None = None,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
                       allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
                       chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
                       continue_final_message: bool = False, truncate_prompt_tokens: int = 0) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
         ``chat_template``; chat_of says what a message may hold).
-        temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
-        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
+        temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
+        generation_config.json, else OpenAI's and vLLM's: temperature 1, sampled; ModelInfo's sampling_defaults
+        shows them); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                      repetition_penalty=repetition_penalty if repetition_penalty != 1 else 0.0,
-                                      min_p=min_p, min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
+                                      min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
                                       allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                            ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,

@@ -182,7 +182,9 @@ async def serve(args) -> None:
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
                 sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,
-                                                       top_k=defaults.top_k))
+                                                       top_k=defaults.top_k,
+                                                       repetition_penalty=defaults.repetition_penalty,
+                                                       min_p=defaults.min_p))
 
     def undecodable(method: str, peer: str, reason: str) -> None:
         metrics.UNDECODABLE_REQUESTS.inc()

@@ -7,7 +7,8 @@ Translation (OpenAI field -> GenerateRequest):
   messages -> chat (chat_requests.py; the scheduler renders the chat template), with add_generation_prompt,
   continue_final_message, chat_template and chat_template_kwargs
   max_tokens | max_completion_tokens -> sampling.max_tokens (completions default 16, as OpenAI; chat: none)
-  temperature, top_p, top_k, seed, stop, n -> sampling.*; unset -> the checkpoint's defaults
+  temperature, top_p, top_k, seed, stop, n -> sampling.*; temperature, top_p, top_k, repetition_penalty and min_p
+  unset -> the model's defaults (generation_config.json, else OpenAI's and vLLM's: temperature 1)
   logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
   extensions (extra body fields): page_budget, priority, ignore_eos, stop_token_ids, include_stop_str_in_output
 Every other field is refused, ignored by design or unknown, as fields.py's table says (``fields.screen``).
@@ -194,8 +195,10 @@ def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
     if repetition is not None:
         if repetition <= 0:
             raise bad("repetition_penalty", f"{repetition}; must be > 0 (1: no penalty)")
-        sampling.repetition_penalty = repetition if repetition != 1 else 0.0  # (0: unset, no penalty)
-    sampling.min_p = _float(body, "min_p", 0.0, 1.0) or 0.0
+        sampling.repetition_penalty = repetition  # (set, even at 1: it wins over the model's default)
+    min_p = _float(body, "min_p", 0.0, 1.0)
+    if min_p is not None:
+        sampling.min_p = min_p
     sampling.min_tokens = _int(body, "min_tokens", 0, 2**31 - 1) or 0
     allowed = body.get("allowed_token_ids")
     if allowed is not None:

@@ -54,6 +54,7 @@ def gen(prompt=PROMPT, *, request_id: str = "", priority: int = 0, page_budget: 
         **sampling) -> api.GenerateRequest:
     sampling.setdefault("max_tokens", 4)
     sampling.setdefault("ignore_eos", True)
+    sampling.setdefault("temperature", 0.0)  # greedy (an unset temperature samples): the GREEDY outcome compares
     req = api.GenerateRequest(sampling=api.SamplingParams(**sampling), request_id=request_id, priority=priority,
                               page_budget=page_budget)
     if seed is not None:

@@ -263,6 +263,24 @@ def test_tokenize_and_detokenize_give_the_ids_generate_runs(stack):
     assert status == 405 and err["error"]["type"] == "invalid_request_error"
 
 
+def test_an_unset_temperature_is_openais_default_of_1(stack):
+    """A checkpoint whose generation_config.json sets no sampling values: a request without temperature samples at
+    1 (OpenAI's and vLLM's default), seed for seed what temperature=1 gives; ModelInfo says so."""
+    c = stack.openai()
+
+    def texts(**kw) -> list[str]:
+        return [c.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, seed=seed,
+                                     extra_body={"ignore_eos": True}, **kw).choices[0].text for seed in (1, 2, 3)]
+    unset = texts()
+    assert unset == texts(temperature=1.0) and len(set(unset)) > 1 and len(set(texts(temperature=0))) == 1
+
+    async def defaults():
+        async with stack.grpc() as client:
+            return (await client.model_info()).sampling_defaults
+    d = run(defaults())
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.min_p) == (1.0, 1.0, 0, 1.0, 0.0)
+
+
 def test_n_forks_with_a_seed_equal_grpc(stack):
     ref = run(_grpc_complete(stack, "fork me", n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
     c = stack.openai()

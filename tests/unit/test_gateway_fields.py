@@ -136,9 +136,15 @@ def test_a_field_ignored_by_design_changes_nothing_sent(field, chat):
 
 def test_value_dependent_refusals_and_the_logits_controls_accept_the_defaults():
     for chat in (False, True):
-        plan = _parse(chat, repetition_penalty=1.0, min_tokens=0, skip_special_tokens=True, min_p=0,
-                      presence_penalty=0.0, logit_bias={}, bad_words=[], response_format={"type": "text"})
+        plan = _parse(chat, min_tokens=0, skip_special_tokens=True, presence_penalty=0.0, logit_bias={},
+                      bad_words=[], response_format={"type": "text"})
         assert plan.requests == _parse(chat).requests
+        # repetition_penalty and min_p at their neutral values are sent: they win over the model's defaults
+        s = _req(_parse(chat, repetition_penalty=1.0, min_p=0)).sampling
+        assert (s.HasField("repetition_penalty"), s.repetition_penalty, s.HasField("min_p"), s.min_p) == (
+            True, 1.0, True, 0.0)
+        s = _req(_parse(chat)).sampling
+        assert not s.HasField("repetition_penalty") and not s.HasField("min_p")  # unset: the model's defaults
     with pytest.raises(ApiError) as e:
         _parse(False, skip_special_tokens=1)  # 1 is not True
     assert e.value.param == "skip_special_tokens"
