@@ -25,9 +25,12 @@ MAX_ARGUMENTS_DEPTH = 16  # arrays and objects in a tool call's arguments
 MAX_CHAT_TEMPLATE_BYTES = 64 << 10  # real templates run 1-20 KiB
 MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
 MAX_TEMPLATE_KWARGS_DEPTH = 8  # the top object counted
-# What the scheduler passes the template itself: a chat_template_kwargs key may not replace it.
+# What the scheduler passes the template itself, and apply_chat_template's own arguments (the caller's, not the
+# template's variables): a chat_template_kwargs key may be none of them.
 OWN_TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                     "chat_template", "tokenize")
+                     "chat_template", "tokenize", "return_dict", "return_assistant_tokens_mask", "return_tensors",
+                     "padding", "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens",
+                     "conversation")
 
 
 class NoChatTemplate(Exception):
@@ -143,8 +146,9 @@ def _template_kwargs(text: str, field: str) -> dict:
         raise InvalidRequest(f"{field}: must be a JSON object (its keys are the template's variables)")
     own = sorted(k for k in kwargs if k in OWN_TEMPLATE_ARGS)
     if own:
-        raise InvalidRequest(f"{field}: {', '.join(own)} cannot be set here (the scheduler passes "
-                             f"{', '.join(OWN_TEMPLATE_ARGS)} itself; set the request's own fields)")
+        raise InvalidRequest(f"{field}: {', '.join(own)} cannot be set here (messages, add_generation_prompt, "
+                             "continue_final_message and chat_template are the request's own fields; the rest are "
+                             "apply_chat_template's arguments, not the template's variables)")
     return kwargs
 
 

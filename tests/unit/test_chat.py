@@ -323,6 +323,8 @@ def _tool_call(arguments: str = "{}", **fields) -> dict:
      "prompt.chat.chat_template_kwargs: JSON nested more than 8 levels deep; at most 8"),
     ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
      "prompt.chat.chat_template_kwargs: add_generation_prompt, messages cannot be set here"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"sanitize_control_tokens": True}},
+     "prompt.chat.chat_template_kwargs: sanitize_control_tokens cannot be set here"),
     ([{"role": "user", "content": "x"}], {"chat_template": "x" * (64 << 10 | 1)},
      "prompt.chat.chat_template: 65537 bytes; at most 65536"),
 ])
