@@ -217,7 +217,7 @@ class StreamResult:
 async def stream_one(client: Any, req: Request, t0: float) -> StreamResult:
     """Streams ``req`` (greedy, EOS ignored) and times its first token and its end from ``t0``."""
     out = StreamResult(req.index)
-    async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True):
+    async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True, temperature=0):
         if msg.token_ids and not out.token_ids:
             out.ttft_s = time.perf_counter() - t0
         out.token_ids.extend(msg.token_ids)

@@ -86,7 +86,7 @@ def migration_workload(n: int) -> list[tuple[list[int], dict]]:
     reqs = make_workload(n, seed=11, vocab_size=VOCAB, prompt_range=(24, 128), output_range=(96, 96))
     out = []
     for i, r in enumerate(reqs):
-        params = dict(max_tokens=r.max_tokens, ignore_eos=True)
+        params = dict(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
         if i % 2:
             params.update(temperature=0.9, top_p=0.95, seed=500 + i)
         out.append((r.prompt, params))

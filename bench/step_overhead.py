@@ -60,7 +60,8 @@ async def measure(server: Server, metrics_port: int, running: int, window: float
     async with Client(server.address) as client:
         await warm_up(client)
         prompts = [[1] + [(7 * i + j) % 250 + 3 for j in range(31)] for i in range(running)]
-        tasks = [asyncio.create_task(client.complete(p, max_tokens=MAX_TOKENS, ignore_eos=True)) for p in prompts]
+        tasks = [asyncio.create_task(client.complete(p, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0))
+                 for p in prompts]
         await asyncio.sleep(settle)  # prefill is over: every request decodes
         ex0, sc0, t0 = scrape(ex_port), scrape(metrics_port), time.perf_counter()
         await asyncio.sleep(window)

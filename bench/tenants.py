@@ -145,7 +145,7 @@ async def _stream(client: Any, req: Request, out: Stream) -> None:
     """Runs one request into ``out``; a cancellation leaves what arrived so far there."""
     out.sent = time.perf_counter()
     try:
-        async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True):
+        async for msg in client.generate(req.prompt, max_tokens=req.max_tokens, ignore_eos=True, temperature=0):
             now = time.perf_counter()
             if msg.token_ids:
                 if not out.tokens:

@@ -174,8 +174,8 @@ class ModelConfig:
             hidden_act=(hf.hidden_activation if gemma else getattr(hf, "hidden_act", None)) or "silu",
             o_proj_bias=biased,
             mlp_bias=llama and bool(getattr(hf, "mlp_bias", False)),
-            generation_defaults={k: gen[k] for k in ("do_sample", "temperature", "top_p", "top_k",
-                                                      "repetition_penalty") if k in gen},
+            generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+                                 if k in gen},
             unknown_fields=tuple(unknown),
             quantization=_quantization(outer, path),
             language_model_only=outer is not hf,

@@ -132,7 +132,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     cfg = ModelConfig.from_dir(path)
     if cfg.unknown_fields:  # no supported family defines them: transformers ignores them too
         log.warning("config_fields_ignored", fields=list(cfg.unknown_fields), model=str(path))
-    temperature, top_p, top_k = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
+    defaults = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
     model = load_model(cfg, device, dtype)
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
@@ -159,7 +159,8 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         page_bytes=pool.page_bytes, attention_backend=backend, device=str(device),
         eos_token_ids=list(cfg.eos_token_ids), executor_id=uuid.uuid4().hex,
         swap_bytes_per_second=costs.swap_bytes_per_second, prefill_seconds_per_token=costs.prefill_seconds_per_token,
-        default_temperature=temperature, default_top_p=top_p, default_top_k=top_k,
+        default_temperature=defaults.temperature, default_top_p=defaults.top_p, default_top_k=defaults.top_k,
+        default_repetition_penalty=defaults.repetition_penalty, default_min_p=defaults.min_p,
         model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,

@@ -188,9 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduler HOST:PORT; several comma-separated, or dns:///NAME:PORT, for round robin")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=None,
-                   help="0: greedy (default: the model's generation_config.json, greedy without one)")
-    p.add_argument("--top-p", type=float, default=None, help="default: the model's")
-    p.add_argument("--top-k", type=int, default=None, help="default: the model's (0: no top-k filter)")
+                   help="0: greedy (default: the model's: its generation_config.json temperature, else 1, sampled, "
+                   "as OpenAI and vLLM; ModelInfo's sampling_defaults shows it)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="default: the model's (its generation_config.json, else 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="default: the model's (its generation_config.json, else 0: no top-k filter)")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
     p.add_argument("--system", default="", help="with --chat: a system message before the prompt")

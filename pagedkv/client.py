@@ -17,12 +17,14 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.chat_request import Message, chat_of
 from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS, QUEUE_FULL_PREFIX
 from pagedkv.security import open_channel
 
@@ -58,9 +60,6 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
         out.prompt_tokens = msg.usage.prompt_tokens
         out.completion_tokens = msg.usage.completion_tokens
         out.cached_tokens = msg.usage.cached_tokens
-
-
-Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -237,14 +236,6 @@ async def resumable_generate(stub, request: api.GenerateRequest, metadata=(), po
             raise _gave_up(error, f"not resumed within {policy.timeout_s:g}s") from None
 
 
-def chat_of(messages: Sequence[Message], add_generation_prompt: bool | None = None) -> api.Chat:
-    chat = api.Chat(messages=[api.ChatMessage(role=m["role"], content=m["content"]) if isinstance(m, Mapping)
-                              else api.ChatMessage(role=m[0], content=m[1]) for m in messages])
-    if add_generation_prompt is not None:
-        chat.add_generation_prompt = add_generation_prompt
-    return chat
-
-
 # A scheduler that is back (restarted, or a new one at the address) is dialled again within a second: grpc's default
 # reconnect backoff grows to 2 minutes, which a resume would wait out.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -317,32 +308,39 @@ class Client:
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                       include_stop_str_in_output: bool = False, request_id: str = "", n: int = 1,
                       priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
-                      frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
+                      frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                      min_p: float | None = None,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
                       allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
+                      chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
+                      continue_final_message: bool = False, truncate_prompt_tokens: int = 0,
                       constraint: api.Constraint | None = None) -> api.GenerateRequest:
-        """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
-        temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
-        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams; ``constraint``:
+        """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
+        ``chat_template``; chat_of says what a message may hold).
+        temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
+        generation_config.json, else OpenAI's and vLLM's: temperature 1, sampled; ModelInfo's sampling_defaults
+        shows them); temperature 0 is greedy. The logits controls: api.proto's SamplingParams; ``constraint``:
         structured outputs (api.proto's Constraint)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                      repetition_penalty=repetition_penalty if repetition_penalty != 1 else 0.0,
-                                      min_p=min_p, min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
+                                      min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
                                       allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
         if constraint is not None:
             sampling.constraint.CopyFrom(constraint)
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                            ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
-                                  page_budget=page_budget)
+                                  page_budget=page_budget, truncate_prompt_tokens=truncate_prompt_tokens)
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt (text or token ids) or messages, not both")
         if messages is not None:
-            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt, chat_template=chat_template,
+                                      chat_template_kwargs=chat_template_kwargs,
+                                      continue_final_message=continue_final_message))
         elif isinstance(prompt, str):
             req.text = prompt
         else:
@@ -380,12 +378,20 @@ class Client:
     async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
         return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)
 
-    async def tokenize(self, text: str = "", add_special_tokens: bool = False, *,
-                       messages: Sequence[Message] | None = None,
-                       add_generation_prompt: bool | None = None) -> list[int]:
-        """Token ids of ``text``, or of the prompt the chat template renders from ``messages``."""
-        req = api.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    async def tokenize(self, text: str = "", add_special_tokens: bool | None = None, *,
+                       messages: Sequence[Message] | None = None, add_generation_prompt: bool | None = None,
+                       **chat_options) -> list[int]:
+        """Token ids of ``text`` (with BOS unless ``add_special_tokens`` is False: as Generate tokenizes it), or of
+        the prompt the chat template renders from ``messages`` (``chat_options``: chat_of's)."""
+        req = api.TokenizeRequest(text=text)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
         if messages is not None:
-            req.chat.CopyFrom(chat_of(messages, add_generation_prompt))
+            req.chat.CopyFrom(chat_of(messages, add_generation_prompt, **chat_options))
         r = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(r.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens kept (at most max_model_len of them)."""
+        r = await self.stub.Detokenize(api.DetokenizeRequest(token_ids=list(token_ids)), metadata=self.metadata)
+        return r.text

@@ -50,7 +50,7 @@ GROUP_TITLES = {
     "executor": f"executor (model, page pools; passed to pagedkv executor, which listens on {EXECUTOR_HOST} only "
                 "with a fresh secret per run)",
 }
-_KINDS = {None: "store", "store": "store", "store_true": "store_true", "append": "append",
+_KINDS = {None: "store", "store": "store", "store_true": "store_true", "append": "append", "extend": "extend",
           argparse.BooleanOptionalAction: "boolean"}
 
 
@@ -60,7 +60,7 @@ class Forwarded:
 
     flag: str
     dest: str
-    kind: str  # store | store_true | append | boolean
+    kind: str  # store | store_true | append | extend (nargs "+": several values after one flag) | boolean
     default: object
     definition: dict  # add_argument's keywords without help (two services' definitions of one flag must match)
     services: list[str] = field(default_factory=list)
@@ -74,7 +74,7 @@ class Forwarded:
             return [self.flag]
         if self.kind == "boolean":
             return [self.flag if value else "--no-" + self.flag[2:]]
-        if self.kind == "append":
+        if self.kind in ("append", "extend"):  # (extend: each --flag=v adds one value)
             return [f"{self.flag}={v}" for v in value]
         return [f"{self.flag}={value}"]  # '=': a value that starts with '-' is not read as a flag
 
@@ -91,7 +91,7 @@ class _ServiceFlags:
         if flag in SET_BY_SERVE[self._service]:
             return
         kind = _KINDS.get(kwargs.get("action"))
-        if kind is None or "nargs" in kwargs:
+        if kind is None or ("nargs" in kwargs and (kind, kwargs["nargs"]) != ("extend", "+")):
             raise TypeError(f"pagedkv serve cannot pass {flag} on ({kwargs}): add its kind to serve_args")
         definition = {k: v for k, v in kwargs.items() if k != "help"}
         if flag in self._forwarded:  # declared by the other service too: one flag of serve, passed to both

@@ -3,7 +3,9 @@ messages; these are the values outside them)."""
 
 # The link's version (DescribeResponse.protocol): raised when either end would misread the other's messages.
 # 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
-EXECUTOR_PROTOCOL = 2
+# 3: Describe's default_* are vLLM's request defaults (temperature 1 without generation_config.json, where 2 meant
+#    greedy), with default_repetition_penalty and default_min_p.
+EXECUTOR_PROTOCOL = 3
 
 # Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
 # its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -13,10 +11,12 @@ import grpc
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc import fit, metrics
+from scheduler_svc.chat import NoChatTemplate
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constraint, compile_on_executors
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.prefix_cache import tenant_root
+from scheduler_svc.prompts import Prompts
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
 from scheduler_svc.request import Finish, Output, Request, fork
 from scheduler_svc.snapshot import SchedulerSnapshot
@@ -24,15 +24,11 @@ from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
-    bad_words_token_ids,
-    check_bad_words,
-    check_chat,
     check_continuation,
     check_priority,
     check_prompt_ids,
     check_request_id,
     check_sampling,
-    check_text_bytes,
 )
 
 METHODS = "/pagedkv.api.v1.Generation/"  # the full gRPC method names, as logs and interceptors give them
@@ -42,10 +38,6 @@ FINISH_REASONS = {
     Finish.LENGTH: api.FINISH_REASON_LENGTH,
     Finish.ABORT: api.FINISH_REASON_ABORT,
 }
-
-
-class NoChatTemplate(Exception):
-    """The model has no chat template: a chat prompt cannot be rendered (FAILED_PRECONDITION)."""
 
 
 def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int], max_queued: int,
@@ -109,10 +101,13 @@ class LiveStream:
 
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
-                 log_prompts: bool = False, queue_bounds: QueueBounds | None = None) -> None:
+                 log_prompts: bool = False, queue_bounds: QueueBounds | None = None,
+                 trust_request_templates: bool = False) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
+        # the tokenizer's work (prompts, chat templates), on its own thread
+        self.prompts = Prompts(tokenizer, limits, trust_request_templates)
         self.model_info = model_info
         self.log = log
         self.queue_bounds = queue_bounds if queue_bounds is not None else QueueBounds()
@@ -120,9 +115,6 @@ class GenerationService(api_grpc.GenerationServicer):
         self.live: dict[tuple[str, str], LiveStream] = {}  # the open streams
         self.closing = False  # shutting down: no new requests
         self.log_prompts = log_prompts  # prompt text (or ids) in the request_admitted line: off unless asked
-        # NOTE: tokenizing runs off the event loop (other streams keep streaming), one text at a time: a fast
-        # tokenizer is not safe to call from several threads at once, and each text is bounded in bytes.
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def _caller(self, context, method: str) -> tuple[Tenant, bytes]:
         """The caller's tenant and its key's hash; otherwise the call ends UNAUTHENTICATED and the refusal is
@@ -154,56 +146,6 @@ class GenerationService(api_grpc.GenerationServicer):
                                                    index=stream.req.index))
                 ended += 1
         return ended
-
-    async def _tokenize(self, text: str, add_special_tokens: bool, tokens: bool = False):
-        """Token ids of ``text`` (and with ``tokens``, their strings), computed on the tokenizer thread."""
-        def run():
-            ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
-
-    async def _chat_ids(self, chat: api.Chat, field: str, tokens: bool = False):
-        """Token ids (and with ``tokens``, their strings) of the prompt the model's chat template renders from
-        ``chat``; the messages are bounded before the template runs, on the tokenizer thread."""
-        messages = check_chat(chat, field, self.limits.prompt_bytes)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise NoChatTemplate(f"{field}: the model has no chat template (no chat_template in its "
-                                 "tokenizer_config.json); send text or token_ids")
-        generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-
-        def run():
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=generation_prompt)
-            except Exception as err:  # noqa: BLE001 -- a template's raise_exception, or any error it hits
-                raise InvalidRequest(f"{field}: the model's chat template refused the messages: {err}") from None
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes them
-            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
-
-    async def _prompt_ids(self, request: api.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which == "chat":
-            return await self._chat_ids(request.chat, "prompt.chat")
-        if which == "text":
-            if not request.text:
-                raise InvalidRequest("prompt.text: must not be empty")
-            check_text_bytes(request.text, "prompt.text", self.limits.prompt_bytes)  # before any tokenizing
-            return await self._tokenize(request.text, add_special_tokens=True)
-        if which == "token_ids":
-            return list(request.token_ids.ids)
-        raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
-
-    async def _bad_words_ids(self, words) -> list[list[int]]:
-        """sampling.bad_words, bounded, then tokenized on the tokenizer thread (``bad_words_token_ids``)."""
-        if not words:
-            return []
-        words = list(words)
-        check_bad_words(words)
-
-        def run():
-            return bad_words_token_ids(words, lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, run)
 
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
                        bad_words_ids: list[list[int]] | None = None,
@@ -266,15 +208,15 @@ class GenerationService(api_grpc.GenerationServicer):
                                          f"the fork ended there (set {field}.finished)")
                 primed.append(detok)
             return primed
-        primed = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, replay)
+        primed = await self.prompts.run(replay)
         return [fork(req, index, detok, ids) for (index, ids), detok in zip(resume, primed)]
 
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
         tenant, key = await self._caller(context, METHODS + "Generate")
         try:
-            req, resume = self._build_request(request, tenant, await self._prompt_ids(request),
-                                              await self._bad_words_ids(request.sampling.bad_words))
+            req, resume = self._build_request(request, tenant, await self.prompts.ids(request),
+                                              await self.prompts.bad_words_ids(request.sampling.bad_words))
             await compile_on_executors(self.cluster.clients(), req.sampling.constraint)  # (refused before placed)
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
@@ -388,12 +330,20 @@ class GenerationService(api_grpc.GenerationServicer):
             if request.HasField("chat"):
                 if request.text:
                     raise InvalidRequest("text: must be empty when chat is set (send one of them)")
-                ids, tokens = await self._chat_ids(request.chat, "chat", tokens=True)
+                ids, tokens = await self.prompts.chat_ids(request.chat, "chat", tokens=True)
             else:
-                check_text_bytes(request.text, "text", self.limits.prompt_bytes)
-                ids, tokens = await self._tokenize(request.text, request.add_special_tokens, tokens=True)
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+                ids, tokens = await self.prompts.text_ids(request.text, "text", special, tokens=True)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return api.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def Detokenize(self, request, context):  # noqa: N802
+        await self._tenant(context, METHODS + "Detokenize")
+        try:
+            text = await self.prompts.detokenize(list(request.token_ids))
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return api.DetokenizeResponse(text=text)

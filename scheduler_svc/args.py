@@ -13,6 +13,8 @@ from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_
 from scheduler_svc.tenancy import MAX_INT
 from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
+MAX_MODEL_NAME_CHARS = 256
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
@@ -68,9 +70,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink-tokens", type=int, default=0, metavar="S",
                    help="attention-sink tokens kept at the start of a windowed request")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the executor's model directory)")
-    p.add_argument("--served-model-name", default="", metavar="NAME",
-                   help="the model's name in ModelInfo, and so in the gateway's /v1/models and the model field "
-                   "clients send (default: the executor's --model as given: a built-in name, or the directory)")
+    p.add_argument("--served-model-name", action="extend", nargs="+", default=[], metavar="NAME",
+                   help="the name(s) the model is served under, as vLLM's: --served-model-name a b (or the flag "
+                   "repeated); the first is ModelInfo's model and the one answers report, all are in ModelInfo's "
+                   "served_model_names and so in the gateway's /v1/models, and a request naming another model gets "
+                   "404 model_not_found there (default: the executor's --model as given: a built-in name, or the "
+                   "directory)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (a Jinja template: code, run in the sandbox "
+                   "transformers uses, with no bound on its time); off by default, as in vLLM: such a request is "
+                   "refused, and one naming one of the model's templates is taken")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")
@@ -121,6 +130,10 @@ def model_window(args, describe) -> int:
 
 
 def check_args(args, describe, log) -> int:
+    bad_name = next((n for n in args.served_model_name if not 0 < len(n) <= MAX_MODEL_NAME_CHARS), None)
+    if bad_name is not None:
+        raise ValueError(f"--served-model-name {bad_name[:32]!r}: each name must have 1 to {MAX_MODEL_NAME_CHARS} "
+                         "characters")
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

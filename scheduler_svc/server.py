@@ -177,11 +177,14 @@ async def serve(args) -> None:
     defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
                     sampling_defaults=defaults)
-    info = dict(model=args.served_model_name or describe.model, max_model_len=max_len, block_size=describe.block_size,
+    names = list(dict.fromkeys(args.served_model_name)) or [describe.model]  # (in order, each once)
+    info = dict(model=names[0], served_model_names=names, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
                 sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,
-                                                       top_k=defaults.top_k))
+                                                       top_k=defaults.top_k,
+                                                       repetition_penalty=defaults.repetition_penalty,
+                                                       min_p=defaults.min_p))
 
     def undecodable(method: str, peer: str, reason: str) -> None:
         metrics.UNDECODABLE_REQUESTS.inc()
@@ -190,7 +193,8 @@ async def serve(args) -> None:
     max_request = max_request_bytes(prompt_bytes, max_len)
     server = grpc_common.new_server(max_receive_bytes=max_request, interceptors=[DecodeGuard(undecodable)])
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts,
-                                queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total))
+                                queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total),
+                                trust_request_templates=args.trust_request_chat_template)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port, credentials)

@@ -3,7 +3,8 @@ transformers' ``AutoTokenizer``.
 
 What the scheduler asks of a tokenizer (api.py, detokenizer.py): ``tok(text, add_special_tokens=...)["input_ids"]``,
 ``convert_ids_to_tokens``, ``backend_tokenizer.decode`` (or ``decode``), ``chat_template`` and
-``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``. Importing transformers'
+``apply_chat_template(messages, tokenize=False, add_generation_prompt=..., continue_final_message=...,
+chat_template=..., **kwargs)``. Importing transformers'
 AutoTokenizer costs a scheduler seconds at start-up and loads torch, which the scheduler never needs.
 
 ``FastTokenizer`` builds the same backend transformers 5 builds for a checkpoint whose tokenizer_config.json names
@@ -28,17 +29,20 @@ Chat templates are rendered with jinja2 directly, in the environment transformer
 sandboxed and immutable, ``trim_blocks`` and ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
 characters, ``raise_exception``, ``strftime_now``, ``dict()`` and ``namespace()`` that refuse underscore names,
 and ``{% generation %}`` blocks rendered as their content. The template sees ``messages``, ``tools`` and
-``documents`` (None), ``add_generation_prompt`` and the named special tokens as strings. Only plain string
-messages reach it (validation.check_chat), so transformers' conversion of rich message objects has nothing to do.
-A template is read as transformers reads it: chat_template.jinja (plus additional_chat_templates/*.jinja) before
-tokenizer_config.json's ``chat_template``; of several, the one named ``default``.
+``documents`` (None), ``add_generation_prompt``, the named special tokens as strings and the caller's keyword
+arguments (a request's chat_template_kwargs), which win over the special tokens. Only plain JSON data reaches it
+(chat.check_chat builds the messages), so transformers' conversion of rich message objects has nothing to do;
+``continue_final_message`` is transformers 5's (a tag after the last content, cut off after rendering). Compiled
+templates are kept (the last 32: the model's and requests' own). A template is read as transformers reads it:
+chat_template.jinja (plus additional_chat_templates/*.jinja) before tokenizer_config.json's ``chat_template``; of
+several, the one named ``default``, or the one a request names.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -171,28 +175,65 @@ class FastTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
-        """The rendered prompt text (``tokenize=False`` only: the caller encodes it without special tokens)."""
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """The rendered prompt text (``tokenize=False`` only: the caller encodes it without special tokens), as
+        transformers 5 renders it: ``chat_template`` is a template, or the name of one of the checkpoint's; ``kwargs``
+        are the template's variables (over the special tokens'); ``continue_final_message`` ends the text where the
+        last message's content ends."""
         if tokenize:
             raise ValueError("FastTokenizer.apply_chat_template renders text only (tokenize=False)")
+        template = self._template_for(chat_template)
         if not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        if self._template is None:
-            raise ValueError("the tokenizer has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible. Use "
+                             "continue_final_message when you want the model to continue the final message, and "
+                             "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                             "assistant message instead.")
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return self._template.render(messages=chat, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        final = None
+        if continue_final_message:  # transformers' way: a tag after the final content, cut off again after rendering
+            final = chat[-1].get("content")
+            if final is None:
+                raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+            if "content" not in template[0]:
+                raise ValueError('continue_final_message is set to "content" but this is not an accepted field in '
+                                 "the chat_template")
+            chat[-1] = {**chat[-1], "content": final + CONTINUE_TAG}
+        text = template[1].render(messages=chat, tools=None, documents=None,
+                                  add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
+        if final is not None:
+            if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+                raise ValueError("continue_final_message is set but the final message does not appear in the chat "
+                                 "after applying the chat template! This can happen if the chat template deletes "
+                                 "portions of the final message. Please verify the chat template and final message in "
+                                 "your chat to ensure they are compatible.")
+            at = text.rindex(CONTINUE_TAG.strip())
+            text = text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+        return text
 
-    @cached_property
-    def _template(self):
-        template = self.chat_template
-        if isinstance(template, dict):
-            if "default" not in template:
-                raise ValueError("This model has multiple chat templates with no default specified! Available "
-                                 f"template names are {sorted(template)}.")
-            template = template["default"]
-        return None if template is None else _compile(template)
+    def _template_for(self, chat_template: str | None) -> tuple[str, object]:
+        """(text, compiled) of the template to render: transformers' get_chat_template (a name picks one of the
+        checkpoint's; none: the checkpoint's, its ``default`` of several)."""
+        own = self.chat_template
+        if isinstance(own, dict):
+            if chat_template is not None and chat_template in own:
+                chat_template = own[chat_template]
+            elif chat_template is None:
+                if "default" not in own:
+                    raise ValueError("This model has multiple chat templates with no default specified! Available "
+                                     f"template names are {sorted(own)}.")
+                chat_template = own["default"]
+        elif chat_template is None:
+            chat_template = own
+        if chat_template is None:
+            raise ValueError("the tokenizer has no chat template")
+        return chat_template, _compile(chat_template)
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # (transformers' continue_final_message_tag)
 
 
 def _chat_template(path: Path, config: dict) -> str | dict[str, str] | None:
@@ -212,6 +253,7 @@ def _chat_template(path: Path, config: dict) -> str | dict[str, str] | None:
     return template
 
 
+@functools.lru_cache(maxsize=32)  # the model's own and the requests' recent ones (each at most 64 KiB)
 def _compile(template: str):
     """``template`` compiled in the environment transformers' apply_chat_template uses (see the module doc)."""
     import jinja2

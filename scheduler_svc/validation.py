@@ -15,9 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
-MAX_CHAT_MESSAGES = 1024
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_FORKS = 16
+MAX_FORKS = 16  # sampling.n, the gateway's n too
 PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
 MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
 MAX_PROMPT_BYTES = 1 << 30  # --max-prompt-bytes ceiling (gRPC message lengths are 32-bit)
@@ -33,16 +31,20 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingDefaults:
-    """What a request gets for sampling.temperature, top_p and top_k when it leaves them unset: the
-    checkpoint's generation_config.json as transformers applies it (the executor's Describe says)."""
-    temperature: float = 0.0
+    """What a request gets for sampling.temperature, top_p, top_k, repetition_penalty and min_p when it leaves them
+    unset, as vLLM takes it: the checkpoint's generation_config.json, else OpenAI's and vLLM's defaults (the
+    executor's Describe says: executor_svc/generation_config.py)."""
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     @classmethod
     def of(cls, describe) -> SamplingDefaults:
         return cls(temperature=describe.default_temperature, top_p=describe.default_top_p or 1.0,
-                   top_k=describe.default_top_k)
+                   top_k=describe.default_top_k, repetition_penalty=describe.default_repetition_penalty or 1.0,
+                   min_p=describe.default_min_p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,17 +107,20 @@ MAX_LOGIT_BIAS = 100.0
 
 
 def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits) -> dict:
-    """The penalties, min_p, min_tokens and logit_bias of ``p`` as Sampling's fields, refused out of range."""
+    """The penalties, min_p, min_tokens and logit_bias of ``p`` as Sampling's fields, refused out of range;
+    repetition_penalty and min_p left unset take the model's defaults."""
+    defaults = limits.sampling_defaults
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # (NaN fails it)
             raise InvalidRequest(f"sampling.{name}: {value}; must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
                                  "(0: no penalty)")
-    repetition = p.repetition_penalty or 1.0
+    repetition = (p.repetition_penalty or 1.0) if p.HasField("repetition_penalty") else defaults.repetition_penalty
     if not (math.isfinite(repetition) and repetition > 0):
         raise InvalidRequest(f"sampling.repetition_penalty: {p.repetition_penalty}; must be a finite number > 0 "
                              "(1 or 0: no penalty)")
-    if not 0 <= p.min_p <= 1:
+    min_p = p.min_p if p.HasField("min_p") else defaults.min_p
+    if not 0 <= min_p <= 1:
         raise InvalidRequest(f"sampling.min_p: {p.min_p}; must be in [0, 1] (0: no min-p filter)")
     if not 0 <= p.min_tokens <= max_tokens:
         raise InvalidRequest(f"sampling.min_tokens: {p.min_tokens}; must be in [0, max_tokens={max_tokens}]")
@@ -138,7 +143,7 @@ def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits
         raise InvalidRequest(f"sampling.allowed_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
     check_bad_words(list(p.bad_words))
     return {"presence_penalty": float(p.presence_penalty), "frequency_penalty": float(p.frequency_penalty),
-            "repetition_penalty": float(repetition), "min_p": float(p.min_p), "min_tokens": p.min_tokens,
+            "repetition_penalty": float(repetition), "min_p": float(min_p), "min_tokens": p.min_tokens,
             "logit_bias": dict(p.logit_bias), "allowed_token_ids": list(p.allowed_token_ids)}
 
 
@@ -262,31 +267,6 @@ def check_continuation(c: api.Continuation, n: int, prompt_len: int, sampling: S
     if not resumed:
         raise InvalidRequest("continuation.forks: every fork finished; nothing is left to resume")
     return resumed
-
-
-def check_chat(chat: api.Chat, field: str, limit: int) -> list[dict[str, str]]:
-    """The messages of a chat prompt as apply_chat_template takes them, checked before the template runs:
-    1 to MAX_CHAT_MESSAGES messages, each role one of CHAT_ROLES, the contents together at most ``limit``
-    UTF-8 bytes (--max-prompt-bytes)."""
-    n = len(chat.messages)
-    if not 0 < n <= MAX_CHAT_MESSAGES:
-        raise InvalidRequest(f"{field}.messages: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
-    messages, chars = [], 0
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            role = m.role if len(m.role) <= 32 else m.role[:32] + "..."
-            raise InvalidRequest(f"{field}.messages[{i}].role: {role!r}; must be one of {', '.join(CHAT_ROLES)}")
-        chars += len(m.content)
-        if chars > limit:  # a character is at least one byte: stop before encoding anything big
-            raise InvalidRequest(f"{field}.messages: contents of at least {chars} bytes of UTF-8; at most {limit} "
-                                 "in all (--max-prompt-bytes; send fewer or shorter messages)")
-        messages.append({"role": m.role, "content": m.content})
-    if chars * 4 > limit:
-        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
-        if size > limit:
-            raise InvalidRequest(f"{field}.messages: contents of {size} bytes of UTF-8; at most {limit} in all "
-                                 "(--max-prompt-bytes; send fewer or shorter messages)")
-    return messages
 
 
 def check_request_id(request_id: str) -> None:

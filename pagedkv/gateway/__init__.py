@@ -3,6 +3,7 @@ to a scheduler's gRPC API.
 
   POST /v1/completions, POST /v1/chat/completions   (stream: SSE chunks, stream_options.include_usage, [DONE])
   GET  /v1/models
+  POST /tokenize, POST /detokenize   (vLLM's: the scheduler's Tokenize and Detokenize)
   GET  /version       the pagedkv version
   GET  /health        200 while the scheduler answers SERVING, else 503 (readiness)
   GET  /health/live   200 while the gateway's event loop runs (liveness)
@@ -19,8 +20,10 @@ The modules, in the order a request meets them:
 
 - ``guards``: the HTTP head/body bounds (in the protocol, before the parser) and the body's size and nesting;
 - ``app``: the routes and ``Gateway``, which checks and translates a request (``fields``: every OpenAI and vLLM
-  field honoured, refused or ignored by design, by one table; ``openai_requests``: a ``Plan`` of GenerateRequests)
+  field honoured, refused or ignored by design, by one table; ``openai_requests``: a ``Plan`` of GenerateRequests,
+  a chat's conversation by ``chat_requests``)
   and counts the streams;
+- ``tokenize``: /tokenize and /detokenize, read and answered in vLLM's shapes;
 - ``upstream``: the scheduler's channel, the caller's credentials as metadata;
 - ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by
   ``openai_responses``); ``errors``: ApiError and the gRPC status mapping; ``metrics``: the gateway's series;

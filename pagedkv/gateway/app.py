@@ -1,6 +1,7 @@
 """The gateway's ASGI app: the routes (``create_app``) and what answers them (``Gateway``): a request checked and
 translated (openai_requests.py, after fields.py's table), then answered by a ``Generation`` (streaming.py);
-/v1/models, /version, /health, /metrics."""
+/v1/models, vLLM's /tokenize and /detokenize (tokenize.py), /version, /health, /metrics. A known path asked with
+another method is a 405 in OpenAI's shape (invalid_request_error, with Allow)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import time
 import uuid
 
+import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,7 +20,8 @@ from starlette.routing import Route
 import pagedkv
 from pagedkv.gateway import fields
 from pagedkv.gateway import openai_requests as requests
-from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
+from pagedkv.gateway import tokenize as tokens
+from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
 from pagedkv.gateway.openai_requests import Plan, RequestLimits
@@ -112,6 +115,43 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         return await self.generate(request, chat=True)
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, detokenize=False)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, detokenize=True)
+
+    async def _tokens(self, request: Request, detokenize: bool) -> Response:
+        """vLLM's /tokenize and /detokenize (tokenize.py), answered by the scheduler's Tokenize and Detokenize with
+        the caller's credentials."""
+        endpoint = "detokenize" if detokenize else "tokenize"
+        try:
+            metadata = auth_metadata(request)
+            limits = await self.request_limits(metadata)
+            body = await read_json(request, limits, "tokens" if detokenize else "prompt")
+            if detokenize:
+                model, req, strs = (*tokens.detokenize_request(body, limits), False)
+            else:
+                model, req, strs = tokens.tokenize_request(body, limits)
+            if model is not None:
+                await self.upstream.check_model(model, metadata)
+            stub = self.upstream.client.stub
+            try:
+                r = await (stub.Detokenize if detokenize else stub.Tokenize)(req, metadata=metadata, timeout=60)
+            except grpc.aio.AioRpcError as err:
+                error = from_grpc(err.code(), err.details() or "", chat=not detokenize and req.HasField("chat"))
+                if detokenize and error.param == "prompt":  # (the scheduler's token_ids)
+                    error.param = "tokens"
+                raise error from None
+        except ApiError as err:
+            REQUESTS.labels(endpoint, str(err.status)).inc()
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        REQUESTS.labels(endpoint, "200").inc()
+        unknown = tokens.unknown_fields(body, tokens.DETOKENIZE_FIELDS if detokenize else tokens.TOKENIZE_FIELDS)
+        headers = {fields.IGNORED_FIELDS_HEADER: fields.ignored_header(unknown)} if unknown else {}
+        out = {"prompt": r.text} if detokenize else tokens.tokenize_body(r, limits.max_model_len, strs)
+        return JSONResponse(out, headers=headers)
+
     async def models(self, request: Request) -> Response:
         try:
             info = await self.upstream.model_info(auth_metadata(request))
@@ -149,6 +189,8 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/version", gateway.version, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", gateway.live, methods=["GET"]),

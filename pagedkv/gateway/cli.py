@@ -74,8 +74,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="scheduler HOST:PORT; several comma-separated, or dns:///NAME:PORT, for round robin")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
-    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                   help="the model name(s) clients send (repeatable; default: the scheduler's ModelInfo.model)")
+    p.add_argument("--served-model-name", action="extend", nargs="+", default=[], metavar="NAME",
+                   help="the model name(s) clients send, as vLLM's: --served-model-name a b (or the flag repeated); "
+                   "the first is the one answers report, /v1/models lists them all, and another name gets 404 "
+                   "model_not_found (default: the scheduler's, its ModelInfo.served_model_names)")
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="the model's tokenizer directory: logprobs name tokens by their text (default: token_id:N; "
                    "the gateway then loads no tokenizer)")

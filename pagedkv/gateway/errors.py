@@ -82,6 +82,8 @@ _TOO_LARGE = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
 _PROTO_PARAMS = {"prompt": "prompt", "text": "prompt", "token_ids": "prompt", "chat": "messages",
                  "request_id": "x-request-id"}
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
+# A chat request's own fields (the scheduler's prompt.chat.<name>), named as they are in OpenAI's body
+_CHAT_PARAMS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
 
 
 def param_of(details: str, chat: bool) -> str | None:
@@ -93,7 +95,8 @@ def param_of(details: str, chat: bool) -> str | None:
     if head == "sampling":
         return name.split(".")[1] if "." in name else None
     if head in ("prompt", "text", "token_ids", "chat"):
-        return "messages" if chat else "prompt"
+        own = [part for part in name.split(".") if part in _CHAT_PARAMS]  # (prompt.chat.chat_template_kwargs)
+        return own[0] if own else "messages" if chat else "prompt"
     return _PROTO_PARAMS.get(head, head)
 
 

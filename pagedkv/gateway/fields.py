@@ -9,7 +9,7 @@ dropped. ``screen`` applies the table to a body before it is translated (openai_
   the answer (vLLM logs "fields were present in the request but ignored").
 
 The nested fields that matter have tables of their own: ``STREAM_OPTIONS`` and ``MESSAGE_FIELDS`` (a chat
-message's: the scheduler's ChatMessage carries role and content only)."""
+message's: what the scheduler's ChatMessage carries to the chat template)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def _ignored(name: str, where: str, example: object, note: str = "") -> Field:
 
 _NO_SAMPLER = "not implemented by the executor's sampler"
 _STRUCTURED = "sampling.constraint (structured.py)"
-_NO_TEMPLATE_ARGS = "the scheduler renders the checkpoint's own chat template only"
-_NO_TOOLS = "tool calling is not implemented"
+_NOT_TO_TEMPLATE = "not passed to the chat template (chat_template_kwargs can carry it)"
+_NO_TOOLS = "tools (their schemas for the template, calls parsed from the output) are not implemented"
 
 FIELDS: tuple[Field, ...] = (
     # -- honoured: where each goes (GenerateRequest fields; plan: the answer's shape) --
@@ -67,15 +67,15 @@ FIELDS: tuple[Field, ...] = (
     _honoured("messages", CHAT, [{"role": "user", "content": "other"}], "chat.messages (role, content)"),
     _honoured("max_tokens", BOTH, 7, "sampling.max_tokens"),
     _honoured("max_completion_tokens", CHAT, 7, "sampling.max_tokens"),
-    _honoured("temperature", BOTH, 0.5, "sampling.temperature"),
-    _honoured("top_p", BOTH, 0.5, "sampling.top_p"),
-    _honoured("top_k", BOTH, 5, "sampling.top_k (-1: off)"),
+    _honoured("temperature", BOTH, 0.5, "sampling.temperature (unset: the model's default, else 1; 0: greedy)"),
+    _honoured("top_p", BOTH, 0.5, "sampling.top_p (unset: the model's default, else 1)"),
+    _honoured("top_k", BOTH, 5, "sampling.top_k (-1: off; unset: the model's default, else off)"),
     _honoured("seed", BOTH, 7, "sampling.seed"),
     _honoured("stop", BOTH, ["x"], "sampling.stop"),
     _honoured("stop_token_ids", BOTH, [3], "sampling.stop_token_ids"),
     _honoured("ignore_eos", BOTH, True, "sampling.ignore_eos"),
     _honoured("include_stop_str_in_output", BOTH, True, "sampling.include_stop_str_in_output"),
-    _honoured("n", BOTH, 2, "sampling.n"),
+    _honoured("n", BOTH, 2, "sampling.n (at most the scheduler's MAX_FORKS, 16)"),
     _honoured("logprobs", COMPLETIONS, 0, "sampling.logprobs: 0 only (the sampled token's); N > 0 refused"),
     _honoured("logprobs", CHAT, True, "sampling.logprobs (the sampled token's)"),
     _honoured("stream", BOTH, True, "SSE chunks (plan.stream)"),
@@ -84,10 +84,16 @@ FIELDS: tuple[Field, ...] = (
     _honoured("page_budget", BOTH, 4, "page_budget (pagedkv's)"),
     _honoured("request_id", BOTH, "my-id", "request_id (as X-Request-Id; the header wins)"),
     _honoured("add_generation_prompt", CHAT, False, "chat.add_generation_prompt"),
+    _honoured("continue_final_message", CHAT, True, "chat.continue_final_message (with add_generation_prompt: false)"),
+    _honoured("chat_template", CHAT, "{{ messages }}", "chat.chat_template (a template: only with the scheduler's "
+              "--trust-request-chat-template; the name of one of the model's templates: always)"),
+    _honoured("chat_template_kwargs", CHAT, {"enable_thinking": False}, "chat.chat_template_kwargs (the template's "
+              "variables)"),
+    _honoured("truncate_prompt_tokens", BOTH, 4, "truncate_prompt_tokens (the last N prompt tokens, after tokenizing)"),
     _honoured("presence_penalty", BOTH, 0.5, "sampling.presence_penalty"),
     _honoured("frequency_penalty", BOTH, 0.5, "sampling.frequency_penalty"),
-    _honoured("repetition_penalty", BOTH, 1.2, "sampling.repetition_penalty"),
-    _honoured("min_p", BOTH, 0.1, "sampling.min_p"),
+    _honoured("repetition_penalty", BOTH, 1.2, "sampling.repetition_penalty (unset: the model's default, else 1)"),
+    _honoured("min_p", BOTH, 0.1, "sampling.min_p (unset: the model's default, else 0)"),
     _honoured("min_tokens", BOTH, 3, "sampling.min_tokens"),
     _honoured("logit_bias", BOTH, {"5": 10}, "sampling.logit_bias (keys: token ids)"),
     _honoured("allowed_token_ids", BOTH, [1, 2], "sampling.allowed_token_ids"),
@@ -115,18 +121,14 @@ FIELDS: tuple[Field, ...] = (
     _refused("tool_choice", CHAT, "auto", ("none",), _NO_TOOLS),
     _refused("functions", CHAT, [{"name": "f"}], ([],), _NO_TOOLS),
     _refused("function_call", CHAT, "auto", ("none",), _NO_TOOLS),
-    _refused("truncate_prompt_tokens", BOTH, 4, (), "prompts are never truncated"),
     _refused("add_special_tokens", COMPLETIONS, False, (True,), "a text prompt is tokenized with BOS"),
     _refused("add_special_tokens", CHAT, True, (False,), "the chat template places the special tokens"),
     _refused("skip_special_tokens", BOTH, False, (True,), "the text skips special tokens"),
     _refused("spaces_between_special_tokens", BOTH, False, (True,), "the text skips special tokens"),
-    _refused("chat_template", CHAT, "{{ messages }}", (), _NO_TEMPLATE_ARGS),
-    _refused("chat_template_kwargs", CHAT, {"enable_thinking": False}, ({},), _NO_TEMPLATE_ARGS),
-    _refused("continue_final_message", CHAT, True, (False,), _NO_TEMPLATE_ARGS),
-    _refused("documents", CHAT, [{"text": "x"}], ([],), _NO_TEMPLATE_ARGS),
-    _refused("reasoning_effort", CHAT, "low", (), _NO_TEMPLATE_ARGS),
+    _refused("documents", CHAT, [{"text": "x"}], ([],), _NOT_TO_TEMPLATE),
+    _refused("reasoning_effort", CHAT, "low", (), _NOT_TO_TEMPLATE),
     _refused("include_reasoning", CHAT, False, (True,), "no reasoning parser: reasoning stays in the text"),
-    _refused("verbosity", CHAT, "low", (), _NO_TEMPLATE_ARGS),
+    _refused("verbosity", CHAT, "low", (), _NOT_TO_TEMPLATE),
     _refused("audio", CHAT, {"format": "wav"}, (), "text only"),
     _refused("modalities", CHAT, ["audio"], (["text"],), "text only"),
     _refused("prediction", CHAT, {"type": "content", "content": "x"}, (), "predicted outputs are not implemented"),
@@ -155,17 +157,19 @@ STREAM_OPTIONS: tuple[Field, ...] = (
     _refused("continuous_usage_stats", BOTH, True, (False,), "usage comes in the final chunk only"),
     _ignored("include_obfuscation", BOTH, False),
 )
-# a chat message's fields: the ChatMessage the scheduler templates has role and content only
+# a chat message's fields: what the scheduler's ChatMessage carries to the chat template
+_NOT_IN_MESSAGE = "the chat template gets role, content, name, tool_calls and tool_call_id only"
 MESSAGE_FIELDS: tuple[Field, ...] = (
     _honoured("role", CHAT, "assistant", "chat.messages[].role"),
     _honoured("content", CHAT, "other", "chat.messages[].content (text parts)"),
-    _refused("name", CHAT, "bob", ("",), "the chat template gets role and content only"),
-    _refused("tool_calls", CHAT, [{"id": "c"}], ([],), "the chat template gets role and content only"),
-    _refused("tool_call_id", CHAT, "c", ("",), "the chat template gets role and content only"),
-    _refused("function_call", CHAT, {"name": "f"}, (), "the chat template gets role and content only"),
+    _honoured("name", CHAT, "bob", "chat.messages[].name"),
+    _honoured("tool_calls", CHAT, [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+              "chat.messages[].tool_calls (arguments decoded to an object for the template, as vLLM does)"),
+    _honoured("tool_call_id", CHAT, "c", "chat.messages[].tool_call_id"),
+    _refused("function_call", CHAT, {"name": "f"}, (), _NOT_IN_MESSAGE),
     _refused("audio", CHAT, {"id": "a"}, (), "text only"),
-    _refused("refusal", CHAT, "no", ("",), "the chat template gets role and content only"),
-    _refused("reasoning_content", CHAT, "hm", ("",), "the chat template gets role and content only"),
+    _refused("refusal", CHAT, "no", ("",), _NOT_IN_MESSAGE),
+    _refused("reasoning_content", CHAT, "hm", ("",), _NOT_IN_MESSAGE),
 )
 
 

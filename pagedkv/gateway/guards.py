@@ -5,9 +5,7 @@ nesting before it is parsed (``read_json``)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import re
 from http import HTTPStatus
 
 from starlette.requests import ClientDisconnect, Request
@@ -15,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.metrics import HTTP_BOUNDS
 from pagedkv.gateway.openai_requests import RequestLimits
+from pagedkv.json_bounds import nests_deeper_than
 
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -49,28 +48,6 @@ async def read_json(request: Request, limits: RequestLimits, param: str):
         return json.loads(body)
     except ValueError as err:  # UnicodeDecodeError included
         raise ApiError(400, f"request body: not valid JSON ({err})") from None
-
-
-# A JSON string, or an unterminated one to the end (so that no quote is ever scanned twice), and what is not a
-# bracket: nests_deeper_than's regular expressions, both linear.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
-_NESTING_STEP = [0] * 256
-for _c in b"[{":
-    _NESTING_STEP[_c] = 1
-for _c in b"]}":
-    _NESTING_STEP[_c] = -1
-
-
-def nests_deeper_than(body: bytes | bytearray, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` deep in ``body`` (outside strings), found without
-    recursion: json.loads recurses once a level, so ``[`` x 100,000 was a RecursionError. The strings skipped are
-    the ones json.loads lexes, so it never goes deeper than this counts, valid JSON or not. A body with at most
-    ``limit`` brackets is not scanned at all."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", body))
-    return max(itertools.accumulate(map(_NESTING_STEP.__getitem__, brackets)), default=0) > limit
 
 
 # After a 431 the connection ends this long later, and up to REFUSAL_DRAIN_BYTES of what the client still sends is

@@ -4,9 +4,11 @@ an ApiError naming the field), and their prompts are checked against the schedul
 
 Translation (OpenAI field -> GenerateRequest):
   prompt (str | [str, ...] | [int, ...] | [[int, ...], ...]) -> text / token_ids, one request per prompt
-  messages -> chat (the scheduler renders the checkpoint's chat template)
+  messages -> chat (chat_requests.py; the scheduler renders the chat template), with add_generation_prompt,
+  continue_final_message, chat_template and chat_template_kwargs
   max_tokens | max_completion_tokens -> sampling.max_tokens (completions default 16, as OpenAI; chat: none)
-  temperature, top_p, top_k, seed, stop, n -> sampling.*; unset -> the checkpoint's defaults
+  temperature, top_p, top_k, seed, stop, n -> sampling.*; temperature, top_p, top_k, repetition_penalty and min_p
+  unset -> the model's defaults (generation_config.json, else OpenAI's and vLLM's: temperature 1)
   logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
   extensions (extra body fields): page_budget, priority, ignore_eos, stop_token_ids, include_stop_str_in_output
   response_format, structured_outputs, guided_json/regex/choice/grammar -> sampling.constraint (structured.py)
@@ -23,9 +25,12 @@ from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
+from pagedkv.gateway.chat_requests import chat_of
 from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
 from pagedkv.gateway.structured import constraint_of
+from scheduler_svc.chat import check_chat_size
 from scheduler_svc.validation import (
+    MAX_FORKS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
@@ -38,7 +43,6 @@ from scheduler_svc.validation import (
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)
 MAX_USER_CHARS = 256
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_CLIENT_ID_CHARS = 200  # X-Request-Id or request_id: the scheduler takes 256, and "-31" may be appended
 _CLIENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_CLIENT_ID_CHARS}}}")  # printable ASCII, no space: safe to echo
 
@@ -136,7 +140,8 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    sampling = api.SamplingParams(max_tokens=max_tokens or 0, n=_int(body, "n", 1, 128) or 1)
+    # (n: the scheduler's own limit, MAX_FORKS, one constant for both)
+    sampling = api.SamplingParams(max_tokens=max_tokens or 0, n=_int(body, "n", 1, MAX_FORKS) or 1)
     for name, value in (("temperature", _float(body, "temperature", 0.0, 2.0)),
                         ("top_p", _float(body, "top_p", 0.0, 1.0)), ("top_k", _int(body, "top_k", -1, 2**31 - 1)),
                         ("seed", _int(body, "seed", -(2**63), 2**64 - 1))):
@@ -178,6 +183,7 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
         logprobs = top == 0
     sampling.logprobs = logprobs
     ext = {"priority": _int(body, "priority", -(2**31), 2**31 - 1) or 0,
+           "truncate_prompt_tokens": _int(body, "truncate_prompt_tokens", 1, 2**31 - 1) or 0,
            "page_budget": _int(body, "page_budget", 0, 2**31 - 1) or 0, "logprobs": logprobs}
     return sampling, ext
 
@@ -194,8 +200,10 @@ def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
     if repetition is not None:
         if repetition <= 0:
             raise bad("repetition_penalty", f"{repetition}; must be > 0 (1: no penalty)")
-        sampling.repetition_penalty = repetition if repetition != 1 else 0.0  # (0: unset, no penalty)
-    sampling.min_p = _float(body, "min_p", 0.0, 1.0) or 0.0
+        sampling.repetition_penalty = repetition  # (set, even at 1: it wins over the model's default)
+    min_p = _float(body, "min_p", 0.0, 1.0)
+    if min_p is not None:
+        sampling.min_p = min_p
     sampling.min_tokens = _int(body, "min_tokens", 0, 2**31 - 1) or 0
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
@@ -269,6 +277,7 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     prompts = _prompts(body.get("prompt"))
     for i, prompt in enumerate(prompts):
         req = api.GenerateRequest(sampling=sampling, priority=ext["priority"], page_budget=ext["page_budget"],
+                                  truncate_prompt_tokens=ext["truncate_prompt_tokens"],
                                   request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}")
         if isinstance(prompt, str):
             req.text = prompt
@@ -278,45 +287,16 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
-def _content(value, i: int) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        parts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) "
-                          "are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-
-
 def parse_chat(body: Mapping, request_id: str) -> Plan:
     """POST /v1/chat/completions: the messages go to the scheduler, which applies the chat template."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     screened = fields.screen(body, chat=True)
     model, stream, include_usage, user = _model_and_stream(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "required: a non-empty list of {role, content}")
-    chat = api.Chat()
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}]", "must be an object with role and content")
-        role = CHAT_ROLES.get(m.get("role"))
-        if role is None:
-            raise bad(f"messages[{i}].role", f"{m.get('role')!r}; must be one of {', '.join(CHAT_ROLES)}")
-        chat.messages.append(api.ChatMessage(role=role, content=_content(m.get("content"), i)))
-    agp = _bool(body, "add_generation_prompt")  # vLLM's extension; default true
-    if agp is not None:
-        chat.add_generation_prompt = agp
+    chat = chat_of(body)
     sampling, ext = _common(body, chat=True)
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
-                              page_budget=ext["page_budget"])
+                              page_budget=ext["page_budget"], truncate_prompt_tokens=ext["truncate_prompt_tokens"])
     return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
 
 
@@ -348,22 +328,23 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
     for i, req in enumerate(plan.requests):
         name = "prompt" if len(plan.requests) == 1 else f"prompt[{i}]"
         kind = req.WhichOneof("prompt")
+        keep = req.truncate_prompt_tokens
+        if keep > limits.max_model_len:
+            raise bad("truncate_prompt_tokens", f"{keep}; must be in [1, max_model_len={limits.max_model_len}] (the "
+                      "prompt tokens kept: the last ones)")
         if kind == "text":
             try:
                 check_text_bytes(req.text, name, limits.prompt_bytes)
             except InvalidRequest as err:
                 raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
-        elif kind == "token_ids" and len(req.token_ids.ids) >= limits.max_model_len:
-            raise context_length_exceeded(limits.max_model_len, len(req.token_ids.ids), None, chat=False,
-                                          detail=f"{name}: {len(req.token_ids.ids)} token ids; must be fewer than "
+        elif kind == "token_ids" and (count := min(len(req.token_ids.ids), keep or 2**31)) >= limits.max_model_len:
+            kept = f" (truncate_prompt_tokens={keep})" if keep else ""
+            raise context_length_exceeded(limits.max_model_len, count, None, chat=False,
+                                          detail=f"{name}: {count} token ids{kept}; must be fewer than "
                                           f"max_model_len={limits.max_model_len} (at least one token must be "
                                           "generated)")
         elif kind == "chat":
-            contents = [m.content for m in req.chat.messages]
-            size, more = sum(map(len, contents)), "at least "  # a character is 1 to 4 bytes
-            if size <= limits.prompt_bytes < size * 4:
-                size, more = sum(len(c.encode("utf-8", "surrogatepass")) for c in contents), ""
-            if size > limits.prompt_bytes:
-                raise ApiError(400, f"messages: contents of {more}{size} bytes of UTF-8; at most "
-                               f"{limits.prompt_bytes} in all (--max-prompt-bytes; send fewer or shorter messages)",
-                               param="messages", code="prompt_too_long")
+            try:  # (the scheduler's own check: contents, names, ids and tool calls together)
+                check_chat_size(req.chat, "messages", limits.prompt_bytes)
+            except InvalidRequest as err:
+                raise ApiError(400, str(err), param="messages", code="prompt_too_long") from None

@@ -1,6 +1,6 @@
 """The scheduler side of the gateway: the gRPC channel to the scheduler(s) (``Upstream``: what it learns from them,
-the model's names and max_model_len, and the health it reports), and the caller's credentials passed on as gRPC
-metadata (``auth_metadata``)."""
+the model's names (the first is the one answers report) and max_model_len, and the health it reports), and the
+caller's credentials passed on as gRPC metadata (``auth_metadata``)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class Upstream:
             info = await self.client.stub.ModelInfo(api.ModelInfoRequest(), metadata=metadata, timeout=10)
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err.code(), err.details() or "") from None
-        if not self.names:
-            self.names = (info.model,)
+        if not self.names:  # (the scheduler's --served-model-name, in order; an older one: its model)
+            self.names = tuple(info.served_model_names) or (info.model,)
         self.max_model_len = info.max_model_len
         return info
 
@@ -57,12 +57,15 @@ class Upstream:
         return self.max_model_len
 
     async def check_model(self, name: str, metadata) -> str:
+        """The name answers report for a request naming ``name`` (the first served name, as vLLM's; any of them
+        may be asked for), else 404 model_not_found."""
         if not self.names:
             await self.model_info(metadata)
         if name not in self.names:
-            raise ApiError(404, f"model: {name!r} is not served here; GET /v1/models lists {', '.join(self.names)}",
+            shown = name if len(name) <= 64 else name[:61] + "..."
+            raise ApiError(404, f"model: {shown!r} is not served here; GET /v1/models lists {', '.join(self.names)}",
                            param="model", code="model_not_found")
-        return name
+        return self.names[0]
 
     async def serving(self) -> tuple[bool, str]:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -44,7 +44,7 @@ def prompt_of(i: int) -> list[int]:
     return start + [rng.randrange(3, 259) for _ in range(8 + (i * 11) % 60)]
 
 
-REQUESTS = [(prompt_of(i), dict(max_tokens=MAX_TOKENS, ignore_eos=True)) for i in range(STREAMS)]
+REQUESTS = [(prompt_of(i), dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)) for i in range(STREAMS)]
 
 
 def enough(faults: dict[str, int]) -> bool:

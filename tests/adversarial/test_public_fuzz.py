@@ -54,6 +54,7 @@ def gen(prompt=PROMPT, *, request_id: str = "", priority: int = 0, page_budget: 
         **sampling) -> api.GenerateRequest:
     sampling.setdefault("max_tokens", 4)
     sampling.setdefault("ignore_eos", True)
+    sampling.setdefault("temperature", 0.0)  # greedy (an unset temperature samples): the GREEDY outcome compares
     req = api.GenerateRequest(sampling=api.SamplingParams(**sampling), request_id=request_id, priority=priority,
                               page_budget=page_budget)
     if seed is not None:
@@ -227,6 +228,10 @@ CASES = [
     ("Tokenize 8 MB", ("/pagedkv.api.v1.Generation/Tokenize", api.TokenizeRequest(text="x" * (8 << 20))),
      ((IA, "text"), (RE, ""))),
     ("Tokenize invalid UTF-8", ("/pagedkv.api.v1.Generation/Tokenize", pb_string(1, b"\xff")), (IA, "UTF-8")),
+    ("Detokenize 100k ids", ("/pagedkv.api.v1.Generation/Detokenize", api.DetokenizeRequest(token_ids=[1] * 100_000)),
+     ((IA, "token_ids"), (RE, ""))),
+    ("Detokenize id int32 min", ("/pagedkv.api.v1.Generation/Detokenize", api.DetokenizeRequest(token_ids=[I32_MIN])),
+     (IA, "token_ids")),
     ("ModelInfo garbage", ("/pagedkv.api.v1.Generation/ModelInfo", b"\x0a\xff\xff"), (IA, "protobuf")),
     ("unknown method", ("/pagedkv.api.v1.Generation/Nope", b""), (grpc.StatusCode.UNIMPLEMENTED, "")),
     ("unknown service", ("/no.such.Service/Call", b""), (grpc.StatusCode.UNIMPLEMENTED, "")),

@@ -61,7 +61,7 @@ def service_on(c, bounds: QueueBounds | None = None) -> GenerationService:
 def request(first: int, prompt_len: int, max_tokens: int, request_id: str = "") -> api.GenerateRequest:
     """A greedy request whose prompt starts with ``first`` (distinct prompts share no cached page)."""
     return Client.build_request([first] + [5] * (prompt_len - 1), max_tokens=max_tokens, ignore_eos=True,
-                                request_id=request_id)
+                                request_id=request_id, temperature=0)
 
 
 async def drain(stream) -> tuple[int, object]:

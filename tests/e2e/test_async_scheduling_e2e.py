@@ -20,7 +20,7 @@ SMALL_POOL = ("--num-pages", "24", "--num-host-pages", "48", "--max-num-seqs", "
 def _requests(stops: dict[int, dict]) -> list[tuple[list[int], dict]]:
     reqs = []
     for i in range(16):
-        params = dict(max_tokens=24 + (i * 7) % 40, ignore_eos=i % 3 != 0)
+        params = dict(max_tokens=24 + (i * 7) % 40, ignore_eos=i % 3 != 0, temperature=0)
         if i % 5 == 4:
             params["page_budget"] = 3  # past it: attention over the sink and a window (pages dropped)
         params.update(stops.get(i, {}))

@@ -250,7 +250,7 @@ def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp
                 outs = await asyncio.gather(*(client.complete(f"hello {i}", max_tokens=8, ignore_eos=True)
                                               for i in range(4)))
                 ids = await client.tokenize("héllo", add_special_tokens=True)
-                one = await client.complete("héllo wörld", max_tokens=24, ignore_eos=True)
+                one = await client.complete("héllo wörld", max_tokens=24, ignore_eos=True, temperature=0)
                 return outs, ids, one, await client.model_info()
         outs, ids, one, info = asyncio.run(generate())
         assert all(len(o.token_ids) == 8 for o in outs)
@@ -267,7 +267,7 @@ def test_compose_services_run_locally_and_serve(model_cache, tiny_llama_dir, tmp
         assert "pagedkv.executor.v1.Executor" in reflected_services(f"127.0.0.1:{ports[executors[0]]['--port']}", ca)
         # the CLI client: greedy, so the same text as above, then a newline; bad input named
         r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "héllo wörld", "--address", address,
-                            "--max-tokens", "24", "--ignore-eos", "--tls-ca", ca], cwd=procs.ROOT,
+                            "--max-tokens", "24", "--ignore-eos", "--temperature", "0", "--tls-ca", ca], cwd=procs.ROOT,
                            capture_output=True, timeout=120)
         stdout, stderr = r.stdout.decode("utf-8"), r.stderr.decode("utf-8")  # bytes: keep \r as it is
         assert r.returncode == 0, stderr

@@ -27,7 +27,8 @@ def workloads(tiny_llama_dir, qwen2_dir):
 
 async def run_all(address: str, prompts, max_tokens) -> list:
     async with Client(address) as client:
-        return await asyncio.gather(*[client.complete(p, max_tokens=n) for p, n in zip(prompts, max_tokens)])
+        return await asyncio.gather(*[client.complete(p, max_tokens=n, temperature=0)
+                                      for p, n in zip(prompts, max_tokens)])
 
 
 # Every block size on tiny-llama; the Qwen2-style model (qkv bias, tied embeddings: the model code, not the
@@ -95,7 +96,7 @@ def test_seeded_sampling_independent_of_batch(start_server, tiny_llama_dir):
                       for i, p in enumerate(random_prompts(4, [7, 30, 55, 90, 11, 64, 5, 120], VOCAB))]
             batched, *_ = await asyncio.gather(client.complete(prompt, **params), *others)
             other_seed = await client.complete(prompt, **{**params, "seed": 99})
-            greedy = await client.complete(prompt, max_tokens=40, ignore_eos=True)
+            greedy = await client.complete(prompt, max_tokens=40, ignore_eos=True, temperature=0)
             return alone, batched, other_seed, greedy
 
     alone, batched, other_seed, greedy = asyncio.run(scenario())

@@ -25,7 +25,7 @@ from pagedkv.client import Client
 from pagedkv.local_server import LocalServer
 from scheduler_svc.tenancy import hash_key
 from tests.support import procs
-from tests.support.chat_template import TEMPLATE, template_ids
+from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,7 @@ class Stack:
         self.procs: list[procs.Proc] = []
         self.executor = self._start(lambda: procs.executor("--model", str(path), "--num-pages", "256"))
         self.scheduler = self._start(lambda: procs.scheduler(self.executor.address, args=(
-            "--tenants-file", str(tmp / "tenants.toml"), *tls)))
+            "--tenants-file", str(tmp / "tenants.toml"), "--trust-request-chat-template", *tls)))
         self.gateway = self._start(lambda: procs.Proc("gateway", "--address", self.scheduler.address, "--tls-ca",
                                                       self.ca, "--served-model-name", MODEL, *tls))
         self.base = f"https://127.0.0.1:{self.gateway.port}"
@@ -91,6 +91,16 @@ class Stack:
 
     def grpc(self, key: str = KEY) -> Client:
         return Client(self.scheduler.address, api_key=key, tls_ca=self.ca)
+
+    def post(self, path: str, body: dict, key: str | None = KEY, method: str = "POST") -> tuple[int, dict]:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
 
     def get(self, path: str) -> tuple[int, str]:
         ctx = ssl.create_default_context(cafile=self.ca)
@@ -182,6 +192,93 @@ def test_chat_streamed_and_not_equals_grpc_and_the_template(stack):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_tool_calls_template_kwargs_and_continue_through_the_sdk(stack):
+    """OpenAI's tool-call history (an assistant's tool_calls, a tool's tool_call_id, a name), a chat_template of the
+    request's own and chat_template_kwargs reach the template; continue_final_message continues the last message;
+    the prompt is the one transformers renders (vLLM's shape: arguments as an object), token for token."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather?", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "18C", "tool_call_id": "call_1"}]
+    seen_call = {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    seen = [messages[0], {"role": "assistant", "content": "", "tool_calls": [seen_call]}, messages[2]]
+    prompt = template_ids(stack.tokenizer, seen, chat_template=TOOL_TEMPLATE, enable_thinking=False)
+    assert b'{"city": "Paris"}' in bytes(t - 3 for t in prompt[1:]) and prompt[-1] != prompt[-2]
+    ref = run(_grpc_complete(stack, prompt, max_tokens=8, temperature=0, ignore_eos=True))
+    c = stack.openai()
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=dict(
+        ignore_eos=True, chat_template=TOOL_TEMPLATE, chat_template_kwargs={"enable_thinking": False}))
+    assert r.usage.prompt_tokens == len(prompt) and r.choices[0].message.content == ref.text
+    partial = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    continued = template_ids(stack.tokenizer, partial, add_generation_prompt=False, continue_final_message=True)
+    r = c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2, temperature=0,
+                                  extra_body=dict(continue_final_message=True, add_generation_prompt=False))
+    assert r.usage.prompt_tokens == len(continued) and bytes(t - 3 for t in continued[1:]).endswith(b"Hello, I")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                  extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message" and "add_generation_prompt" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=partial, max_tokens=2,
+                                  extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_prompt_tokens(stack):
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = stack.tokenizer(text)["input_ids"]
+    ref = run(_grpc_complete(stack, ids[-9:], max_tokens=6, temperature=0, ignore_eos=True))
+    c = stack.openai()
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0,
+                             extra_body={"truncate_prompt_tokens": 9, "ignore_eos": True})
+    assert r.usage.prompt_tokens == 9 and r.choices[0].text == ref.text
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_tokenize_and_detokenize_give_the_ids_generate_runs(stack):
+    """vLLM's /tokenize and /detokenize: a prompt's ids with BOS as Generate adds it (the usage agrees), a chat's as
+    its template renders them, the text back from ids; the caller's key is checked; 405 for another method."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    status, prompt = stack.post("/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    assert status == 200 and prompt["tokens"] == stack.tokenizer("Hello there")["input_ids"]
+    assert prompt["count"] == len(prompt["tokens"]) and len(prompt["token_strs"]) == prompt["count"]
+    assert prompt["max_model_len"] == stack.openai().models.list().data[0].max_model_len
+    r = stack.openai().completions.create(model=MODEL, prompt="Hello there", max_tokens=1)
+    assert r.usage.prompt_tokens == prompt["count"]
+    status, chat = stack.post("/tokenize", {"messages": messages})
+    assert status == 200 and chat["tokens"] == template_ids(stack.tokenizer, messages) and chat["token_strs"] is None
+    status, text = stack.post("/detokenize", {"model": MODEL, "tokens": prompt["tokens"]})
+    assert status == 200 and text == {"prompt": stack.tokenizer.decode(prompt["tokens"])}
+    status, err = stack.post("/detokenize", {"tokens": [1 << 30]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    assert stack.post("/tokenize", {"prompt": "x"}, key="wrong-key")[0] == 401
+    status, err = stack.post("/tokenize", {"prompt": "x"}, method="GET")
+    assert status == 405 and err["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unset_temperature_is_openais_default_of_1(stack):
+    """A checkpoint whose generation_config.json sets no sampling values: a request without temperature samples at
+    1 (OpenAI's and vLLM's default), seed for seed what temperature=1 gives; ModelInfo says so."""
+    c = stack.openai()
+
+    def texts(**kw) -> list[str]:
+        return [c.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, seed=seed,
+                                     extra_body={"ignore_eos": True}, **kw).choices[0].text for seed in (1, 2, 3)]
+    unset = texts()
+    assert unset == texts(temperature=1.0) and len(set(unset)) > 1 and len(set(texts(temperature=0))) == 1
+
+    async def defaults():
+        async with stack.grpc() as client:
+            return (await client.model_info()).sampling_defaults
+    d = run(defaults())
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.min_p) == (1.0, 1.0, 0, 1.0, 0.0)
 
 
 def test_n_forks_with_a_seed_equal_grpc(stack):
@@ -354,14 +451,20 @@ def test_compose_gateway_service_runs_and_its_healthcheck_passes(stack):
 
 
 def test_serve_http_port_runs_the_gateway_as_a_child(model_cache):
+    """serve's gateway learns the scheduler's names (vLLM's --served-model-name a b): /v1/models lists both, either
+    may be asked for, answers report the first, another name is 404 model_not_found."""
     port = free_port()
-    server = LocalServer("--http-port", str(port), "--num-pages", "64")
+    server = LocalServer("--http-port", str(port), "--num-pages", "64", "--served-model-name", "tiny", "tiny-alias")
     try:
         assert f"HTTP (OpenAI API) on 127.0.0.1:{port}" in server.log()
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        out = list(c.completions.create(model="tiny-llama", prompt="serve", max_tokens=5, stream=True,
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
+        out = list(c.completions.create(model="tiny-alias", prompt="serve", max_tokens=5, stream=True,
                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-        assert out[-1].usage.completion_tokens == 5
+        assert out[-1].usage.completion_tokens == 5 and {ch.model for ch in out} == {"tiny"}
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["code"] == "model_not_found"
     finally:
         assert server.stop() == 0, server.log()
 

@@ -72,7 +72,7 @@ def test_text_over_the_byte_limit_is_refused_before_tokenizing(pair):
     assert f"{LIMIT // 3 * 3 + 3} bytes" in errors["multibyte"].details()
     assert errors["at_limit"].code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"max_model_len={MAX_LEN}" in errors["at_limit"].details()
-    assert len(tokenized.token_ids) == LIMIT  # byte-level tokenizer: one token a byte, no BOS unless asked
+    assert len(tokenized.token_ids) == LIMIT + 1  # byte-level tokenizer: one token a byte, and BOS as Generate adds
     assert ok.completion_tokens == 3
 
 

@@ -71,9 +71,9 @@ def test_swap_preemption_on_int8_pages(start_server):
 
     async def scenario():
         async with Client(server.address) as client:
-            alone = await client.complete(long_prompt, max_tokens=60, ignore_eos=True)
+            alone = await client.complete(long_prompt, max_tokens=60, ignore_eos=True, temperature=0)
             long_task = asyncio.create_task(client.complete(long_prompt, max_tokens=60, ignore_eos=True,
-                                                            priority=1))
+                                                            priority=1, temperature=0))
 
             async def short_stream(k: int):
                 i = 0

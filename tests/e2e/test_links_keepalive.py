@@ -99,7 +99,7 @@ def prompt_of(seed: int, n: int = 70) -> list[int]:
 
 async def _complete(client: Client, prompt, max_tokens: int = 8, on_token=None) -> Completion:
     out = Completion()
-    async for msg in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True):
+    async for msg in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
         accumulate(out, msg)
         if on_token is not None and msg.token_ids:
             on_token(len(out.token_ids))

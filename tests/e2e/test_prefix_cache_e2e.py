@@ -49,9 +49,9 @@ def test_same_tenant_hits_and_other_tenant_misses(server):
     prompt = [1] + [rng.randrange(3, 259) for _ in range(299)]  # 18 full pages + 12 tokens
 
     async def scenario():
-        cold = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
-        warm = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True)
-        other = await timed_complete(server.address, "globex", prompt, max_tokens=10, ignore_eos=True)
+        cold = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True, temperature=0)
+        warm = await timed_complete(server.address, "acme", prompt, max_tokens=10, ignore_eos=True, temperature=0)
+        other = await timed_complete(server.address, "globex", prompt, max_tokens=10, ignore_eos=True, temperature=0)
         return cold, warm, other
 
     (cold, cold_n), (warm, warm_n), (other, other_n) = asyncio.run(scenario())
@@ -119,8 +119,8 @@ def test_caching_off_computes_everything(start_server):
     prompt = [1] + list(range(10, 210))
 
     async def scenario():
-        a = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True)
-        b = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True)
+        a = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True, temperature=0)
+        b = await timed_complete(server.address, "acme", prompt, max_tokens=4, ignore_eos=True, temperature=0)
         async with Client(server.address) as client:
             info = await client.model_info()
         return a, b, info

@@ -145,8 +145,8 @@ def test_greedy_ids_equal_transformers_plain_and_chat_with_a_prefix_hit(server, 
 
     async def scenario():
         async with Client(server.address) as c:
-            plain = await asyncio.gather(*(c.complete(t, max_tokens=MAX_TOKENS) for t in PLAIN))
-            chats = [await c.complete(messages=m, max_tokens=MAX_TOKENS) for m in CHATS]  # in turn: hits
+            plain = await asyncio.gather(*(c.complete(t, max_tokens=MAX_TOKENS, temperature=0) for t in PLAIN))
+            chats = [await c.complete(messages=m, max_tokens=MAX_TOKENS, temperature=0) for m in CHATS]  # hits
             return plain + chats
     outs = run(scenario())
     ties: list = []
@@ -167,7 +167,7 @@ def test_streamed_text_is_the_decoded_ids_with_multibyte_characters(server, hf):
     async def stream(c, p):
         out = Completion()
         kw = {"messages": p} if isinstance(p, list) else {"prompt": p}
-        async for msg in c.generate(max_tokens=48, ignore_eos=True, **kw):
+        async for msg in c.generate(max_tokens=48, ignore_eos=True, temperature=0, **kw):
             accumulate(out, msg)
         return out
 
@@ -196,9 +196,10 @@ def test_n_forks_and_preemption_keep_the_ids(start_module_servers, hf):
     async def scenario():
         async with Client(small.address) as c:
             prompts = [await c.tokenize(t, add_special_tokens=True) for t in texts]
-            outs = await asyncio.gather(*(c.complete(p, max_tokens=80, ignore_eos=True) for p in prompts))
+            outs = await asyncio.gather(*(c.complete(p, max_tokens=80, ignore_eos=True, temperature=0)
+                                          for p in prompts))
             preempted = (await c.model_info()).num_preemptions
-            forks = await c.complete_n(prompts[0], 3, max_tokens=24, ignore_eos=True)
+            forks = await c.complete_n(prompts[0], 3, max_tokens=24, ignore_eos=True, temperature=0)
             sampled = await c.complete_n(prompts[1], 2, max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
             alone = [await c.complete(prompts[1], max_tokens=24, temperature=0.8, seed=7 + i, ignore_eos=True)
                      for i in range(2)]

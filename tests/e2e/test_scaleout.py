@@ -31,7 +31,7 @@ def workload(count: int, seed: int = 0) -> list[tuple[list[int], dict]]:
     """Greedy and seeded-sampling requests of mixed prompt lengths."""
     out = []
     for i in range(count):
-        params = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         if i % 2:
             params.update(temperature=0.9, top_p=0.95, seed=1000 + i)
         out.append((prompt_of(seed * 100 + i, 12 + (i * 7) % 50), params))

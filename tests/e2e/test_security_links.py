@@ -165,8 +165,8 @@ def test_tls_on_both_links_serves_a_greedy_prompt(scheduler, cert_dir):
 
     async def run():
         async with Client(scheduler.address, tls_ca=ca) as client:
-            first = await client.complete(PROMPT, max_tokens=8, ignore_eos=True)
-            again = await client.complete(PROMPT, max_tokens=8, ignore_eos=True)
+            first = await client.complete(PROMPT, max_tokens=8, ignore_eos=True, temperature=0)
+            again = await client.complete(PROMPT, max_tokens=8, ignore_eos=True, temperature=0)
             return first, again
 
     first, again = asyncio.run(run())
@@ -206,11 +206,12 @@ def test_cli_generate_and_health_take_a_ca(scheduler, executor, cert_dir):
 
     async def expected() -> str:
         async with Client(scheduler.address, tls_ca=ca) as client:
-            return (await client.complete("héllo", max_tokens=6, ignore_eos=True)).text
+            return (await client.complete("héllo", max_tokens=6, ignore_eos=True, temperature=0)).text
 
     text = asyncio.run(expected())
     r = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "héllo", "--address", scheduler.address,
-                        "--max-tokens", "6", "--ignore-eos", "--tls-ca", ca], cwd=procs.ROOT, capture_output=True,
+                        "--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--tls-ca", ca], cwd=procs.ROOT,
+                       capture_output=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode() == text + "\n"

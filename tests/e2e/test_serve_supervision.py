@@ -245,7 +245,7 @@ def test_failed_start_exits_1_and_stops_the_started_children(tmp_path):
 
 # ---- through a real pagedkv serve --------------------------------------------------------------
 PROMPT = "Supervision keeps the stream going:"
-STREAM = dict(max_tokens=400, ignore_eos=True)
+STREAM = dict(max_tokens=400, ignore_eos=True, temperature=0)
 
 
 def children(server: LocalServer) -> dict[str, int]:

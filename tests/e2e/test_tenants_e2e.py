@@ -65,7 +65,7 @@ def prompt_of(seed: int, n: int) -> list[int]:
 
 async def _call(address: str, key: str | None, metadata=()):
     async with Client(address, metadata=metadata, api_key=key or "") as client:
-        return await client.complete("hello", max_tokens=2)
+        return await client.complete("hello", max_tokens=2, temperature=0)
 
 
 def test_no_wrong_or_revoked_key_is_unauthenticated(server):
@@ -89,7 +89,7 @@ def test_no_wrong_or_revoked_key_is_unauthenticated(server):
 async def _complete_with_info(address: str, key: str, prompt, **params):
     async with Client(address, api_key=key) as client:
         await client.model_info(reset_peak=True)
-        out = await client.complete(prompt, **params)
+        out = await client.complete(prompt, temperature=0, **params)  # (greedy: compared with transformers')
         info = await client.model_info()
     return out, info
 
@@ -265,7 +265,7 @@ def test_server_sliding_window_serves_contexts_longer_than_the_pool(tiny_llama_d
         async def run():
             async with Client(server.address) as client:
                 await client.model_info(reset_peak=True)
-                out = await client.complete(prompt, max_tokens=140, ignore_eos=True)
+                out = await client.complete(prompt, max_tokens=140, ignore_eos=True, temperature=0)
                 return out, await client.model_info()
 
         out, info = asyncio.run(run())

@@ -64,7 +64,8 @@ def model_dirs(tmp_path_factory) -> dict:
 
 async def _run(address: str, prompts, max_tokens) -> tuple[list, object]:
     async with Client(address) as client:
-        outs = await asyncio.gather(*[client.complete(p, max_tokens=n) for p, n in zip(prompts, max_tokens)])
+        outs = await asyncio.gather(*[client.complete(p, max_tokens=n, temperature=0)
+                                      for p, n in zip(prompts, max_tokens)])
         return list(outs), await client.model_info()
 
 

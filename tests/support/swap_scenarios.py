@@ -20,10 +20,10 @@ async def spill_scenario(address: str):
     then the first prompt again (with another last token)."""
     prefix = prompt_of(1, 299)
     async with Client(address) as client:
-        first = await client.complete(prefix + [5], max_tokens=8, ignore_eos=True)
+        first = await client.complete(prefix + [5], max_tokens=8, ignore_eos=True, temperature=0)
         for seed in (2, 3, 4):
-            await client.complete(prompt_of(seed, 300), max_tokens=8, ignore_eos=True)
+            await client.complete(prompt_of(seed, 300), max_tokens=8, ignore_eos=True, temperature=0)
         before = await client.model_info()
-        again = await client.complete(prefix + [6], max_tokens=8, ignore_eos=True)
+        again = await client.complete(prefix + [6], max_tokens=8, ignore_eos=True, temperature=0)
         after = await client.model_info()
     return first, again, after.num_computed_tokens - before.num_computed_tokens, after

@@ -17,8 +17,9 @@ from pagedkv.tools.random_model import build_byte_tokenizer
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService
-from scheduler_svc.validation import MAX_CHAT_MESSAGES, Limits
-from tests.support.chat_template import TEMPLATE, template_ids
+from scheduler_svc.chat import MAX_CHAT_MESSAGES
+from scheduler_svc.validation import Limits
+from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
 from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_grpc import Aborted, Context
 
@@ -60,7 +61,7 @@ class Spy:
         return self._tok.apply_chat_template(*a, **kw)
 
 
-def run_service(tokenizer, scenario, monkeypatch):
+def run_service(tokenizer, scenario, monkeypatch, limit: int = LIMIT):
     """Runs ``scenario(service)`` against a GenerationService on one FakeExecutor."""
     monkeypatch.setattr(cluster_mod, "ExecutorClient", FakeClient)
     monkeypatch.setattr(engine_mod, "RECONNECT_POLL", 0.05)
@@ -72,7 +73,7 @@ def run_service(tokenizer, scenario, monkeypatch):
         c.set_addresses({"a:1"})
         await asyncio.wait_for(c.any_up.wait(), 5)
         import structlog
-        service = GenerationService(c, tokenizer, Limits(max_model_len=512, vocab_size=300, max_prompt_bytes=LIMIT),
+        service = GenerationService(c, tokenizer, Limits(max_model_len=512, vocab_size=300, max_prompt_bytes=limit),
                                     {}, structlog.get_logger())
         try:
             return await scenario(service)
@@ -103,8 +104,8 @@ def test_generate_and_tokenize_render_the_template(tokenizers, monkeypatch):
 
     async def scenario(service):
         out = await generate(service, chat_request(MESSAGES))
-        ids = await service._prompt_ids(chat_request(MESSAGES))
-        no_prompt = await service._prompt_ids(chat_request(MESSAGES, add_generation_prompt=False))
+        ids = await service.prompts.ids(chat_request(MESSAGES))
+        no_prompt = await service.prompts.ids(chat_request(MESSAGES, add_generation_prompt=False))
         tok = await service.Tokenize(api.TokenizeRequest(chat=chat_request(MESSAGES).chat), Context())
         return out, ids, no_prompt, tok
 
@@ -145,11 +146,11 @@ def test_a_model_without_a_template_fails_precondition(tokenizers, monkeypatch):
      "prompt.chat.messages[1].role: 'robot'; must be one of system, user, assistant, tool"),
     ([{"role": "x" * 5000, "content": "b"}], "prompt.chat.messages[0].role: '" + "x" * 32 + "...'"),
     ([{"role": "user", "content": "a" * 150}, {"role": "user", "content": "b" * 51}],
-     f"prompt.chat.messages: contents of at least 201 bytes of UTF-8; at most {LIMIT} in all"),
+     f"prompt.chat.messages: text of at least 201 bytes of UTF-8; at most {LIMIT} in all"),
     ([{"role": "user", "content": "é" * 60}, {"role": "user", "content": "b" * 81}],  # 120 + 81 bytes
-     f"prompt.chat.messages: contents of 201 bytes of UTF-8; at most {LIMIT} in all"),
+     f"prompt.chat.messages: text of 201 bytes of UTF-8; at most {LIMIT} in all"),
     ([{"role": "assistant", "content": "hi"}],
-     "prompt.chat: the model's chat template refused the messages: the conversation must not start"),
+     "prompt.chat: the chat template refused the messages: the conversation must not start"),
 ])
 def test_bad_messages_are_invalid_and_bounded_before_the_template(tokenizers, monkeypatch, messages, message):
     spy = Spy(tokenizers[0])
@@ -169,7 +170,7 @@ def test_contents_at_the_limit_are_taken(tokenizers, monkeypatch):
     messages = [{"role": "user", "content": "é" * 60}, {"role": "tool", "content": "b" * 80}]  # 200 bytes
 
     async def scenario(service):
-        return await service._prompt_ids(chat_request(messages))
+        return await service.prompts.ids(chat_request(messages))
 
     ids = run_service(tokenizers[0], scenario, monkeypatch)
     assert ids == template_ids(tokenizers[0], messages)
@@ -193,3 +194,253 @@ def test_client_builds_chat_requests():
     assert not Client.build_request(messages=[("user", "u")]).chat.HasField("add_generation_prompt")
     with pytest.raises(ValueError, match="not both"):
         Client.build_request("text", messages=[("user", "u")])
+
+
+# ---- tool calls, names, chat_template(_kwargs), continue_final_message ----------------------------------------
+# What a client sends (OpenAI's shape: arguments as JSON text), and what the template must be given (vLLM's: arguments
+# decoded to an object; text that is not a JSON object becomes {}).
+TOOL_MESSAGES = [
+    {"role": "user", "content": "Weather?", "name": "ann"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "d": [1]}'}},
+        {"id": "c2", "function": {"name": "broken", "arguments": "{not json"}},
+        {"id": "c3", "function": {"name": "listed", "arguments": "[1, 2]"}},
+        {"id": "c4", "function": {"name": "none", "arguments": ""}}]},
+    {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+]
+TOOL_MESSAGES_SEEN = [
+    {"role": "user", "content": "Weather?", "name": "ann"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris", "d": [1]}}},
+        {"id": "c2", "type": "function", "function": {"name": "broken", "arguments": {}}},
+        {"id": "c3", "type": "function", "function": {"name": "listed", "arguments": {}}},
+        {"id": "c4", "type": "function", "function": {"name": "none", "arguments": {}}}]},
+    {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+]
+
+
+@pytest.fixture(scope="module", params=["transformers", "fast"])
+def tool_tokenizer(request, tmp_path_factory):
+    """A byte tokenizer whose default template prints tool calls, names and enable_thinking (TOOL_TEMPLATE), with
+    the suite's TEMPLATE beside it under the name "plain"; as transformers loads it, and as the scheduler does."""
+    from transformers import AutoTokenizer
+
+    from scheduler_svc.tokenizer import FastTokenizer, load_tokenizer
+
+    path = tmp_path_factory.mktemp("tools")
+    build_byte_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = {"default": TOOL_TEMPLATE, "plain": TEMPLATE}
+    tok.save_pretrained(str(path))
+    hf = AutoTokenizer.from_pretrained(str(path))
+    if request.param == "fast":
+        fast = load_tokenizer(path)
+        assert isinstance(fast, FastTokenizer)
+        return fast, hf
+    return hf, hf
+
+
+def test_tool_calls_names_and_template_kwargs_reach_the_template(tool_tokenizer, monkeypatch):
+    tokenizer, hf = tool_tokenizer
+    want = template_ids(hf, TOOL_MESSAGES_SEEN, enable_thinking=False)
+    rendered = hf.apply_chat_template(TOOL_MESSAGES_SEEN, tokenize=False, add_generation_prompt=True,
+                                      enable_thinking=False)
+    assert '<call c1 function weather {"city": "Paris", "d": [1]}><call c2 function broken {}>' in rendered
+    assert "<|user|>[ann]Weather?" in rendered and "<|tool|>(re c1)18C" in rendered
+    assert rendered.endswith("<|assistant|><think></think>")
+
+    async def scenario(service):
+        req = Client.build_request(messages=TOOL_MESSAGES, max_tokens=2,
+                                   chat_template_kwargs={"enable_thinking": False})
+        out = await generate(service, req)
+        tok = await service.Tokenize(api.TokenizeRequest(chat=req.chat), Context())
+        return await service.prompts.ids(req), out, list(tok.token_ids)
+
+    ids, out, tokenized = run_service(tokenizer, scenario, monkeypatch, limit=1000)
+    assert ids == want and tokenized == want and out[-1].usage.prompt_tokens == len(want)
+
+
+def test_continue_final_message_and_a_named_template(tool_tokenizer, monkeypatch):
+    tokenizer, hf = tool_tokenizer
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    continued = template_ids(hf, messages, add_generation_prompt=False, continue_final_message=True)
+    plain = template_ids(hf, messages, chat_template="plain")
+
+    async def scenario(service):
+        req = Client.build_request(messages=messages, add_generation_prompt=False, continue_final_message=True)
+        named = Client.build_request(messages=messages, chat_template="plain")
+        return await service.prompts.ids(req), await service.prompts.ids(named)
+
+    got_continued, got_plain = run_service(tokenizer, scenario, monkeypatch)
+    assert got_continued == continued and bytes(t - 3 for t in continued[1:]).endswith(b"Hello, I am")
+    assert got_plain == plain and plain != template_ids(hf, messages)
+
+
+def test_a_request_template_needs_the_trust_flag(tool_tokenizer, monkeypatch):
+    tokenizer, hf = tool_tokenizer
+    own = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ flavour }}"
+    messages = [{"role": "user", "content": "Hi"}]
+
+    async def scenario(service):
+        req = Client.build_request(messages=messages, chat_template=own, chat_template_kwargs={"flavour": "x"})
+        with pytest.raises(Aborted) as refused:
+            await generate(service, req)
+        service.prompts.trust_request_templates = True
+        return refused.value, await service.prompts.ids(req)
+
+    refused, ids = run_service(tokenizer, scenario, monkeypatch)
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details.startswith("prompt.chat.chat_template: a template from a request is refused")
+    assert "--trust-request-chat-template" in refused.details
+    assert ids == list(b + 3 for b in b"[user:Hi]x") == template_ids(hf, messages, chat_template=own, flavour="x")
+
+
+def _tool_call(arguments: str = "{}", **fields) -> dict:
+    return {"id": "c", "function": {"name": "f", "arguments": arguments}, **fields}
+
+
+@pytest.mark.parametrize(("messages", "options", "message"), [
+    ([{"role": "user", "content": "x", "tool_calls": [_tool_call()]}], {},
+     "prompt.chat.messages[0].tool_calls: only an assistant message calls tools (role is 'user')"),
+    ([{"role": "assistant", "content": "x", "tool_call_id": "c"}], {},
+     "prompt.chat.messages[0].tool_call_id: only a tool message answers a tool call"),
+    ([{"role": "assistant", "content": "", "tool_calls": [_tool_call(type="retrieval")]}], {},
+     "prompt.chat.messages[0].tool_calls[0].type: 'retrieval'; only 'function' tool calls are taken"),
+    ([{"role": "assistant", "content": "", "tool_calls": [_tool_call()] * 129}], {},
+     "prompt.chat.messages[0].tool_calls: 129 calls; at most 128"),
+    ([{"role": "user", "content": "x", "name": "n" * 257}], {},
+     "prompt.chat.messages[0].name: 257 characters; at most 256"),
+    ([{"role": "assistant", "content": "", "tool_calls": [_tool_call("[" * 17 + "]" * 17)]}], {},
+     "prompt.chat.messages[0].tool_calls[0].function.arguments: JSON nested more than 16 levels deep; at most 16"),
+    ([{"role": "assistant", "content": "", "tool_calls": [_tool_call("a" * 2000)]}], {},
+     "prompt.chat.messages: text of at least 2002 bytes of UTF-8; at most 2000 in all"),
+    ([{"role": "user", "content": "x"}], {"continue_final_message": True},
+     "prompt.chat.continue_final_message: cannot be set with add_generation_prompt (true by default); set "
+     "add_generation_prompt to false"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"k": "v" * 20_000}},
+     "prompt.chat.chat_template_kwargs: 20009 bytes of JSON; at most 16384"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"k": [[[[[[[[1]]]]]]]]}},
+     "prompt.chat.chat_template_kwargs: JSON nested more than 8 levels deep; at most 8"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
+     "prompt.chat.chat_template_kwargs: add_generation_prompt, messages cannot be set here"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"sanitize_control_tokens": True}},
+     "prompt.chat.chat_template_kwargs: sanitize_control_tokens cannot be set here"),
+    ([{"role": "user", "content": "x"}], {"chat_template": "x" * (64 << 10 | 1)},
+     "prompt.chat.chat_template: 65537 bytes; at most 65536"),
+])
+def test_bad_chat_inputs_are_refused_before_the_template(tokenizers, monkeypatch, messages, options, message):
+    spy = Spy(tokenizers[0])
+
+    async def scenario(service):
+        with pytest.raises(Aborted) as err:
+            await generate(service, Client.build_request(messages=messages, max_tokens=1, **options))
+        return err.value
+
+    err = run_service(spy, scenario, monkeypatch, limit=2000)  # (names, ids and arguments count against it)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details.startswith(message), err.details
+    assert not spy.template_threads
+
+
+def test_template_kwargs_that_are_not_an_object_are_refused(tokenizers, monkeypatch):
+    async def scenario(service):
+        errors = []
+        for text in ("[1]", "{bad"):
+            req = Client.build_request(messages=[("user", "x")])
+            req.chat.chat_template_kwargs = text
+            with pytest.raises(Aborted) as err:
+                await generate(service, req)
+            errors.append(err.value.details)
+        return errors
+
+    not_object, not_json = run_service(tokenizers[0], scenario, monkeypatch)
+    assert not_object == ("prompt.chat.chat_template_kwargs: must be a JSON object (its keys are the template's "
+                          "variables)")
+    assert not_json.startswith("prompt.chat.chat_template_kwargs: not valid JSON (")
+
+
+# ---- truncate_prompt_tokens ---------------------------------------------------------------------------------
+def test_truncated_keeps_the_last_tokens_and_names_its_limit():
+    from scheduler_svc.prompts import truncated
+    from scheduler_svc.validation import InvalidRequest
+
+    assert truncated([1, 2, 3, 4], 0, 8) == [1, 2, 3, 4]  # 0: not set
+    assert truncated([1, 2, 3, 4], 2, 8) == [3, 4] and truncated([1, 2, 3, 4], 8, 8) == [1, 2, 3, 4]
+    for keep in (-1, 9):
+        with pytest.raises(InvalidRequest, match=rf"^truncate_prompt_tokens: {keep}; must be in \[1, max_model_len=8"):
+            truncated([1, 2], keep, 8)
+
+
+def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_check(tokenizers, monkeypatch):
+    """The executor gets the last N ids of what the prompt tokenized (rendered) to, and a prompt longer than the
+    context is taken once cut (max_model_len is 512 here)."""
+    sent: list[list[int]] = []
+    step = FakeClient.step
+
+    async def recording_step(self, plan):
+        sent.extend(list(r.token_ids) for r in plan.new_requests)
+        return await step(self, plan)
+    monkeypatch.setattr(FakeClient, "step", recording_step)
+    chat_tok = tokenizers[0]
+    text = "abcdefgh" * 80  # 640 tokens, + BOS
+
+    async def scenario(service):
+        usage = []
+        for prompt, kw in ((text, {}), ([i % 250 for i in range(900)], {}), (None, {"messages": MESSAGES})):
+            req = Client.build_request(prompt, max_tokens=1, truncate_prompt_tokens=7, **kw)
+            usage.append((await generate(service, req))[-1].usage.prompt_tokens)
+        with pytest.raises(Aborted) as err:
+            await generate(service, Client.build_request(text, max_tokens=1, truncate_prompt_tokens=513))
+        return usage, err.value
+
+    usage, err = run_service(chat_tok, scenario, monkeypatch, limit=4000)
+    assert usage == [7, 7, 7]
+    assert sent == [chat_tok(text)["input_ids"][-7:], [143, 144, 145, 146, 147, 148, 149],
+                    template_ids(chat_tok, MESSAGES)[-7:]]
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details.startswith("truncate_prompt_tokens: 513; must be in [1, max_model_len=512]")
+
+
+# ---- one BOS rule ---------------------------------------------------------------------------------------
+def test_tokenize_and_generate_agree_on_bos(tokenizers, monkeypatch):
+    """Tokenize without add_special_tokens gives exactly the ids Generate runs for the same text (BOS added, as
+    transformers' and vLLM's default); add_special_tokens false leaves it out; a chat's template writes its own."""
+    from scheduler_svc.prompts import adds_special_tokens
+
+    assert (adds_special_tokens("text"), adds_special_tokens("text", False), adds_special_tokens("chat"),
+            adds_special_tokens("chat", True)) == (True, False, False, False)
+    sent: list[list[int]] = []
+    step = FakeClient.step
+
+    async def recording_step(self, plan):
+        sent.extend(list(r.token_ids) for r in plan.new_requests)
+        return await step(self, plan)
+    monkeypatch.setattr(FakeClient, "step", recording_step)
+
+    async def scenario(service):
+        await generate(service, Client.build_request("hi", max_tokens=1))
+        default = await service.Tokenize(api.TokenizeRequest(text="hi"), Context())
+        without = await service.Tokenize(api.TokenizeRequest(text="hi", add_special_tokens=False), Context())
+        return list(default.token_ids), list(without.token_ids)
+
+    default, without = run_service(tokenizers[0], scenario, monkeypatch)
+    assert sent == [default] and default == [1, ord("h") + 3, ord("i") + 3] and without == default[1:]
+
+
+def test_detokenize_keeps_special_tokens_and_is_bounded(tokenizers, monkeypatch):
+    async def scenario(service):
+        ids = (await service.Tokenize(api.TokenizeRequest(text="hé"), Context())).token_ids
+        text = await service.Detokenize(api.DetokenizeRequest(token_ids=ids), Context())
+        errors = []
+        for bad in ([1] * 513, [300], [-1]):
+            with pytest.raises(Aborted) as err:
+                await service.Detokenize(api.DetokenizeRequest(token_ids=bad), Context())
+            errors.append(err.value)
+        return text.text, errors
+
+    text, errors = run_service(tokenizers[0], scenario, monkeypatch)
+    assert text == tokenizers[0].decode(tokenizers[0]("hé")["input_ids"]) and text.endswith("hé") and text != "hé"
+    assert [e.code for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [e.details for e in errors] == ["token_ids: 513 ids; at most max_model_len=512",
+                                           "token_ids: id 300 outside the vocabulary [0, 300)",
+                                           "token_ids: id -1 outside the vocabulary [0, 300)"]

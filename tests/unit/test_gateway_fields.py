@@ -72,6 +72,10 @@ HONOURED = {
     "request_id": lambda body, plan: client_request_id(None, body),
     "add_generation_prompt": lambda body, plan: (_req(plan).chat.HasField("add_generation_prompt"),
                                                  _req(plan).chat.add_generation_prompt),
+    "continue_final_message": lambda body, plan: _req(plan).chat.continue_final_message,
+    "chat_template": lambda body, plan: _req(plan).chat.chat_template,
+    "chat_template_kwargs": lambda body, plan: json.loads(_req(plan).chat.chat_template_kwargs or "{}"),
+    "truncate_prompt_tokens": lambda body, plan: [r.truncate_prompt_tokens for r in plan.requests],
     "presence_penalty": lambda body, plan: _req(plan).sampling.presence_penalty,
     "frequency_penalty": lambda body, plan: _req(plan).sampling.frequency_penalty,
     "repetition_penalty": lambda body, plan: _req(plan).sampling.repetition_penalty,
@@ -135,9 +139,15 @@ def test_a_field_ignored_by_design_changes_nothing_sent(field, chat):
 
 def test_value_dependent_refusals_and_the_logits_controls_accept_the_defaults():
     for chat in (False, True):
-        plan = _parse(chat, repetition_penalty=1.0, min_tokens=0, skip_special_tokens=True, min_p=0,
-                      presence_penalty=0.0, logit_bias={}, bad_words=[], response_format={"type": "text"})
+        plan = _parse(chat, min_tokens=0, skip_special_tokens=True, presence_penalty=0.0, logit_bias={},
+                      bad_words=[], response_format={"type": "text"})
         assert plan.requests == _parse(chat).requests
+        # repetition_penalty and min_p at their neutral values are sent: they win over the model's defaults
+        s = _req(_parse(chat, repetition_penalty=1.0, min_p=0)).sampling
+        assert (s.HasField("repetition_penalty"), s.repetition_penalty, s.HasField("min_p"), s.min_p) == (
+            True, 1.0, True, 0.0)
+        s = _req(_parse(chat)).sampling
+        assert not s.HasField("repetition_penalty") and not s.HasField("min_p")  # unset: the model's defaults
     with pytest.raises(ApiError) as e:
         _parse(False, skip_special_tokens=1)  # 1 is not True
     assert e.value.param == "skip_special_tokens"
@@ -179,11 +189,47 @@ def test_a_message_field_the_template_would_not_get_is_refused(field):
             == ["hi", "x"]
 
 
-def test_message_role_and_content_are_honoured_and_other_message_fields_named():
+MESSAGE_HONOURED = {
+    "role": lambda m: m.role,
+    "content": lambda m: m.content,
+    "name": lambda m: m.name,
+    "tool_calls": lambda m: [(c.id, c.type, c.function.name, c.function.arguments) for c in m.tool_calls],
+    "tool_call_id": lambda m: m.tool_call_id,
+}
+
+
+@pytest.mark.parametrize("field", [f for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED], ids=lambda f: f.name)
+def test_an_honoured_message_field_reaches_the_chat_message(field):
+    base = {"role": "user", "content": "hi"}
+    sent = parse_chat({"model": "m", "messages": [{**base, field.name: field.example}]}, "r")
+    plain = parse_chat({"model": "m", "messages": [base]}, "r")
+    check = MESSAGE_HONOURED[field.name]
+    assert check(_req(sent).chat.messages[0]) != check(_req(plain).chat.messages[0])
+    assert {f.name for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED} == set(MESSAGE_HONOURED)
+
+
+def test_message_fields_are_typed_and_other_message_fields_named():
     plan = parse_chat({"model": "m", "messages": [{"role": "assistant", "content": "other", "extra": 1}]}, "r")
     assert [(m.role, m.content) for m in _req(plan).chat.messages] == [("assistant", "other")]
     assert plan.screened.unknown == ["messages[0].extra"]
-    assert {f.name for f in fields.MESSAGE_FIELDS if f.kind == fields.HONOURED} == {"role", "content"}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}
+    plan = parse_chat({"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}, "r")
+    (got,) = _req(plan).chat.messages[0].tool_calls
+    assert (got.id, got.function.name, json.loads(got.function.arguments)) == ("c1", "f", {"x": "é"})
+    for message, param in (({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[0].tool_call_id"),
+                           ({"role": "user", "content": "x", "name": ["n"]}, "messages[0].name"),
+                           ({"role": "assistant", "tool_calls": {"id": "c"}}, "messages[0].tool_calls"),
+                           ({"role": "assistant", "tool_calls": ["c"]}, "messages[0].tool_calls[0]"),
+                           ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "messages[0].tool_calls[0].function"),
+                           ({"role": "assistant", "tool_calls": [{"function": {"arguments": 3}}]},
+                            "messages[0].tool_calls[0].function.arguments")):
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": [message]}, "r")
+        assert e.value.status == 400 and e.value.param == param, message
+    for param, value in (("chat_template_kwargs", [1]), ("chat_template", 1), ("continue_final_message", "yes")):
+        with pytest.raises(ApiError) as e:
+            _parse(True, **{param: value})
+        assert e.value.param == param
 
 
 def test_the_header_shows_safe_names_only_and_a_bounded_number():
@@ -238,6 +284,23 @@ def test_the_gateways_own_token_count_check_is_a_context_length_error():
         check_sizes(plan, RequestLimits.of(2048))
     assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     assert e.value.message.startswith("This model's maximum context length is 2048 tokens.")
+
+
+def test_truncate_prompt_tokens_is_checked_against_the_context_before_the_prompts_length():
+    plan = parse_completion({"model": "m", "prompt": [1] * 3000, "truncate_prompt_tokens": 100}, "r")
+    check_sizes(plan, RequestLimits.of(2048))  # 3000 ids, of which the last 100 are kept: taken
+    plan = parse_completion({"model": "m", "prompt": [1] * 3000, "truncate_prompt_tokens": 2048}, "r")
+    with pytest.raises(ApiError) as e:
+        check_sizes(plan, RequestLimits.of(2048))
+    assert e.value.code == "context_length_exceeded"
+    assert "2048 token ids (truncate_prompt_tokens=2048)" in e.value.message
+    for keep, limits in ((2049, RequestLimits.of(2048)), (0, None), (-1, None), ("5", None)):
+        with pytest.raises(ApiError) as e:
+            plan = parse_chat({**BASE[True], "truncate_prompt_tokens": keep}, "r")
+            check_sizes(plan, limits)
+        assert e.value.status == 400 and e.value.param == "truncate_prompt_tokens", keep
+    with pytest.raises(ApiError, match=r"truncate_prompt_tokens: 2049; must be in \[1, max_model_len=2048\]"):
+        check_sizes(parse_completion({**BASE[False], "truncate_prompt_tokens": 2049}, "r"), RequestLimits.of(2048))
 
 
 def test_app_answers_a_length_refusal_in_openais_words():
@@ -302,3 +365,19 @@ def test_app_makes_its_own_id_for_an_unusable_header_and_refuses_a_bad_body_id()
 def test_app_version():
     status, _, data = asyncio.run(asgi(create_app(Gateway(FakeUpstream(), Log())), "/version", b"", method="GET"))
     assert status == 200 and json.loads(data) == {"version": pagedkv.__version__}
+
+
+def test_one_n_limit_for_the_gateway_and_the_scheduler():
+    """The gateway refuses n past the scheduler's MAX_FORKS in the same words, naming n and the limit."""
+    from scheduler_svc.validation import MAX_FORKS
+
+    for chat in (False, True):
+        assert _req(_parse(chat, n=MAX_FORKS)).sampling.n == MAX_FORKS
+        with pytest.raises(ApiError) as e:
+            _parse(chat, n=MAX_FORKS + 1)
+        assert (e.value.status, e.value.param) == (400, "n")
+        assert e.value.message == f"n: {MAX_FORKS + 1}; must be in [1, {MAX_FORKS}]"
+    with pytest.raises(InvalidRequest) as e:
+        check_sampling(api.SamplingParams(n=MAX_FORKS + 1), 1, Limits(max_model_len=64, vocab_size=10))
+    assert str(e.value).startswith(f"sampling.n: {MAX_FORKS + 1}; must be in [1, {MAX_FORKS}]")
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, str(e.value)).param == "n"

@@ -240,6 +240,10 @@ def test_scheduler_field_names_become_openai_params():
                          ).param == "messages"
     assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "priority: 5000; must").param == "priority"
     assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "no field here").param is None
+    for name in ("chat_template", "chat_template_kwargs", "continue_final_message"):
+        assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.chat.{name}: x", chat=True).param == name
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, "prompt.chat.messages[1].tool_calls[0].type: 'x'", chat=True
+                     ).param == "messages"
 
 
 def _msg(index=0, text="", ids=(), lps=(), finish=0, prompt=0, completion=0, cached=0) -> api.GenerateResponse:

@@ -57,10 +57,10 @@ def test_tokenizing_runs_off_the_event_loop_and_only_within_the_limit():
                     tokenizer.loop_ran.set()
 
         task = asyncio.create_task(ticker())
-        ids = await service._prompt_ids(api.GenerateRequest(text="hello"))
+        ids = await service.prompts.ids(api.GenerateRequest(text="hello"))
         task.cancel()
         with pytest.raises(InvalidRequest, match="prompt.text: at least 101 bytes of UTF-8; at most 100 "):
-            await service._prompt_ids(api.GenerateRequest(text="x" * 101))
+            await service.prompts.ids(api.GenerateRequest(text="x" * 101))
         return ids, threading.get_ident()
 
     ids, loop_thread = asyncio.run(scenario())

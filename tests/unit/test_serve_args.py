@@ -135,3 +135,24 @@ def test_two_services_may_share_a_flag_only_with_one_meaning():
     assert forwarded["--log-format"].services == ["scheduler", "executor"]
     with pytest.raises(TypeError, match="--log-format means different things"):
         _ServiceFlags("executor", group, forwarded).add_argument("--log-format", default="json")
+
+
+@pytest.mark.parametrize("argv", [["--served-model-name", "a", "b"], ["--served-model-name", "a", "--served-model-name",
+                                                                       "b"]])
+def test_several_served_model_names_reach_the_scheduler_in_order(argv):
+    args, parsed = children(argv)
+    assert args.served_model_name == parsed["scheduler"].served_model_name == ["a", "b"]
+
+
+def test_a_served_model_name_is_bounded_before_anything_starts():
+    from pagedkv.executor.v1 import executor_pb2 as pb
+    from scheduler_svc.args import MAX_MODEL_NAME_CHARS, check_args
+
+    describe = pb.DescribeResponse(max_position_embeddings=64, num_device_pages=8, block_size=16)
+    for names in (["ok", "x" * (MAX_MODEL_NAME_CHARS + 1)], [""]):
+        args = service_parser("scheduler").parse_args(["--executor", "h:1", "--served-model-name", *names])
+        with pytest.raises(ValueError, match=f"--served-model-name .*: each name must have 1 to "
+                                             f"{MAX_MODEL_NAME_CHARS} characters"):
+            check_args(args, describe, None)
+    args = service_parser("scheduler").parse_args(["--executor", "h:1", "--served-model-name", "a", "b"])
+    assert check_args(args, describe, None) == 64

@@ -15,7 +15,7 @@ import pytest
 
 from pagedkv.tools.random_model import build_byte_tokenizer
 from scheduler_svc.tokenizer import OWN_TOKENIZER_TYPES, FastTokenizer, fast_path_refusal, load_tokenizer
-from tests.support.chat_template import TEMPLATE
+from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE
 
 pytestmark = pytest.mark.unit
 
@@ -142,6 +142,53 @@ def test_named_chat_templates_use_the_default(byte_dir):
                                            {"name": "tool_use", "template": "{{ 'tools' }}"}])
     fast = assert_same(byte_dir)
     assert set(fast.chat_template) == {"default", "tool_use"}
+
+
+# A tool-using conversation as chat.check_chat hands it over (vLLM's shape: arguments decoded to an object).
+TOOL_CHAT = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": {}}}]},
+    {"role": "tool", "content": "18C", "tool_call_id": "call_1"},
+    {"role": "assistant", "content": "It is 18C and"},
+]
+TRIMMING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}"
+
+
+@pytest.mark.parametrize("options", [
+    dict(add_generation_prompt=True), dict(add_generation_prompt=True, enable_thinking=False),
+    dict(continue_final_message=True), dict(continue_final_message=True, chat_template=TRIMMING_TEMPLATE),
+    dict(chat_template=TEMPLATE, add_generation_prompt=True), dict(chat_template="tools", add_generation_prompt=True),
+    dict(bos_token="<B>"),  # (a keyword argument wins over the special token of that name, as in transformers)
+], ids=["tools", "kwargs", "continue", "continue-trimmed", "request-template", "named-template", "over-special"])
+def test_tool_calls_kwargs_continue_and_request_templates_render_as_transformers(byte_dir, options):
+    _write_config(byte_dir, chat_template=[{"name": "default", "template": TOOL_TEMPLATE},
+                                           {"name": "tools", "template": TEMPLATE}])
+    fast, hf = load_tokenizer(byte_dir), _transformers(byte_dir)
+    assert isinstance(fast, FastTokenizer)
+    want = hf.apply_chat_template(TOOL_CHAT, tokenize=False, **options)
+    assert fast.apply_chat_template(TOOL_CHAT, tokenize=False, **options) == want
+    if options == dict(add_generation_prompt=True):
+        assert '<call call_1 function weather {"city": "Paris"}><call call_2 function time {}>' in want
+        assert "<|user|>[ann]Weather" in want and "<|tool|>(re call_1)18C" in want
+    if options.get("continue_final_message"):
+        assert want.endswith("It is 18C and")
+
+
+def test_continue_final_message_refusals_are_transformers(byte_dir):
+    _write_config(byte_dir, chat_template=TOOL_TEMPLATE)
+    fast, hf = load_tokenizer(byte_dir), _transformers(byte_dir)
+    for options in (dict(continue_final_message=True, add_generation_prompt=True),
+                    dict(continue_final_message=True, chat_template="{% for m in messages %}{{ m.role }}{% endfor %}"),
+                    dict(continue_final_message=True, chat_template="{% for m in messages %}{{ m.content[:2] }}"
+                                                                    "{% endfor %}")):
+        with pytest.raises(ValueError) as want:
+            hf.apply_chat_template(TOOL_CHAT, tokenize=False, **options)
+        with pytest.raises(ValueError) as got:
+            fast.apply_chat_template(TOOL_CHAT, tokenize=False, **options)
+        assert str(got.value)[:60] == str(want.value)[:60]
 
 
 def test_template_errors_are_transformers_errors(byte_dir):

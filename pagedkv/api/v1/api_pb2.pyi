@@ -98,23 +98,53 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    name: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "type", "function")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: str
+    function: FunctionCall
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
+class FunctionCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt")
+    __slots__ = ("messages", "add_generation_prompt", "chat_template", "chat_template_kwargs", "continue_final_message")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    chat_template_kwargs: str
+    continue_final_message: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation", "truncate_prompt_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +153,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -131,7 +162,8 @@ class GenerateRequest(_message.Message):
     priority: int
     page_budget: int
     continuation: Continuation
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("forks",)
@@ -188,7 +220,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, reset_peak: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view", "sampling_defaults")
+    __slots__ = ("model", "max_model_len", "block_size", "num_pages", "num_free_pages", "num_used_pages", "vocab_size", "dtype", "attention_backend", "num_running", "num_waiting", "num_preemptions", "peak_used_pages", "num_computed_tokens", "num_cached_prompt_tokens", "num_cached_pages", "prefix_caching", "num_host_pages", "num_used_host_pages", "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "num_pages_swapped_out", "num_pages_swapped_in", "num_swap_bytes", "num_spilled_pages", "num_spill_hits", "tenant", "executors", "kv_dtype", "kv_bytes_per_token", "cluster_view", "sampling_defaults", "served_model_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +254,7 @@ class ModelInfoResponse(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_VIEW_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -255,17 +288,22 @@ class ModelInfoResponse(_message.Message):
     kv_bytes_per_token: int
     cluster_view: bool
     sampling_defaults: SamplingDefaults
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., num_host_pages: _Optional[int] = ..., num_used_host_pages: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., num_recompute_preemptions: _Optional[int] = ..., num_pages_swapped_out: _Optional[int] = ..., num_pages_swapped_in: _Optional[int] = ..., num_swap_bytes: _Optional[int] = ..., num_spilled_pages: _Optional[int] = ..., num_spill_hits: _Optional[int] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., cluster_view: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k")
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class ExecutorInfo(_message.Message):
     __slots__ = ("address", "state", "executor_id", "num_pages", "num_used_pages", "num_cached_pages", "num_running", "num_waiting", "num_placed", "num_migrated_out", "num_computed_tokens", "kv_dtype", "kv_bytes_per_token")
@@ -356,3 +394,15 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagedkv.api.v1.Generation/Detokenize',
+                request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +81,12 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +104,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeRequest.FromString,
                     response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +192,33 @@ class Generation:
             '/pagedkv.api.v1.Generation/Tokenize',
             pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeRequest.SerializeToString,
             pagedkv_dot_api_dot_v1_dot_api__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.api.v1.Generation/Detokenize',
+            pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.SerializeToString,
+            pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,7 +45,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol")
+    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol", "default_repetition_penalty", "default_min_p")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class DescribeResponse(_message.Message):
     DEFAULT_TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODEL_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MIN_P_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_layers: int
@@ -100,7 +102,9 @@ class DescribeResponse(_message.Message):
     default_top_k: int
     model_sliding_window: int
     protocol: int
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
+    default_repetition_penalty: float
+    default_min_p: float
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ..., default_repetition_penalty: _Optional[float] = ..., default_min_p: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_stop_ids", "logit_bias", "allowed_token_ids", "bad_words")

@@ -1,0 +1,195 @@
+"""A chat request, checked before its template runs (``check_chat``), and rendered to prompt text (``render``).
+
+The template sees what transformers' ``apply_chat_template`` passes it and what vLLM gives it from an OpenAI request:
+``messages`` (role and content; name, tool_calls and tool_call_id where set), ``add_generation_prompt``, the named
+special tokens, and the request's ``chat_template_kwargs`` as variables. An assistant's tool calls are
+``{id, type: "function", function: {name, arguments}}`` with ``arguments`` decoded from its JSON text into an object,
+as vLLM decodes them (transformers' templates expect a mapping; text that is not a JSON object becomes ``{}``, as in
+vLLM). Every size is bounded here, before anything is parsed or rendered; each refusal names the field and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.json_bounds import nests_deeper_than
+from scheduler_svc.validation import InvalidRequest
+
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_NAME_CHARS = 256  # name, tool_call_id, a tool call's id and function name
+MAX_TOOL_CALLS = 128  # in one message
+MAX_ARGUMENTS_DEPTH = 16  # arrays and objects in a tool call's arguments
+MAX_CHAT_TEMPLATE_BYTES = 64 << 10  # real templates run 1-20 KiB
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
+MAX_TEMPLATE_KWARGS_DEPTH = 8  # the top object counted
+# What the scheduler passes the template itself, and apply_chat_template's own arguments (the caller's, not the
+# template's variables): a chat_template_kwargs key may be none of them.
+OWN_TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                     "chat_template", "tokenize", "return_dict", "return_assistant_tokens_mask", "return_tensors",
+                     "padding", "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens",
+                     "conversation")
+
+
+class NoChatTemplate(Exception):
+    """The model has no chat template and the request brought none: a chat prompt cannot be rendered
+    (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request as the template renderer takes it."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template: str | None = None  # the request's template, or the name of one of the model's; None: the model's
+    kwargs: dict = field(default_factory=dict)
+
+
+def _too_long(value: str, name: str) -> None:
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"{name}: {len(value)} characters; at most {MAX_NAME_CHARS}")
+
+
+def _arguments(text: str, name: str) -> dict:
+    """A tool call's arguments as vLLM gives them to the template: the JSON object its text holds, else {}."""
+    if not text:
+        return {}
+    if nests_deeper_than(text.encode("utf-8", "surrogatepass"), MAX_ARGUMENTS_DEPTH):
+        raise InvalidRequest(f"{name}: JSON nested more than {MAX_ARGUMENTS_DEPTH} levels deep; at most "
+                             f"{MAX_ARGUMENTS_DEPTH}")
+    try:
+        value = json.loads(text)
+    except ValueError:  # (vLLM: malformed arguments in the history must not make every later turn fail)
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _message(m: api.ChatMessage, where: str) -> dict:
+    if m.role not in CHAT_ROLES:
+        role = m.role if len(m.role) <= 32 else m.role[:32] + "..."
+        raise InvalidRequest(f"{where}.role: {role!r}; must be one of {', '.join(CHAT_ROLES)}")
+    out: dict = {"role": m.role, "content": m.content}
+    if m.name:
+        _too_long(m.name, f"{where}.name")
+        out["name"] = m.name
+    if m.tool_call_id:
+        if m.role != "tool":
+            raise InvalidRequest(f"{where}.tool_call_id: only a tool message answers a tool call (role is "
+                                 f"{m.role!r})")
+        _too_long(m.tool_call_id, f"{where}.tool_call_id")
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequest(f"{where}.tool_calls: only an assistant message calls tools (role is {m.role!r})")
+        if len(m.tool_calls) > MAX_TOOL_CALLS:
+            raise InvalidRequest(f"{where}.tool_calls: {len(m.tool_calls)} calls; at most {MAX_TOOL_CALLS}")
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            at = f"{where}.tool_calls[{j}]"
+            if call.type not in ("", "function"):
+                raise InvalidRequest(f"{at}.type: {call.type[:32]!r}; only 'function' tool calls are taken")
+            _too_long(call.id, f"{at}.id")
+            _too_long(call.function.name, f"{at}.function.name")
+            arguments = _arguments(call.function.arguments, f"{at}.function.arguments")
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_text(m: api.ChatMessage) -> list[str]:
+    """The texts of a message that count against --max-prompt-bytes."""
+    texts = [m.content, m.name, m.tool_call_id]
+    for call in m.tool_calls:
+        texts += [call.id, call.function.name, call.function.arguments]
+    return texts
+
+
+def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
+    """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) at most ``limit``
+    UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just to be refused.
+    ``name``: the messages' field, as the refusal names it."""
+    n = len(chat.messages)
+    if not 0 < n <= MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{name}: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
+    chars = 0
+    for m in chat.messages:
+        chars += sum(map(len, chat_text(m)))
+        if chars > limit:  # a character is at least one byte
+            raise InvalidRequest(f"{name}: text of at least {chars} bytes of UTF-8; at most {limit} in all "
+                                 "(--max-prompt-bytes; send fewer or shorter messages)")
+    if chars * 4 > limit:
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for m in chat.messages for t in chat_text(m))
+        if size > limit:
+            raise InvalidRequest(f"{name}: text of {size} bytes of UTF-8; at most {limit} in all "
+                                 "(--max-prompt-bytes; send fewer or shorter messages)")
+
+
+def _template_kwargs(text: str, field: str) -> dict:
+    if not text:
+        return {}
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequest(f"{field}: {len(raw)} bytes of JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}")
+    if nests_deeper_than(raw, MAX_TEMPLATE_KWARGS_DEPTH):
+        raise InvalidRequest(f"{field}: JSON nested more than {MAX_TEMPLATE_KWARGS_DEPTH} levels deep; at most "
+                             f"{MAX_TEMPLATE_KWARGS_DEPTH}")
+    try:
+        kwargs = json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{field}: not valid JSON ({err})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be a JSON object (its keys are the template's variables)")
+    own = sorted(k for k in kwargs if k in OWN_TEMPLATE_ARGS)
+    if own:
+        raise InvalidRequest(f"{field}: {', '.join(own)} cannot be set here (messages, add_generation_prompt, "
+                             "continue_final_message and chat_template are the request's own fields; the rest are "
+                             "apply_chat_template's arguments, not the template's variables)")
+    return kwargs
+
+
+def check_chat(chat: api.Chat, field: str, limit: int, model_templates=None,
+               trust_request_templates: bool = False) -> ChatPrompt:
+    """``chat`` as the renderer takes it, checked before the template runs: 1 to MAX_CHAT_MESSAGES messages, each
+    role one of CHAT_ROLES, their texts together at most ``limit`` UTF-8 bytes; names and ids of at most
+    MAX_NAME_CHARS; tool calls on assistant messages only, tool_call_id on tool messages only; the template and its
+    kwargs bounded. ``model_templates``: the model's chat template(s) (a string, or a dict by name); a request's
+    own template is taken only with ``trust_request_templates`` (--trust-request-chat-template)."""
+    check_chat_size(chat, f"{field}.messages", limit)
+    messages = [_message(m, f"{field}.messages[{i}]") for i, m in enumerate(chat.messages)]
+    generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    if chat.continue_final_message and generation_prompt:
+        raise InvalidRequest(f"{field}.continue_final_message: cannot be set with add_generation_prompt "
+                             f"({'true' if chat.HasField('add_generation_prompt') else 'true by default'}); set "
+                             "add_generation_prompt to false to continue the last message")
+    template = chat.chat_template or None
+    named = isinstance(model_templates, dict) and template in model_templates
+    if template is not None and not named:
+        size = len(template.encode("utf-8", "surrogatepass"))
+        if size > MAX_CHAT_TEMPLATE_BYTES:
+            raise InvalidRequest(f"{field}.chat_template: {size} bytes; at most {MAX_CHAT_TEMPLATE_BYTES}")
+        if not trust_request_templates:
+            raise InvalidRequest(f"{field}.chat_template: a template from a request is refused (it is code the "
+                                 "scheduler would run) unless the scheduler runs with --trust-request-chat-template; "
+                                 "leave it out to use the model's")
+    if template is None and not model_templates:
+        raise NoChatTemplate(f"{field}: the model has no chat template (no chat_template in its "
+                             "tokenizer_config.json); send text or token_ids, or a chat_template")
+    return ChatPrompt(messages, generation_prompt, chat.continue_final_message, template,
+                      _template_kwargs(chat.chat_template_kwargs, f"{field}.chat_template_kwargs"))
+
+
+def render(tokenizer, prompt: ChatPrompt, field: str) -> str:
+    """The prompt text ``tokenizer``'s apply_chat_template renders (transformers' arguments; the scheduler's
+    FastTokenizer takes the same); a template's error (its raise_exception, or any other) is the request's."""
+    try:
+        return tokenizer.apply_chat_template(prompt.messages, tokenize=False,
+                                             add_generation_prompt=prompt.add_generation_prompt,
+                                             continue_final_message=prompt.continue_final_message,
+                                             chat_template=prompt.template, **prompt.kwargs)
+    except Exception as err:  # noqa: BLE001 -- a template's raise_exception, or any error it hits
+        raise InvalidRequest(f"{field}: the chat template refused the messages: {err}") from None

@@ -1,0 +1,111 @@
+"""The scheduler's tokenizer work, on its one thread (``Prompts``): a request's prompt as token ids (text, token ids
+or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's and Detokenize's answers;
+the bad words' token sequences. Every input is bounded before the tokenizer or a template sees it.
+
+One rule says whether special tokens (BOS) are added (``adds_special_tokens``), for Generate and Tokenize alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from pagedkv.api.v1 import api_pb2 as api
+from scheduler_svc import chat as chats
+from scheduler_svc.validation import InvalidRequest, Limits, bad_words_token_ids, check_bad_words, check_text_bytes
+
+T = TypeVar("T")
+
+
+def adds_special_tokens(kind: str, requested: bool | None = None) -> bool:
+    """Whether the tokenizer adds its special tokens (BOS, as its post-processor says) to a prompt of ``kind``
+    (text, chat): text yes unless the caller asks otherwise (Tokenize's add_special_tokens; transformers' and vLLM's
+    default), chat never (the template writes them, as transformers' apply_chat_template does)."""
+    if kind == "chat":
+        return False
+    return True if requested is None else requested
+
+
+def truncated(ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """The last ``keep`` prompt tokens (vLLM's truncate_prompt_tokens; 0: the prompt as it is), taken before the
+    prompt's length is checked; ``keep`` in [1, max_model_len]."""
+    if keep == 0:
+        return ids
+    if not 1 <= keep <= max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens: {keep}; must be in [1, max_model_len={max_model_len}] (the "
+                             "prompt tokens kept: the last ones), or 0 for the whole prompt")
+    return ids[-keep:]
+
+
+class Prompts:
+    """Tokenizing and chat templates, off the event loop (other streams keep streaming) and one at a time: a fast
+    tokenizer is not safe to call from several threads at once, and each input is bounded before it gets there."""
+
+    def __init__(self, tokenizer, limits: Limits, trust_request_templates: bool = False) -> None:
+        self.tokenizer, self.limits = tokenizer, limits
+        self.trust_request_templates = trust_request_templates  # --trust-request-chat-template
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    async def text_ids(self, text: str, field: str, add_special_tokens: bool | None = None,
+                       tokens: bool = False):
+        """Token ids of ``text`` (and with ``tokens``, their strings); the text bounded first."""
+        check_text_bytes(text, field, self.limits.prompt_bytes)
+        special = adds_special_tokens("text", add_special_tokens)
+
+        def encode():
+            ids = self._ids(text, special)
+            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
+        return await self.run(encode)
+
+    async def chat_ids(self, chat: api.Chat, field: str, tokens: bool = False):
+        """Token ids (and with ``tokens``, their strings) of the prompt the chat template renders from ``chat``;
+        the request is checked (chat.check_chat) before the template runs."""
+        prompt = chats.check_chat(chat, field, self.limits.prompt_bytes, getattr(self.tokenizer, "chat_template", None),
+                                  self.trust_request_templates)
+
+        def render():
+            ids = self._ids(chats.render(self.tokenizer, prompt, field), adds_special_tokens("chat"))
+            return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
+        return await self.run(render)
+
+    async def ids(self, request: api.GenerateRequest) -> list[int]:
+        """A Generate request's prompt as token ids, only its last truncate_prompt_tokens when that is set."""
+        which = request.WhichOneof("prompt")
+        if which == "chat":
+            ids = await self.chat_ids(request.chat, "prompt.chat")
+        elif which == "text":
+            if not request.text:
+                raise InvalidRequest("prompt.text: must not be empty")
+            ids = await self.text_ids(request.text, "prompt.text")
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:
+            raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
+        return truncated(ids, request.truncate_prompt_tokens, self.limits.max_model_len)
+
+    async def bad_words_ids(self, words) -> list[list[int]]:
+        """sampling.bad_words, bounded, then tokenized (``bad_words_token_ids``)."""
+        if not words:
+            return []
+        words = list(words)
+        check_bad_words(words)
+        return await self.run(lambda: bad_words_token_ids(words, lambda text: self._ids(text, False)))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (vLLM's /detokenize): at most max_model_len ids, each in the
+        vocabulary."""
+        limits = self.limits
+        if len(ids) > limits.max_model_len:
+            raise InvalidRequest(f"token_ids: {len(ids)} ids; at most max_model_len={limits.max_model_len}")
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
+        return await self.run(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
