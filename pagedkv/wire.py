@@ -3,7 +3,9 @@ messages; these are the values outside them)."""
 
 # The link's version (DescribeResponse.protocol): raised when either end would misread the other's messages.
 # 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
-EXECUTOR_PROTOCOL = 2
+# 3: top and prompt log-probabilities (SamplingParams.top_logprobs, prompt_logprobs; StepResult.sampled_top_*,
+#    prompt_logprobs), and a fork parent that asks for prompt log-probabilities sent with its whole prompt.
+EXECUTOR_PROTOCOL = 3
 
 # Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
 # its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and
