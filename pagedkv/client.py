@@ -45,6 +45,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    top_logprobs: list[api.TopLogprobs] = field(default_factory=list)  # per token, with sampling.top_logprobs
+    prompt: api.Prompt = field(default_factory=api.Prompt)  # what the stream said of the prompt (echo, prompt_logprobs)
 
 
 def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
@@ -52,6 +54,8 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
     out.text += msg.text
     out.token_ids.extend(msg.token_ids)
     out.logprobs.extend(msg.logprobs)
+    out.top_logprobs.extend(msg.top_logprobs)
+    out.prompt.MergeFrom(msg.prompt)
     if msg.finish_reason:
         out.finish_reason = FINISH_NAMES[msg.finish_reason]
         out.stop_reason = msg.stop_reason
@@ -139,10 +143,14 @@ class StreamProgress:
             self.finished = [f.finished for f in request.continuation.forks]
         self.seed: int | None = request.sampling.seed if request.sampling.HasField("seed") else None
         self.request_id = request.request_id
+        self.prompt_received = request.continuation.prompt_received
 
     def add(self, msg: api.GenerateResponse) -> None:
         if msg.HasField("seed") and self.seed is None:
             self.seed = msg.seed
+        p = msg.prompt
+        if p.token_ids or p.text or p.logprobs:  # (the prompt's ids, text or log-probabilities: not again)
+            self.prompt_received = True
         if not self.request_id:
             self.request_id = msg.request_id  # (the server's, when the caller gave none: kept over a resume)
         if 0 <= msg.index < self.n:
@@ -156,7 +164,7 @@ class StreamProgress:
 
     @property
     def received(self) -> bool:
-        return any(self.token_ids) or any(self.finished)
+        return any(self.token_ids) or any(self.finished) or self.prompt_received
 
     @property
     def resumable(self) -> bool:
@@ -176,6 +184,7 @@ class StreamProgress:
             req.continuation.forks.extend(
                 api.ForkProgress(token_ids=ids, draw_offset=len(ids), finished=done)
                 for ids, done in zip(self.token_ids, self.finished))
+            req.continuation.prompt_received = self.prompt_received
         return req
 
 
@@ -319,18 +328,22 @@ class Client:
                       priority: int = 0, page_budget: int = 0, presence_penalty: float = 0.0,
                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
-                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = ()) -> api.GenerateRequest:
+                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (), top_logprobs: int = 0,
+                      prompt_logprobs: int | None = None, echo: bool = False) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template).
         temperature, top_p and top_k left as None take the checkpoint's defaults (ModelInfo's
-        sampling_defaults); temperature 0 is greedy. The logits controls: api.proto's SamplingParams."""
+        sampling_defaults); temperature 0 is greedy. The logits controls, top_logprobs, prompt_logprobs (None: none)
+        and echo: api.proto's SamplingParams."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                       repetition_penalty=repetition_penalty if repetition_penalty != 1 else 0.0,
                                       min_p=min_p, min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
-                                      allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+                                      allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words),
+                                      top_logprobs=top_logprobs, echo=echo)
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                            ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
