@@ -187,7 +187,7 @@ class ModelRunner:
             targets += st.token_ids[first:first + count]
             ks += [st.sampling.prompt_top_logprobs] * count
         step = self.PROMPT_ROWS_AT_ONCE
-        parts = [token_logprobs(logits[i:i + step], targets[i:i + step], ks[i:i + step])
+        parts = [token_logprobs(logits[i:i + step], targets[i:i + step], ks[i:i + step], ranks=True)
                  for i in range(0, len(targets), step)]
         at = 0
         for row, first, count in extra.spans:
@@ -196,6 +196,7 @@ class ModelRunner:
                 part = parts[i // step]
                 j = i % step
                 entry.logprobs.append(part.logprobs[j])
+                entry.ranks.append(part.ranks[j])
                 entry.top_token_ids.extend(part.top_ids[j])
                 entry.top_logprobs.extend(part.top_logprobs[j])
             at += count

@@ -242,30 +242,34 @@ def min_p_cut(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 class TokenLogprobs(NamedTuple):
     """Per row: the log-probability of a given token, and the row's most likely tokens (ids and log-probabilities,
-    most likely first; as many as the row asked for, none for a row that asked for none)."""
+    most likely first; as many as the row asked for, none for a row that asked for none); with ``ranks``, the given
+    token's rank (1 + the tokens more likely than it)."""
 
     logprobs: list[float]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    ranks: list[int] | None = None
 
 
-def token_logprobs(raw: torch.Tensor, targets: list[int], ks: list[int]) -> TokenLogprobs:
+def token_logprobs(raw: torch.Tensor, targets: list[int], ks: list[int], ranks: bool = False) -> TokenLogprobs:
     """raw [R, V] logits (fp32) -> each row's log-probability of ``targets[i]`` and its ``ks[i]`` most likely tokens,
-    under log_softmax over the whole vocabulary. One log_softmax for the rows, one topk (of the largest k) for the
-    rows with k > 0; a row's top tokens are the first k of it (topk is sorted), so they do not depend on the batch
-    (which of two exactly equal log-probabilities comes first aside)."""
+    under log_softmax over the whole vocabulary (``ranks``: and the target's rank). One log_softmax for the rows, one
+    topk (of the largest k) for the rows with k > 0; a row's top tokens are the first k of it (topk is sorted), so
+    they do not depend on the batch (which of two exactly equal log-probabilities comes first aside)."""
     device = raw.device
     lp = torch.log_softmax(raw, dim=-1)
-    chosen = lp.gather(1, long_tensor(targets, device).view(-1, 1)).view(-1).tolist()
+    at = lp.gather(1, long_tensor(targets, device).view(-1, 1))
+    chosen = at.view(-1).tolist()
+    rank = (lp > at).sum(-1).add_(1).tolist() if ranks else None
     k = min(max(ks, default=0), raw.shape[-1])
     if not k:
-        return TokenLogprobs(chosen, [[] for _ in targets], [[] for _ in targets])
+        return TokenLogprobs(chosen, [[] for _ in targets], [[] for _ in targets], rank)
     asking = [i for i, n in enumerate(ks) if n]
     top = torch.topk(lp if len(asking) == len(ks) else lp[long_tensor(asking, device)], k, dim=-1)
     ids, values = [[] for _ in targets], [[] for _ in targets]
     for i, row_ids, row_values in zip(asking, top.indices.tolist(), top.values.tolist()):
         ids[i], values[i] = row_ids[:ks[i]], row_values[:ks[i]]
-    return TokenLogprobs(chosen, ids, values)
+    return TokenLogprobs(chosen, ids, values, rank)
 
 
 class Sampled(NamedTuple):

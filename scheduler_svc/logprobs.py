@@ -20,11 +20,12 @@ class PromptLogprobs:
     tokens there (k > 0), gathered as results come (``add``, outputs.py) until ``complete``. While not complete the
     request computes its prompt with no prefix-cache hit, so that every position's logits are computed."""
 
-    __slots__ = ("k", "logprobs", "top", "missing")
+    __slots__ = ("k", "logprobs", "ranks", "top", "missing")
 
     def __init__(self, num_prompt: int, k: int) -> None:
         self.k = k
         self.logprobs: list[float | None] = [None] * (num_prompt - 1)
+        self.ranks = [0] * (num_prompt - 1)
         self.top: list[TopEntry] = [NO_TOP] * (num_prompt - 1) if k else []
         self.missing = num_prompt - 1
 
@@ -33,7 +34,7 @@ class PromptLogprobs:
         return not self.missing
 
     def add(self, first_token: int, logprobs: Sequence[float], top_ids: Sequence[int],
-            top_logprobs: Sequence[float]) -> bool:
+            top_logprobs: Sequence[float], ranks: Sequence[int] = ()) -> bool:
         """A run of prompt tokens' log-probabilities from ``first_token`` on (a StepResult's entry, checked by
         ``malformed``); returns whether this completed them. Tokens already held (computed again after a
         recompute, or by a plan in flight when the request moved) keep their first values: each is counted once."""
@@ -45,6 +46,8 @@ class PromptLogprobs:
             if at >= len(held) or held[at] is not None:
                 continue
             held[at] = value
+            if ranks:
+                self.ranks[at] = ranks[i]
             if k:
                 self.top[at] = (tuple(top_ids[i * k:(i + 1) * k]), tuple(top_logprobs[i * k:(i + 1) * k]))
             self.missing -= 1
@@ -53,6 +56,7 @@ class PromptLogprobs:
     def write(self, prompt: api.Prompt) -> None:
         """Into a GenerateResponse's prompt (once complete)."""
         prompt.logprobs.extend(self.logprobs)
+        prompt.ranks.extend(self.ranks)
         for ids, values in self.top:
             prompt.top_logprobs.add(token_ids=ids, logprobs=values)
 
@@ -96,4 +100,6 @@ def malformed(result, top_ks: Sequence[int], prompt_ks: Sequence[int | None], pr
                     f"in its prompt's [1, {prompt_lens[row] - 1}]")
         if not len(entry.top_token_ids) == len(entry.top_logprobs) == n * k:
             return f"prompt_logprobs: row {row} has {len(entry.top_token_ids)} top entries for {n} tokens x {k}"
+        if len(entry.ranks) not in (0, n):
+            return f"prompt_logprobs: row {row} has {len(entry.ranks)} ranks for {n} tokens"
     return ""

@@ -113,7 +113,7 @@ class OutputProcessor:
             held = req.prompt_logprobs
             if held is None or req.aborted:
                 continue
-            if held.add(entry.first_token, entry.logprobs, entry.top_token_ids, entry.top_logprobs):
+            if held.add(entry.first_token, entry.logprobs, entry.top_token_ids, entry.top_logprobs, entry.ranks):
                 req.outbox.put_nowait(Output("", [], [], index=req.index, prompt=held))
 
     @staticmethod

@@ -73,7 +73,12 @@ def test_token_logprobs_of_mixed_ks():
         assert got.logprobs[i] == pytest.approx(lp, abs=1e-6)
         assert got.top_ids[i] == ids and got.top_logprobs[i] == pytest.approx(values, abs=1e-6)
     none = token_logprobs(raw, targets, [0] * 6)
-    assert none.top_ids == [[]] * 6 and none.logprobs == pytest.approx(got.logprobs)
+    assert none.top_ids == [[]] * 6 and none.logprobs == pytest.approx(got.logprobs) and none.ranks is None
+    lp = torch.log_softmax(raw, -1)
+    ranked = token_logprobs(raw, targets, ks, ranks=True).ranks
+    assert ranked == [int((lp[i] > lp[i, t]).sum()) + 1 for i, t in enumerate(targets)]
+    top1 = lp.argmax(-1).tolist()
+    assert token_logprobs(raw, top1, ks, ranks=True).ranks == [1] * 6
 
 
 # ---- the runner's prompt rows ---------------------------------------------------------------------------
@@ -114,6 +119,8 @@ def _full_logprobs(runner, prompt: list[int]) -> torch.Tensor:
 
 
 def _entries(result: pb.StepResult) -> dict[int, tuple[int, list[float], list[int], list[float]]]:
+    for e in result.prompt_logprobs:
+        assert len(e.ranks) == len(e.logprobs) and min(e.ranks) >= 1
     return {e.row: (e.first_token, list(e.logprobs), list(e.top_token_ids), list(e.top_logprobs))
             for e in result.prompt_logprobs}
 
