@@ -8,6 +8,7 @@ otherwise (the scheduler then resends those requests in full).
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 import torch
 
@@ -171,9 +172,8 @@ class ModelRunner:
         result.sampled_token_ids.extend(tokens)
         result.sampled_logprobs.extend(logprobs)
         if top is not None:  # (rows with top_logprobs k > 0: k entries each, in row order)
-            for ids, values in zip(top.top_ids, top.top_logprobs):
-                result.sampled_top_token_ids.extend(ids)
-                result.sampled_top_logprobs.extend(values)
+            result.sampled_top_token_ids.extend(chain.from_iterable(top.top_ids))
+            result.sampled_top_logprobs.extend(chain.from_iterable(top.top_logprobs))
 
     # Prompt rows whose log-probabilities are taken at once (each a log_softmax over the vocabulary: bounded memory)
     PROMPT_ROWS_AT_ONCE = 256

@@ -328,8 +328,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
                          [tokens[i] for i in want], [params[i].top_logprobs for i in want])
     for i, value in zip(want, got.logprobs):
         logprobs[i] = value
-    if not any(got.top_ids):
+    if not any(p.top_logprobs for p in params):
         return Sampled(tokens, logprobs)
+    if len(want) == len(params):  # (every row asked: got is by row already)
+        return Sampled(tokens, logprobs, got)
     top_ids, top_logprobs = [[] for _ in tokens], [[] for _ in tokens]
     for i, ids, values in zip(want, got.top_ids, got.top_logprobs):
         top_ids[i], top_logprobs[i] = ids, values
