@@ -143,7 +143,8 @@ def _server_class():
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """``pagedkv serve --http-port P``: the gateway as a third child of serve."""
     p.add_argument("--http-port", type=int, default=0, metavar="P",
-                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off); with "
+                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off), naming "
+                   "tokens in logprobs by their text with the model's tokenizer (--tokenizer, else --model); with "
                    "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
                    "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
 
