@@ -37,6 +37,11 @@ SAMPLING = {  # --sampling: what every request asks for (scheduler_svc.request.S
     "all-controls": {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
                      "presence_penalty": 0.5, "min_p": 0.05, "min_tokens": 1 << 20, "min_tokens_stop_ids": [2],
                      "logit_bias": {i: 1.0 for i in range(3, 13)}},
+    # log-probabilities (#31): the sampled token's, and with its 5 or 20 most likely (a checkout without top_logprobs
+    # refuses the last two)
+    "logprobs": {"temperature": 0.0, "logprobs": True},
+    "top-5": {"temperature": 0.0, "logprobs": True, "top_logprobs": 5},
+    "top-20": {"temperature": 0.8, "logprobs": True, "top_logprobs": 20},
 }
 
 
@@ -132,7 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--sampling", choices=list(SAMPLING), default="greedy",
                    help="what every request samples with (temperature 0.8; top-p 0.95; top-k 50; the penalties: "
                    "repetition 1.1, frequency and presence 0.5; all-controls: those, min_p 0.05, min_tokens, "
-                   "10 logit_bias entries)")
+                   "10 logit_bias entries; logprobs: the sampled token's log-probability; top-5, top-20: and its 5 "
+                   "or 20 most likely tokens, greedy or at temperature 0.8)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "executor_host.json"))
     args = p.parse_args(argv)

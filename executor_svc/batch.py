@@ -38,6 +38,29 @@ def visible_table(page_ids: list[int], num_pages: int, windowed: bool) -> list[i
     return [0 if p == DROPPED_PAGE else p for p in table] if windowed else table
 
 
+@dataclass(slots=True)
+class PromptRows:
+    """The prompt log-probabilities a step computes: for each request that asks (``SamplingParams.prompt_logprobs``)
+    and computes positions before its prompt's last, a span (plan row, first prompt token they are for, count), and
+    those positions' rows in the step's flat batch (in span order). The logits of position p give token p + 1's."""
+
+    spans: list[tuple[int, int, int]]
+    flat: list[int]
+
+
+def prompt_rows(scheduled: list[Scheduled]) -> PromptRows | None:
+    """The step's prompt rows (None: no request computes any). Tokens lie in the flat batch in plan order."""
+    spans, flat, at = [], [], 0
+    for row, item in enumerate(scheduled):
+        st = item.state
+        end = min(item.start + item.count, st.num_prompt - 1)
+        if st.sampling.prompt_logprobs and end > item.start:
+            spans.append((row, item.start + 1, end - item.start))
+            flat.extend(range(at, at + end - item.start))
+        at += item.count
+    return PromptRows(spans, flat) if spans else None
+
+
 def decode_row(item: Scheduled, block_size: int) -> DecodeRow:
     st, pos = item.state, item.start
     page = pos // block_size

@@ -31,6 +31,7 @@ class RequestState:
     window: int = 0
     counts_slot: int = -1  # its row of the mirror's TokenCounts (-1: none yet; only a penalised request has one)
     grammar: GrammarState | None = None  # structured outputs: its matcher, rebuilt from its outputs when sent in full
+    num_prompt: int = 0  # its prompt's tokens: token_ids[:num_prompt] (the NewRequest's tokens less its outputs)
 
 
 class PlanError(Exception):
@@ -49,8 +50,9 @@ class Scheduled:
     count: int
 
 
-def check_sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
-    """The plan's sampling values, refused unless finite and in range (NaN fails every comparison)."""
+def check_sampling(rid: str, s: pb.SamplingParams, vocab: int | None = None) -> SamplingParams:
+    """The plan's sampling values, refused unless finite and in range (NaN fails every comparison); ``vocab``: the
+    model's vocabulary size when known (top_logprobs and prompt_top_logprobs at most that)."""
     top_p = s.top_p or 1.0  # 0: unset
     repetition = s.repetition_penalty or 1.0  # 0: unset
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
@@ -72,13 +74,17 @@ def check_sampling(rid: str, s: pb.SamplingParams) -> SamplingParams:
         bad = "sampling.logit_bias: a value is not finite"
     elif not all(w.token_ids for w in s.bad_words):
         bad = "sampling.bad_words: an empty token sequence"
+    elif not all(0 <= k <= (vocab if vocab is not None else k) for k in (s.top_logprobs, s.prompt_top_logprobs)):
+        bad = (f"sampling.top_logprobs / prompt_top_logprobs = {s.top_logprobs} / {s.prompt_top_logprobs} (must be in "
+               f"[0, {vocab if vocab is not None else 'the vocabulary size'}])")
     else:
         return SamplingParams(
             s.temperature, top_p, s.top_k, s.seed, s.logprobs, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, repetition_penalty=repetition, min_p=s.min_p,
             min_tokens=s.min_tokens, min_tokens_stop_ids=tuple(s.min_tokens_stop_ids),
             logit_bias=tuple(sorted(s.logit_bias.items())), allowed_token_ids=tuple(s.allowed_token_ids),
-            bad_words=tuple(tuple(w.token_ids) for w in s.bad_words))
+            bad_words=tuple(tuple(w.token_ids) for w in s.bad_words), top_logprobs=s.top_logprobs,
+            prompt_logprobs=s.prompt_logprobs, prompt_top_logprobs=s.prompt_top_logprobs)
     raise PlanError(f"request {rid}: {bad}", [rid])
 
 
@@ -94,6 +100,7 @@ class RequestMirror:
         self.requests: dict[str, RequestState] = {}
         self.token_counts = TokenCounts()  # the penalised requests' token counts (a slot each)
         self.grammars: GrammarEngine | None = None  # structured outputs (None: constrained requests are refused)
+        self.prompt_logprobs: set[str] = set()  # the requests that ask for prompt log-probabilities
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -101,8 +108,10 @@ class RequestMirror:
     def reset(self) -> None:
         self.requests.clear()
         self.token_counts.release_all()
+        self.prompt_logprobs.clear()
 
     def _drop(self, rid: str) -> None:
+        self.prompt_logprobs.discard(rid)
         st = self.requests.pop(rid, None)
         if st is not None and st.counts_slot >= 0:
             self.token_counts.release(st.counts_slot)
@@ -159,8 +168,9 @@ class RequestMirror:
                 raise PlanError(f"request {rid}: {name} = {getattr(new, name)} is negative", [rid])
         return RequestState(
             token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
-            sampling=check_sampling(rid, new.sampling), num_output=new.num_output_tokens, sink=new.sink_tokens,
-            window=new.window_tokens, grammar=self._grammar(new) if new.HasField("constraint") else None,
+            sampling=check_sampling(rid, new.sampling, vocab), num_output=new.num_output_tokens, sink=new.sink_tokens,
+            window=new.window_tokens, num_prompt=len(tokens) - new.num_output_tokens,
+            grammar=self._grammar(new) if new.HasField("constraint") else None,
         )
 
     def _grammar(self, new: pb.NewRequest) -> GrammarState:
@@ -250,6 +260,8 @@ class RequestMirror:
         for rid, state, _ in staged:
             self._drop(rid)
             self.requests[rid] = state
+            if state.sampling.prompt_logprobs:
+                self.prompt_logprobs.add(rid)
         for c in plan.continuing:
             st = self.requests[c.request_id]
             st.page_ids.extend(c.new_page_ids)

@@ -8,17 +8,18 @@ otherwise (the scheduler then resends those requests in full).
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 import torch
 
 from executor_svc import metrics
 from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import DECODE_SLACK
-from executor_svc.batch import build_batch, decode_row
+from executor_svc.batch import PromptRows, build_batch, decode_row, prompt_rows
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.plan_check import PlanError, RequestMirror, RequestState, Scheduled
-from executor_svc.sampler import sample
+from executor_svc.sampler import sample, token_logprobs
 from executor_svc.tensors import long_tensor
 from pagedkv.executor.v1 import executor_pb2 as pb
 
@@ -105,8 +106,12 @@ class ModelRunner:
         t2 = time.perf_counter()
         prepared = t2
         if scheduled:
-            logits, prepared = self._forward(scheduled, result)
+            extra = prompt_rows(scheduled) if self.mirror.prompt_logprobs else None
+            logits, prepared = self._forward(scheduled, result, extra)
             t3 = time.perf_counter()
+            if extra is not None:  # (their rows come after the sampled ones)
+                self._prompt_logprobs(scheduled, extra, logits[logits.shape[0] - len(extra.flat):], result)
+                logits = logits[:logits.shape[0] - len(extra.flat)]
             self._sample(scheduled, logits, result)
         else:
             t3 = time.perf_counter()
@@ -118,10 +123,13 @@ class ModelRunner:
         result.timings.total_ms = (t4 - t0) * 1e3
         return result
 
-    def _forward(self, scheduled: list[Scheduled], result: pb.StepResult) -> tuple[torch.Tensor, float]:
-        """Logits of the step's finishing rows: a captured graph for a decode-only step that fits one, else eager;
-        and when the inputs were ready (perf_counter; a graph's rows are built, its buffers filled in its run)."""
-        if self.graphs is not None and self.graphs.fits(len(scheduled)) and all(i.count == 1 for i in scheduled):
+    def _forward(self, scheduled: list[Scheduled], result: pb.StepResult,
+                 extra: PromptRows | None = None) -> tuple[torch.Tensor, float]:
+        """Logits of the step's finishing rows, then of ``extra``'s prompt rows: a captured graph for a decode-only
+        step that fits one (and has no prompt rows), else eager; and when the inputs were ready (perf_counter; a
+        graph's rows are built, its buffers filled in its run)."""
+        if (self.graphs is not None and extra is None and self.graphs.fits(len(scheduled))
+                and all(i.count == 1 for i in scheduled)):
             result.num_computed_tokens = len(scheduled)
             rows = [decode_row(item, self.block_size) for item in scheduled]
             prepared = time.perf_counter()
@@ -131,6 +139,8 @@ class ModelRunner:
                 return logits, prepared
             return logits[long_tensor(finishing, logits.device)], prepared
         ids, positions, meta, rows = self._build_batch(scheduled)
+        if extra is not None:
+            rows = torch.cat([rows, long_tensor(extra.flat, rows.device)])
         result.num_computed_tokens = int(ids.numel())
         prepared = time.perf_counter()
         return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
@@ -156,7 +166,8 @@ class ModelRunner:
         grammars = [st.grammar for st in finishing]
         engine = self.mirror.grammars
         mask = engine.masks(grammars) if engine is not None and any(g is not None for g in grammars) else None
-        tokens, logprobs = sample(logits, params, [st.num_output for st in finishing], history, outputs, grammar=mask)
+        tokens, logprobs, top = sample(logits, params, [st.num_output for st in finishing], history, outputs,
+                                       grammar=mask)
         if penalised:
             self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
         if mask is not None:
@@ -169,3 +180,32 @@ class ModelRunner:
         result.sampled_rows.extend(rows)
         result.sampled_token_ids.extend(tokens)
         result.sampled_logprobs.extend(logprobs)
+        if top is not None:  # (rows with top_logprobs k > 0: k entries each, in row order)
+            result.sampled_top_token_ids.extend(chain.from_iterable(top.top_ids))
+            result.sampled_top_logprobs.extend(chain.from_iterable(top.top_logprobs))
+
+    # Prompt rows whose log-probabilities are taken at once (each a log_softmax over the vocabulary: bounded memory)
+    PROMPT_ROWS_AT_ONCE = 256
+
+    def _prompt_logprobs(self, scheduled: list[Scheduled], extra: PromptRows, logits: torch.Tensor,
+                         result: pb.StepResult) -> None:
+        """The prompt log-probabilities of ``extra``'s rows (``logits``: theirs, in order) into the result."""
+        targets, ks = [], []
+        for row, first, count in extra.spans:
+            st = scheduled[row].state
+            targets += st.token_ids[first:first + count]
+            ks += [st.sampling.prompt_top_logprobs] * count
+        step = self.PROMPT_ROWS_AT_ONCE
+        parts = [token_logprobs(logits[i:i + step], targets[i:i + step], ks[i:i + step], ranks=True)
+                 for i in range(0, len(targets), step)]
+        at = 0
+        for row, first, count in extra.spans:
+            entry = result.prompt_logprobs.add(row=row, first_token=first)
+            for i in range(at, at + count):
+                part = parts[i // step]
+                j = i % step
+                entry.logprobs.append(part.logprobs[j])
+                entry.ranks.append(part.ranks[j])
+                entry.top_token_ids.extend(part.top_ids[j])
+                entry.top_logprobs.extend(part.top_logprobs[j])
+            at += count

@@ -1,6 +1,7 @@
 """Sampling: greedy, temperature, min-p, top-k, top-p, with a per-request seed stream; before them the logits
 controls (``adjust_logits``): allowed_token_ids, bad_words, min_tokens, logit_bias, and the repetition, frequency and
-presence penalties.
+presence penalties. Log-probabilities (``token_logprobs``: the sampled token's, its most likely alternatives, and a
+prompt's) are those of the model's raw distribution, before any of them (vLLM's default, raw_logprobs).
 
 Draw number i of a request inverts its filtered distribution (in token order) at a uniform number made from
 (seed, i) alone, so what a request samples depends neither on the other requests in the batch nor on whether it
@@ -51,6 +52,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # (): every token
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token is masked after the others
+    top_logprobs: int = 0  # the most likely tokens returned beside the sampled one (their raw log-probabilities)
+    prompt_logprobs: bool = False  # the prompt tokens' log-probabilities (the runner's prompt rows)
+    prompt_top_logprobs: int = 0  # and this many most likely tokens at each prompt position
     penalised: bool = field(init=False, default=False)  # a penalty is set: the row needs its token counts
     adjusts: bool = field(init=False, default=False)  # ``adjust_logits`` changes the row
 
@@ -237,15 +241,58 @@ def min_p_cut(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return scaled.masked_fill(probs < cut, float("-inf"))
 
 
+class TokenLogprobs(NamedTuple):
+    """Per row: the log-probability of a given token, and the row's most likely tokens (ids and log-probabilities,
+    most likely first; as many as the row asked for, none for a row that asked for none); with ``ranks``, the given
+    token's rank (1 + the tokens more likely than it)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    ranks: list[int] | None = None
+
+
+def token_logprobs(raw: torch.Tensor, targets: list[int], ks: list[int], ranks: bool = False) -> TokenLogprobs:
+    """raw [R, V] logits (fp32) -> each row's log-probability of ``targets[i]`` and its ``ks[i]`` most likely tokens,
+    under log_softmax over the whole vocabulary (``ranks``: and the target's rank). One log_softmax for the rows, one
+    topk (of the largest k) for the rows with k > 0; a row's top tokens are the first k of it (topk is sorted), so
+    they do not depend on the batch (which of two exactly equal log-probabilities comes first aside)."""
+    device = raw.device
+    lp = torch.log_softmax(raw, dim=-1)
+    at = lp.gather(1, long_tensor(targets, device).view(-1, 1))
+    chosen = at.view(-1).tolist()
+    rank = (lp > at).sum(-1).add_(1).tolist() if ranks else None
+    k = min(max(ks, default=0), raw.shape[-1])
+    if not k:
+        return TokenLogprobs(chosen, [[] for _ in targets], [[] for _ in targets], rank)
+    asking = [i for i, n in enumerate(ks) if n]
+    top = torch.topk(lp if len(asking) == len(ks) else lp[long_tensor(asking, device)], k, dim=-1)
+    ids, values = [[] for _ in targets], [[] for _ in targets]
+    for i, row_ids, row_values in zip(asking, top.indices.tolist(), top.values.tolist()):
+        ids[i], values[i] = row_ids[:ks[i]], row_values[:ks[i]]
+    return TokenLogprobs(chosen, ids, values, rank)
+
+
+class Sampled(NamedTuple):
+    """What ``sample`` drew: per row its token, that token's raw log-probability (0.0 for a row that asked for none),
+    and (``top``, None when no row asked) each row's most likely tokens, its top_logprobs of them."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: TokenLogprobs | None = None
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, draw: int) -> int:
     """One row's token: what ``sample`` draws for it in any batch."""
-    return sample(logits.view(1, -1), [params], [draw])[0][0]
+    return sample(logits.view(1, -1), [params], [draw]).tokens[0]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int], history: History | None = None,
            outputs: Callable[[int, int], Sequence[int]] | None = None, *,
-           grammar: GrammarMask | None = None) -> tuple[list[int], list[float]]:
-    """logits [B, V] fp32 -> (token ids, log-probabilities under the model's raw distribution).
+           grammar: GrammarMask | None = None) -> Sampled:
+    """logits [B, V] fp32 -> token ids and, for the rows that ask (logprobs, top_logprobs), log-probabilities under the
+    model's raw distribution (``token_logprobs`` of the logits as they came, before any control, grammar or
+    temperature).
 
     The rows' controls first (``adjust_logits``; ``history``: the penalised rows' tokens; ``outputs``: the rows'
     recent output tokens, for bad words), then the constrained rows' grammar masks (``grammar``: structured outputs,
@@ -257,7 +304,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
     raw = logits
     logits = adjust_logits(logits, params, draws, history, outputs)
     if grammar is not None:  # (raw's constrained rows kept only for those that want their log-probabilities)
-        logits = constrain(logits, raw, grammar, keep_raw=any(params[r].logprobs for r in grammar.rows))
+        logits = constrain(logits, raw, grammar,
+                           keep_raw=any(params[r].logprobs or params[r].top_logprobs for r in grammar.rows))
     # (max's indices: argmax's, the first maximal value of each row, NaN included; on the CPU ~2.5x faster)
     greedy = logits.max(dim=-1).indices.tolist()
     tokens = greedy
@@ -280,10 +328,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int],
         for i, token in zip(rows, _draw(scaled, threshold, u).tolist()):
             tokens[i] = token
     logprobs = [0.0] * len(tokens)
-    want = [i for i, p in enumerate(params) if p.logprobs]
-    if want:
-        lp = torch.log_softmax(raw[long_tensor(want, raw.device)], dim=-1)
-        chosen_lp = lp.gather(1, long_tensor([tokens[i] for i in want], logits.device).view(-1, 1))
-        for i, value in zip(want, chosen_lp.view(-1).tolist()):
-            logprobs[i] = value
-    return tokens, logprobs
+    want = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
+    if not want:
+        return Sampled(tokens, logprobs)
+    got = token_logprobs(raw if len(want) == len(params) else raw[long_tensor(want, raw.device)],
+                         [tokens[i] for i in want], [params[i].top_logprobs for i in want])
+    for i, value in zip(want, got.logprobs):
+        logprobs[i] = value
+    if not any(p.top_logprobs for p in params):
+        return Sampled(tokens, logprobs)
+    if len(want) == len(params):  # (every row asked: got is by row already)
+        return Sampled(tokens, logprobs, got)
+    top_ids, top_logprobs = [[] for _ in tokens], [[] for _ in tokens]
+    for i, ids, values in zip(want, got.top_ids, got.top_logprobs):
+        top_ids[i], top_logprobs[i] = ids, values
+    return Sampled(tokens, logprobs, TokenLogprobs(logprobs, top_ids, top_logprobs))

@@ -97,7 +97,8 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
 async def _generate(args) -> int:
     import grpc
 
-    from pagedkv.client import Client, resume_policy
+    from pagedkv.client import Client
+    from pagedkv.resume_policy import resume_policy
 
     async with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca,
                       tls_server_name=args.tls_server_name, resume=resume_policy(args)) as client:
@@ -165,7 +166,7 @@ def _finish_name(value: int) -> str:
 # ---- main --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from executor_svc import args as executor_args
-    from pagedkv.client import add_resume_args
+    from pagedkv.resume_policy import add_resume_args
     from pagedkv.security import add_tls_client_args
     from pagedkv.serve_args import add_args as add_serve_args
     from scheduler_svc import args as scheduler_args

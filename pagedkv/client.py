@@ -11,7 +11,6 @@ input, authentication, permissions, a request too large, a missing chat template
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
@@ -26,6 +25,7 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.chat_request import Message, chat_of
 from pagedkv.grpc_common import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS, QUEUE_FULL_PREFIX
+from pagedkv.resume_policy import DEFAULT_RESUME, ResumePolicy
 from pagedkv.security import open_channel
 
 FINISH_NAMES = {
@@ -47,6 +47,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    top_logprobs: list[api.TopLogprobs] = field(default_factory=list)  # per token, with sampling.top_logprobs
+    prompt: api.Prompt = field(default_factory=api.Prompt)  # what the stream said of the prompt (echo, prompt_logprobs)
 
 
 def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
@@ -54,6 +56,8 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
     out.text += msg.text
     out.token_ids.extend(msg.token_ids)
     out.logprobs.extend(msg.logprobs)
+    out.top_logprobs.extend(msg.top_logprobs)
+    out.prompt.MergeFrom(msg.prompt)
     if msg.finish_reason:
         out.finish_reason = FINISH_NAMES[msg.finish_reason]
         out.stop_reason = msg.stop_reason
@@ -63,28 +67,6 @@ def accumulate(out: Completion, msg: api.GenerateResponse) -> None:
 
 
 # ---- resume ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ResumePolicy:
-    """How a broken Generate stream is resumed. A break starts an outage; it ends when a call delivers a message.
-    Within one outage at most ``attempts`` calls are made after the one that broke, the n-th after a backoff of
-    ``backoff_s`` x 2^(n-1) (at most ``max_backoff_s``) and, once the channel has no scheduler to talk to, after one
-    answers again; ``timeout_s`` after the break the outage is over and the last error is raised.
-    ``queue_full_at_start``: a full queue before anything arrived is waited out too (False: raised at once, for a
-    front that passes it on, as the gateway answers 429 with Retry-After); once tokens arrived it always is."""
-
-    attempts: int = 5
-    timeout_s: float = 60.0
-    backoff_s: float = 0.25
-    max_backoff_s: float = 4.0
-    queue_full_at_start: bool = True
-
-    def backoff(self, failures: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1))
-
-
-DEFAULT_RESUME = ResumePolicy()  # Client's, pagedkv generate's and the gateway's
-
-
 # Worth another call: the scheduler went away or refused for now (UNAVAILABLE: killed, shutting down, no executor
 # up, an executor lost for longer than it waits; CANCELLED: ended by the server; a full queue, which clears).
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
@@ -103,27 +85,6 @@ def retryable(err: grpc.aio.AioRpcError, resuming: bool, queue_full: bool = True
     return resuming and code == grpc.StatusCode.ALREADY_EXISTS
 
 
-def add_resume_args(p: argparse.ArgumentParser, note: str = "") -> None:
-    """--resume-attempts, --resume-timeout: how a stream whose scheduler went away is resumed (pagedkv.client);
-    ``note``: what the command does otherwise, added to the help."""
-    p.add_argument("--resume-attempts", type=int, default=DEFAULT_RESUME.attempts, metavar="N",
-                   help="a stream that breaks before its end (its scheduler killed or restarting, the connection "
-                   "lost, a full queue) is resumed on any scheduler the address reaches, with the tokens received "
-                   f"so far: nothing is lost or repeated.{note} At most N new calls per break (until one delivers "
-                   "a token), with backoff (0: never resume; default: %(default)s)")
-    p.add_argument("--resume-timeout", type=float, default=DEFAULT_RESUME.timeout_s, metavar="S",
-                   help="seconds from a break until resuming gives up (default: %(default)s)")
-
-
-def resume_policy(args: argparse.Namespace) -> ResumePolicy | None:
-    """The ResumePolicy that --resume-attempts and --resume-timeout ask for (None: never resume)."""
-    if args.resume_attempts < 0:
-        raise ValueError(f"--resume-attempts {args.resume_attempts}: must be >= 0 (0: never resume)")
-    if not args.resume_timeout > 0:
-        raise ValueError(f"--resume-timeout {args.resume_timeout}: must be > 0")
-    return ResumePolicy(attempts=args.resume_attempts, timeout_s=args.resume_timeout) if args.resume_attempts else None
-
-
 class StreamProgress:
     """What the caller received of one Generate stream, fork by fork (a request that resumes one itself starts from
     its continuation): enough to resume it."""
@@ -138,10 +99,14 @@ class StreamProgress:
             self.finished = [f.finished for f in request.continuation.forks]
         self.seed: int | None = request.sampling.seed if request.sampling.HasField("seed") else None
         self.request_id = request.request_id
+        self.prompt_received = request.continuation.prompt_received
 
     def add(self, msg: api.GenerateResponse) -> None:
         if msg.HasField("seed") and self.seed is None:
             self.seed = msg.seed
+        p = msg.prompt
+        if p.token_ids or p.text or p.logprobs:  # (the prompt's ids, text or log-probabilities: not again)
+            self.prompt_received = True
         if not self.request_id:
             self.request_id = msg.request_id  # (the server's, when the caller gave none: kept over a resume)
         if 0 <= msg.index < self.n:
@@ -155,7 +120,7 @@ class StreamProgress:
 
     @property
     def received(self) -> bool:
-        return any(self.token_ids) or any(self.finished)
+        return any(self.token_ids) or any(self.finished) or self.prompt_received
 
     @property
     def resumable(self) -> bool:
@@ -175,6 +140,7 @@ class StreamProgress:
             req.continuation.forks.extend(
                 api.ForkProgress(token_ids=ids, draw_offset=len(ids), finished=done)
                 for ids, done in zip(self.token_ids, self.finished))
+            req.continuation.prompt_received = self.prompt_received
         return req
 
 
@@ -311,7 +277,8 @@ class Client:
                       frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                       min_p: float | None = None,
                       min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
-                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (),
+                      allowed_token_ids: Sequence[int] = (), bad_words: Sequence[str] = (), top_logprobs: int = 0,
+                      prompt_logprobs: int | None = None, echo: bool = False,
                       chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
                       continue_final_message: bool = False, truncate_prompt_tokens: int = 0,
                       constraint: api.Constraint | None = None) -> api.GenerateRequest:
@@ -319,18 +286,20 @@ class Client:
         ``chat_template``; chat_of says what a message may hold).
         temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
         generation_config.json, else OpenAI's and vLLM's: temperature 1, sampled; ModelInfo's sampling_defaults
-        shows them); temperature 0 is greedy. The logits controls: api.proto's SamplingParams; ``constraint``:
-        structured outputs (api.proto's Constraint)."""
+        shows them); temperature 0 is greedy. The logits controls, top_logprobs, prompt_logprobs (None: none) and
+        echo: api.proto's SamplingParams; ``constraint``: structured outputs (api.proto's Constraint)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                       min_tokens=min_tokens, logit_bias=dict(logit_bias or {}),
-                                      allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
+                                      allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words),
+                                      top_logprobs=top_logprobs, echo=echo)
         if constraint is not None:
             sampling.constraint.CopyFrom(constraint)
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                            ("repetition_penalty", repetition_penalty), ("min_p", min_p)):
+                            ("repetition_penalty", repetition_penalty), ("min_p", min_p),
+                            ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,

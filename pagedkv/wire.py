@@ -5,7 +5,10 @@ messages; these are the values outside them)."""
 # 2: sampled tokens as packed lists by plan row (StepResult.sampled_rows, ...).
 # 3: Describe's default_* are vLLM's request defaults (temperature 1 without generation_config.json, where 2 meant
 #    greedy), with default_repetition_penalty and default_min_p.
-EXECUTOR_PROTOCOL = 3
+# 4: top and prompt log-probabilities (SamplingParams.top_logprobs, prompt_logprobs; StepResult.sampled_top_*,
+#    prompt_logprobs), and a fork parent that asks for prompt log-probabilities sent with its whole prompt.
+# 5: structured outputs (NewRequest.constraint, the CheckConstraint RPC): an older executor would sample unconstrained.
+EXECUTOR_PROTOCOL = 5
 
 # Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
 # its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and

@@ -15,10 +15,12 @@ from scheduler_svc.chat import NoChatTemplate
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constraint, compile_on_executors
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.logprobs import PromptLogprobs
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.prompts import Prompts
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
 from scheduler_svc.request import Finish, Output, Request, fork
+from scheduler_svc.responses import prompt_message, response
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.validation import (
@@ -32,12 +34,6 @@ from scheduler_svc.validation import (
 )
 
 METHODS = "/pagedkv.api.v1.Generation/"  # the full gRPC method names, as logs and interceptors give them
-
-FINISH_REASONS = {
-    Finish.STOP: api.FINISH_REASON_STOP,
-    Finish.LENGTH: api.FINISH_REASON_LENGTH,
-    Finish.ABORT: api.FINISH_REASON_ABORT,
-}
 
 
 def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int], max_queued: int,
@@ -147,6 +143,13 @@ class GenerationService(api_grpc.GenerationServicer):
                 ended += 1
         return ended
 
+    async def _echo_text(self, request: api.GenerateRequest, ids: list[int]) -> str:
+        """The prompt's text for sampling.echo: a text prompt as given (unless truncate_prompt_tokens cut it), else
+        its ids decoded (tokenizer thread)."""
+        if not request.sampling.echo or (request.WhichOneof("prompt") == "text" and not request.truncate_prompt_tokens):
+            return request.text
+        return await self.prompts.run(lambda: self.tokenizer.decode(ids))
+
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
                        bad_words_ids: list[list[int]] | None = None,
                        ) -> tuple[Request, list[tuple[int, list[int]]] | None]:
@@ -223,6 +226,11 @@ class GenerationService(api_grpc.GenerationServicer):
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
                 raise KeyError(req.client_id)
             forks = req.n if resume is None else len(seqs)  # the last messages to send
+            received = request.continuation.prompt_received
+            if req.sampling.prompt_logprobs is not None and len(req.prompt_ids) > 1 and not received:
+                seqs[0].prompt_logprobs = PromptLogprobs(len(req.prompt_ids), req.sampling.prompt_logprobs)
+            prompt = prompt_message(req.prompt_ids, request.sampling, received,
+                                    await self._echo_text(request, req.prompt_ids))
         except (InvalidRequest, fit.FitError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:
@@ -275,17 +283,12 @@ class GenerationService(api_grpc.GenerationServicer):
                         await context.abort(grpc.StatusCode.UNAUTHENTICATED, out.error)
                     log.warning("request_failed", error=out.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-                msg = api.GenerateResponse(request_id=req.client_id, text=out.text, token_ids=out.token_ids,
-                                           logprobs=out.logprobs, index=out.index)
-                if seed is not None:
+                msg = response(req.client_id, out)
+                if seed is not None:  # (the first message: the seed and the prompt)
                     msg.seed, seed = seed, None
+                    msg.prompt.MergeFrom(prompt)
                 if out.finish is not None:
                     finished += 1
-                    msg.finish_reason = FINISH_REASONS[out.finish]
-                    msg.stop_reason = out.stop_reason
-                    msg.usage.CopyFrom(api.Usage(prompt_tokens=out.prompt_tokens,
-                                                 completion_tokens=out.completion_tokens,
-                                                 cached_tokens=out.cached_tokens))
                     seq = req if resume is None else next((f for f in seqs if f.index == out.index), req)
                     log.info("request_finished", index=out.index, reason=out.finish.value,
                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,

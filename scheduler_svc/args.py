@@ -11,7 +11,7 @@ from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.policy import Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
 from scheduler_svc.tenancy import MAX_INT
-from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
+from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS, MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 MAX_MODEL_NAME_CHARS = 256
 
@@ -95,6 +95,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "A request message larger than this (or a full context of token ids, if more) plus a "
                    "continuation's token ids (a full context for each of 16 forks, 5 bytes an id) and 64 KiB is "
                    "refused by gRPC with RESOURCE_EXHAUSTED before it is read")
+    p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS, metavar="N",
+                   help="most top_logprobs and prompt_logprobs a request may ask for (the OpenAI API's completions "
+                   "logprobs, chat top_logprobs, vLLM's prompt_logprobs): more is refused with INVALID_ARGUMENT "
+                   "(HTTP 400) naming the field and this limit (default: %(default)s, as vLLM)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--metrics-host", default="", metavar="HOST",
                    help="address /metrics listens on (default: --host); e.g. an internal interface while the "
@@ -137,7 +141,7 @@ def check_args(args, describe, log) -> int:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("sliding_window", "sink_tokens"):
+    for name in ("sliding_window", "sink_tokens", "max_logprobs"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("max_queued_requests", "max_queued_total"):

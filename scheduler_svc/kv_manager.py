@@ -73,8 +73,9 @@ class KVManager:
 
     # ---- admission -----------------------------------------------------------------------------
     def _max_hit_pages(self, req: Request) -> int:
-        """Whole pages that may come from the cache: never the one holding the last token to compute."""
-        return max(0, (req.compute_target - 1) // self._bs)
+        """Whole pages that may come from the cache: never the one holding the last token to compute; none for a
+        request that computes its prompt's log-probabilities (as vLLM: every prompt position's logits are needed)."""
+        return 0 if req.computes_prompt_logprobs else max(0, (req.compute_target - 1) // self._bs)
 
     def find_hits(self, req: Request) -> list[Hit]:
         """The longest cached prefix of a request that holds no pages (read-only): each page from the

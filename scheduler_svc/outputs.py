@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from scheduler_svc import metrics
 from scheduler_svc.fit import pages_for
+from scheduler_svc.logprobs import NO_TOP, sampled_tops
 from scheduler_svc.request import Finish, Output, Request, Status
 
 
@@ -69,11 +70,15 @@ class OutputProcessor:
         request ends it (``end``: the planner frees what it held and returns its final message, which gets the token).
         Output tokens are charged to their tenants (``charge``), once per tenant, before a finish (it may idle the
         tenant). A request that ended, was aborted or forked (a parent's sample is unused) takes none. Returns the
-        messages of the requests that ended."""
+        messages of the requests that ended. Prompt log-probabilities come first (``take_prompt_logprobs``); a sample's
+        most likely tokens go with it to a request that asks for them (top_logprobs)."""
+        if result.prompt_logprobs:
+            self.take_prompt_logprobs(rows, result.prompt_logprobs)
         outputs = []
         on_token, finished = self.on_token, Status.FINISHED
         charged: dict[str, int] = {}
         streamed = 0
+        tops = sampled_tops(result, [r.sampling.top_logprobs for r in rows]) if result.sampled_top_token_ids else None
         for row, token, logprob in zip(result.sampled_rows, result.sampled_token_ids, result.sampled_logprobs):
             req = rows[row]  # (rows checked by the wire: StepStream.malformed)
             if req.status is finished or req.aborted or req.n > 1:
@@ -81,19 +86,35 @@ class OutputProcessor:
             tenant = req.tenant
             charged[tenant] = charged.get(tenant, 0) + 1
             outcome = on_token(req, token)
+            # (a request asking for top_logprobs gets an entry per token: none from the executor, an empty one)
+            top = None if not req.sampling.top_logprobs else tops.get(row, NO_TOP) if tops else NO_TOP
             if outcome.__class__ is str:  # it goes on: its token and the text to stream, straight to its stream
-                req.outbox.token(req.index, outcome, token, logprob if req.sampling.logprobs else None)
+                req.outbox.token(req.index, outcome, token, logprob if req.sampling.logprobs else None, top)
                 streamed += 1
                 continue
             charge(tenant, output_tokens=charged.pop(tenant))
             out = end(req, outcome)
             out.token_ids, out.logprobs = [token], ([logprob] if req.sampling.logprobs else [])
+            out.top_logprobs = [] if top is None else [top]
             outputs.append((req, out))
         for tenant, k in charged.items():
             charge(tenant, output_tokens=k)
         if streamed:
             metrics.GENERATED_TOKENS.inc(streamed)
         return outputs
+
+    @staticmethod
+    def take_prompt_logprobs(rows: list[Request], entries) -> None:
+        """Prompt log-probabilities a step computed (StepResult.prompt_logprobs, checked by the wire), each into its
+        request's ``PromptLogprobs``; once a request holds all of its prompt's, they go to its stream in a message of
+        their own, before any of its tokens (a fork parent's, the fork 0 message of the stream its forks share)."""
+        for entry in entries:
+            req = rows[entry.row]
+            held = req.prompt_logprobs
+            if held is None or req.aborted:
+                continue
+            if held.add(entry.first_token, entry.logprobs, entry.top_token_ids, entry.top_logprobs, entry.ranks):
+                req.outbox.put_nowait(Output("", [], [], index=req.index, prompt=held))
 
     @staticmethod
     def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:

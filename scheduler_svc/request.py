@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler_svc import metrics
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.logprobs import PromptLogprobs, TopEntry
 
 
 class Status(enum.Enum):
@@ -47,6 +48,9 @@ class Sampling:
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized (bad_words_token_ids)
     constraint: object = None  # structured outputs: the executor's pb.Constraint (constraints.py), None: none
+    top_logprobs: int = 0  # most likely tokens beside each sampled one's log-probability
+    prompt_logprobs: int | None = None  # None: no prompt log-probabilities; k: with k most likely tokens each
+    echo: bool = False  # the first message carries the prompt's ids and text
 
 
 @dataclass(slots=True)
@@ -63,16 +67,19 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    top_logprobs: Sequence[TopEntry] = ()  # per token, when the request asks for top_logprobs
+    prompt: PromptLogprobs | None = None  # a message of the prompt's log-probabilities (no tokens)
 
 
 class _Run:
     """Tokens of one fork that wait on a stream, to be read as one message."""
 
-    __slots__ = ("index", "texts", "token_ids", "logprobs")
+    __slots__ = ("index", "texts", "token_ids", "logprobs", "tops")
 
-    def __init__(self, index: int, text: str, token_id: int, logprob: float | None) -> None:
+    def __init__(self, index: int, text: str, token_id: int, logprob: float | None, top: TopEntry | None) -> None:
         self.index, self.texts, self.token_ids = index, [text], [token_id]
         self.logprobs = [] if logprob is None else [logprob]
+        self.tops = [] if top is None else [top]
 
 
 class Outbox:
@@ -94,16 +101,19 @@ class Outbox:
         self._tail: _Run | None = None  # the last item while tokens may still join it
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits
 
-    def token(self, index: int, text: str, token_id: int, logprob: float | None) -> None:
-        """One sampled token of fork ``index`` (``logprob`` None: the client did not ask for logprobs)."""
+    def token(self, index: int, text: str, token_id: int, logprob: float | None, top: TopEntry | None = None) -> None:
+        """One sampled token of fork ``index`` (``logprob`` None: the client did not ask for logprobs; ``top``
+        None: nor for top_logprobs)."""
         tail = self._tail
         if tail is not None and tail.index == index:
             tail.texts.append(text)
             tail.token_ids.append(token_id)
             if logprob is not None:
                 tail.logprobs.append(logprob)
+            if top is not None:
+                tail.tops.append(top)
         else:
-            self._tail = _Run(index, text, token_id, logprob)
+            self._tail = _Run(index, text, token_id, logprob, top)
             self._items.append(self._tail)
         if self._waiter is not None:
             self._wake()
@@ -152,10 +162,11 @@ class Outbox:
             metrics.COALESCED_MESSAGES.inc(n)
             return Output(text + after.text, item.token_ids + list(after.token_ids),
                           item.logprobs + list(after.logprobs), after.finish, after.stop_reason, "", item.index,
-                          after.prompt_tokens, after.completion_tokens, after.cached_tokens)
+                          after.prompt_tokens, after.completion_tokens, after.cached_tokens,
+                          item.tops + list(after.top_logprobs))
         if n > 1:
             metrics.COALESCED_MESSAGES.inc(n - 1)
-        return Output(text, item.token_ids, item.logprobs, None, "", "", item.index)
+        return Output(text, item.token_ids, item.logprobs, None, "", "", item.index, top_logprobs=item.tops)
 
 
 @dataclass(slots=True, eq=False)
@@ -186,6 +197,9 @@ class Request:
     # A resumed fork (GenerateRequest.continuation): the output tokens its client had received before, which
     # output_ids starts with (its sampler continues at that draw).
     num_resumed: int = 0
+    # The prompt's log-probabilities, gathered as its steps compute them (outputs.py) until complete (sampling's
+    # prompt_logprobs; one sequence of the request gathers them: a fork parent, or the first of resumed forks).
+    prompt_logprobs: PromptLogprobs | None = None
 
     # ---- progress (the planner: scheduler.py; status only in queues.py, its transitions) -------------
     status: Status = Status.WAITING
@@ -259,6 +273,11 @@ class Request:
     def num_uncomputed(self) -> int:
         """Tokens to compute before the next sample, counting the samples of plans in flight."""
         return self.compute_target + self.num_pending - self.num_computed
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to come: its prompt is computed whole (no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     @property
     def in_flight(self) -> bool:

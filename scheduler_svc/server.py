@@ -176,11 +176,12 @@ async def serve(args) -> None:
         raise ValueError(f"--max-prompt-bytes {args.max_prompt_bytes}: must be in [1, {MAX_PROMPT_BYTES}]")
     defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
-                    sampling_defaults=defaults)
+                    sampling_defaults=defaults, max_logprobs=args.max_logprobs)
     names = list(dict.fromkeys(args.served_model_name)) or [describe.model]  # (in order, each once)
     info = dict(model=names[0], served_model_names=names, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
+                max_logprobs=min(args.max_logprobs, describe.vocab_size),
                 sampling_defaults=api.SamplingDefaults(temperature=defaults.temperature, top_p=defaults.top_p,
                                                        top_k=defaults.top_k,
                                                        repetition_penalty=defaults.repetition_penalty,

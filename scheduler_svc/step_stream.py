@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc import logprobs
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Outputs, Scheduler
 from scheduler_svc.step import InFlight, PageOps, Step
@@ -115,17 +116,20 @@ class StepStream:
         if not len(rows) == len(result.sampled_token_ids) == len(result.sampled_logprobs):
             return (f"sampled_rows, sampled_token_ids and sampled_logprobs differ in length ({len(rows)}, "
                     f"{len(result.sampled_token_ids)}, {len(result.sampled_logprobs)})")
-        if not rows:
-            return ""
-        planned = len(self._in_flight[0].rows) if self._in_flight else 0
-        if max(rows) >= planned:
-            return f"sampled_rows: row {max(rows)} but the plan has {planned} rows"
-        if len(set(rows)) != len(rows):
-            return "sampled_rows: a row sampled twice"
-        tokens = result.sampled_token_ids
-        if min(tokens) < 0 or (vocab_size and max(tokens) >= vocab_size):
-            bad = next(t for t in tokens if t < 0 or (vocab_size and t >= vocab_size))
-            return f"sampled_token_ids: token {bad} outside the vocabulary [0, {vocab_size or 'its size'})"
+        planned = self._in_flight[0].rows if self._in_flight else []
+        if rows:
+            if max(rows) >= len(planned):
+                return f"sampled_rows: row {max(rows)} but the plan has {len(planned)} rows"
+            if len(set(rows)) != len(rows):
+                return "sampled_rows: a row sampled twice"
+            tokens = result.sampled_token_ids
+            if min(tokens) < 0 or (vocab_size and max(tokens) >= vocab_size):
+                bad = next(t for t in tokens if t < 0 or (vocab_size and t >= vocab_size))
+                return f"sampled_token_ids: token {bad} outside the vocabulary [0, {vocab_size or 'its size'})"
+        if result.sampled_top_token_ids or result.sampled_top_logprobs or result.prompt_logprobs:
+            return logprobs.malformed(result, [r.sampling.top_logprobs for r in planned],
+                                      [r.prompt_logprobs.k if r.prompt_logprobs else None for r in planned],
+                                      [len(r.prompt_ids) for r in planned], vocab_size)
         return ""
 
     def apply(self, result: pb.StepResult) -> Outputs:
@@ -228,8 +232,12 @@ def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
 def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
     if req.num_pages_sent < 0:
         s = req.sampling
+        prompt_logprobs = req.computes_prompt_logprobs
+        # (a fork parent stops one token short of its prompt, so that it never samples; one that computes prompt
+        # log-probabilities is sent its last prompt token too, whose log-probability its last position gives)
         plan.new_requests.add(
-            request_id=req.request_id, token_ids=req.all_token_ids[: req.compute_target],
+            request_id=req.request_id,
+            token_ids=req.all_token_ids if prompt_logprobs else req.all_token_ids[: req.compute_target],
             num_computed_tokens=req.num_computed - n,  # (the planner counted this step's n already)
             num_scheduled_tokens=n, page_ids=req.page_table,
             sampling=pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -238,7 +246,9 @@ def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
                                        repetition_penalty=s.repetition_penalty, min_p=s.min_p,
                                        min_tokens=s.min_tokens, min_tokens_stop_ids=s.min_tokens_stop_ids,
                                        logit_bias=s.logit_bias, allowed_token_ids=s.allowed_token_ids,
-                                       bad_words=[pb.TokenSequence(token_ids=w) for w in s.bad_words_ids]),
+                                       bad_words=[pb.TokenSequence(token_ids=w) for w in s.bad_words_ids],
+                                       top_logprobs=s.top_logprobs, prompt_logprobs=prompt_logprobs,
+                                       prompt_top_logprobs=s.prompt_logprobs or 0),
             num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
             window_tokens=req.window_tokens, constraint=s.constraint,
         )

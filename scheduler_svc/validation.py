@@ -16,6 +16,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
 MAX_FORKS = 16  # sampling.n, the gateway's n too
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs: top_logprobs and prompt_logprobs at most (vLLM's default)
 PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
 MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
 MAX_PROMPT_BYTES = 1 << 30  # --max-prompt-bytes ceiling (gRPC message lengths are 32-bit)
@@ -54,6 +55,7 @@ class Limits:
     max_len_name: str = "max_model_len"  # what sets max_model_len (a tenant's quota can lower it)
     max_prompt_bytes: int = 0  # UTF-8 bytes of text taken before tokenizing (0: default_max_prompt_bytes)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # top_logprobs and prompt_logprobs at most (--max-logprobs)
 
     @property
     def prompt_bytes(self) -> int:
@@ -147,6 +149,21 @@ def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits
             "logit_bias": dict(p.logit_bias), "allowed_token_ids": list(p.allowed_token_ids)}
 
 
+def check_logprobs(p: api.SamplingParams, limits: Limits) -> dict:
+    """top_logprobs (with logprobs), prompt_logprobs and echo of ``p`` as Sampling's fields, refused past
+    --max-logprobs (and the vocabulary)."""
+    most = min(limits.max_logprobs, limits.vocab_size)
+    why = f"--max-logprobs={limits.max_logprobs}" if most == limits.max_logprobs else "the vocabulary's size"
+    prompt = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    for name, value in (("top_logprobs", p.top_logprobs), ("prompt_logprobs", prompt)):
+        if value is not None and not 0 <= value <= most:
+            raise InvalidRequest(f"sampling.{name}: {value}; must be in [0, {most}] ({why})")
+    if p.top_logprobs and not p.logprobs:
+        raise InvalidRequest(f"sampling.top_logprobs: {p.top_logprobs} needs sampling.logprobs set (the sampled "
+                             "tokens' log-probabilities, which the top ones go with)")
+    return {"top_logprobs": p.top_logprobs, "prompt_logprobs": prompt, "echo": p.echo}
+
+
 MAX_BAD_WORDS = 100
 MAX_BAD_WORD_CHARS = 256
 
@@ -222,7 +239,7 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits,
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, include_stop_str_in_output=p.include_stop_str_in_output,
-        min_tokens_stop_ids=stop_ids if p.min_tokens else [], **controls,
+        min_tokens_stop_ids=stop_ids if p.min_tokens else [], **controls, **check_logprobs(p, limits),
     )
 
 

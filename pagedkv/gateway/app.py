@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pagedkv
-from pagedkv.gateway import fields
+from pagedkv.gateway import fields, logprobs
 from pagedkv.gateway import openai_requests as requests
 from pagedkv.gateway import tokenize as tokens
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
@@ -34,7 +34,9 @@ DEFAULT_MAX_STREAMS = 1024
 class Gateway:
     def __init__(self, upstream: Upstream, log, max_body_bytes: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
                  token_text=None, max_prompt_bytes: int = 0) -> None:
-        """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of)."""
+        """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of).
+        ``token_text``: how logprobs name tokens (a logprobs.TokenNames loading --tokenizer, or a function of the
+        token id; None: token_id:N)."""
         self.upstream, self.log, self.token_text = upstream, log, token_text
         self.max_body_bytes, self.max_prompt_bytes, self.max_streams = max_body_bytes, max_prompt_bytes, max_streams
         self.limits: RequestLimits | None = None  # once the scheduler's max_model_len is known
@@ -43,8 +45,18 @@ class Gateway:
     async def request_limits(self, metadata) -> RequestLimits:
         if self.limits is None:
             max_model_len = await self.upstream.learned_max_model_len(metadata)
-            self.limits = RequestLimits.of(max_model_len, self.max_prompt_bytes, self.max_body_bytes)
+            self.limits = RequestLimits.of(max_model_len, self.max_prompt_bytes, self.max_body_bytes,
+                                           self.upstream.max_logprobs)
         return self.limits
+
+    async def token_names(self):
+        """The function that names tokens in logprobs (waits for --tokenizer to load; 503 if it could not)."""
+        if not isinstance(self.token_text, logprobs.TokenNames):
+            return self.token_text
+        try:
+            return await self.token_text.get()
+        except ValueError as err:
+            raise ApiError(503, f"this gateway cannot name tokens in logprobs: {err}") from None
 
     def check_streams(self, plan: Plan) -> None:
         """--max-streams counts streams, each prompt's n forks: one request may be 32 prompts x n=16 = 512."""
@@ -96,9 +108,11 @@ class Gateway:
             echo["x-request-id"] = client_id or rid
             upstream_id = client_id or rid  # (the scheduler's request_id: its logs and its Cancel know it by it)
             plan = requests.parse_chat(body, upstream_id) if chat else requests.parse_completion(body, upstream_id)
-            plan.token_text, plan.client_id = self.token_text, client_id
+            plan.client_id = client_id
             self.log_fields(plan, rid)
             requests.check_sizes(plan, limits)
+            logprobs.check_limits(plan, limits.max_logprobs)
+            plan.token_text = await self.token_names() if plan.names_tokens else None
             model = await self.upstream.check_model(plan.model, metadata)
             self.check_streams(plan)
         except ApiError as err:

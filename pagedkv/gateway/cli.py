@@ -10,7 +10,6 @@ import os
 import sys
 from dataclasses import replace
 
-from pagedkv.client import add_resume_args, resume_policy
 from pagedkv.gateway.app import DEFAULT_MAX_STREAMS, Gateway, create_app
 from pagedkv.gateway.guards import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -18,7 +17,9 @@ from pagedkv.gateway.guards import (
     DEFAULT_MAX_HEADER_BYTES,
     bounded_protocol,
 )
+from pagedkv.gateway.logprobs import TokenNames
 from pagedkv.gateway.upstream import Upstream
+from pagedkv.resume_policy import add_resume_args, resume_policy
 from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 DEFAULT_PORT = 8000
@@ -79,8 +80,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "the first is the one answers report, /v1/models lists them all, and another name gets 404 "
                    "model_not_found (default: the scheduler's, its ModelInfo.served_model_names)")
     p.add_argument("--tokenizer", default="", metavar="DIR",
-                   help="the model's tokenizer directory: logprobs name tokens by their text (default: token_id:N; "
-                   "the gateway then loads no tokenizer)")
+                   help="the model's tokenizer directory, or a built-in model's name (as the executor's --model): "
+                   "logprobs name tokens by their text, as vLLM does (default: token_id:N; the gateway then loads "
+                   "no tokenizer). pagedkv serve --http-port passes the scheduler's --tokenizer, else --model")
     p.add_argument("--max-body-bytes", type=int, default=0, metavar="N",
                    help="longest request body, refused with 413 before it is parsed (default: the scheduler's "
                    "request limit, learned from its max_model_len: --max-prompt-bytes, or a full context of token "
@@ -140,35 +142,27 @@ def _server_class():
     return Server
 
 
-def load_token_text(path: str):
-    """--tokenizer: a token id -> its text (cached)."""
-    import functools
-
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there: {err}") from None
-    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """``pagedkv serve --http-port P``: the gateway as a third child of serve."""
     p.add_argument("--http-port", type=int, default=0, metavar="P",
-                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off); with "
+                   help="also serve the OpenAI-compatible HTTP API (pagedkv gateway) on --host:P (0: off), naming "
+                   "tokens in logprobs by their text with the model's tokenizer (--tokenizer, else --model); with "
                    "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
                    "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
 
 
 def serve_child_command(args) -> list[str] | None:
-    """serve's gateway child (None without --http-port): it dials serve's scheduler on loopback."""
+    """serve's gateway child (None without --http-port): it dials serve's scheduler on loopback, and names tokens in
+    logprobs with the scheduler's tokenizer (its --tokenizer, else the executor's --model)."""
     if not args.http_port:
         return None
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     cmd = [sys.executable, "-m", "pagedkv", "gateway", "--address", f"{host}:{args.port}", "--host", args.host,
            "--port", str(args.http_port), "--shutdown-timeout", str(args.shutdown_timeout),
            "--log-format", args.log_format]
+    tokenizer = getattr(args, "tokenizer", "") or getattr(args, "model", "")
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
     if getattr(args, "max_prompt_bytes", 0):  # the scheduler's, so that the gateway refuses what it would
         cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
     if args.tls_cert:
@@ -207,8 +201,8 @@ async def serve(args) -> None:
     resume = resume_policy(args)
     resume = replace(resume, queue_full_at_start=False) if resume is not None else None  # (as GATEWAY_RESUME)
     upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name), resume)
-    token_text = await asyncio.to_thread(load_token_text, args.tokenizer) if args.tokenizer else None
-    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_text, args.max_prompt_bytes)
+    token_names = TokenNames(args.tokenizer, log) if args.tokenizer else None  # (loads once the gateway listens)
+    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_names, args.max_prompt_bytes)
     app = create_app(gateway, on_shutdown=(upstream.close,))
     protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,
@@ -228,6 +222,8 @@ async def serve(args) -> None:
                  scheduler_tls=bool(args.tls_ca), models=list(args.served_model_name) or None)
 
     ready = asyncio.ensure_future(announce())
+    if token_names is not None:
+        token_names.start()
     try:
         await server.serve()
     finally:

@@ -76,8 +76,14 @@ FIELDS: tuple[Field, ...] = (
     _honoured("ignore_eos", BOTH, True, "sampling.ignore_eos"),
     _honoured("include_stop_str_in_output", BOTH, True, "sampling.include_stop_str_in_output"),
     _honoured("n", BOTH, 2, "sampling.n (at most the scheduler's MAX_FORKS, 16)"),
-    _honoured("logprobs", COMPLETIONS, 0, "sampling.logprobs: 0 only (the sampled token's); N > 0 refused"),
+    _honoured("logprobs", COMPLETIONS, 3, "sampling.logprobs, top_logprobs=N: the sampled token's and the N most "
+              "likely (at most the scheduler's --max-logprobs)"),
     _honoured("logprobs", CHAT, True, "sampling.logprobs (the sampled token's)"),
+    _honoured("top_logprobs", CHAT, 2, "sampling.top_logprobs (with logprobs: true; at most --max-logprobs)"),
+    _honoured("prompt_logprobs", BOTH, 1, "sampling.prompt_logprobs (vLLM's: each prompt token's and its N most "
+              "likely; not streamed)"),
+    _honoured("echo", COMPLETIONS, True, "sampling.echo: the prompt's text (with logprobs, its tokens') first"),
+    _honoured("return_tokens_as_token_ids", BOTH, True, "logprobs name tokens token_id:N (vLLM's; plan)"),
     _honoured("stream", BOTH, True, "SSE chunks (plan.stream)"),
     _honoured("stream_options", BOTH, {"include_usage": True}, "its fields: STREAM_OPTIONS"),
     _honoured("priority", BOTH, 3, "priority"),
@@ -106,10 +112,8 @@ FIELDS: tuple[Field, ...] = (
     _honoured("guided_grammar", BOTH, "root ::= \"a\"", f"{_STRUCTURED}: grammar (xgrammar's EBNF)"),
     # -- refused unless at their defaults --
     _refused("logits_processors", BOTH, ["a.b"], ([],), _NO_SAMPLER),
-    _refused("top_logprobs", CHAT, 2, (0,), "the executor returns the sampled token's log-probability only"),
-    _refused("prompt_logprobs", BOTH, 1, (), "the executor returns no prompt log-probabilities"),
-    _refused("echo", BOTH, True, (False,), "the prompt is not returned"),
-    _refused("return_tokens_as_token_ids", BOTH, True, (False,), "tokens are named by --tokenizer"),
+    _refused("echo", CHAT, True, (False,), "vLLM's chat echo (the last message's content first) is not implemented"),
+
     _refused("best_of", BOTH, 2, (1,), "one sample per choice"),
     _refused("use_beam_search", BOTH, True, (False,), "beam search is not implemented"),
     _refused("length_penalty", BOTH, 0.5, (1,), "beam search is not implemented"),
@@ -154,7 +158,7 @@ FIELDS: tuple[Field, ...] = (
 # stream_options' fields; include_obfuscation pads chunks (OpenAI's), which changes no token
 STREAM_OPTIONS: tuple[Field, ...] = (
     _honoured("include_usage", BOTH, True, "a final usage chunk"),
-    _refused("continuous_usage_stats", BOTH, True, (False,), "usage comes in the final chunk only"),
+    _honoured("continuous_usage_stats", BOTH, True, "usage in every chunk (with include_usage; vLLM's)"),
     _ignored("include_obfuscation", BOTH, False),
 )
 # a chat message's fields: what the scheduler's ChatMessage carries to the chat template

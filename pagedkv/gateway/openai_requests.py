@@ -9,7 +9,8 @@ Translation (OpenAI field -> GenerateRequest):
   max_tokens | max_completion_tokens -> sampling.max_tokens (completions default 16, as OpenAI; chat: none)
   temperature, top_p, top_k, seed, stop, n -> sampling.*; temperature, top_p, top_k, repetition_penalty and min_p
   unset -> the model's defaults (generation_config.json, else OpenAI's and vLLM's: temperature 1)
-  logprobs -> sampling.logprobs (the sampled token's only: top-k alternatives are refused)
+  logprobs (completions: N; chat: true, with top_logprobs N) -> sampling.logprobs and top_logprobs; echo
+  (completions) -> sampling.echo (with logprobs, prompt_logprobs N too); prompt_logprobs -> sampling.prompt_logprobs
   extensions (extra body fields): page_budget, priority, ignore_eos, stop_token_ids, include_stop_str_in_output
   response_format, structured_outputs, guided_json/regex/choice/grammar -> sampling.constraint (structured.py)
 Every other field is refused, ignored by design or unknown, as fields.py's table says (``fields.screen``).
@@ -126,6 +127,16 @@ class Plan:
     screened: fields.Screened | None = None  # the fields ignored by design, and the unknown ones
     client_id: str = ""  # the client's X-Request-Id or request_id (echoed in X-Request-Id)
     token_text: Callable[[int], str] | None = None  # names tokens in logprobs (the gateway's --tokenizer)
+    top_logprobs: int = 0  # most likely tokens shown per position (completions' logprobs, chat's top_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (None: not asked)
+    echo: bool = False  # completions: the prompt before each choice's text
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in each chunk
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens token_id:N
+
+    @property
+    def names_tokens(self) -> bool:
+        """The answer names tokens by their text (logprobs, prompt_logprobs): it needs the gateway's tokenizer."""
+        return (self.logprobs or self.prompt_logprobs is not None) and not self.tokens_as_ids
 
     @property
     def num_choices(self) -> int:
@@ -169,23 +180,36 @@ def _common(body: Mapping, chat: bool) -> tuple[api.SamplingParams, dict]:
             sampling.stop_token_ids.extend(stop_ids)
     sampling.ignore_eos = bool(_bool(body, "ignore_eos"))
     sampling.include_stop_str_in_output = bool(_bool(body, "include_stop_str_in_output"))
-    if chat:
-        logprobs = bool(_bool(body, "logprobs"))
-        top = _int(body, "top_logprobs", 0, 20)
-        if top:
-            raise bad("top_logprobs", f"{top}; this server returns the sampled token's log-probability only "
-                      "(top_logprobs must be 0 or absent)")
-    else:
-        top = _int(body, "logprobs", 0, 5)
-        if top:
-            raise bad("logprobs", f"{top}; this server returns the sampled token's log-probability only "
-                      "(logprobs must be 0 for that, or absent)")
-        logprobs = top == 0
-    sampling.logprobs = logprobs
     ext = {"priority": _int(body, "priority", -(2**31), 2**31 - 1) or 0,
            "truncate_prompt_tokens": _int(body, "truncate_prompt_tokens", 1, 2**31 - 1) or 0,
-           "page_budget": _int(body, "page_budget", 0, 2**31 - 1) or 0, "logprobs": logprobs}
+           "page_budget": _int(body, "page_budget", 0, 2**31 - 1) or 0, **_logprobs(body, chat, sampling)}
     return sampling, ext
+
+
+def _logprobs(body: Mapping, chat: bool, sampling: api.SamplingParams) -> dict:
+    """logprobs, top_logprobs, prompt_logprobs and echo into ``sampling`` (vLLM's rules: chat's top_logprobs needs
+    logprobs; no prompt_logprobs > 0 when streaming; echo with logprobs N asks for the prompt's, N of them); the
+    limits (the scheduler's max_logprobs) are logprobs.check_limits'."""
+    if chat:
+        logprobs, top = bool(_bool(body, "logprobs")), _int(body, "top_logprobs", 0, 2**31 - 1) or 0
+        if top and not logprobs:
+            raise bad("top_logprobs", f"{top} needs logprobs: true (the most likely tokens go with the sampled "
+                      "ones' log-probabilities)")
+    else:
+        n = _int(body, "logprobs", 0, 2**31 - 1)  # (N: the N most likely tokens, and the sampled one)
+        logprobs, top = n is not None, n or 0
+    prompt = _int(body, "prompt_logprobs", 0, 2**31 - 1)
+    stream, echo = bool(body.get("stream")), not chat and bool(_bool(body, "echo"))
+    if prompt and stream:
+        raise bad("prompt_logprobs", f"{prompt}; not available with stream: true (as in vLLM; echo with logprobs "
+                  "streams the prompt's log-probabilities)")
+    sampling.logprobs, sampling.top_logprobs, sampling.echo = logprobs, top, echo
+    if echo and logprobs:
+        sampling.prompt_logprobs = max(top, prompt or 0)
+    elif prompt is not None and not stream:
+        sampling.prompt_logprobs = prompt
+    return {"logprobs": logprobs, "top_logprobs": top, "echo": echo, "prompt_logprobs": None if stream else prompt,
+            "tokens_as_ids": bool(_bool(body, "return_tokens_as_token_ids"))}
 
 
 def _logits_controls(body: Mapping, sampling: api.SamplingParams) -> None:
@@ -239,10 +263,13 @@ def _model_and_stream(body: Mapping) -> tuple[str, bool, bool, str]:
     include_usage = bool(_bool(opts, "include_usage")) if opts else False
     if opts and not stream:
         raise bad("stream_options", "only allowed with stream: true")
+    continuous = opts.get("continuous_usage_stats") if opts else None  # (vLLM's: with include_usage only)
+    if continuous is not None and not isinstance(continuous, bool):
+        raise bad("stream_options.continuous_usage_stats", f"{continuous!r} is not a boolean")
     user = body.get("user") or ""
     if not isinstance(user, str) or len(user) > MAX_USER_CHARS:
         raise bad("user", f"must be a string of at most {MAX_USER_CHARS} characters")
-    return model, stream, include_usage, user
+    return model, stream, (include_usage, include_usage and bool(continuous)), user
 
 
 def _prompts(value) -> list[str | list[int]]:
@@ -271,7 +298,7 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     screened = fields.screen(body, chat=False)
-    model, stream, include_usage, user = _model_and_stream(body)
+    model, stream, (include_usage, continuous), user = _model_and_stream(body)
     sampling, ext = _common(body, chat=False)
     requests = []
     prompts = _prompts(body.get("prompt"))
@@ -284,7 +311,9 @@ def parse_completion(body: Mapping, request_id: str) -> Plan:
         else:
             req.token_ids.ids.extend(prompt)
         requests.append(req)
-    return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
+    return Plan(False, model, requests, sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened,
+                top_logprobs=ext["top_logprobs"], prompt_logprobs=ext["prompt_logprobs"], echo=ext["echo"],
+                continuous_usage=continuous, tokens_as_ids=ext["tokens_as_ids"])
 
 
 def parse_chat(body: Mapping, request_id: str) -> Plan:
@@ -292,12 +321,14 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     screened = fields.screen(body, chat=True)
-    model, stream, include_usage, user = _model_and_stream(body)
+    model, stream, (include_usage, continuous), user = _model_and_stream(body)
     chat = chat_of(body)
     sampling, ext = _common(body, chat=True)
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
                               page_budget=ext["page_budget"], truncate_prompt_tokens=ext["truncate_prompt_tokens"])
-    return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened)
+    return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened,
+                top_logprobs=ext["top_logprobs"], prompt_logprobs=ext["prompt_logprobs"],
+                continuous_usage=continuous, tokens_as_ids=ext["tokens_as_ids"])
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
@@ -310,13 +341,16 @@ class RequestLimits:
     max_model_len: int
     prompt_bytes: int
     body_bytes: int
+    max_logprobs: int = 0  # top and prompt log-probabilities at most (the scheduler's; 0: not known)
 
     @classmethod
-    def of(cls, max_model_len: int, prompt_bytes: int = 0, body_bytes: int = 0) -> RequestLimits:
+    def of(cls, max_model_len: int, prompt_bytes: int = 0, body_bytes: int = 0,
+           max_logprobs: int = 0) -> RequestLimits:
         """0: the scheduler's own defaults for this max_model_len (its --max-prompt-bytes, and its request limit:
         that text or a full context of token ids, plus 64 KiB), so that no body is read only to be refused."""
         prompt_bytes = prompt_bytes or default_max_prompt_bytes(max_model_len)
-        return cls(max_model_len, prompt_bytes, body_bytes or max_message_bytes(prompt_bytes, max_model_len))
+        return cls(max_model_len, prompt_bytes, body_bytes or max_message_bytes(prompt_bytes, max_model_len),
+                   max_logprobs)
 
     def describe(self) -> str:
         return (f"a prompt of at most {self.prompt_bytes} bytes of UTF-8 text or {self.max_model_len - 1} token "

@@ -1,13 +1,16 @@
 """pagedkv.api.v1 -> OpenAI answers, as pure functions: GenerateResponse messages become a ``Choice`` each, and
-those the non-streamed body, the SSE chunks and the usage."""
+those the non-streamed body, the SSE chunks and the usage; what the scheduler says of each prompt (api.Prompt: its
+size, and with echo or prompt_logprobs its ids, text and log-probabilities) comes in ``prompts``, one per prompt
+(shared by its n choices). Log-probabilities take their shapes in logprobs.py."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.gateway import logprobs as lp
 from pagedkv.gateway.openai_requests import Plan
 
 FINISH = {api.FINISH_REASON_STOP: "stop", api.FINISH_REASON_LENGTH: "length", api.FINISH_REASON_ABORT: "abort"}
@@ -18,15 +21,19 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[api.TopLogprobs] = field(default_factory=list)  # per token, with top_logprobs > 0
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    streamed_chars: int = 0  # characters of text streamed so far (the next chunk's text_offset)
+    echoed: bool = False  # its prompt went out (streaming with echo)
 
     def add(self, msg: api.GenerateResponse) -> None:
         self.text += msg.text
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
+        self.top_logprobs.extend(msg.top_logprobs)
         if msg.finish_reason:
             self.finish_reason = FINISH.get(msg.finish_reason, "stop")
             u = msg.usage
@@ -34,18 +41,21 @@ class Choice:
                 u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
 
-def token_name(token_id: int, token_text: Callable[[int], str] | None = None) -> str:
-    """How a token is named in logprobs: its text with a tokenizer (--tokenizer), else ``token_id:N`` (vLLM's
-    return_tokens_as_token_ids)."""
-    return token_text(token_id) if token_text else f"token_id:{token_id}"
-
-
-def logprobs_body(chat: bool, token_ids, logprobs, token_text: Callable[[int], str] | None = None) -> dict:
-    names = [token_name(t, token_text) for t in token_ids]
-    if chat:
-        return {"content": [{"token": name, "logprob": lp, "bytes": list(name.encode()) if token_text else None,
-                             "top_logprobs": []} for name, lp in zip(names, logprobs)], "refusal": None}
-    return {"tokens": names, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
+def logprobs_body(plan: Plan, token_ids: Sequence[int], logprobs: Sequence[float],
+                  tops: Sequence[api.TopLogprobs] = (), echo: api.Prompt | None = None, offset: int = 0) -> dict | None:
+    """A choice's (or a chunk's) logprobs, None unless asked; ``echo``: the prompt, whose tokens come first
+    (completions); ``offset``: the text_offset of the first token."""
+    if not plan.logprobs:
+        return None
+    every: list[api.TopLogprobs | None] = list(tops) if tops else [None] * len(token_ids)
+    if plan.chat:
+        return lp.chat_logprobs(token_ids, logprobs, every, plan.top_logprobs, plan.token_text)
+    ids: list[int] = list(token_ids)
+    lps: list[float | None] = list(logprobs)
+    if echo is not None:
+        prompt_ids, prompt_lps, prompt_tops = lp.echoed(echo)
+        ids, lps, every = prompt_ids + ids, prompt_lps + lps, prompt_tops + every
+    return lp.completion_logprobs(ids, lps, every, plan.top_logprobs, plan.token_text, offset)
 
 
 def usage_body(choices: list[Choice], num_prompts: int, n: int) -> dict:
@@ -57,35 +67,56 @@ def usage_body(choices: list[Choice], num_prompts: int, n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[Choice]) -> dict:
-    """The non-streamed answer."""
+def choice_usage(prompt: api.Prompt, choice: Choice) -> dict:
+    """stream_options.continuous_usage_stats: a chunk's usage, its choice's tokens so far (vLLM's)."""
+    return {"prompt_tokens": prompt.num_tokens, "completion_tokens": len(choice.token_ids),
+            "total_tokens": prompt.num_tokens + len(choice.token_ids)}
+
+
+def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[Choice],
+                  prompts: Sequence[api.Prompt] = ()) -> dict:
+    """The non-streamed answer (``prompts``: one per prompt, for echo and prompt_logprobs)."""
     out = []
     for i, c in enumerate(choices):
-        lp = logprobs_body(plan.chat, c.token_ids, c.logprobs, plan.token_text) if plan.logprobs else None
+        prompt = prompts[i // plan.n] if prompts else api.Prompt()
+        echo = prompt if plan.echo else None
+        logprobs = logprobs_body(plan, c.token_ids, c.logprobs, c.top_logprobs, echo)
         if plan.chat:
             out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None,
                                                  "tool_calls": []},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
-        else:
-            out.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-    return {"id": rid, "object": "chat.completion" if plan.chat else "text_completion", "created": created,
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+            continue
+        out.append({"index": i, "text": (prompt.text if echo else "") + c.text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason})
+        if plan.prompt_logprobs is not None:  # (vLLM's: per choice in completions)
+            out[-1]["prompt_logprobs"] = lp.prompt_logprobs_body(prompt, plan.prompt_logprobs, plan.token_text)
+    body = {"id": rid, "object": "chat.completion" if plan.chat else "text_completion", "created": created,
             "model": model, "choices": out, "usage": usage_body(choices, len(plan.requests), plan.n),
             "system_fingerprint": None}
+    if plan.chat and plan.prompt_logprobs is not None:  # (vLLM's: once, beside the choices in chat)
+        body["prompt_logprobs"] = lp.prompt_logprobs_body(prompts[0] if prompts else api.Prompt(),
+                                                          plan.prompt_logprobs, plan.token_text)
+    return body
 
 
 def chunk_body(plan: Plan, rid: str, created: int, model: str, index: int, text: str | None,
-               token_ids=(), logprobs=(), finish_reason: str | None = None, role: bool = False) -> dict:
-    """One SSE chunk for one choice."""
-    lp = logprobs_body(plan.chat, token_ids, logprobs, plan.token_text) if plan.logprobs and token_ids else None
+               token_ids=(), logprobs=(), finish_reason: str | None = None, role: bool = False,
+               tops: Sequence[api.TopLogprobs] = (), echo: api.Prompt | None = None, offset: int = 0,
+               usage: dict | None = None) -> dict:
+    """One SSE chunk for one choice; ``echo``: the prompt, on the choice's first chunk (completions: its text before
+    ``text``, its tokens before ``token_ids``); ``offset``: the text streamed before (text_offset); ``usage``: with
+    continuous usage stats."""
+    shown = logprobs_body(plan, token_ids, logprobs, tops, echo, offset) if token_ids or echo is not None else None
     if plan.chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+        text = (echo.text if echo is not None else "") + (text or "")
+        choice = {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
     body = {"id": rid, "object": "chat.completion.chunk" if plan.chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "system_fingerprint": None}
     if plan.include_usage:
-        body["usage"] = None
+        body["usage"] = usage
     return body
 
 

@@ -85,6 +85,7 @@ class Generation(Response):
         self.status_code = 200
         self.background = None
         self.choices = [answers.Choice() for _ in range(plan.num_choices)]
+        self.prompts = [api.Prompt() for _ in plan.requests]  # what each call said of its prompt (GenerateResponse)
         self.disconnected = False
         self.streamed_a_token = False
 
@@ -112,7 +113,8 @@ class Generation(Response):
     async def _run(self, send) -> None:
         # (each a Generate call, resumed on another call if its scheduler goes away: pagedkv.client)
         calls = [self.client.stream(req, metadata=self.metadata) for req in self.plan.requests]
-        events = _merged(calls)
+        merged = _merged(calls)
+        events = self._noted(merged)
         try:
             first: list[Event] = []
             waiting = set(range(len(calls)))
@@ -135,12 +137,22 @@ class Generation(Response):
                 for i, item in first:
                     if item is not None:
                         self._add(i, item)
-                body = answers.response_body(self.plan, self.rid, answers.now(), self.model, self.choices)
+                body = answers.response_body(self.plan, self.rid, answers.now(), self.model, self.choices,
+                                             self.prompts)
                 await self._send_json(send, 200, body)
         finally:
             await events.aclose()
+            await merged.aclose()  # (closing the wrapper leaves the merged streams open)
             for call in calls:
                 await call.aclose()  # (a call still open is cancelled)
+
+    async def _noted(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """The events, each call's word on its prompt (GenerateResponse.prompt, on its first message and with the
+        prompt's log-probabilities) kept as it passes (a resumed call's first message adds its size again only)."""
+        async for i, item in events:
+            if isinstance(item, api.GenerateResponse) and item.HasField("prompt"):
+                self.prompts[i].MergeFrom(item.prompt)
+            yield i, item
 
     def _add(self, i: int, msg: api.GenerateResponse) -> int:
         index = i * self.plan.n + msg.index
@@ -154,8 +166,9 @@ class Generation(Response):
         plan, created = self.plan, answers.now()
         if plan.chat:
             for index in range(plan.num_choices):
+                usage = answers.choice_usage(self.prompts[index // plan.n], self.choices[index])
                 await self._body(send, _sse(answers.chunk_body(plan, self.rid, created, self.model, index, None,
-                                                           role=True)))
+                                                           role=True, usage=usage if plan.continuous_usage else None)))
 
         async def rest() -> AsyncIterator[Event]:
             for event in first:
@@ -173,14 +186,21 @@ class Generation(Response):
                 await self._body(send, _sse(err.body()) + b"data: [DONE]\n\n", more=False)
                 return
             index = self._add(i, item)
-            finish = self.choices[index].finish_reason if item.finish_reason else None
-            if not (item.text or finish or (plan.logprobs and item.token_ids)):
+            choice = self.choices[index]
+            finish = choice.finish_reason if item.finish_reason else None
+            echo = self.prompts[i] if plan.echo and not choice.echoed and (item.token_ids or finish) else None
+            if not (item.text or finish or echo or (plan.logprobs and item.token_ids)):
                 continue  # text may be held back (a stop string may start there, a character is not complete)
             if item.token_ids and not self.streamed_a_token:
                 self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
-            await self._body(send, _sse(answers.chunk_body(plan, self.rid, created, self.model, index, item.text,
-                                                       item.token_ids, item.logprobs, finish)))
+            chunk = answers.chunk_body(plan, self.rid, created, self.model, index, item.text, item.token_ids,
+                                       item.logprobs, finish, tops=item.top_logprobs, echo=echo,
+                                       offset=choice.streamed_chars, usage=answers.choice_usage(self.prompts[i], choice)
+                                       if plan.continuous_usage else None)
+            choice.echoed = choice.echoed or echo is not None
+            choice.streamed_chars += len(chunk["choices"][0].get("text", ""))
+            await self._body(send, _sse(chunk))
             RELAY.observe(time.perf_counter() - read_at)
         tail = b""
         if plan.include_usage:

@@ -11,8 +11,8 @@ import grpc
 from starlette.requests import Request
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.client import DEFAULT_RESUME, ResumePolicy
 from pagedkv.gateway.errors import ApiError, from_grpc
+from pagedkv.resume_policy import DEFAULT_RESUME, ResumePolicy
 
 MAX_AUTH_HEADER_CHARS = 4096
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # where clients send keys; only the first is read
@@ -24,7 +24,7 @@ GATEWAY_RESUME = replace(DEFAULT_RESUME, queue_full_at_start=False)
 
 class Upstream:
     """The gRPC channel to the scheduler(s) and what the gateway learns from them (the model's name, its
-    max_model_len)."""
+    max_model_len, its max_logprobs)."""
 
     def __init__(self, address: str, tls_ca: str = "", tls_server_name: str = "",
                  served_names: tuple[str, ...] = (), resume: ResumePolicy | None = GATEWAY_RESUME) -> None:
@@ -35,6 +35,7 @@ class Upstream:
         self.client = Client(address, tls_ca=tls_ca, tls_server_name=tls_server_name, resume=resume)
         self.names: tuple[str, ...] = served_names  # empty: learned from ModelInfo on first use
         self.max_model_len = 0  # learned from ModelInfo on first use
+        self.max_logprobs = 0  # (with it: top and prompt log-probabilities at most; 0: not known)
         self.created = int(time.time())
 
     async def close(self) -> None:
@@ -47,7 +48,7 @@ class Upstream:
             raise from_grpc(err.code(), err.details() or "") from None
         if not self.names:  # (the scheduler's --served-model-name, in order; an older one: its model)
             self.names = tuple(info.served_model_names) or (info.model,)
-        self.max_model_len = info.max_model_len
+        self.max_model_len, self.max_logprobs = info.max_model_len, info.max_logprobs
         return info
 
     async def learned_max_model_len(self, metadata) -> int:

@@ -312,10 +312,10 @@ def test_refusals(stack):
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # past the scheduler's --max-logprobs (20, from ModelInfo)
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
-                                  top_logprobs=3)
-    assert e.value.body["param"] == "top_logprobs"
+                                  top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs" and "at most 20" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # refused by the scheduler, named in OpenAI's terms
         c.completions.create(model=MODEL, prompt="x", n=17)
     assert e.value.body["param"] == "n" and "16" in e.value.body["message"]

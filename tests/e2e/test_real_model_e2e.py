@@ -1,6 +1,7 @@
 """The built-in real model, smollm2-135m-instruct (30 layers, a 49,152-token vocabulary, a ChatML template), through
 ``pagedkv serve``: greedy ids equal transformers' (eager, float32) on plain and chat prompts, with a prefix-cache hit,
-under forced preemption and with n > 1; the chat template renders as transformers' ``apply_chat_template``; the
+under forced preemption and with n > 1; top-5 log-probabilities of outputs and prompts equal its log_softmax; the
+chat template renders as transformers' ``apply_chat_template``; the
 streamed text is ``tokenizer.decode`` of the ids, multi-byte characters included.
 
 The model is fetched and converted once per machine (pagedkv.model_fetch; PAGEDKV_MODEL_CACHE, tests/conftest.py).
@@ -215,3 +216,41 @@ def test_n_forks_and_preemption_keep_the_ids(start_module_servers, hf):
     assert [s.token_ids for s in sampled] == [a.token_ids for a in alone]
     assert sampled[0].token_ids != sampled[1].token_ids
     print(f"\npreemptions {preempted}; near-ties {ties}")
+
+
+# 30 float32 layers, logits O(10): a log-probability strays from transformers' by up to ~5e-5 (measured: 5.3e-5 on
+# this test's two requests); the test allows 2e-4 absolute and reports its largest as max_abs_deviation
+LOGPROB_TOL = 2e-4
+
+
+def test_logprobs_equal_transformers(server, hf, record_property):
+    """Top-5 log-probabilities of the generated tokens and of the prompt (a chat prompt and a plain one, together)
+    equal transformers' log_softmax of its float32 logits on the same ids, within LOGPROB_TOL."""
+    model, tok = hf
+    k = 5
+
+    async def scenario():
+        async with Client(server.address) as c:
+            asked = dict(max_tokens=16, logprobs=True, top_logprobs=k, prompt_logprobs=k)
+            return await asyncio.gather(c.complete(messages=CHATS[1], **asked), c.complete(PLAIN[1], **asked))
+    worst = 0.0
+    for out in run(scenario()):
+        prompt = list(out.prompt.token_ids)
+        ids = prompt + out.token_ids
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        rows = [(len(prompt) - 1 + j, t, lp, top) for j, (t, lp, top) in
+                enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs))]
+        rows += [(i - 1, prompt[i], lp, top) for i, (lp, top) in
+                 enumerate(zip(out.prompt.logprobs, out.prompt.top_logprobs), 1)]
+        assert len(rows) == len(ids) - 1
+        for at, token, lp, top in rows:
+            row = ref[at]
+            best = torch.topk(row, k).values.tolist()
+            diffs = [abs(lp - float(row[token]))]
+            diffs += [abs(v - float(row[t])) for t, v in zip(top.token_ids, top.logprobs)]
+            diffs += [abs(v - b) for v, b in zip(top.logprobs, best)]
+            worst = max(worst, *diffs)
+            assert max(diffs) < LOGPROB_TOL and len(top.token_ids) == k, (at, token, diffs)
+    record_property("max_abs_deviation", worst)
+    print(f"\nlargest |pagedkv - transformers| of a log-probability: {worst:.2e}")

@@ -16,8 +16,8 @@ def test_generate_and_the_gateway_resume_by_default():
     """pagedkv generate: ResumePolicy's defaults unless told; 0 attempts: never; a negative count is refused. The
     gateway's: the same, except that a full queue before anything was sent is passed on (its 429)."""
     from pagedkv.cli import build_parser
-    from pagedkv.client import DEFAULT_RESUME, resume_policy
     from pagedkv.gateway.upstream import GATEWAY_RESUME
+    from pagedkv.resume_policy import DEFAULT_RESUME, resume_policy
 
     parse = build_parser().parse_args
     assert resume_policy(parse(["generate", "hi"])) == DEFAULT_RESUME == ResumePolicy()

@@ -27,8 +27,8 @@ def test_filters_and_tokens_on_the_gpu_equal_the_cpu():
         torch.testing.assert_close(full[row], want, rtol=1e-4, atol=1e-6)
     same = total = 0
     for draw in range(50):
-        cpu, _ = sample(logits, params, [draw] * len(params))
-        gpu, _ = sample(logits.cuda(), params, [draw] * len(params))
+        cpu = sample(logits, params, [draw] * len(params)).tokens
+        gpu = sample(logits.cuda(), params, [draw] * len(params)).tokens
         alone = [sample(logits[i:i + 1].cuda(), [p], [draw])[0][0] for i, p in enumerate(params)]
         assert gpu == alone, draw
         same += sum(a == b for a, b in zip(cpu, gpu))

@@ -64,7 +64,12 @@ HONOURED = {
     "ignore_eos": lambda body, plan: _req(plan).sampling.ignore_eos,
     "include_stop_str_in_output": lambda body, plan: _req(plan).sampling.include_stop_str_in_output,
     "n": lambda body, plan: (_req(plan).sampling.n, plan.num_choices),
-    "logprobs": lambda body, plan: (_req(plan).sampling.logprobs, plan.logprobs),
+    "logprobs": lambda body, plan: (_req(plan).sampling.logprobs, _req(plan).sampling.top_logprobs, plan.logprobs,
+                                    plan.top_logprobs),
+    "top_logprobs": lambda body, plan: (_req(plan).sampling.top_logprobs, plan.top_logprobs),
+    "prompt_logprobs": lambda body, plan: (_sampled("prompt_logprobs")(body, plan), plan.prompt_logprobs),
+    "echo": lambda body, plan: (_req(plan).sampling.echo, plan.echo),
+    "return_tokens_as_token_ids": lambda body, plan: plan.tokens_as_ids,
     "stream": lambda body, plan: plan.stream,
     "stream_options": lambda body, plan: plan.include_usage,
     "priority": lambda body, plan: _req(plan).priority,
@@ -108,10 +113,12 @@ def test_the_table_names_each_field_once_per_endpoint_and_every_honoured_field_h
     assert {f.name for f in fields.FIELDS if f.kind == fields.HONOURED} == set(HONOURED)
 
 
+NEEDS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a field needs beside it
+
+
 @pytest.mark.parametrize("field, chat", _cases(fields.HONOURED))
 def test_an_honoured_field_reaches_the_generate_request(field, chat):
-    extra = {"stream": True} if field.name == "stream_options" else {}
-    body = {**BASE[chat], **extra}
+    body = {**BASE[chat], **NEEDS.get(field.name, {})}
     sent = {**body, field.name: field.example}
     parse = parse_chat if chat else parse_completion
     check = HONOURED[field.name]
@@ -152,7 +159,7 @@ def test_value_dependent_refusals_and_the_logits_controls_accept_the_defaults():
         _parse(False, skip_special_tokens=1)  # 1 is not True
     assert e.value.param == "skip_special_tokens"
     with pytest.raises(ApiError) as e:
-        _parse(False, logprobs=2)  # completions: the sampled token's (0) only
+        _parse(False, logprobs=-1)  # (vLLM's -1, the whole vocabulary, is not taken)
     assert e.value.param == "logprobs"
 
 
@@ -166,11 +173,14 @@ def test_an_unknown_field_is_accepted_and_named():
 
 def test_stream_options_fields():
     assert _parse(False, stream=True, stream_options={"include_usage": True}).include_usage
-    for value in (None, False):
+    for value in (None, False, True):  # (vLLM's: usage in every chunk only with include_usage)
         plan = _parse(False, stream=True, stream_options={"continuous_usage_stats": value})
-        assert not plan.screened.unknown
+        assert not plan.screened.unknown and not plan.continuous_usage
+    for chat in (False, True):
+        both = {"include_usage": True, "continuous_usage_stats": True}
+        assert _parse(chat, stream=True, stream_options=both).continuous_usage
     with pytest.raises(ApiError) as e:
-        _parse(True, stream=True, stream_options={"continuous_usage_stats": True})
+        _parse(True, stream=True, stream_options={"continuous_usage_stats": 1})
     assert e.value.status == 400 and e.value.param == "stream_options.continuous_usage_stats"
     plan = _parse(True, stream=True, stream_options={"include_obfuscation": False, "other": 1})
     assert plan.screened.ignored == ["stream_options.include_obfuscation"]

@@ -87,7 +87,11 @@ def test_chat_messages_and_max_completion_tokens():
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "prompt": "x", "n": True}, "n"),
-    ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "echo": 1}, "echo"),
     ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
@@ -97,7 +101,6 @@ def test_chat_messages_and_max_completion_tokens():
     ({"model": "m", "prompt": "x", "bad_words": [3]}, "bad_words"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -115,6 +118,8 @@ def test_completion_refusals_name_the_field(body, param):
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format.type"),
@@ -310,6 +315,7 @@ class FakeUpstream:
         self.client = self
         self.stub = self
         self.names = ("m",)
+        self.max_logprobs = 20
         self.resume = resume  # (None: each script is the call's whole story)
 
     def stream(self, req, metadata):
@@ -596,6 +602,13 @@ def test_serve_child_command(monkeypatch):
     args.max_prompt_bytes = 1000  # serve's scheduler flag: the gateway refuses what the scheduler would
     assert serve_child_command(args)[-2:] == ["--max-prompt-bytes", "1000"]
     del args.max_prompt_bytes
+    args.model, args.tokenizer = "tiny-llama", ""  # logprobs name tokens with the model's tokenizer...
+    cmd = serve_child_command(args)
+    assert cmd[cmd.index("--tokenizer") + 1] == "tiny-llama"
+    args.tokenizer = "/tok"  # ... or the scheduler's --tokenizer
+    cmd = serve_child_command(args)
+    assert cmd[cmd.index("--tokenizer") + 1] == "/tok"
+    del args.model, args.tokenizer
     args.tls_cert, args.tls_key = "s.pem", "s.key"
     monkeypatch.delenv("PAGEDKV_TLS_CA", raising=False)
     with pytest.raises(ValueError, match="PAGEDKV_TLS_CA"):

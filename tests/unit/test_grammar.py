@@ -58,13 +58,13 @@ def test_mask_touches_constrained_rows_only_and_their_tokens_are_allowed():
     params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=4), SamplingParams(),
               SamplingParams(temperature=0.8, seed=5)]
     given = logits.clone()
-    tokens, _ = sample(given, params, [0] * 5, grammar=GrammarMask(rows, bm))
+    tokens = sample(given, params, [0] * 5, grammar=GrammarMask(rows, bm)).tokens
     # the constrained rows are masked in place where none of them wants log-probabilities; the others stay
     assert torch.equal(given[[0, 2, 4]], raw[[0, 2, 4]]) and not torch.equal(given[rows], raw[rows])
     wanting = [dataclasses.replace(p, logprobs=True) if i in rows else p for i, p in enumerate(params)]
-    again, _ = sample(logits, wanting, [0] * 5, grammar=GrammarMask(rows, bm))
+    again = sample(logits, wanting, [0] * 5, grammar=GrammarMask(rows, bm)).tokens
     assert again == tokens and torch.equal(logits, raw)  # (theirs are the model's logits: kept)
-    plain, _ = sample(logits, params, [0] * 5)
+    plain = sample(logits, params, [0] * 5).tokens
     assert [tokens[i] for i in (0, 2, 4)] == [plain[i] for i in (0, 2, 4)]
     assert bit(bm, 0, tokens[1]) and tokens[3] == 7
     masked = constrain(logits, logits, GrammarMask(rows, bm))
@@ -79,7 +79,7 @@ def test_the_grammar_wins_where_the_other_controls_leave_nothing():
     bm = torch.zeros(2, (VOCAB + 31) // 32, dtype=torch.int32)
     bm[:, 0] = (1 << 5) | (1 << 9)  # the grammar allows 5 and 9
     params = [SamplingParams(allowed_token_ids=(11, 12)), SamplingParams(allowed_token_ids=(9, 12))]
-    tokens, _ = sample(logits, params, [0, 0], grammar=GrammarMask([0, 1], bm))
+    tokens = sample(logits, params, [0, 0], grammar=GrammarMask([0, 1], bm)).tokens
     assert tokens[0] in (5, 9)  # nothing allowed by both: the grammar alone
     assert tokens[1] == 9  # the intersection
 
@@ -121,7 +121,7 @@ def test_the_matcher_rebuilt_from_the_outputs_equals_the_advanced_one(engine):
         mask = engine.masks([a.grammar])
         if mask is None:
             break
-        tokens, _ = sample(torch.randn(1, VOCAB, generator=g), [a.sampling], [a.num_output], grammar=mask)
+        tokens = sample(torch.randn(1, VOCAB, generator=g), [a.sampling], [a.num_output], grammar=mask).tokens
         assert engine.advance([a.grammar], tokens) == []
         a.token_ids.append(tokens[0])
         a.num_output += 1
@@ -239,7 +239,7 @@ def test_random_outputs_of_every_kind_follow_their_constraint(engine):
                 if mask is None:
                     break
                 logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
-                tokens, _ = sample(logits, [SamplingParams(temperature=1.0, seed=trial)], [draw], grammar=mask)
+                tokens = sample(logits, [SamplingParams(temperature=1.0, seed=trial)], [draw], grammar=mask).tokens
                 engine.advance([state], tokens)
                 out.append(tokens[0])
             assert out[-1] == EOS, (c, out)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.unit
 
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
-    tokens, _ = sample(logits, [SamplingParams()] * 4, [0] * 4)
+    tokens = sample(logits, [SamplingParams()] * 4, [0] * 4).tokens
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -22,7 +22,7 @@ def test_seed_stream_is_reproducible_and_independent_of_batch():
     assert len(set(draws)) > 1  # draws differ along the stream
     batch = torch.randn(3, 50)
     batch[1] = logits
-    tokens, _ = sample(batch, [SamplingParams(temperature=1.0, seed=s) for s in (1, 42, 3)], [5, 7, 9])
+    tokens = sample(batch, [SamplingParams(temperature=1.0, seed=s) for s in (1, 42, 3)], [5, 7, 9]).tokens
     assert tokens[1] == draws[7]
 
 
@@ -50,7 +50,7 @@ def test_top_k_and_top_p_filters():
 
 def test_logprobs_are_of_the_raw_distribution():
     logits = torch.randn(2, 30)
-    tokens, lps = sample(logits, [SamplingParams(logprobs=True), SamplingParams()], [0, 0])
+    tokens, lps, _ = sample(logits, [SamplingParams(logprobs=True), SamplingParams()], [0, 0])
     assert abs(lps[0] - torch.log_softmax(logits[0], -1)[tokens[0]].item()) < 1e-6
     assert lps[1] == 0.0
 
@@ -109,7 +109,7 @@ def test_a_rows_token_does_not_depend_on_its_batch(monkeypatch, ties):
               SamplingParams(temperature=2.0, top_p=0.999, seed=5),  # (past 16 candidates: sorted whole)
               SamplingParams(temperature=1.0, top_k=50, seed=6)]
     for draw in range(30):
-        together, _ = sample(logits, params, [draw] * len(params))
+        together = sample(logits, params, [draw] * len(params)).tokens
         alone = [sample(logits[i:i + 1], [p], [draw])[0][0] for i, p in enumerate(params)]
         pairs = [sample(logits[[i, 3]], [p, params[3]], [draw, draw])[0][0] for i, p in enumerate(params)]
         assert together == alone == pairs, draw
@@ -129,7 +129,7 @@ def test_the_draw_never_lands_on_a_filtered_token():
 
 def test_a_row_without_finite_logits_takes_its_argmax():
     logits = torch.tensor([[0.0, float("inf"), 1.0], [float("nan"), 2.0, 1.0], [float("-inf")] * 3])
-    tokens, _ = sample(logits, [SamplingParams(temperature=1.0, seed=1)] * 3, [0, 0, 0])
+    tokens = sample(logits, [SamplingParams(temperature=1.0, seed=1)] * 3, [0, 0, 0]).tokens
     assert tokens[0] == 1 and all(0 <= t < 3 for t in tokens)
 
 

@@ -132,7 +132,7 @@ def test_controls_equal_transformers_processors_row_by_row(seed):
 def test_greedy_tokens_equal_the_reference_argmax(seed):
     logits, params, histories = random_batch(100 + seed, 32, sampled=False)
     draws = [len(o) for _, o in histories]
-    tokens, logprobs = sample(logits, [SamplingParams(**{**_fields(p), "logprobs": True}) for p in params], draws,
+    tokens, logprobs, _ = sample(logits, [SamplingParams(**{**_fields(p), "logprobs": True}) for p in params], draws,
                               history_of(params, histories), outputs_of(histories))
     ref = [int(reference_logits(logits[i], *histories[i], p).argmax()) for i, p in enumerate(params)]
     assert tokens == ref
@@ -160,11 +160,11 @@ def _plain(p: SamplingParams) -> SamplingParams:
 def test_seeded_tokens_equal_the_draws_on_the_reference_logits(seed):
     logits, params, histories = random_batch(200 + seed, 32, sampled=True)
     draws = [len(o) for _, o in histories]
-    tokens, _ = sample(logits, params, draws, history_of(params, histories), outputs_of(histories))
+    tokens = sample(logits, params, draws, history_of(params, histories), outputs_of(histories)).tokens
     ref_logits = torch.stack([reference_logits(logits[i], *histories[i], p) for i, p in enumerate(params)])
-    ref, _ = sample(ref_logits, [_plain(p) for p in params], draws)
+    ref = sample(ref_logits, [_plain(p) for p in params], draws).tokens
     assert tokens == ref
-    plain, _ = sample(logits, [_plain(p) for p in params], draws)
+    plain = sample(logits, [_plain(p) for p in params], draws).tokens
     assert tokens != plain
 
 
