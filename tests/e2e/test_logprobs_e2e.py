@@ -178,7 +178,7 @@ def openai_client(server):
 def _grpc_greedy(server, prompt: list[int], max_tokens: int) -> Completion:
     async def one():
         async with Client(server.address) as c:
-            return await c.complete(prompt, max_tokens=max_tokens, ignore_eos=True)
+            return await c.complete(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0)
     return run(one())
 
 
@@ -189,7 +189,7 @@ def test_completions_logprobs_and_echo_through_the_openai_client(server, hf, ope
     (prompt,) = random_prompts(23, [40], VOCAB)
     model = openai_client.models.list().data[0].id
     r = openai_client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=K, echo=True,
-                                         extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+                                         temperature=0, extra_body={"ignore_eos": True, "prompt_logprobs": 2})
     (choice,) = r.choices
     out = _grpc_greedy(server, prompt, 6).token_ids  # (greedy: the same tokens)
     ids = prompt + out
@@ -226,7 +226,7 @@ def test_streamed_completions_and_chat_logprobs_through_the_openai_client(server
     model = openai_client.models.list().data[0].id
     (prompt,) = random_prompts(24, [50], VOCAB)
     chunks = list(openai_client.completions.create(
-        model=model, prompt=prompt, max_tokens=5, logprobs=2, stream=True,
+        model=model, prompt=prompt, max_tokens=5, logprobs=2, stream=True, temperature=0,
         stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     out = _grpc_greedy(server, prompt, 5).token_ids
     ref = logprobs(prompt + out)
