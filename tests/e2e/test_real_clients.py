@@ -171,3 +171,19 @@ def test_lm_eval_loglikelihood_matches_transformers(server, hf, smollm2_dir, tmp
         whole = tok(context + target)["input_ids"]
         want = logprobs_of(model, whole)[len(ctx) - 1:]
         assert abs(float(got) - float(want.sum())) < TOL * len(want), (context, got, want)
+
+
+def test_langchain_with_structured_output_json_schema(server):
+    """LangChain's ``with_structured_output(PydanticModel, method="json_schema")`` sends ``response_format``
+    json_schema (strict): the answer parses into the model whatever the model would have written unconstrained."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        city: str = Field(max_length=40)
+        country: str = Field(max_length=40)
+        population_millions: int = Field(ge=0, le=10000)
+
+    chat = ChatOpenAI(base_url=server.base, api_key="x", model=MODEL, temperature=0, max_tokens=120)
+    got = chat.with_structured_output(Capital, method="json_schema").invoke("What is the capital of France?")
+    assert isinstance(got, Capital) and got.city and got.country
