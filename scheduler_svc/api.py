@@ -333,6 +333,9 @@ class GenerationService(api_grpc.GenerationServicer):
             if request.HasField("chat"):
                 if request.text:
                     raise InvalidRequest("text: must be empty when chat is set (send one of them)")
+                if request.HasField("add_special_tokens") and request.add_special_tokens:
+                    raise InvalidRequest("add_special_tokens: true is not supported with chat (the chat template "
+                                         "places the special tokens); leave it unset or false")
                 ids, tokens = await self.prompts.chat_ids(request.chat, "chat", tokens=True)
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else None

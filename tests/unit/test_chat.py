@@ -427,6 +427,23 @@ def test_tokenize_and_generate_agree_on_bos(tokenizers, monkeypatch):
     assert sent == [default] and default == [1, ord("h") + 3, ord("i") + 3] and without == default[1:]
 
 
+def test_tokenize_a_chat_refuses_add_special_tokens_true(tokenizers, monkeypatch):
+    """With chat the template writes the special tokens: add_special_tokens false is what happens anyway, true is
+    refused naming the field (never silently dropped)."""
+    chat = chat_request(MESSAGES).chat
+
+    async def scenario(service):
+        plain = await service.Tokenize(api.TokenizeRequest(chat=chat), Context())
+        false = await service.Tokenize(api.TokenizeRequest(chat=chat, add_special_tokens=False), Context())
+        with pytest.raises(Aborted) as err:
+            await service.Tokenize(api.TokenizeRequest(chat=chat, add_special_tokens=True), Context())
+        return list(plain.token_ids), list(false.token_ids), err.value
+
+    plain, false, err = run_service(tokenizers[0], scenario, monkeypatch)
+    assert plain == false == template_ids(tokenizers[0], MESSAGES)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.details.startswith("add_special_tokens: true")
+
+
 def test_detokenize_keeps_special_tokens_and_is_bounded(tokenizers, monkeypatch):
     async def scenario(service):
         ids = (await service.Tokenize(api.TokenizeRequest(text="hé"), Context())).token_ids
