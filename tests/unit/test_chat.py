@@ -371,9 +371,8 @@ def test_truncated_keeps_the_last_tokens_and_names_its_limit():
             truncated([1, 2], keep, 8)
 
 
-def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_check(tokenizers, monkeypatch):
-    """The executor gets the last N ids of what the prompt tokenized (rendered) to, and a prompt longer than the
-    context is taken once cut (max_model_len is 512 here)."""
+def sent_token_ids(monkeypatch) -> list[list[int]]:
+    """The token ids of every new request the executor is sent from now on (FakeClient.step recorded)."""
     sent: list[list[int]] = []
     step = FakeClient.step
 
@@ -381,6 +380,13 @@ def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_
         sent.extend(list(r.token_ids) for r in plan.new_requests)
         return await step(self, plan)
     monkeypatch.setattr(FakeClient, "step", recording_step)
+    return sent
+
+
+def test_truncate_prompt_tokens_cuts_text_token_ids_and_chats_before_the_length_check(tokenizers, monkeypatch):
+    """The executor gets the last N ids of what the prompt tokenized (rendered) to, and a prompt longer than the
+    context is taken once cut (max_model_len is 512 here)."""
+    sent = sent_token_ids(monkeypatch)
     chat_tok = tokenizers[0]
     text = "abcdefgh" * 80  # 640 tokens, + BOS
 
@@ -409,13 +415,7 @@ def test_tokenize_and_generate_agree_on_bos(tokenizers, monkeypatch):
 
     assert (adds_special_tokens("text"), adds_special_tokens("text", False), adds_special_tokens("chat"),
             adds_special_tokens("chat", True)) == (True, False, False, False)
-    sent: list[list[int]] = []
-    step = FakeClient.step
-
-    async def recording_step(self, plan):
-        sent.extend(list(r.token_ids) for r in plan.new_requests)
-        return await step(self, plan)
-    monkeypatch.setattr(FakeClient, "step", recording_step)
+    sent = sent_token_ids(monkeypatch)
 
     async def scenario(service):
         await generate(service, Client.build_request("hi", max_tokens=1))
