@@ -11,7 +11,7 @@ import grpc
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc import fit, metrics
-from scheduler_svc.chat import NoChatTemplate
+from scheduler_svc.chat import NoChatTemplate, ToolUse
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constraint, compile_on_executors
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -98,12 +98,12 @@ class LiveStream:
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False, queue_bounds: QueueBounds | None = None,
-                 trust_request_templates: bool = False) -> None:
+                 trust_request_templates: bool = False, tool_call_parser: str = "") -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
         # the tokenizer's work (prompts, chat templates), on its own thread
-        self.prompts = Prompts(tokenizer, limits, trust_request_templates)
+        self.prompts = Prompts(tokenizer, limits, trust_request_templates, tool_call_parser)
         self.model_info = model_info
         self.log = log
         self.queue_bounds = queue_bounds if queue_bounds is not None else QueueBounds()
@@ -151,9 +151,10 @@ class GenerationService(api_grpc.GenerationServicer):
         return await self.prompts.run(lambda: self.tokenizer.decode(ids))
 
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
-                       bad_words_ids: list[list[int]] | None = None,
+                       bad_words_ids: list[list[int]] | None = None, tools: ToolUse | None = None,
                        ) -> tuple[Request, list[tuple[int, list[int]]] | None]:
-        """The request, and with a continuation the forks it resumes (fork index, token ids received)."""
+        """The request, and with a continuation the forks it resumes (fork index, token ids received); ``tools``:
+        its tool use (a chat with tools), whose constraint it takes."""
         cluster = self.cluster
         lim = cluster.fit_limits(tenant.id)  # (the largest executor's)
         shape = fit.shape(tenant, len(ids), request.page_budget, lim, self.limits.max_model_len)
@@ -166,7 +167,9 @@ class GenerationService(api_grpc.GenerationServicer):
         check_priority(request.priority)
         sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
         sampling.bad_words_ids = list(bad_words_ids or [])
-        sampling.constraint = check_constraint(request.sampling, sampling, cluster.reference.eos_token_ids)
+        tools = tools or ToolUse()
+        sampling.constraint = check_constraint(request.sampling, sampling, cluster.reference.eos_token_ids,
+                                               tools.constraint, f"prompt.chat.tool_choice ({tools.fmt})")
         if any(not 0 <= t < limits.vocab_size for w in sampling.bad_words_ids for t in w):
             raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
                                  f"{limits.vocab_size}) (the tokenizer and the model disagree)")
@@ -218,9 +221,12 @@ class GenerationService(api_grpc.GenerationServicer):
         received = time.perf_counter()
         tenant, key = await self._caller(context, METHODS + "Generate")
         try:
-            req, resume = self._build_request(request, tenant, await self.prompts.ids(request),
-                                              await self.prompts.bad_words_ids(request.sampling.bad_words))
-            await compile_on_executors(self.cluster.clients(), req.sampling.constraint)  # (refused before placed)
+            ids = await self.prompts.ids(request)
+            tools = self.prompts.tool_use(request)
+            req, resume = self._build_request(request, tenant, ids,
+                                              await self.prompts.bad_words_ids(request.sampling.bad_words), tools)
+            await compile_on_executors(self.cluster.clients(), req.sampling.constraint,  # (refused before placed)
+                                       "prompt.chat.tools" if tools.constraint is not None else "")
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
@@ -231,6 +237,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 seqs[0].prompt_logprobs = PromptLogprobs(len(req.prompt_ids), req.sampling.prompt_logprobs)
             prompt = prompt_message(req.prompt_ids, request.sampling, received,
                                     await self._echo_text(request, req.prompt_ids))
+            prompt.tool_call_format = tools.fmt
         except (InvalidRequest, fit.FitError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoChatTemplate as err:

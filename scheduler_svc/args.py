@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv import security
+from pagedkv import security, tool_calls
 from scheduler_svc import fit
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.policy import Mode
@@ -80,6 +80,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="render a chat request's own chat_template (a Jinja template: code, run in the sandbox "
                    "transformers uses, with no bound on its time); off by default, as in vLLM: such a request is "
                    "refused, and one naming one of the model's templates is taken")
+    p.add_argument("--tool-call-parser", default="", choices=("", *tool_calls.PARSERS), metavar="PARSER",
+                   help="how a chat request with tools and tool_choice auto has its output read into tool calls: "
+                   f"{', '.join(tool_calls.PARSERS)} (Hermes/Qwen <tool_call>{{...}}</tool_call>; Llama 3.x JSON "
+                   "{\"name\", \"parameters\"} after <|python_tag|>; Mistral [TOOL_CALLS][...]); default: the one "
+                   "the chat template's markup names, and tool_choice auto is refused when it names none "
+                   "(required and named choices are written by the grammar and need no parser)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")

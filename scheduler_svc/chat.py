@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagedkv import tool_calls
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.json_bounds import nests_deeper_than
 from scheduler_svc.validation import InvalidRequest
@@ -25,6 +26,9 @@ MAX_ARGUMENTS_DEPTH = 16  # arrays and objects in a tool call's arguments
 MAX_CHAT_TEMPLATE_BYTES = 64 << 10  # real templates run 1-20 KiB
 MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
 MAX_TEMPLATE_KWARGS_DEPTH = 8  # the top object counted
+MAX_TOOLS = 128  # in one request (OpenAI's limit)
+MAX_SCHEMA_DEPTH = 32  # arrays and objects in a tool's parameters schema
+TOOL_CHOICES = ("none", "auto", "required")
 # What the scheduler passes the template itself, and apply_chat_template's own arguments (the caller's, not the
 # template's variables): a chat_template_kwargs key may be none of them.
 OWN_TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -47,6 +51,7 @@ class ChatPrompt:
     continue_final_message: bool = False
     template: str | None = None  # the request's template, or the name of one of the model's; None: the model's
     kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None  # the template's tools variable (None: the request has none)
 
 
 def _too_long(value: str, name: str) -> None:
@@ -109,6 +114,15 @@ def chat_text(m: api.ChatMessage) -> list[str]:
     return texts
 
 
+def _texts(chat: api.Chat):
+    """Every text of a chat that counts against --max-prompt-bytes: the messages', then the tools' (their names,
+    descriptions and schemas reach the template too)."""
+    for m in chat.messages:
+        yield chat_text(m)
+    for t in chat.tools:
+        yield [t.function.name, t.function.description, t.function.parameters]
+
+
 def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
     """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) at most ``limit``
     UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just to be refused.
@@ -116,17 +130,118 @@ def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
     n = len(chat.messages)
     if not 0 < n <= MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"{name}: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidRequest(f"{name.removesuffix('messages')}tools: {len(chat.tools)} tools; at most {MAX_TOOLS}")
+    tools = " (the tools' with them)" if chat.tools else ""
     chars = 0
-    for m in chat.messages:
-        chars += sum(map(len, chat_text(m)))
+    for texts in _texts(chat):
+        chars += sum(map(len, texts))
         if chars > limit:  # a character is at least one byte
-            raise InvalidRequest(f"{name}: text of at least {chars} bytes of UTF-8; at most {limit} in all "
+            raise InvalidRequest(f"{name}: text of at least {chars} bytes of UTF-8{tools}; at most {limit} in all "
                                  "(--max-prompt-bytes; send fewer or shorter messages)")
     if chars * 4 > limit:
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for m in chat.messages for t in chat_text(m))
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for texts in _texts(chat) for t in texts)
         if size > limit:
-            raise InvalidRequest(f"{name}: text of {size} bytes of UTF-8; at most {limit} in all "
+            raise InvalidRequest(f"{name}: text of {size} bytes of UTF-8{tools}; at most {limit} in all "
                                  "(--max-prompt-bytes; send fewer or shorter messages)")
+
+
+def _parameters(text: str, where: str) -> dict:
+    """A tool's parameters schema (JSON text) as an object; none: an object with no properties."""
+    if not text:
+        return {"type": "object", "properties": {}}
+    if nests_deeper_than(text.encode("utf-8", "surrogatepass"), MAX_SCHEMA_DEPTH):
+        raise InvalidRequest(f"{where}: JSON nested more than {MAX_SCHEMA_DEPTH} levels deep; at most "
+                             f"{MAX_SCHEMA_DEPTH}")
+    try:
+        schema = json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{where}: not JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{where}: a JSON Schema object, not {type(schema).__name__}")
+    return schema
+
+
+def _tools(chat: api.Chat, field: str) -> list[dict] | None:
+    """The request's tools as the template takes them ({type, function: {name, description, parameters}}), checked:
+    type function, names NAME and unique, parameters a JSON Schema object; tool_choice one of TOOL_CHOICES or one of
+    the tools' names, and only with tools."""
+    names: set[str] = set()
+    tools = []
+    for i, tool in enumerate(chat.tools):
+        at = f"{field}.tools[{i}]"
+        if tool.type not in ("", "function"):
+            raise InvalidRequest(f"{at}.type: {tool.type[:32]!r}; only 'function' tools are taken")
+        name = tool.function.name
+        if not tool_calls.NAME.fullmatch(name):
+            raise InvalidRequest(f"{at}.function.name: {name[:70]!r}; must be 1 to 64 characters of "
+                                 "[A-Za-z0-9_.:-]")
+        if name in names:
+            raise InvalidRequest(f"{at}.function.name: {name!r} is given twice; tool names must be unique")
+        names.add(name)
+        function = {"name": name, "parameters": _parameters(tool.function.parameters, f"{at}.function.parameters")}
+        if tool.function.description:
+            function["description"] = tool.function.description
+        tools.append({"type": "function", "function": function})
+    choice = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    if choice is not None and not tools:
+        raise InvalidRequest(f"{field}.tool_choice: set only with {field}.tools")
+    if choice == "mode" and chat.tool_choice.mode not in TOOL_CHOICES:
+        raise InvalidRequest(f"{field}.tool_choice.mode: {chat.tool_choice.mode[:32]!r}; must be one of "
+                             f"{', '.join(TOOL_CHOICES)}")
+    if choice == "function" and chat.tool_choice.function not in names:
+        raise InvalidRequest(f"{field}.tool_choice.function: {chat.tool_choice.function[:70]!r} is none of "
+                             f"{field}.tools")
+    if chat.HasField("parallel_tool_calls") and not tools:
+        raise InvalidRequest(f"{field}.parallel_tool_calls: set only with {field}.tools")
+    return tools or None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How a chat request's output is read (``fmt``: pagedkv.tool_calls' formats; "": plain text) and the
+    constraint that makes it so (required and named tool choices)."""
+
+    fmt: str = ""
+    constraint: api.Constraint | None = None
+
+
+def template_source(model_templates, requested: str) -> str | None:
+    """The text of the template a request renders with: its own, one of the model's by name, or the model's."""
+    if isinstance(model_templates, dict):
+        if requested in model_templates:
+            return model_templates[requested]
+        return requested or model_templates.get("default")
+    return requested or model_templates
+
+
+def tool_use(chat: api.Chat, field: str, model_templates=None, parser: str = "") -> ToolUse:
+    """The request's ToolUse (check_chat has checked its tools): none without tools or with tool_choice none; a
+    named or required choice constrains the output (the named tool's parameters; required_schema); auto reads it
+    with ``parser`` (--tool-call-parser), else the one the template's markup names, and is refused without one."""
+    if not chat.tools:
+        return ToolUse()
+    choice = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    mode = chat.tool_choice.mode if choice == "mode" else ("named" if choice == "function" else "auto")
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    if mode == "none":
+        return ToolUse()
+    schemas = {t.function.name: (_parameters(t.function.parameters, "-"), t.function.strict) for t in chat.tools}
+    if mode == "named":
+        schema, strict = schemas[chat.tool_choice.function]
+        return ToolUse("named", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False), strict=strict))
+    if mode == "required":
+        schema = tool_calls.required_schema([(name, s) for name, (s, _) in schemas.items()], parallel)
+        return ToolUse("required", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False),
+                                                  strict=all(strict for _, strict in schemas.values())))
+    fmt = parser or tool_calls.detect_parser(template_source(model_templates, chat.chat_template))
+    if fmt is None:
+        raise InvalidRequest(f"{field}.tool_choice: auto (the default with tools) needs a tool-call parser, and the "
+                             "chat template writes no tool-call markup this server reads (hermes <tool_call>, "
+                             "llama3_json <|python_tag|>, mistral [TOOL_CALLS]); start the scheduler with "
+                             "--tool-call-parser, or send tool_choice required or a named function (the grammar "
+                             "then writes the calls)")
+    return ToolUse(fmt)
 
 
 def _template_kwargs(text: str, field: str) -> dict:
@@ -180,14 +295,15 @@ def check_chat(chat: api.Chat, field: str, limit: int, model_templates=None,
         raise NoChatTemplate(f"{field}: the model has no chat template (no chat_template in its "
                              "tokenizer_config.json); send text or token_ids, or a chat_template")
     return ChatPrompt(messages, generation_prompt, chat.continue_final_message, template,
-                      _template_kwargs(chat.chat_template_kwargs, f"{field}.chat_template_kwargs"))
+                      _template_kwargs(chat.chat_template_kwargs, f"{field}.chat_template_kwargs"),
+                      _tools(chat, field))
 
 
 def render(tokenizer, prompt: ChatPrompt, field: str) -> str:
     """The prompt text ``tokenizer``'s apply_chat_template renders (transformers' arguments; the scheduler's
     FastTokenizer takes the same); a template's error (its raise_exception, or any other) is the request's."""
     try:
-        return tokenizer.apply_chat_template(prompt.messages, tokenize=False,
+        return tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, tokenize=False,
                                              add_generation_prompt=prompt.add_generation_prompt,
                                              continue_final_message=prompt.continue_final_message,
                                              chat_template=prompt.template, **prompt.kwargs)

@@ -27,12 +27,20 @@ MAX_CHOICES = 1024
 CHECK_TIMEOUT_S = 120.0  # the RPC's own deadline (the executor answers within its compile timeout)
 
 
-def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: Iterable[int]) -> pb.Constraint | None:
+def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: Iterable[int],
+                     tools: api.Constraint | None = None, tools_field: str = "") -> pb.Constraint | None:
     """The executor's form of the request's constraint (None: unconstrained), checked as far as the scheduler can
-    without a grammar library; InvalidRequest naming the field otherwise."""
-    if not p.HasField("constraint"):
+    without a grammar library; InvalidRequest naming the field otherwise. ``tools``: the constraint a tool choice
+    makes (``tools_field`` names it), which the request may not add its own to."""
+    if tools is not None:
+        if p.HasField("constraint"):
+            raise InvalidRequest(f"{FIELD}: cannot be set with {tools_field} (the tool calls are the output's "
+                                 "constraint)")
+        c = tools
+    elif not p.HasField("constraint"):
         return None
-    c = p.constraint
+    else:
+        c = p.constraint
     kind = c.WhichOneof("kind")
     if kind is None:
         raise InvalidRequest(f"{FIELD}: set one of json_schema, json_object, regex, choice or grammar")
@@ -66,9 +74,10 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
     return out
 
 
-async def compile_on_executors(clients: list, constraint: pb.Constraint | None) -> None:
+async def compile_on_executors(clients: list, constraint: pb.Constraint | None, source: str = "") -> None:
     """Has every executor that takes work compile ``constraint`` (``clients``: their ExecutorClients), at once;
-    InvalidRequest with the first refusal. An executor that cannot be asked (down, or older than the RPC) is
+    InvalidRequest with the first refusal (``source``: the field the constraint came from, when not
+    sampling.constraint, named before it). An executor that cannot be asked (down, or older than the RPC) is
     skipped: it compiles the constraint when a plan brings it."""
     if constraint is None or not clients:
         return
@@ -77,6 +86,6 @@ async def compile_on_executors(clients: list, constraint: pb.Constraint | None) 
     answers = await asyncio.gather(*calls, return_exceptions=True)
     for answer in answers:
         if isinstance(answer, pb.CheckConstraintResponse) and answer.error:
-            raise InvalidRequest(answer.error)
+            raise InvalidRequest(f"{source}: {answer.error}" if source else answer.error)
         if isinstance(answer, BaseException) and not isinstance(answer, grpc.aio.AioRpcError):
             raise answer

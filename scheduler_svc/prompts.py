@@ -42,9 +42,11 @@ class Prompts:
     """Tokenizing and chat templates, off the event loop (other streams keep streaming) and one at a time: a fast
     tokenizer is not safe to call from several threads at once, and each input is bounded before it gets there."""
 
-    def __init__(self, tokenizer, limits: Limits, trust_request_templates: bool = False) -> None:
+    def __init__(self, tokenizer, limits: Limits, trust_request_templates: bool = False,
+                 tool_call_parser: str = "") -> None:
         self.tokenizer, self.limits = tokenizer, limits
         self.trust_request_templates = trust_request_templates  # --trust-request-chat-template
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser ("": the template's markup says)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -75,6 +77,14 @@ class Prompts:
             ids = self._ids(chats.render(self.tokenizer, prompt, field), adds_special_tokens("chat"))
             return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
         return await self.run(render)
+
+    def tool_use(self, request: api.GenerateRequest) -> chats.ToolUse:
+        """How a Generate request's output is read into tool calls, and its constraint (a chat with tools; its
+        prompt checked first: ``ids``)."""
+        if request.WhichOneof("prompt") != "chat":
+            return chats.ToolUse()
+        return chats.tool_use(request.chat, "prompt.chat", getattr(self.tokenizer, "chat_template", None),
+                              self.tool_call_parser)
 
     async def ids(self, request: api.GenerateRequest) -> list[int]:
         """A Generate request's prompt as token ids, only its last truncate_prompt_tokens when that is set."""

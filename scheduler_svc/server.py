@@ -195,7 +195,8 @@ async def serve(args) -> None:
     server = grpc_common.new_server(max_receive_bytes=max_request, interceptors=[DecodeGuard(undecodable)])
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts,
                                 queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total),
-                                trust_request_templates=args.trust_request_chat_template)
+                                trust_request_templates=args.trust_request_chat_template,
+                                tool_call_parser=args.tool_call_parser)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port, credentials)

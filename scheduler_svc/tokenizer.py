@@ -28,8 +28,8 @@ transformers patches.
 Chat templates are rendered with jinja2 directly, in the environment transformers' ``apply_chat_template`` builds:
 sandboxed and immutable, ``trim_blocks`` and ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
 characters, ``raise_exception``, ``strftime_now``, ``dict()`` and ``namespace()`` that refuse underscore names,
-and ``{% generation %}`` blocks rendered as their content. The template sees ``messages``, ``tools`` and
-``documents`` (None), ``add_generation_prompt``, the named special tokens as strings and the caller's keyword
+and ``{% generation %}`` blocks rendered as their content. The template sees ``messages``, ``tools`` (the request's,
+else None), ``documents`` (None), ``add_generation_prompt``, the named special tokens as strings and the caller's keyword
 arguments (a request's chat_template_kwargs), which win over the special tokens. Only plain JSON data reaches it
 (chat.check_chat builds the messages), so transformers' conversion of rich message objects has nothing to do;
 ``continue_final_message`` is transformers 5's (a tag after the last content, cut off after rendering). Compiled
@@ -175,13 +175,13 @@ class FastTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
-                            continue_final_message: bool = False, chat_template: str | None = None,
-                            **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, tokenize: bool = False,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs) -> str:
         """The rendered prompt text (``tokenize=False`` only: the caller encodes it without special tokens), as
-        transformers 5 renders it: ``chat_template`` is a template, or the name of one of the checkpoint's; ``kwargs``
-        are the template's variables (over the special tokens'); ``continue_final_message`` ends the text where the
-        last message's content ends."""
+        transformers 5 renders it: ``tools``: the template's tools variable (dicts, as given); ``chat_template`` is a
+        template, or the name of one of the checkpoint's; ``kwargs`` are the template's variables (over the special
+        tokens'); ``continue_final_message`` ends the text where the last message's content ends."""
         if tokenize:
             raise ValueError("FastTokenizer.apply_chat_template renders text only (tokenize=False)")
         template = self._template_for(chat_template)
@@ -202,7 +202,7 @@ class FastTokenizer:
                 raise ValueError('continue_final_message is set to "content" but this is not an accepted field in '
                                  "the chat_template")
             chat[-1] = {**chat[-1], "content": final + CONTINUE_TAG}
-        text = template[1].render(messages=chat, tools=None, documents=None,
+        text = template[1].render(messages=chat, tools=tools, documents=None,
                                   add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
         if final is not None:
             if final.strip() not in text or CONTINUE_TAG.strip() not in text:

@@ -1,8 +1,9 @@
 """An OpenAI chat body's conversation -> ``api.Chat``, as pure functions (``chat_of``): the messages (role, content,
-name, tool_calls, tool_call_id) and vLLM's template extensions (add_generation_prompt, continue_final_message,
-chat_template, chat_template_kwargs). Types are checked here (a 400 naming the field); sizes, roles, who may carry
-tool calls, and the template's bounds are the scheduler's to check (scheduler_svc/chat.py), and its refusal names the
-field too. /v1/chat/completions and /tokenize both read a conversation this way."""
+name, tool_calls, tool_call_id), vLLM's template extensions (add_generation_prompt, continue_final_message,
+chat_template, chat_template_kwargs), and tools, tool_choice and parallel_tool_calls. Types are checked here (a 400
+naming the field); sizes, roles, who may carry tool calls, tools' names and schemas, and the template's bounds are the
+scheduler's to check (scheduler_svc/chat.py), and its refusal names the field too. /v1/chat/completions and /tokenize
+both read a conversation this way."""
 
 from __future__ import annotations
 
@@ -75,9 +76,59 @@ def _message(m, i: int) -> api.ChatMessage:
     return msg
 
 
+def _tool(tool, where: str) -> api.Tool:
+    """One of the request's tools, OpenAI's shape: {type: "function", function: {name, description, parameters,
+    strict}}; parameters as an object (or its JSON text)."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        raise bad(where, "must be an object {type: \"function\", function: {name, description, parameters}}")
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}.function.name", "required: the function's name")
+    parameters = function.get("parameters")
+    if isinstance(parameters, Mapping):
+        parameters = json.dumps(parameters, ensure_ascii=False)
+    elif parameters is not None and not isinstance(parameters, str):
+        raise bad(f"{where}.function.parameters", "must be a JSON Schema object")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad(f"{where}.function.strict", f"{strict!r} is not a boolean")
+    return api.Tool(type=_string(tool, "type", where), function=api.FunctionDefinition(
+        name=name, description=_string(function, "description", f"{where}.function"), parameters=parameters or "",
+        strict=bool(strict)))
+
+
+def _tool_choice(value) -> api.ToolChoice:
+    """OpenAI's tool_choice: "none" | "auto" | "required" | {type: "function", function: {name}}."""
+    if isinstance(value, str):
+        return api.ToolChoice(mode=value)
+    if isinstance(value, Mapping) and isinstance(value.get("function"), Mapping):
+        name = value["function"].get("name")
+        if isinstance(name, str) and name:
+            return api.ToolChoice(function=name)
+    raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+
+def tools_of(body: Mapping, chat: api.Chat) -> None:
+    """tools, tool_choice and parallel_tool_calls into ``chat`` (the scheduler checks names, schemas and the
+    choice against the tools)."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools", "must be a list of tools")
+        chat.tools.extend(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+    if body.get("tool_choice") is not None:
+        chat.tool_choice.CopyFrom(_tool_choice(body["tool_choice"]))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise bad("parallel_tool_calls", f"{parallel!r} is not a boolean")
+        chat.parallel_tool_calls = parallel
+
+
 def chat_of(body: Mapping) -> api.Chat:
     """The body's conversation and its template options (vLLM's: add_generation_prompt, default true;
-    continue_final_message; chat_template; chat_template_kwargs, an object)."""
+    continue_final_message; chat_template; chat_template_kwargs, an object), and its tools."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "required: a non-empty list of {role, content}")
@@ -98,4 +149,5 @@ def chat_of(body: Mapping) -> api.Chat:
         if not isinstance(kwargs, Mapping):
             raise bad("chat_template_kwargs", "must be an object (its keys are the template's variables)")
         chat.chat_template_kwargs = json.dumps(kwargs, ensure_ascii=False) if kwargs else ""
+    tools_of(body, chat)
     return chat

@@ -83,7 +83,8 @@ _PROTO_PARAMS = {"prompt": "prompt", "text": "prompt", "token_ids": "prompt", "c
                  "request_id": "x-request-id"}
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
 # A chat request's own fields (the scheduler's prompt.chat.<name>), named as they are in OpenAI's body
-_CHAT_PARAMS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
+_CHAT_PARAMS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                "tool_choice", "parallel_tool_calls")
 
 
 def param_of(details: str, chat: bool) -> str | None:

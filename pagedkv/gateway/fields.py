@@ -58,7 +58,7 @@ def _ignored(name: str, where: str, example: object, note: str = "") -> Field:
 _NO_SAMPLER = "not implemented by the executor's sampler"
 _STRUCTURED = "sampling.constraint (structured.py)"
 _NOT_TO_TEMPLATE = "not passed to the chat template (chat_template_kwargs can carry it)"
-_NO_TOOLS = "tools (their schemas for the template, calls parsed from the output) are not implemented"
+_LEGACY_FUNCTIONS = "OpenAI's deprecated function calling: send tools and tool_choice"
 
 FIELDS: tuple[Field, ...] = (
     # -- honoured: where each goes (GenerateRequest fields; plan: the answer's shape) --
@@ -110,6 +110,11 @@ FIELDS: tuple[Field, ...] = (
     _honoured("guided_regex", BOTH, "a+", f"{_STRUCTURED}: regex"),
     _honoured("guided_choice", BOTH, ["yes", "no"], f"{_STRUCTURED}: choice"),
     _honoured("guided_grammar", BOTH, "root ::= \"a\"", f"{_STRUCTURED}: grammar (xgrammar's EBNF)"),
+    _honoured("tools", CHAT, [{"type": "function", "function": {"name": "f"}}],
+              "chat.tools (the template's tools; calls read from the output: pagedkv/tool_calls.py)"),
+    _honoured("tool_choice", CHAT, "required", "chat.tool_choice (required and named: the grammar writes the calls; "
+              "auto: --tool-call-parser or the template's markup; none: text)"),
+    _honoured("parallel_tool_calls", CHAT, False, "chat.parallel_tool_calls (false: one call at most)"),
     # -- refused unless at their defaults --
     _refused("logits_processors", BOTH, ["a.b"], ([],), _NO_SAMPLER),
     _refused("echo", CHAT, True, (False,), "vLLM's chat echo (the last message's content first) is not implemented"),
@@ -121,10 +126,8 @@ FIELDS: tuple[Field, ...] = (
     _refused("guided_decoding_backend", BOTH, "outlines", ("xgrammar", "auto"), "structured outputs use xgrammar"),
     _refused("guided_whitespace_pattern", BOTH, " ", (), "JSON is written compact (no whitespace pattern)"),
     _refused("structural_tag", BOTH, "{}", (), "structural tags are not implemented"),
-    _refused("tools", CHAT, [{"type": "function"}], ([],), _NO_TOOLS),
-    _refused("tool_choice", CHAT, "auto", ("none",), _NO_TOOLS),
-    _refused("functions", CHAT, [{"name": "f"}], ([],), _NO_TOOLS),
-    _refused("function_call", CHAT, "auto", ("none",), _NO_TOOLS),
+    _refused("functions", CHAT, [{"name": "f"}], ([],), _LEGACY_FUNCTIONS),
+    _refused("function_call", CHAT, "auto", ("none",), _LEGACY_FUNCTIONS),
     _refused("add_special_tokens", COMPLETIONS, False, (True,), "a text prompt is tokenized with BOS"),
     _refused("add_special_tokens", CHAT, True, (False,), "the chat template places the special tokens"),
     _refused("skip_special_tokens", BOTH, False, (True,), "the text skips special tokens"),
@@ -149,7 +152,6 @@ FIELDS: tuple[Field, ...] = (
     _ignored("metadata", CHAT, {"k": "v"}),
     _ignored("store", CHAT, True),
     _ignored("service_tier", CHAT, "default"),
-    _ignored("parallel_tool_calls", CHAT, False, "tools are refused"),
     _ignored("prompt_cache_key", CHAT, "k", "the prefix cache is automatic"),
     _ignored("prompt_cache_retention", CHAT, "24h", "the prefix cache is automatic"),
     _ignored("prompt_cache_options", CHAT, {}, "the prefix cache is automatic"),

@@ -5,7 +5,8 @@ an ApiError naming the field), and their prompts are checked against the schedul
 Translation (OpenAI field -> GenerateRequest):
   prompt (str | [str, ...] | [int, ...] | [[int, ...], ...]) -> text / token_ids, one request per prompt
   messages -> chat (chat_requests.py; the scheduler renders the chat template), with add_generation_prompt,
-  continue_final_message, chat_template and chat_template_kwargs
+  continue_final_message, chat_template and chat_template_kwargs; tools, tool_choice, parallel_tool_calls -> chat
+  (the answer's tool calls read by pagedkv.tool_calls, in the format the scheduler names)
   max_tokens | max_completion_tokens -> sampling.max_tokens (completions default 16, as OpenAI; chat: none)
   temperature, top_p, top_k, seed, stop, n -> sampling.*; temperature, top_p, top_k, repetition_penalty and min_p
   unset -> the model's defaults (generation_config.json, else OpenAI's and vLLM's: temperature 1)
@@ -132,6 +133,8 @@ class Plan:
     echo: bool = False  # completions: the prompt before each choice's text
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in each chunk
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens token_id:N
+    tool_function: str = ""  # tool_choice's named function (its calls' name in the named format)
+    parallel_tool_calls: bool = True  # false: one tool call at most
 
     @property
     def names_tokens(self) -> bool:
@@ -324,11 +327,18 @@ def parse_chat(body: Mapping, request_id: str) -> Plan:
     model, stream, (include_usage, continuous), user = _model_and_stream(body)
     chat = chat_of(body)
     sampling, ext = _common(body, chat=True)
+    forced = chat.tool_choice.function or chat.tool_choice.mode == "required"
+    if chat.tools and forced and sampling.HasField("constraint"):
+        raise bad("tool_choice", f"{body['tool_choice'] if chat.tool_choice.mode else 'a named function'}: the "
+                  "tool calls are the output's constraint; response_format (or structured_outputs, guided_*) cannot "
+                  "be set beside it")
     req = api.GenerateRequest(chat=chat, sampling=sampling, request_id=request_id, priority=ext["priority"],
                               page_budget=ext["page_budget"], truncate_prompt_tokens=ext["truncate_prompt_tokens"])
     return Plan(True, model, [req], sampling.n or 1, stream, include_usage, ext["logprobs"], user, screened,
                 top_logprobs=ext["top_logprobs"], prompt_logprobs=ext["prompt_logprobs"],
-                continuous_usage=continuous, tokens_as_ids=ext["tokens_as_ids"])
+                continuous_usage=continuous, tokens_as_ids=ext["tokens_as_ids"],
+                tool_function=chat.tool_choice.function,
+                parallel_tool_calls=chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True)
 
 
 # ---- sizes -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedkv import tool_calls
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import logprobs as lp
 from pagedkv.gateway.openai_requests import Plan
@@ -28,6 +29,7 @@ class Choice:
     cached_tokens: int = 0
     streamed_chars: int = 0  # characters of text streamed so far (the next chunk's text_offset)
     echoed: bool = False  # its prompt went out (streaming with echo)
+    tools: tool_calls.ToolCallStream | None = None  # its text read into tool calls as it streams (a tool format)
 
     def add(self, msg: api.GenerateResponse) -> None:
         self.text += msg.text
@@ -73,6 +75,23 @@ def choice_usage(prompt: api.Prompt, choice: Choice) -> dict:
             "total_tokens": prompt.num_tokens + len(choice.token_ids)}
 
 
+def tool_finish(finish_reason: str | None, called: bool) -> str | None:
+    """A choice that called tools and stopped by itself finishes with "tool_calls" (OpenAI's); cut short, with
+    "length"."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def chat_message(plan: Plan, c: Choice, fmt: str) -> tuple[dict, str | None]:
+    """A non-streamed chat choice's message and finish reason: its text, or read into tool calls (``fmt``: the
+    scheduler's tool_call_format) with what is not a call as content (null when there is none)."""
+    if not fmt:
+        return {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}, c.finish_reason
+    out = tool_calls.extract(fmt, c.text, True, plan.tool_function, plan.parallel_tool_calls)
+    message = {"role": "assistant", "content": out.content or (None if out.calls else ""), "refusal": None,
+               "tool_calls": tool_calls.message_calls(out.calls)}
+    return message, tool_finish(c.finish_reason, bool(out.calls))
+
+
 def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[Choice],
                   prompts: Sequence[api.Prompt] = ()) -> dict:
     """The non-streamed answer (``prompts``: one per prompt, for echo and prompt_logprobs)."""
@@ -82,9 +101,8 @@ def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[
         echo = prompt if plan.echo else None
         logprobs = logprobs_body(plan, c.token_ids, c.logprobs, c.top_logprobs, echo)
         if plan.chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None,
-                                                 "tool_calls": []},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+            message, finish = chat_message(plan, c, prompt.tool_call_format)
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             continue
         out.append({"index": i, "text": (prompt.text if echo else "") + c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason})
@@ -102,13 +120,15 @@ def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[
 def chunk_body(plan: Plan, rid: str, created: int, model: str, index: int, text: str | None,
                token_ids=(), logprobs=(), finish_reason: str | None = None, role: bool = False,
                tops: Sequence[api.TopLogprobs] = (), echo: api.Prompt | None = None, offset: int = 0,
-               usage: dict | None = None) -> dict:
+               usage: dict | None = None, tool_call_deltas: list[dict] | None = None) -> dict:
     """One SSE chunk for one choice; ``echo``: the prompt, on the choice's first chunk (completions: its text before
     ``text``, its tokens before ``token_ids``); ``offset``: the text streamed before (text_offset); ``usage``: with
-    continuous usage stats."""
+    continuous usage stats; ``tool_call_deltas``: chat's tool_calls deltas (ToolCallStream's)."""
     shown = logprobs_body(plan, token_ids, logprobs, tops, echo, offset) if token_ids or echo is not None else None
     if plan.chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if tool_call_deltas:
+            delta["tool_calls"] = tool_call_deltas
         choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
     else:
         text = (echo.text if echo is not None else "") + (text or "")

@@ -18,6 +18,7 @@ from pagedkv.gateway.errors import ApiError, from_grpc
 from pagedkv.gateway.fields import IGNORED_FIELDS_HEADER, ignored_header
 from pagedkv.gateway.metrics import DISCONNECTS, IN_FLIGHT, RELAY, TTFT
 from pagedkv.gateway.openai_requests import Plan
+from pagedkv.tool_calls import ToolCallStream
 
 Event = tuple[int, "api.GenerateResponse | grpc.aio.AioRpcError | None"]  # (prompt index, message | error | end)
 
@@ -189,15 +190,22 @@ class Generation(Response):
             choice = self.choices[index]
             finish = choice.finish_reason if item.finish_reason else None
             echo = self.prompts[i] if plan.echo and not choice.echoed and (item.token_ids or finish) else None
-            if not (item.text or finish or echo or (plan.logprobs and item.token_ids)):
+            text, calls = item.text, None
+            fmt = self.prompts[i].tool_call_format if plan.chat else ""
+            if fmt:  # (its text read into tool calls as it comes: content and tool_calls deltas)
+                if choice.tools is None:
+                    choice.tools = ToolCallStream(fmt, plan.tool_function, plan.parallel_tool_calls)
+                text, calls = choice.tools.feed(item.text, final=finish is not None)
+                finish = answers.tool_finish(finish, choice.tools.called)
+            if not (text or calls or finish or echo or (plan.logprobs and item.token_ids)):
                 continue  # text may be held back (a stop string may start there, a character is not complete)
             if item.token_ids and not self.streamed_a_token:
                 self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
-            chunk = answers.chunk_body(plan, self.rid, created, self.model, index, item.text, item.token_ids,
+            chunk = answers.chunk_body(plan, self.rid, created, self.model, index, text, item.token_ids,
                                        item.logprobs, finish, tops=item.top_logprobs, echo=echo,
                                        offset=choice.streamed_chars, usage=answers.choice_usage(self.prompts[i], choice)
-                                       if plan.continuous_usage else None)
+                                       if plan.continuous_usage else None, tool_call_deltas=calls)
             choice.echoed = choice.echoed or echo is not None
             choice.streamed_chars += len(chunk["choices"][0].get("text", ""))
             await self._body(send, _sse(chunk))

@@ -89,6 +89,10 @@ HONOURED = {
     "logit_bias": lambda body, plan: dict(_req(plan).sampling.logit_bias),
     "allowed_token_ids": lambda body, plan: list(_req(plan).sampling.allowed_token_ids),
     "bad_words": lambda body, plan: list(_req(plan).sampling.bad_words),
+    "tools": lambda body, plan: [t.function.name for t in _req(plan).chat.tools],
+    "tool_choice": lambda body, plan: _req(plan).chat.tool_choice.mode,
+    "parallel_tool_calls": lambda body, plan: (_req(plan).chat.HasField("parallel_tool_calls"),
+                                               plan.parallel_tool_calls),
     **{name: lambda body, plan: _req(plan).sampling.constraint.WhichOneof("kind")
        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                     "guided_grammar")},
@@ -113,7 +117,10 @@ def test_the_table_names_each_field_once_per_endpoint_and_every_honoured_field_h
     assert {f.name for f in fields.FIELDS if f.kind == fields.HONOURED} == set(HONOURED)
 
 
-NEEDS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a field needs beside it
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+# what a field needs beside it
+NEEDS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}, "tool_choice": {"tools": TOOLS},
+         "parallel_tool_calls": {"tools": TOOLS}}
 
 
 @pytest.mark.parametrize("field, chat", _cases(fields.HONOURED))
