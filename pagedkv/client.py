@@ -281,13 +281,16 @@ class Client:
                       prompt_logprobs: int | None = None, echo: bool = False,
                       chat_template: str = "", chat_template_kwargs: Mapping[str, Any] | None = None,
                       continue_final_message: bool = False, truncate_prompt_tokens: int = 0,
-                      constraint: api.Constraint | None = None) -> api.GenerateRequest:
+                      constraint: api.Constraint | None = None, tools: Sequence[Mapping[str, Any]] = (),
+                      tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
+                      ) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
         ``chat_template``; chat_of says what a message may hold).
         temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
         generation_config.json, else OpenAI's and vLLM's: temperature 1, sampled; ModelInfo's sampling_defaults
         shows them); temperature 0 is greedy. The logits controls, top_logprobs, prompt_logprobs (None: none) and
-        echo: api.proto's SamplingParams; ``constraint``: structured outputs (api.proto's Constraint)."""
+        echo: api.proto's SamplingParams; ``constraint``: structured outputs (api.proto's Constraint); ``tools``,
+        ``tool_choice`` and ``parallel_tool_calls``: a chat's tools (chat_request.chat_of)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
@@ -309,7 +312,8 @@ class Client:
         if messages is not None:
             req.chat.CopyFrom(chat_of(messages, add_generation_prompt, chat_template=chat_template,
                                       chat_template_kwargs=chat_template_kwargs,
-                                      continue_final_message=continue_final_message))
+                                      continue_final_message=continue_final_message, tools=tools,
+                                      tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls))
         elif isinstance(prompt, str):
             req.text = prompt
         else:

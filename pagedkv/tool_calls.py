@@ -51,10 +51,10 @@ def detect_parser(template: str | None) -> str | None:
 
 def required_schema(tools: list[tuple[str, dict]], parallel: bool = True) -> dict:
     """The JSON Schema of tool_choice required's output: an array of 1 (to 1 without ``parallel``) objects, each
-    ``{"name": <one tool>, "parameters": <its schema>}``, name first (so that a stream knows the name before its
-    arguments)."""
+    ``{"name": <one tool>, "parameters": <its schema>}`` and nothing else, name first (so that a stream knows the
+    name before its arguments)."""
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-              "required": ["name", "parameters"]} for name, params in tools]
+              "required": ["name", "parameters"], "additionalProperties": False} for name, params in tools]
     schema: dict = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1

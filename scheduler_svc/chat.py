@@ -147,9 +147,10 @@ def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
 
 
 def _parameters(text: str, where: str) -> dict:
-    """A tool's parameters schema (JSON text) as an object; none: an object with no properties."""
+    """A tool's parameters schema (JSON text) as an object; none: an object with no properties (a function that
+    takes no arguments)."""
     if not text:
-        return {"type": "object", "properties": {}}
+        return {"type": "object", "properties": {}, "additionalProperties": False}
     if nests_deeper_than(text.encode("utf-8", "surrogatepass"), MAX_SCHEMA_DEPTH):
         raise InvalidRequest(f"{where}: JSON nested more than {MAX_SCHEMA_DEPTH} levels deep; at most "
                              f"{MAX_SCHEMA_DEPTH}")
@@ -217,7 +218,7 @@ def template_source(model_templates, requested: str) -> str | None:
 
 def tool_use(chat: api.Chat, field: str, model_templates=None, parser: str = "") -> ToolUse:
     """The request's ToolUse (check_chat has checked its tools): none without tools or with tool_choice none; a
-    named or required choice constrains the output (the named tool's parameters; required_schema); auto reads it
+    named or required choice constrains the output, strict (the named tool's parameters; required_schema); auto reads it
     with ``parser`` (--tool-call-parser), else the one the template's markup names, and is refused without one."""
     if not chat.tools:
         return ToolUse()
@@ -226,14 +227,15 @@ def tool_use(chat: api.Chat, field: str, model_templates=None, parser: str = "")
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
     if mode == "none":
         return ToolUse()
-    schemas = {t.function.name: (_parameters(t.function.parameters, "-"), t.function.strict) for t in chat.tools}
+    # (strict, whatever the tool's strict says: no property its schema does not name, as vLLM's xgrammar writes a
+    # tool's arguments; a model would otherwise go on adding properties)
+    schemas = {t.function.name: _parameters(t.function.parameters, "-") for t in chat.tools}
     if mode == "named":
-        schema, strict = schemas[chat.tool_choice.function]
-        return ToolUse("named", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False), strict=strict))
+        schema = schemas[chat.tool_choice.function]
+        return ToolUse("named", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False), strict=True))
     if mode == "required":
-        schema = tool_calls.required_schema([(name, s) for name, (s, _) in schemas.items()], parallel)
-        return ToolUse("required", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False),
-                                                  strict=all(strict for _, strict in schemas.values())))
+        schema = tool_calls.required_schema(list(schemas.items()), parallel)
+        return ToolUse("required", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False), strict=True))
     fmt = parser or tool_calls.detect_parser(template_source(model_templates, chat.chat_template))
     if fmt is None:
         raise InvalidRequest(f"{field}.tool_choice: auto (the default with tools) needs a tool-call parser, and the "

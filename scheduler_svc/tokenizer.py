@@ -27,9 +27,9 @@ transformers patches.
 
 Chat templates are rendered with jinja2 directly, in the environment transformers' ``apply_chat_template`` builds:
 sandboxed and immutable, ``trim_blocks`` and ``lstrip_blocks``, loop controls, a ``tojson`` that keeps non-ASCII
-characters, ``raise_exception``, ``strftime_now``, ``dict()`` and ``namespace()`` that refuse underscore names,
-and ``{% generation %}`` blocks rendered as their content. The template sees ``messages``, ``tools`` (the request's,
-else None), ``documents`` (None), ``add_generation_prompt``, the named special tokens as strings and the caller's keyword
+characters, ``raise_exception``, ``strftime_now``, ``dict()`` and ``namespace()`` that refuse underscore names, and
+``{% generation %}`` blocks rendered as their content. The template sees ``messages``, ``tools`` (the request's, else
+None), ``documents`` (None), ``add_generation_prompt``, the named special tokens as strings and the caller's keyword
 arguments (a request's chat_template_kwargs), which win over the special tokens. Only plain JSON data reaches it
 (chat.check_chat builds the messages), so transformers' conversion of rich message objects has nothing to do;
 ``continue_final_message`` is transformers 5's (a tag after the last content, cut off after rendering). Compiled

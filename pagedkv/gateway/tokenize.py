@@ -3,7 +3,7 @@
 
   POST /tokenize    {"model"?, "prompt", "add_special_tokens"?, "return_token_strs"?}
                     or {"model"?, "messages", "add_generation_prompt"?, "continue_final_message"?, "chat_template"?,
-                        "chat_template_kwargs"?, "return_token_strs"?}
+                        "chat_template_kwargs"?, "tools"?, "return_token_strs"?}
                     -> {"count", "max_model_len", "tokens", "token_strs"}
   POST /detokenize  {"model"?, "tokens": [ids]} -> {"prompt"}
 
@@ -57,8 +57,6 @@ def tokenize_request(body, limits: RequestLimits) -> tuple[str | None, api.Token
     body = _object(body)
     model = _model(body)
     strs = bool(_flag(body, "return_token_strs"))
-    if body.get("tools"):
-        raise bad("tools", "tool schemas are not passed to the chat template (not implemented); leave it out")
     special = _flag(body, "add_special_tokens")
     if "messages" in body:
         if "prompt" in body:

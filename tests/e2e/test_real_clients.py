@@ -187,3 +187,48 @@ def test_langchain_with_structured_output_json_schema(server):
     chat = ChatOpenAI(base_url=server.base, api_key="x", model=MODEL, temperature=0, max_tokens=120)
     got = chat.with_structured_output(Capital, method="json_schema").invoke("What is the capital of France?")
     assert isinstance(got, Capital) and got.city and got.country
+
+
+def test_langchain_with_structured_output_function_calling_and_json_mode(server):
+    """``method="function_calling"`` binds the model as a tool with a named tool_choice: the grammar writes its
+    arguments, which parse into the model; ``method="json_mode"`` sends response_format json_object: the answer is a
+    JSON object."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        """The capital of a country."""
+
+        city: str = Field(max_length=40)
+        population_millions: int = Field(ge=0, le=10000)
+
+    chat = ChatOpenAI(base_url=server.base, api_key="x", model=MODEL, temperature=0, max_tokens=120)
+    got = chat.with_structured_output(Capital, method="function_calling").invoke("What is the capital of France?")
+    assert isinstance(got, Capital) and got.city
+    schema = {"title": "capital", "type": "object", "properties": {"city": {"type": "string"}}}
+    got = chat.with_structured_output(schema, method="json_mode").invoke(
+        "Answer in JSON with the key city: what is the capital of France?")
+    assert isinstance(got, dict)
+
+
+def test_langchain_bind_tools_and_a_tool_result_round_trip(server):
+    """``bind_tools`` with tool_choice "any" (OpenAI's required) and one call at most: the AIMessage carries a call with
+    arguments of its schema; the tool's result goes back as a ToolMessage and the model answers in text."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather forecast for a city, for 1 to 7 days."""
+        return f"sunny in {city} for {days} days"
+
+    chat = ChatOpenAI(base_url=server.base, api_key="x", model=MODEL, temperature=0, max_tokens=80)
+    question = HumanMessage("What will the weather be in Paris for the next 2 days?")
+    called = chat.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=False).invoke([question])
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    assert isinstance(call["args"]["days"], int) and called.response_metadata["finish_reason"] == "tool_calls"
+    result = ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
+    answer = chat.invoke([question, called, result])
+    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls

@@ -210,3 +210,18 @@ def test_openai_sdk_parse_with_a_pydantic_model(real_gateway):
         {"role": "user", "content": "Alice is 31 years old."}], response_format=Person, max_tokens=60, temperature=0)
     person = completion.choices[0].message.parsed
     assert isinstance(person, Person) and completion.choices[0].finish_reason == "stop"
+
+
+def test_real_model_required_tool_call_parses(real_gateway):
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}
+    answer = real_gateway.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
+        tool_choice="required", max_tokens=80, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), weather)

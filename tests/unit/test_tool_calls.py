@@ -153,7 +153,8 @@ def test_tools_reach_the_template_as_transformers_passes_them():
     prompt = _checked(_chat(tools=[("weather", WEATHER), ("now", None)]))
     assert prompt.tools == [
         {"type": "function", "function": {"name": "weather", "parameters": WEATHER, "description": "the weather"}},
-        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}},
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                        "additionalProperties": False},
                                           "description": "the now"}}]
     assert _checked(_chat(tools=())).tools is None
 
@@ -179,9 +180,10 @@ def test_bad_tools_are_refused_naming_the_field(chat, message):
 
 def test_tool_use_constrains_forced_choices_and_finds_auto_parsers():
     named = chats.tool_use(_chat(choice=api.ToolChoice(function="weather")), "prompt.chat")
-    assert named.fmt == "named" and json.loads(named.constraint.json_schema) == WEATHER
+    assert named.fmt == "named" and json.loads(named.constraint.json_schema) == WEATHER and named.constraint.strict
     required = chats.tool_use(_chat(choice=api.ToolChoice(mode="required"), parallel=False), "prompt.chat")
     assert required.fmt == "required" and json.loads(required.constraint.json_schema)["maxItems"] == 1
+    assert required.constraint.strict
     assert chats.tool_use(_chat(choice=api.ToolChoice(mode="none")), "prompt.chat") == chats.ToolUse()
     assert chats.tool_use(_chat(tools=()), "prompt.chat") == chats.ToolUse()
     assert chats.tool_use(_chat(), "prompt.chat", "{{ '<tool_call>' }}").fmt == "hermes"
