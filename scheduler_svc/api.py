@@ -13,7 +13,12 @@ from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from scheduler_svc import fit, metrics
 from scheduler_svc.chat import NoChatTemplate, ToolUse
 from scheduler_svc.cluster import Cluster
-from scheduler_svc.constraints import check_constraint, compile_on_executors
+from scheduler_svc.constraints import (
+    MAX_CONSTRAINT_BYTES,
+    check_constrained_requests,
+    check_constraint,
+    compile_on_executors,
+)
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.logprobs import PromptLogprobs
 from scheduler_svc.prefix_cache import tenant_root
@@ -47,7 +52,9 @@ def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[in
         id=tenant.id, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
         overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens,
-        max_queued_requests=max_queued)
+        max_queued_requests=max_queued, structured_outputs=tenant.structured_outputs,
+        max_constraint_bytes=min(tenant.max_constraint_bytes or MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_BYTES),
+        max_constrained_requests=tenant.max_constrained_requests)
     for i, snap in enumerate(snapshots):
         u = snap.tenants.get(tenant.id)
         if u is None:
@@ -169,7 +176,7 @@ class GenerationService(api_grpc.GenerationServicer):
         sampling.bad_words_ids = list(bad_words_ids or [])
         tools = tools or ToolUse()
         sampling.constraint = check_constraint(request.sampling, sampling, cluster.reference.eos_token_ids,
-                                               tools.constraint, f"prompt.chat.tool_choice ({tools.fmt})")
+                                               tools.constraint, f"prompt.chat.tool_choice ({tools.fmt})", tenant)
         if any(not 0 <= t < limits.vocab_size for w in sampling.bad_words_ids for t in w):
             raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
                                  f"{limits.vocab_size}) (the tokenizer and the model disagree)")
@@ -253,6 +260,9 @@ class GenerationService(api_grpc.GenerationServicer):
                                 "failed or draining); retry later")
         try:
             self.queue_bounds.check(tenant, *self.cluster.queued(tenant.id))
+            if req.sampling.constraint is not None and tenant.max_constrained_requests:
+                check_constrained_requests(tenant, sum(
+                    1 for (tid, _), live in self.live.items() if tid == tenant.id and live.req.sampling.constraint))
         except QueueFull as err:
             metrics.QUEUE_FULL.labels(err.bound).inc()
             self.log.info("request_refused", request_id=req.client_id, tenant=req.tenant, reason="queue_full",

@@ -18,7 +18,10 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.grpc_common import QUEUE_FULL_PREFIX
+from scheduler_svc.queue_bounds import QueueFull
 from scheduler_svc.request import Sampling
+from scheduler_svc.tenancy import Tenant
 from scheduler_svc.validation import InvalidRequest
 
 FIELD = "sampling.constraint"
@@ -28,10 +31,16 @@ CHECK_TIMEOUT_S = 120.0  # the RPC's own deadline (the executor answers within i
 
 
 def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: Iterable[int],
-                     tools: api.Constraint | None = None, tools_field: str = "") -> pb.Constraint | None:
+                     tools: api.Constraint | None = None, tools_field: str = "",
+                     tenant: Tenant | None = None) -> pb.Constraint | None:
     """The executor's form of the request's constraint (None: unconstrained), checked as far as the scheduler can
     without a grammar library; InvalidRequest naming the field otherwise. ``tools``: the constraint a tool choice
-    makes (``tools_field`` names it), which the request may not add its own to."""
+    makes (``tools_field`` names it), which the request may not add its own to; ``tenant``: its structured_outputs
+    and max_constraint_bytes apply."""
+    if tenant is not None and not tenant.structured_outputs and (tools is not None or p.HasField("constraint")):
+        what = tools_field if tools is not None else FIELD
+        raise InvalidRequest(f"{what}: tenant {tenant.id} may not constrain its outputs (its structured_outputs is "
+                             "false in the tenants file)")
     if tools is not None:
         if p.HasField("constraint"):
             raise InvalidRequest(f"{FIELD}: cannot be set with {tools_field} (the tool calls are the output's "
@@ -54,8 +63,11 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
         size = sum(len(s.encode()) for s in choices)
     else:
         size = len(getattr(c, kind).encode()) if kind != "json_object" else 0
-    if size > MAX_CONSTRAINT_BYTES:
-        raise InvalidRequest(f"{field}: {size} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    limit = min(tenant.max_constraint_bytes or MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_BYTES) if tenant else \
+        MAX_CONSTRAINT_BYTES
+    if size > limit:
+        whose = f" (tenant {tenant.id}'s max_constraint_bytes)" if limit < MAX_CONSTRAINT_BYTES else ""
+        raise InvalidRequest(f"{field}: {size} bytes; at most {limit}{whose}")
     if kind in ("regex", "grammar") and not getattr(c, kind):
         raise InvalidRequest(f"{field}: must not be empty")
     if kind == "json_object" and not c.json_object:
@@ -72,6 +84,15 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
     out = pb.Constraint.FromString(c.SerializeToString())  # (the same fields, numbered alike)
     out.end_token_ids.extend(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
     return out
+
+
+def check_constrained_requests(tenant: Tenant, open_constrained: int) -> None:
+    """QueueFull when the tenant already has its max_constrained_requests constrained requests open (each steps a
+    grammar matcher on its executor, every step): a limit that clears as they end."""
+    limit = tenant.max_constrained_requests
+    if limit and open_constrained >= limit:
+        raise QueueFull(f"{QUEUE_FULL_PREFIX}tenant {tenant.id} has {open_constrained} constrained requests open; its "
+                        f"max_constrained_requests is {limit} (retry once one has ended)", "constrained")
 
 
 async def compile_on_executors(clients: list, constraint: pb.Constraint | None, source: str = "") -> None:

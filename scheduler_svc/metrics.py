@@ -35,7 +35,8 @@ TENANT_WAITING = Gauge("pagedkv_tenant_requests_waiting", "A tenant's requests q
 TENANT_SERVICE = Gauge("pagedkv_tenant_weighted_service", "A tenant's weighted virtual token counter (VTC)",
                        ["tenant"])
 QUEUE_FULL = Counter("pagedkv_queue_full_total", "New requests refused because a queue bound was reached, by bound "
-                     "(tenant: its max_queued_requests; total: --max-queued-total)", ["bound"])
+                     "(tenant: its max_queued_requests; total: --max-queued-total; constrained: its "
+                     "max_constrained_requests)", ["bound"])
 TENANT_BUDGET_HITS = Counter("pagedkv_tenant_budget_hits_total", "Requests that reached their page budget",
                              ["tenant"])
 TENANT_FAIR_PREEMPTIONS = Counter("pagedkv_tenant_fair_share_preemptions_total",

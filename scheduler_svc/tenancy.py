@@ -18,6 +18,12 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     sliding_window = 0              # attend to the sink plus the last N tokens (0: off)
     sink_tokens = 16
     admin = false                   # true: ModelInfo shows this key the whole cluster (see below)
+    structured_outputs = true       # false: a request with a constraint (response_format, guided_*, a tool_choice
+                                    # of required or a named function) is refused
+    max_constraint_bytes = 0        # a constraint's schema, regex, grammar or choices at most (0: the server's
+                                    # 65,536 bytes; more is cut to it)
+    max_constrained_requests = 0    # its constrained requests open at once (each steps a grammar matcher on the
+                                    # executor); past it RESOURCE_EXHAUSTED "queue full: ..." (0: no limit)
 
 Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of the
 device pages of every executor that serves (up or draining) together, and a tenant capped at 4 concurrent
@@ -89,6 +95,9 @@ class Tenant:
     sliding_window: int = 0  # tokens; 0: off
     sink_tokens: int = 0
     admin: bool = False  # ModelInfo shows this tenant the cluster-wide figures and the executors
+    structured_outputs: bool = True  # may send constraints
+    max_constraint_bytes: int = 0  # a constraint's size at most; 0: the server's
+    max_constrained_requests: int = 0  # constrained requests open at once; 0: no limit
     key_hashes: tuple[bytes, ...] = field(default=(), repr=False)
     revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
 
@@ -125,7 +134,8 @@ def _hashes(values, name: str) -> tuple[bytes, ...]:
 
 
 _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
-           "max_queued_requests", "page_budget", "overflow", "sliding_window", "sink_tokens", "admin"}
+           "max_queued_requests", "page_budget", "overflow", "sliding_window", "sink_tokens", "admin",
+           "structured_outputs", "max_constraint_bytes", "max_constrained_requests"}
 
 
 def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
@@ -147,7 +157,8 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
         _unless_fitting(fit, f"{where}.reserved_pages: {reserved} is above its page_quota {quota}")
         reserved = quota
     ints = {}
-    for name in ("max_concurrent_requests", "page_budget", "sliding_window", "sink_tokens"):
+    for name in ("max_concurrent_requests", "page_budget", "sliding_window", "sink_tokens", "max_constraint_bytes",
+                 "max_constrained_requests"):
         value = raw.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
             raise InvalidTenant(f"{where}.{name}: must be an integer in [0, {MAX_INT}], got {value!r}")
@@ -158,14 +169,15 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
     overflow = raw.get("overflow", "window")
     if overflow not in OVERFLOW_POLICIES:
         raise InvalidTenant(f"{where}.overflow: {overflow!r}; must be one of {list(OVERFLOW_POLICIES)}")
-    admin = raw.get("admin", False)
-    if not isinstance(admin, bool):
-        raise InvalidTenant(f"{where}.admin: must be true or false, got {admin!r}")
+    admin, structured = raw.get("admin", False), raw.get("structured_outputs", True)
+    for name, value in (("admin", admin), ("structured_outputs", structured)):
+        if not isinstance(value, bool):
+            raise InvalidTenant(f"{where}.{name}: must be true or false, got {value!r}")
     queued = raw.get("max_queued_requests")
     if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or not 0 <= queued <= MAX_INT):
         raise InvalidTenant(f"{where}.max_queued_requests: must be an integer in [0, {MAX_INT}], got {queued!r}")
     return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
-                  admin=admin, max_queued_requests=queued,
+                  admin=admin, max_queued_requests=queued, structured_outputs=structured,
                   key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
                   revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
 

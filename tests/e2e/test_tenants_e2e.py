@@ -8,6 +8,7 @@ import random
 import grpc
 import pytest
 
+from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from scheduler_svc.tenancy import hash_key
 from tests.conftest import Server, wait_until
@@ -45,6 +46,15 @@ sink_tokens = 4
 [tenants.ops]                  # sees the cluster's figures in ModelInfo (tenants see only their own)
 keys = ["{hash_key('key-ops')}"]
 admin = true
+
+[tenants.plain]
+keys = ["{hash_key('key-plain')}"]
+structured_outputs = false
+
+[tenants.grammar]
+keys = ["{hash_key('key-grammar')}"]
+max_constraint_bytes = 100
+max_constrained_requests = 1
 """
 
 
@@ -274,3 +284,44 @@ def test_server_sliding_window_serves_contexts_longer_than_the_pool(tiny_llama_d
     assert info.max_model_len == 2048 and info.num_pages == 16
     assert len(out.token_ids) == 140 and info.tenant.peak_used_pages <= 16
     assert out.token_ids == hf_windowed_greedy(tiny_llama_dir, prompt, 140, sink=4, window=64)
+
+
+def test_structured_output_limits_of_the_tenants_file(server):
+    """structured_outputs = false refuses constraints (a tool choice's too: test_tool_calls) and nothing else;
+    max_constraint_bytes bounds a constraint's size; max_constrained_requests bounds the constrained requests open at
+    once, with the retryable "queue full" refusal, and clears when one ends; ModelInfo shows the tenant its
+    settings."""
+    async def refused(key: str, **params) -> grpc.aio.AioRpcError:
+        async with Client(server.address, api_key=key) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.complete("hello", max_tokens=4, **params)
+        return e.value
+
+    err = asyncio.run(refused("key-plain", constraint=api.Constraint(regex="a+")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("sampling.constraint: tenant "
+                                                                                       "plain may not constrain")
+    err = asyncio.run(refused("key-grammar", constraint=api.Constraint(regex="a" * 101)))
+    assert "sampling.constraint.regex: 101 bytes; at most 100 (tenant grammar's max_constraint_bytes)" in err.details()
+
+    async def limited() -> tuple[grpc.aio.AioRpcError, int]:
+        async with Client(server.address, api_key="key-grammar") as client, \
+                Client(server.address, api_key="key-grammar", resume=None) as once:
+            await once.complete("x", max_tokens=2, constraint=api.Constraint(regex="b+"))  # (compiled: kept)
+            long = client.generate("hello", max_tokens=1200, min_tokens=1200, temperature=1.0, seed=1,
+                                   constraint=api.Constraint(regex="[a-z]+"))  # (open for 1,200 steps)
+            first = await anext(long)  # (the first constrained request is open)
+            assert first.text or first.token_ids or first.HasField("prompt")
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # (``once`` does not retry a full queue)
+                await once.complete("x", max_tokens=4, constraint=api.Constraint(regex="b+"))
+            assert (await once.complete("plain", max_tokens=2)).token_ids  # (unconstrained: not counted)
+            await long.aclose()
+            # (the default client retries a full queue: it starts once the cancelled stream has left)
+            done = await client.complete("x", max_tokens=4, temperature=1.0, constraint=api.Constraint(regex="b+"))
+            info = await client.model_info()
+        return e.value, done, info.tenant
+
+    err, done, tenant = asyncio.run(limited())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details().startswith(
+        "queue full: tenant grammar has 1 constrained requests open; its max_constrained_requests is 1")
+    assert set(done.text) <= {"b"} and done.text
+    assert (tenant.structured_outputs, tenant.max_constraint_bytes, tenant.max_constrained_requests) == (True, 100, 1)

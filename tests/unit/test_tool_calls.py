@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 
 import jsonschema
 import pytest
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from pagedkv import tool_calls as tc
 from pagedkv.api.v1 import api_pb2 as api
 from scheduler_svc import chat as chats
+from scheduler_svc.constraints import check_constraint
+from scheduler_svc.tenancy import Tenant
 from scheduler_svc.validation import InvalidRequest
 
 pytestmark = pytest.mark.unit
@@ -191,3 +194,17 @@ def test_tool_use_constrains_forced_choices_and_finds_auto_parsers():
     assert chats.tool_use(_chat(), "prompt.chat", "{{ messages }}", parser="llama3_json").fmt == "llama3_json"
     with pytest.raises(InvalidRequest, match=r"^prompt.chat.tool_choice: auto \(the default with tools\) needs a "):
         chats.tool_use(_chat(), "prompt.chat", "{{ messages }}")
+
+
+def test_a_tenant_without_structured_outputs_gets_no_tool_choice_that_needs_the_grammar():
+    named = chats.tool_use(_chat(choice=api.ToolChoice(function="weather")), "prompt.chat")
+    sampling = types.SimpleNamespace(ignore_eos=False, stop_token_ids=[])
+    plain = Tenant("plain", structured_outputs=False)
+    with pytest.raises(InvalidRequest, match=r"^prompt.chat.tool_choice \(named\): tenant plain may not constrain"):
+        check_constraint(api.SamplingParams(), sampling, [2], named.constraint, "prompt.chat.tool_choice (named)",
+                         plain)
+    assert check_constraint(api.SamplingParams(), sampling, [2], None, "", plain) is None
+    small = Tenant("small", max_constraint_bytes=10)
+    with pytest.raises(InvalidRequest, match=r"json_schema: \d+ bytes; at most 10 \(tenant small's"):
+        check_constraint(api.SamplingParams(), sampling, [2], named.constraint, "prompt.chat.tool_choice (named)",
+                         small)
