@@ -58,6 +58,8 @@ def tokenize_request(body, limits: RequestLimits) -> tuple[str | None, api.Token
     model = _model(body)
     strs = bool(_flag(body, "return_token_strs"))
     special = _flag(body, "add_special_tokens")
+    if body.get("tools") is not None and "messages" not in body:
+        raise bad("tools", "only with messages (the chat template renders them); a prompt is tokenized as it is")
     if "messages" in body:
         if "prompt" in body:
             raise bad("prompt", "send prompt or messages, not both")

@@ -84,7 +84,9 @@ def test_tokenize_messages_as_chat_completions_reads_them():
     ({"messages": [{"role": "user", "content": "x" * 101}]}, 400, "messages", "at most 100 in all"),
     ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400, "add_special_tokens", "True"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, 400, "prompt", "not both"),
-    ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools", "not implemented"),
+    ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools", "only with messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools[0]",
+     "must be an object"),
     ({"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs", "not a boolean"),
     ([1, 2], 400, None, "JSON object"),
 ])
