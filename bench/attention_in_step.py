@@ -122,8 +122,9 @@ def main() -> int:
             kernel.paged_attention(*call)
             runs.append(time.perf_counter() - t)
         cold.append(min(runs))
-    print(f"alone, hot (fastest of --repeat):  {sum(hot) * 1e3:.2f} ms for {layers} calls ({statistics.median(hot) * 1e3:.3f} ms a call)")
-    print(f"alone, cold (fastest of --repeat): {sum(cold) * 1e3:.2f} ms for {layers} calls ({statistics.median(cold) * 1e3:.3f} ms a call)")
+    for name, times in (("hot", hot), ("cold", cold)):
+        print(f"alone, {name} (fastest of --repeat): {sum(times) * 1e3:.2f} ms for {layers} calls "
+              f"({statistics.median(times) * 1e3:.3f} ms a call)")
     return 0
 
 
