@@ -3,7 +3,9 @@
 // Built at run time by executor_svc/attention/cpu_kernel.py (torch.utils.cpp_extension, cached under
 // ~/.cache/pagedkv). One task per (query token, KV head), spread over torch's intra-op threads: the task
 // scores the query heads of that KV head against each visible key (read through the page table), takes
-// the softmax in fp32 and sums the values the same way. Visible keys of a query at position p of a request
+// the softmax in fp32 and sums the values the same way. In a decode step a layer's K/V come from DRAM (the
+// weights of the layers between two calls evict them), so each task prefetches the next one's rows while it
+// computes (Prefetcher; bench/NOTES.md "Session 13"). Visible keys of a query at position p of a request
 // with context table row r:
 //
 //   [lo, min(sink, p + 1))  ++  [max(lo, p + 1 - window_r), p + 1)   when the request has a window (> 0)
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_math.h"
@@ -62,6 +65,26 @@ struct Range {
   int64_t begin, end;
 };
 
+// Software prefetch of the next task's K and V rows (all its heads), a few lines at a time from the current
+// task's inner loops: in a decode step the pages come from DRAM (the layer's weights stream through the caches
+// between two calls), and the hardware prefetchers stop at every page (one 4 KiB page or less of a page's rows).
+struct Prefetcher {
+  const char* k = nullptr;  // null: nothing to fetch
+  const char* v = nullptr;
+  const int64_t* k_off = nullptr;  // row offsets in floats from k / v
+  const int64_t* v_off = nullptr;
+  int64_t rows = 0, row_lines = 0, per_call = 0, next = 0;
+
+  inline void issue() {
+    const int64_t total = 2 * rows * row_lines;
+    for (int64_t e = std::min(total, next + per_call); next < e; ++next) {
+      const int64_t row = next / row_lines, line = next % row_lines;
+      const char* base = row < rows ? k + k_off[row] * sizeof(float) : v + v_off[row - rows] * sizeof(float);
+      __builtin_prefetch(base + line * 64, 0, 3);
+    }
+  }
+};
+
 #if defined(__AVX512F__)
 #define PAGEDKV_SIMD 1
 constexpr int kLanes = 16, kRegisters = 32;
@@ -74,7 +97,7 @@ constexpr int kLanes = 8, kRegisters = 16;
 // Register-blocked inner loops for float32 pages at head_dim DIM (a multiple of the vector width: 32-256), on
 // whatever vectors -march=native gives (AVX-512: 16 lanes, 32 registers; AVX2: 8 lanes, 16 registers), written
 // with GCC's vector types. NR query rows of one KV head at a time. Scores: each key row is loaded once for the NR
-// rows (GQA: the query heads that share it), one horizontal sum per dot. Values: the NR output rows stay in
+// rows (GQA: the query heads that share it), the horizontal sums of kLanes dots done together (fold_tree). Values: the NR output rows stay in
 // registers across all keys (one FMA per vector of channels per row per key), instead of a load and a store of
 // the accumulator per key. Each row's arithmetic is the same whatever NR, so a row's result does not depend on
 // the rows beside it.
@@ -86,37 +109,64 @@ inline vfloat vload(const float* p) {
   return v;
 }
 
-inline float vsum(vfloat v) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
+// Horizontal sums of kLanes vectors at once: out[l] = the sum of v[l]'s lanes. log2(kLanes) levels; each adds
+// pairs of vectors after two shuffles, halving the lanes each original vector spreads over (~3 operations a sum
+// against ~2 x kLanes for one vector's sum alone). Each sum's order of additions is fixed (a tree over its lanes),
+// whatever the other vectors hold.
+constexpr int lo_lane(int half, int lane) {
+  const int group = lane / half, base = (group / 2) * 2 * half + lane % half;
+  return group % 2 ? kLanes + base : base;
 }
 
+template <int HALF, size_t... L>
+inline vfloat fold(vfloat a, vfloat b, std::index_sequence<L...>) {
+  return __builtin_shufflevector(a, b, lo_lane(HALF, L)...) + __builtin_shufflevector(a, b, (lo_lane(HALF, L) + HALF)...);
+}
+
+// The sum of kLanes vectors' lanes for vectors I, I + S, ... (N of them), depth first (few live registers): at
+// the root (N = kLanes, I = 0, S = 1) lane l holds vector l's sum.
+template <int N, int I, int S, typename Dot>
+inline vfloat fold_tree(const Dot& dot) {
+  if constexpr (N == 1) {
+    return dot(I);
+  } else {
+    return fold<S>(fold_tree<N / 2, I, 2 * S>(dot), fold_tree<N / 2, I + S, 2 * S>(dot),
+                   std::make_index_sequence<kLanes>{});
+  }
+}
+
+// Scores of NR query rows against the keys, kLanes keys at a time: their kLanes dot products of a row summed
+// together (fold_tree).
 template <int DIM, int NR>
 inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible, float* scores,
-                        int64_t stride) {
+                        int64_t stride, Prefetcher* pf) {
   constexpr int C = DIM / kLanes;
   vfloat qv[NR][C];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < C; ++c) qv[r][c] = vload(q + r * DIM + c * kLanes);
-  for (int64_t j = 0; j < visible; ++j) {
-    const float* key = kh + k_off[j];
-    vfloat kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = vload(key + c * kLanes);
+  for (int64_t j0 = 0; j0 < visible; j0 += kLanes) {
+    const int64_t keys = std::min<int64_t>(kLanes, visible - j0);
+    const float* key[kLanes];
+    for (int l = 0; l < kLanes; ++l) key[l] = kh + k_off[j0 + std::min<int64_t>(l, keys - 1)];  // (tail: repeats)
+    if (pf) pf->issue();
     for (int r = 0; r < NR; ++r) {
-      vfloat acc = qv[r][0] * kv[0];
-      for (int c = 1; c < C; ++c) acc += qv[r][c] * kv[c];
-      scores[r * stride + j] = vsum(acc);
+      const vfloat sums = fold_tree<kLanes, 0, 1>([&](int l) {
+        vfloat acc = qv[r][0] * vload(key[l]);
+        for (int c = 1; c < C; ++c) acc += qv[r][c] * vload(key[l] + c * kLanes);
+        return acc;
+      });
+      std::memcpy(scores + r * stride + j0, &sums, keys * sizeof(float));
     }
   }
 }
 
 template <int DIM, int NR>
 inline void values_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
-                        int64_t visible, const float* denom, float* out) {
+                        int64_t visible, const float* denom, float* out, Prefetcher* pf) {
   constexpr int C = DIM / kLanes;
   vfloat acc[NR][C] = {};
   for (int64_t j = 0; j < visible; ++j) {
+    if (pf) pf->issue();
     const float* val = vh + v_off[j];
     vfloat vv[C];
     for (int c = 0; c < C; ++c) vv[c] = vload(val + c * kLanes);
@@ -154,11 +204,11 @@ constexpr int64_t kRowBlock = kRegisters >= 32 ? std::max(1, std::min(8, kRegist
 
 template <int DIM>
 inline void scores_rows_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
-                             float* scores, int64_t rows) {
+                             float* scores, int64_t rows, Prefetcher* pf) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* qr = q + r0 * DIM;
     float* sr = scores + r0 * visible;
-#define PAGEDKV_SCORES(NR) scores_simd<DIM, NR>(qr, kh, k_off, visible, sr, visible)
+#define PAGEDKV_SCORES(NR) scores_simd<DIM, NR>(qr, kh, k_off, visible, sr, visible, pf)
     PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_SCORES)
 #undef PAGEDKV_SCORES
   }
@@ -166,16 +216,32 @@ inline void scores_rows_simd(const float* q, const float* kh, const int64_t* k_o
 
 template <int DIM>
 inline void values_rows_simd(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
-                             const float* denom, float* out, int64_t rows) {
+                             const float* denom, float* out, int64_t rows, Prefetcher* pf) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* wr = weights + r0 * visible;
     float* o = out + r0 * DIM;
-#define PAGEDKV_VALUES(NR) values_simd<DIM, NR>(wr, visible, vh, v_off, visible, denom + r0, o)
+#define PAGEDKV_VALUES(NR) values_simd<DIM, NR>(wr, visible, vh, v_off, visible, denom + r0, o, pf)
     PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_VALUES)
 #undef PAGEDKV_VALUES
   }
 }
 #endif
+
+// The largest of x[0, n) (GCC runs std::max's loop one lane at a time, a chain of dependent maxss).
+inline float max_of(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#if defined(PAGEDKV_SIMD)
+  vfloat m = mx - vfloat{};
+  for (; j + kLanes <= n; j += kLanes) {
+    const vfloat v = vload(x + j);
+    m = v > m ? v : m;
+  }
+  for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+#endif
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
 
 // Calls fn(key pointer offset, position) for each visible position, page by page (no division per key).
 // A page id outside the pool is an error (as index_select's), never a read out of bounds.
@@ -226,49 +292,59 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t blocks = kv_heads / per_task;
   const int64_t rows_per_task = per_task * group;  // query heads of one task
 
+  // Where each visible key's row of a task starts in the K and V views (offsets from head 0's): returns their
+  // number.
+  auto key_rows = [&](int64_t task, std::vector<int64_t>& k_off, std::vector<int64_t>& v_off) -> int64_t {
+    const int64_t i = task / blocks;
+    const int64_t row = rows ? rows[i] : i;
+    TORCH_CHECK(row >= 0 && row < tables.size(0), "paged_attention_cpu: table row ", row, " of ", tables.size(0));
+    const int64_t p = pos_p[i];
+    TORCH_CHECK(p >= 0 && p < width * block_size, "paged_attention_cpu: query position ", p,
+                " outside its page table of ", width, " pages");
+    const int64_t* table = tp + row * width;
+    const int64_t lo = model_window > 0 ? std::max<int64_t>(0, p + 1 - model_window) : 0;
+    Range ranges[2];
+    int n_ranges = 0;
+    const int64_t w = win_p ? win_p[row] : 0;
+    if (w > 0) {
+      const int64_t sink_end = std::min(sink_p[row], p + 1);
+      const int64_t tail = std::max(lo, p + 1 - w);
+      if (sink_end >= tail) {  // the sink reaches the window: one run
+        ranges[n_ranges++] = {lo, p + 1};
+      } else {
+        if (sink_end > lo) ranges[n_ranges++] = {lo, sink_end};
+        ranges[n_ranges++] = {tail, p + 1};
+      }
+    } else {
+      ranges[n_ranges++] = {lo, p + 1};
+    }
+    int64_t visible = 0;
+    for (int r = 0; r < n_ranges; ++r) visible += ranges[r].end - ranges[r].begin;
+    k_off.resize(visible);
+    v_off.resize(visible);
+    int64_t idx = 0;
+    for_each_key(table, num_pages, block_size, k_page, k_tok, ranges, n_ranges,
+                 [&](int64_t off, int64_t) { k_off[idx++] = off; });
+    idx = 0;
+    for_each_key(table, num_pages, block_size, v_page, v_tok, ranges, n_ranges,
+                 [&](int64_t off, int64_t) { v_off[idx++] = off; });
+    return visible;
+  };
+
   at::parallel_for(0, n * blocks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> qf(rows_per_task * dim), acc(rows_per_task * dim), denom(rows_per_task), scores;
-    std::vector<int64_t> k_off, v_off;
+    std::vector<int64_t> k_off, v_off, k_next, v_next;
+    int64_t visible_next = first < last ? key_rows(first, k_next, v_next) : 0;
     for (int64_t task = first; task < last; ++task) {
       const int64_t i = task / blocks, h0 = (task % blocks) * per_task;
-      const int64_t row = rows ? rows[i] : i;
-      TORCH_CHECK(row >= 0 && row < tables.size(0), "paged_attention_cpu: table row ", row, " of ", tables.size(0));
-      const int64_t p = pos_p[i];
-      TORCH_CHECK(p >= 0 && p < width * block_size, "paged_attention_cpu: query position ", p,
-                  " outside its page table of ", width, " pages");
-      const int64_t* table = tp + row * width;
-      const int64_t lo = model_window > 0 ? std::max<int64_t>(0, p + 1 - model_window) : 0;
-      Range ranges[2];
-      int n_ranges = 0;
-      const int64_t w = win_p ? win_p[row] : 0;
-      if (w > 0) {
-        const int64_t sink_end = std::min(sink_p[row], p + 1);
-        const int64_t tail = std::max(lo, p + 1 - w);
-        if (sink_end >= tail) {  // the sink reaches the window: one run
-          ranges[n_ranges++] = {lo, p + 1};
-        } else {
-          if (sink_end > lo) ranges[n_ranges++] = {lo, sink_end};
-          ranges[n_ranges++] = {tail, p + 1};
-        }
-      } else {
-        ranges[n_ranges++] = {lo, p + 1};
-      }
-      int64_t visible = 0;
-      for (int r = 0; r < n_ranges; ++r) visible += ranges[r].end - ranges[r].begin;
+      std::swap(k_off, k_next);
+      std::swap(v_off, v_next);
+      const int64_t visible = visible_next;
+      visible_next = task + 1 < last ? key_rows(task + 1, k_next, v_next) : 0;
       scores.resize(rows_per_task * visible);
 
       const scalar_t* qi = qp + (i * heads + h0 * group) * dim;
       for (int64_t j = 0; j < rows_per_task * dim; ++j) qf[j] = to_f(qi[j]) * fscale;
-
-      // where each visible key's row starts in the K and V views (head h0)
-      k_off.resize(visible);
-      v_off.resize(visible);
-      int64_t idx = 0;
-      for_each_key(table, num_pages, block_size, k_page, k_tok, ranges, n_ranges,
-                   [&](int64_t off, int64_t) { k_off[idx++] = off; });
-      idx = 0;
-      for_each_key(table, num_pages, block_size, v_page, v_tok, ranges, n_ranges,
-                   [&](int64_t off, int64_t) { v_off[idx++] = off; });
 
 #if defined(PAGEDKV_SIMD)
       constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % kLanes == 0;
@@ -276,10 +352,24 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       constexpr bool kFast = false;
 #endif
       const scalar_t* kh = kp + h0 * k_head;
+      Prefetcher prefetch;
+      Prefetcher* pf = nullptr;
+      if (kFast && visible_next > 0) {  // the next task's heads: its own h0
+        const int64_t next_h0 = ((task + 1) % blocks) * per_task;
+        prefetch.k = reinterpret_cast<const char*>(kp + next_h0 * k_head);
+        prefetch.v = reinterpret_cast<const char*>(vp + next_h0 * v_head);
+        prefetch.k_off = k_next.data();
+        prefetch.v_off = v_next.data();
+        prefetch.rows = visible_next;
+        prefetch.row_lines = ((per_task - 1) * k_head + dim) * static_cast<int64_t>(sizeof(float)) / 64 + 1;
+        const int64_t calls = per_task * (visible + visible / 8 + 1);  // values' keys and scores' key blocks
+        prefetch.per_call = (2 * visible_next * prefetch.row_lines + calls - 1) / calls;
+        pf = &prefetch;
+      }
       if constexpr (kFast) {
         for (int64_t hh = 0; hh < per_task; ++hh)
           scores_rows_simd<DIM>(qf.data() + hh * group * DIM, reinterpret_cast<const float*>(kh + hh * k_head),
-                                  k_off.data(), visible, scores.data() + hh * group * visible, group);
+                                  k_off.data(), visible, scores.data() + hh * group * visible, group, pf);
       } else {
       for (int64_t j = 0; j < visible; ++j) {
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
@@ -292,9 +382,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       for (int64_t r = 0; r < rows_per_task; ++r) {
         float* sr = scores.data() + r * visible;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, sr[j]);
+        const float mx = max_of(sr, visible);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < visible; ++j) {
@@ -310,7 +398,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t hh = 0; hh < per_task; ++hh)
           values_rows_simd<DIM>(scores.data() + hh * group * visible,
                                   reinterpret_cast<const float*>(vh + hh * v_head), v_off.data(), visible,
-                                  denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group);
+                                  denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group, pf);
         continue;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
