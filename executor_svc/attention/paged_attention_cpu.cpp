@@ -225,6 +225,13 @@ inline void values_rows_simd(const float* weights, const float* vh, const int64_
 #undef PAGEDKV_VALUES
   }
 }
+#else
+// Without vectors (no AVX2/FMA, no AVX-512) the fast path is never taken (kFast is false); these only name it.
+template <int DIM>
+inline void scores_rows_simd(const float*, const float*, const int64_t*, int64_t, float*, int64_t, Prefetcher*) {}
+template <int DIM>
+inline void values_rows_simd(const float*, const float*, const int64_t*, int64_t, const float*, float*, int64_t,
+                             Prefetcher*) {}
 #endif
 
 // The largest of x[0, n) (GCC runs std::max's loop one lane at a time, a chain of dependent maxss).

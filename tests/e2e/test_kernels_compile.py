@@ -10,9 +10,11 @@ the NVRTC library are installed.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,3 +152,25 @@ def test_nvrtc_builds_source_with_name_expressions(source: str) -> None:
                                               name_expressions=names, cache_in_memory=True, method="lto")
     assert sorted(mapping) == sorted(names)
     assert all(m.startswith("_ZN3pkv") for m in mapping.values())
+
+
+# ---- the CPU kernel library (executor_svc/attention/cpu_kernel.py) for every x86-64 level ---------------------
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
+def test_the_cpu_kernels_compile_on_every_x86_64_level(march):
+    """The executor builds its CPU kernels with -march=native: a machine without AVX2 (x86-64), with AVX2
+    (v3) and with AVX-512 (v4) each compile other branches of the same sources (a branch that does not build
+    would leave such a machine on the slower torch path, unnoticed). -fsyntax-only: checked, not built."""
+    from torch.utils import cpp_extension
+
+    from executor_svc.attention import cpu_kernel
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no C++ compiler, or not an x86-64 machine")
+    includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"],
+                                    *{h.parent for h in cpu_kernel.HEADERS})]
+    flags = [f for f in cpu_kernel.CFLAGS if f != "-march=native"]
+    for source in cpu_kernel.SOURCES:
+        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-march={march}", *flags, *includes, str(source)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{source.name} for -march={march}:\n{done.stderr[-4000:]}"
