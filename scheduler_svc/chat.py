@@ -146,21 +146,26 @@ def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
                                  "(--max-prompt-bytes; send fewer or shorter messages)")
 
 
+def _json_object(text: str, where: str, depth: int, what: str) -> dict:
+    """``text`` parsed as a JSON object, nested at most ``depth`` deep (counted before it is parsed); ``what`` says
+    what the object is, in the refusal of anything else."""
+    if nests_deeper_than(text.encode("utf-8", "surrogatepass"), depth):
+        raise InvalidRequest(f"{where}: JSON nested more than {depth} levels deep; at most {depth}")
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{where}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where}: must be a JSON object ({what})")
+    return value
+
+
 def _parameters(text: str, where: str) -> dict:
     """A tool's parameters schema (JSON text) as an object; none: an object with no properties (a function that
     takes no arguments)."""
     if not text:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    if nests_deeper_than(text.encode("utf-8", "surrogatepass"), MAX_SCHEMA_DEPTH):
-        raise InvalidRequest(f"{where}: JSON nested more than {MAX_SCHEMA_DEPTH} levels deep; at most "
-                             f"{MAX_SCHEMA_DEPTH}")
-    try:
-        schema = json.loads(text)
-    except ValueError as err:
-        raise InvalidRequest(f"{where}: not JSON: {err}") from None
-    if not isinstance(schema, dict):
-        raise InvalidRequest(f"{where}: a JSON Schema object, not {type(schema).__name__}")
-    return schema
+    return _json_object(text, where, MAX_SCHEMA_DEPTH, "a JSON Schema")
 
 
 def _tools(chat: api.Chat, field: str) -> list[dict] | None:
@@ -252,15 +257,7 @@ def _template_kwargs(text: str, field: str) -> dict:
     raw = text.encode("utf-8", "surrogatepass")
     if len(raw) > MAX_TEMPLATE_KWARGS_BYTES:
         raise InvalidRequest(f"{field}: {len(raw)} bytes of JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}")
-    if nests_deeper_than(raw, MAX_TEMPLATE_KWARGS_DEPTH):
-        raise InvalidRequest(f"{field}: JSON nested more than {MAX_TEMPLATE_KWARGS_DEPTH} levels deep; at most "
-                             f"{MAX_TEMPLATE_KWARGS_DEPTH}")
-    try:
-        kwargs = json.loads(text)
-    except ValueError as err:
-        raise InvalidRequest(f"{field}: not valid JSON ({err})") from None
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest(f"{field}: must be a JSON object (its keys are the template's variables)")
+    kwargs = _json_object(text, field, MAX_TEMPLATE_KWARGS_DEPTH, "its keys are the template's variables")
     own = sorted(k for k in kwargs if k in OWN_TEMPLATE_ARGS)
     if own:
         raise InvalidRequest(f"{field}: {', '.join(own)} cannot be set here (messages, add_generation_prompt, "

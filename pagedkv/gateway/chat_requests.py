@@ -41,6 +41,15 @@ def _string(m: Mapping, name: str, where: str) -> str:
     return value
 
 
+def _json_text(value, where: str, refusal: str) -> str:
+    """A JSON value given as its text, or as an object (written as JSON text); "" when absent."""
+    if isinstance(value, Mapping):
+        return json.dumps(value, ensure_ascii=False)
+    if value is not None and not isinstance(value, str):
+        raise bad(where, refusal)
+    return value or ""
+
+
 def _tool_call(call, where: str) -> api.ToolCall:
     """One of an assistant's tool calls, OpenAI's shape: {id, type, function: {name, arguments}}; arguments as JSON
     text (OpenAI's), or an object (written as JSON text)."""
@@ -49,14 +58,11 @@ def _tool_call(call, where: str) -> api.ToolCall:
     function = call.get("function")
     if not isinstance(function, Mapping):
         raise bad(f"{where}.function", "must be an object {name, arguments}")
-    arguments = function.get("arguments")
-    if isinstance(arguments, Mapping):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    elif arguments is not None and not isinstance(arguments, str):
-        raise bad(f"{where}.function.arguments", "must be JSON text (a string) or an object")
+    arguments = _json_text(function.get("arguments"), f"{where}.function.arguments",
+                           "must be JSON text (a string) or an object")
     return api.ToolCall(id=_string(call, "id", where), type=_string(call, "type", where),
                         function=api.FunctionCall(name=_string(function, "name", f"{where}.function"),
-                                                  arguments=arguments or ""))
+                                                  arguments=arguments))
 
 
 def _message(m, i: int) -> api.ChatMessage:
@@ -85,16 +91,12 @@ def _tool(tool, where: str) -> api.Tool:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise bad(f"{where}.function.name", "required: the function's name")
-    parameters = function.get("parameters")
-    if isinstance(parameters, Mapping):
-        parameters = json.dumps(parameters, ensure_ascii=False)
-    elif parameters is not None and not isinstance(parameters, str):
-        raise bad(f"{where}.function.parameters", "must be a JSON Schema object")
+    parameters = _json_text(function.get("parameters"), f"{where}.function.parameters", "must be a JSON Schema object")
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad(f"{where}.function.strict", f"{strict!r} is not a boolean")
     return api.Tool(type=_string(tool, "type", where), function=api.FunctionDefinition(
-        name=name, description=_string(function, "description", f"{where}.function"), parameters=parameters or "",
+        name=name, description=_string(function, "description", f"{where}.function"), parameters=parameters,
         strict=bool(strict)))
 
 
@@ -102,7 +104,8 @@ def _tool_choice(value) -> api.ToolChoice:
     """OpenAI's tool_choice: "none" | "auto" | "required" | {type: "function", function: {name}}."""
     if isinstance(value, str):
         return api.ToolChoice(mode=value)
-    if isinstance(value, Mapping) and isinstance(value.get("function"), Mapping):
+    if (isinstance(value, Mapping) and value.get("type", "function") == "function"
+            and isinstance(value.get("function"), Mapping)):
         name = value["function"].get("name")
         if isinstance(name, str) and name:
             return api.ToolChoice(function=name)

@@ -126,6 +126,8 @@ def test_completion_refusals_name_the_field(body, param):
       "parameters": [1]}}]}, "tools[0].function.parameters"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
      "tool_choice"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "custom", "function": {
+      "name": "f"}}}, "tool_choice"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "no"},
      "parallel_tool_calls"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f"}}],

@@ -166,7 +166,7 @@ def test_tools_reach_the_template_as_transformers_passes_them():
     (_chat(tools=[("weather", WEATHER), ("weather", WEATHER)]), "prompt.chat.tools[1].function.name: 'weather' is "
      "given twice"),
     (_chat(tools=[("bad name", WEATHER)]), "prompt.chat.tools[0].function.name: 'bad name'; must be 1 to 64"),
-    (_chat(tools=[("f", [1])]), "prompt.chat.tools[0].function.parameters: a JSON Schema object, not list"),
+    (_chat(tools=[("f", [1])]), "prompt.chat.tools[0].function.parameters: must be a JSON object (a JSON Schema)"),
     (_chat(tools=[("f", {"a": DEEP})]),
      "prompt.chat.tools[0].function.parameters: JSON nested more than 32 levels deep"),
     (_chat(tools=(), choice=api.ToolChoice(mode="required")), "prompt.chat.tool_choice: set only with"),
