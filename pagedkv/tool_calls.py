@@ -85,36 +85,51 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def _value_end(text: str, i: int, final: bool) -> int | None:
+def _value_end(text: str, i: int, final: bool, memo: dict | None = None) -> int | None:
     """The index after the JSON value starting at ``text[i]``, None while it is incomplete (a number or literal ends
-    at a delimiter, or at the end of a final text)."""
+    at a delimiter, or at the end of a final text). ``memo``: where earlier calls on shorter texts (the same text,
+    grown) left each array or object, so that a stream reads each character of one once."""
     if i >= len(text):
         return None
     c = text[i]
     if c == '"':
         return _string_end(text, i)
     if c in "{[":
-        depth = 0
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                end = _string_end(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
+        return _container_end(text, i, {} if memo is None else memo)
     j = i
     while j < len(text) and text[j] not in _WS + ",]}":
         j += 1
     return j if j < len(text) or final else None
+
+
+def _container_end(text: str, i: int, memo: dict) -> int | None:
+    """The index after the array or object opening at ``text[i]``, None while it is open; read on from where
+    ``memo`` left it (its end once known, else the position, depth and whether inside a string)."""
+    state = memo.get(i)
+    if isinstance(state, int):
+        return state
+    j, depth, in_string = state or (i, 0, False)
+    n = len(text)
+    while j < n:
+        c = text[j]
+        if in_string:
+            if c == "\\":
+                j += 2  # (past the end when the escape is the last character: the next read starts after it)
+                continue
+            if c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                memo[i] = j + 1
+                return j + 1
+        j += 1
+    memo[i] = (j, depth, in_string)
+    return None
 
 
 @dataclass(slots=True)
@@ -129,7 +144,7 @@ class Extracted:
     calls: list[Call] = field(default_factory=list)
 
 
-def _required(text: str, final: bool) -> Extracted:
+def _required(text: str, final: bool, memo: dict | None = None) -> Extracted:
     """``[{"name": "f", "parameters": {...}}, ...]`` read as far as it goes: a call is known once its name is, its
     arguments are its parameters' text so far. Anything unexpected ends the reading (the grammar allows none)."""
     out = Extracted()
@@ -157,7 +172,7 @@ def _required(text: str, final: bool) -> Extracted:
             if i >= len(text) or text[i] != ":":
                 break
             start = _skip(text, i + 1)
-            end = _value_end(text, start, final)
+            end = _value_end(text, start, final, memo)
             if key == "name" and end is not None:
                 value = json.loads(text[start:end])
                 name = value if isinstance(value, str) else None
@@ -278,14 +293,16 @@ def _mistral(body: str) -> list[Call] | None:
     return None if any(c is None for c in calls) else calls
 
 
-def extract(fmt: str, text: str, final: bool, function: str = "", parallel: bool = True) -> Extracted:
+def extract(fmt: str, text: str, final: bool, function: str = "", parallel: bool = True,
+            memo: dict | None = None) -> Extracted:
     """What ``text`` (an output so far; ``final``: all of it) holds in format ``fmt``: its content and calls
     (monotone in ``text``: see the module's doc). ``function``: the named format's tool; without ``parallel`` only
-    the first call is kept (auto formats; required's grammar writes one)."""
+    the first call is kept (auto formats; required's grammar writes one); ``memo``: the reading of an earlier,
+    shorter text of the same output (a stream's), kept for the next."""
     if fmt == "named":
         out = Extracted(calls=[Call(function, text.strip())])
     elif fmt == "required":
-        out = _required(text, final)
+        out = _required(text, final, memo)
     elif fmt == "hermes":
         out = _hermes(text, final)
     elif fmt == "llama3_json":
@@ -318,6 +335,7 @@ class ToolCallStream:
         self.fmt, self.function, self.parallel = fmt, function, parallel
         self.text, self.content = "", ""
         self.sent: list[list[str]] = []  # per call: [name, arguments sent]
+        self.memo: dict = {}  # (required's JSON, read once: extract)
 
     @property
     def called(self) -> bool:
@@ -325,7 +343,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
-        now = extract(self.fmt, self.text, final, self.function, self.parallel)
+        now = extract(self.fmt, self.text, final, self.function, self.parallel, self.memo)
         content = ""
         if now.content.startswith(self.content):  # (always, extract being monotone)
             content, self.content = now.content[len(self.content):], now.content
