@@ -14,10 +14,10 @@ from scheduler_svc import fit, metrics
 from scheduler_svc.chat import NoChatTemplate, ToolUse
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import (
-    MAX_CONSTRAINT_BYTES,
     check_constrained_requests,
     check_constraint,
     compile_on_executors,
+    constraint_bytes,
 )
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.logprobs import PromptLogprobs
@@ -53,7 +53,7 @@ def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[in
         max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
         overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens,
         max_queued_requests=max_queued, structured_outputs=tenant.structured_outputs,
-        max_constraint_bytes=min(tenant.max_constraint_bytes or MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_BYTES),
+        max_constraint_bytes=constraint_bytes(tenant),
         max_constrained_requests=tenant.max_constrained_requests)
     for i, snap in enumerate(snapshots):
         u = snap.tenants.get(tenant.id)

@@ -30,6 +30,11 @@ MAX_CHOICES = 1024
 CHECK_TIMEOUT_S = 120.0  # the RPC's own deadline (the executor answers within its compile timeout)
 
 
+def constraint_bytes(tenant: Tenant) -> int:
+    """The largest constraint ``tenant`` may send: its max_constraint_bytes, at most the server's (0: the server's)."""
+    return min(tenant.max_constraint_bytes or MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_BYTES)
+
+
 def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: Iterable[int],
                      tools: api.Constraint | None = None, tools_field: str = "",
                      tenant: Tenant | None = None) -> pb.Constraint | None:
@@ -63,8 +68,7 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
         size = sum(len(s.encode()) for s in choices)
     else:
         size = len(getattr(c, kind).encode()) if kind != "json_object" else 0
-    limit = min(tenant.max_constraint_bytes or MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_BYTES) if tenant else \
-        MAX_CONSTRAINT_BYTES
+    limit = constraint_bytes(tenant) if tenant else MAX_CONSTRAINT_BYTES
     if size > limit:
         whose = f" (tenant {tenant.id}'s max_constraint_bytes)" if limit < MAX_CONSTRAINT_BYTES else ""
         raise InvalidRequest(f"{field}: {size} bytes; at most {limit}{whose}")
