@@ -64,9 +64,13 @@ def test_a_tenant_sees_its_own_figures_and_an_admin_the_cluster(cluster):
             first = await alpha.complete(prompt, max_tokens=4, ignore_eos=True)
             again = await alpha.complete(prompt, max_tokens=4, ignore_eos=True)  # a prefix-cache hit
             ops_hit = await _info(scheduler.address, "key-ops")
-            held = alpha.generate(prompt[:40], max_tokens=200, ignore_eos=True)
+            held = alpha.generate(prompt[:40], max_tokens=400, ignore_eos=True)
             await held.__anext__()  # alpha now holds pages and runs a request
-            during = {k: await _info(scheduler.address, k) for k in ("key-alpha", "key-beta", "key-ops")}
+            for _ in range(100):  # (its pages grow a page every 16 tokens: the admin's view read between two of
+                during = {k: await _info(scheduler.address, k) for k in ("key-alpha", "key-beta", "key-ops")}
+                later = await _info(scheduler.address, "key-alpha")  # alpha's that agree holds alpha's pages then)
+                if later.tenant.used_pages == during["key-alpha"].tenant.used_pages:
+                    break
             await held.aclose()
         await _info(scheduler.address, "key-beta", reset_peak=True)  # a tenant resets its own peak only
         ops_after = await _info(scheduler.address, "key-ops")
