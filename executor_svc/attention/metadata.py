@@ -35,6 +35,9 @@ class DecodeGroup:
     mask: torch.Tensor | None = None  # built by the backend on first use, shared by every layer
     in_order: bool = False  # token_idx is ascending (the runner sets it)
     last_pos: torch.Tensor | None = None  # ctx_lens - 1, the query positions: made on first use, for every layer
+    # The page ids every row's table starts with, when the backend attends them as one shared prefix (a cascade;
+    # executor_svc/attention/torch_backend.py); an empty tensor when it does not. Made on first use.
+    shared_pages: torch.Tensor | None = None
 
     def query_positions(self) -> torch.Tensor:
         if self.last_pos is None:
@@ -42,10 +45,11 @@ class DecodeGroup:
         return self.last_pos
 
     def new_step(self) -> None:
-        """Drops what was made from this step's values (mask, query positions): for a group whose tensors are
-        refilled in place for the next step (the static batch of a CUDA graph)."""
+        """Drops what was made from this step's values (mask, query positions, shared pages): for a group whose
+        tensors are refilled in place for the next step (the static batch of a CUDA graph)."""
         self.mask = None
         self.last_pos = None
+        self.shared_pages = None
 
 
 @dataclass(slots=True)

@@ -275,7 +275,7 @@ template <typename scalar_t, int DIM>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const at::Tensor& q_rows, const at::Tensor& q_pos,
             const at::Tensor& sinks, const at::Tensor& windows, int64_t model_window, double scale,
-            at::Tensor& out) {
+            int64_t start, const at::Tensor& prior_out, const at::Tensor& prior_lse, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = DIM > 0 ? DIM : q.size(2);
   const int64_t num_pages = std::min(k_cache.size(0), v_cache.size(0));
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
@@ -293,6 +293,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* sink_p = sinks.numel() ? sinks.data_ptr<int64_t>() : nullptr;
   const int64_t* win_p = windows.numel() ? windows.data_ptr<int64_t>() : nullptr;
   const float fscale = static_cast<float>(scale);
+  const scalar_t* prior_p = prior_out.numel() ? prior_out.data_ptr<scalar_t>() : nullptr;
+  const float* prior_lse_p = prior_p ? prior_lse.data_ptr<float>() : nullptr;
   // NOTE: with enough queries one task takes all KV heads of a query, reading each key's heads (one
   // contiguous row) together; with few (a small batch) one task per (query, KV head) keeps threads busy.
   const int64_t per_task = n >= 4 * at::get_num_threads() ? kv_heads : 1;
@@ -309,7 +311,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     TORCH_CHECK(p >= 0 && p < width * block_size, "paged_attention_cpu: query position ", p,
                 " outside its page table of ", width, " pages");
     const int64_t* table = tp + row * width;
-    const int64_t lo = model_window > 0 ? std::max<int64_t>(0, p + 1 - model_window) : 0;
+    const int64_t lo = std::max<int64_t>(start, model_window > 0 ? p + 1 - model_window : 0);
     Range ranges[2];
     int n_ranges = 0;
     const int64_t w = win_p ? win_p[row] : 0;
@@ -339,7 +341,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   };
 
   at::parallel_for(0, n * blocks, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> qf(rows_per_task * dim), acc(rows_per_task * dim), denom(rows_per_task), scores;
+    const pagedkv_cpu::FlushDenormals ftz;
+    std::vector<float> qf(rows_per_task * dim), acc(rows_per_task * dim), denom(rows_per_task),
+        maxes(rows_per_task), scores;
     std::vector<int64_t> k_off, v_off, k_next, v_next;
     int64_t visible_next = first < last ? key_rows(first, k_next, v_next) : 0;
     for (int64_t task = first; task < last; ++task) {
@@ -390,6 +394,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t r = 0; r < rows_per_task; ++r) {
         float* sr = scores.data() + r * visible;
         const float mx = max_of(sr, visible);
+        maxes[r] = mx;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < visible; ++j) {
@@ -401,11 +406,29 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
       scalar_t* oi = op + (i * heads + h0 * group) * dim;
       const scalar_t* vh = vp + h0 * v_head;
+      // With a prior (the keys before ``start``, attended elsewhere: their normalized output and log-sum-exp),
+      // the two softmaxes are merged: out = (1 - w) x this part + w x prior, w = 1 / (1 + e^(lse - prior_lse)).
+      auto merge_prior = [&]() {
+        if (!prior_p) return;
+        const int64_t base = i * heads + h0 * group;
+        for (int64_t r = 0; r < rows_per_task; ++r) {
+          const scalar_t* pr = prior_p + (base + r) * dim;
+          scalar_t* o = oi + r * dim;
+          if (visible == 0) {  // nothing after start: the prior alone
+            for (int64_t d = 0; d < dim; ++d) o[d] = pr[d];
+            continue;
+          }
+          const float lse = maxes[r] + std::log(denom[r]);
+          const float w = 1.f / (1.f + pagedkv_cpu::exp_clamped(lse - prior_lse_p[base + r]));
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>((1.f - w) * to_f(o[d]) + w * to_f(pr[d]));
+        }
+      };
       if constexpr (kFast) {
         for (int64_t hh = 0; hh < per_task; ++hh)
           values_rows_simd<DIM>(scores.data() + hh * group * visible,
                                   reinterpret_cast<const float*>(vh + hh * v_head), v_off.data(), visible,
                                   denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group, pf);
+        merge_prior();
         continue;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -425,6 +448,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float inv = 1.f / denom[r];
         for (int64_t d = 0; d < dim; ++d) oi[r * dim + d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
       }
+      merge_prior();
     }
   });
 }
@@ -447,9 +471,10 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "paged_attention_cpu: ",
 // q [N, heads, D] contiguous; k_cache / v_cache [pages, block_size, kv_heads, D] (D contiguous, any other
 // strides); tables [R, W] int64; q_rows [N] (empty: query i uses row i); q_pos [N] the position of each
 // query; sinks / windows [R] (empty: no request has a window). Returns [N, heads, D].
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                              at::Tensor q_rows, at::Tensor q_pos, at::Tensor sinks, at::Tensor windows,
-                              int64_t model_window, double scale) {
+// The arguments' checks; returns the output, empty.
+static at::Tensor paged_attention_checked(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& tables, const at::Tensor& q_rows, const at::Tensor& q_pos,
+                                   const at::Tensor& sinks, const at::Tensor& windows) {
   check(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, heads, head_dim]");
   check(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [pages, block_size, kv_heads, head_dim]");
   check(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous in the caches");
@@ -463,9 +488,39 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   check(windows.numel() == 0 || (windows.scalar_type() == at::kLong && sinks.scalar_type() == at::kLong &&
                                  windows.numel() == tables.size(0) && sinks.numel() == tables.size(0) &&
                                  windows.is_contiguous() && sinks.is_contiguous()), "sinks/windows");
-  auto out = at::empty_like(q);
+  return at::empty_like(q);
+}
+
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                              at::Tensor q_rows, at::Tensor q_pos, at::Tensor sinks, at::Tensor windows,
+                              int64_t model_window, double scale) {
+  auto out = paged_attention_checked(q, k_cache, v_cache, tables, q_rows, q_pos, sinks, windows);
+  const at::Tensor none = at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_cpu", [&] {
-    attend_any_dim<scalar_t>(q, k_cache, v_cache, tables, q_rows, q_pos, sinks, windows, model_window, scale, out);
+    attend_any_dim<scalar_t>(q, k_cache, v_cache, tables, q_rows, q_pos, sinks, windows, model_window, scale,
+                             int64_t{0}, none, none, out);
+  });
+  return out;
+}
+
+// The cascade's second half (executor_svc/attention/torch_backend.py, "shared prefix"): each query attends to its
+// keys at positions >= start (no windows), and the result is merged with ``prior_out`` [N, heads, D] (q's dtype,
+// contiguous) and ``prior_lse`` [N, heads] (float32, contiguous): the same queries' attention over the keys before
+// start, normalized, and its log-sum-exp of the scaled scores. Query i uses table row i. Returns [N, heads, D].
+at::Tensor paged_attention_after(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                                 at::Tensor q_pos, int64_t start, at::Tensor prior_out, at::Tensor prior_lse,
+                                 double scale) {
+  check(start >= 0, "start must be >= 0");
+  check(prior_out.sizes() == q.sizes() && prior_out.scalar_type() == q.scalar_type() && prior_out.is_contiguous(),
+        "prior_out must be a contiguous tensor like q");
+  check(prior_lse.dim() == 2 && prior_lse.size(0) == q.size(0) && prior_lse.size(1) == q.size(1) &&
+        prior_lse.scalar_type() == at::kFloat && prior_lse.is_contiguous(), "prior_lse must be float32 [N, heads]");
+  check(tables.dim() == 2 && tables.size(0) == q.size(0), "tables must have a row per query");
+  const at::Tensor none = at::empty({0}, q_pos.options());
+  auto out = paged_attention_checked(q, k_cache, v_cache, tables, none, q_pos, none, none);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_after", [&] {
+    attend_any_dim<scalar_t>(q, k_cache, v_cache, tables, none, q_pos, none, none, int64_t{0}, scale, start,
+                             prior_out, prior_lse, out);
   });
   return out;
 }
@@ -474,6 +529,11 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
 TORCH_LIBRARY(pagedkv_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_rows, Tensor q_pos, "
         "Tensor sinks, Tensor windows, int model_window, float scale) -> Tensor");
+  m.def("paged_attention_after(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_pos, int start, "
+        "Tensor prior_out, Tensor prior_lse, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_after", &paged_attention_after);
+}

@@ -13,6 +13,14 @@ request's tokens in order, viewed (no copy) as [kv_heads, tokens, head_dim] for
 padding), outside the model's sliding window when there is one, and outside a request's own sink + window
 (its dropped pages among them) are masked.
 
+Decodes whose tables all start with the same pages (a shared prompt prefix: prefix caching maps it to the same
+pages) attend them as a cascade when the prefix is long enough for it to pay (``CASCADE_MIN_ROWS``,
+``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``): the prefix's K/V are gathered once per layer and every query of the
+group is scored against them in one SDPA call over the [rows x query heads] of each KV head (matrix products, with
+its log-sum-exp), then the kernel attends each request's own pages after the prefix and merges the two softmaxes
+(``paged_attention_after``). The kernel alone scores every request against the prefix one key at a time, ~40
+GFLOP/s here; the cascade's products run at ~3x that (bench/NOTES.md "Shared prefix: a cascade").
+
 On a quantized pool (``QuantizedCache`` / ``ChannelScaledCache`` views, executor_svc.kv_quant)
 ``write_cache`` quantizes the new tokens (computing their scales), and the gather dequantizes the gathered
 pages (a copy that the gather makes anyway), so attention itself runs in the model dtype.
@@ -30,6 +38,12 @@ from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, Dec
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
+
+# When a decode group attends its shared prefix as a cascade: at least this many rows, prefix tokens, and rows x
+# prefix tokens (below, the extra calls cost more than they save: bench/NOTES.md "Shared prefix: a cascade").
+CASCADE_MIN_ROWS = 8
+CASCADE_MIN_TOKENS = 128
+CASCADE_MIN_WORK = 4096
 
 
 def gather_pages(cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
@@ -71,6 +85,24 @@ def prefill_visible(seg: PrefillSegment, window: int | None, device: torch.devic
         visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
     return visible
 _NONE = torch.empty(0, dtype=torch.long)  # "no per-request windows" / "query i reads table row i"
+
+
+def shared_prefix(group: DecodeGroup, block_size: int, window: int) -> torch.Tensor:
+    """The page ids that begin every row's table of ``group`` and lie wholly before every row's query (so every
+    query sees all of them, and none writes into them), when attending them as a cascade pays; else empty.
+    Requests' windows and the model's sliding window keep the plain kernel."""
+    tables = group.page_tables
+    rows = tables.shape[0]
+    if rows < CASCADE_MIN_ROWS or group.windows is not None or window:
+        return _NONE
+    limit = int(group.query_positions().min()) // block_size  # pages before every query's own
+    if limit * block_size < CASCADE_MIN_TOKENS:
+        return _NONE
+    same = (tables[:, :limit] == tables[:1, :limit]).all(0)
+    pages = limit if bool(same.all()) else int(same.logical_not().nonzero()[0, 0])
+    if pages * block_size < CASCADE_MIN_TOKENS or rows * pages * block_size < CASCADE_MIN_WORK:
+        return _NONE
+    return tables[0, :pages].contiguous()
 
 
 class TorchPagedAttention:
@@ -146,20 +178,37 @@ class TorchPagedAttention:
         kernel = cpu_kernel.load()
         window = meta.sliding_window or 0
         if meta.one_decode_group:  # (a decode-only step: no gather of q's rows, no scatter of the output)
-            group = meta.decodes[0]
-            sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
-            return kernel.paged_attention(q, k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
-                                          sinks, windows, window, self.scale)
+            return self._decode_in_place(kernel, q, k_cache, v_cache, meta.decodes[0], window)
         out = torch.empty_like(q)
         for group in meta.decodes:
-            sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
-            out[group.token_idx] = kernel.paged_attention(
-                q[group.token_idx], k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
-                sinks, windows, window, self.scale)
+            out[group.token_idx] = self._decode_in_place(kernel, q[group.token_idx], k_cache, v_cache, group, window)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
+
+    def _decode_in_place(self, kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         group: DecodeGroup, window: int) -> torch.Tensor:
+        """A decode group's attention by the kernel, its shared prefix as a cascade where that pays."""
+        if group.shared_pages is None:
+            group.shared_pages = shared_prefix(group, k_cache.shape[1], window)
+        if not group.shared_pages.numel():
+            sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
+            return kernel.paged_attention(q, k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
+                                          sinks, windows, window, self.scale)
+        rows, heads, dim = q.shape
+        kv_heads, per_kv = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        length = group.shared_pages.numel() * k_cache.shape[1]
+        k = k_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        v = v_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        # Every query head of a KV head, of every row, is a query row of that head: [1, kv_heads, rows x per_kv, D].
+        qg = q.view(rows, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, rows * per_kv, dim)
+        prior, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False,
+                                                                              scale=self.scale)[:2]
+        prior = prior[0].view(kv_heads, rows, per_kv, dim).transpose(0, 1).reshape(rows, heads, dim).contiguous()
+        lse = lse[0].view(kv_heads, rows, per_kv).transpose(0, 1).reshape(rows, heads).float().contiguous()
+        return kernel.paged_attention_after(q, k_cache, v_cache, group.page_tables, group.query_positions(),
+                                            length, prior, lse, self.scale)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool = False) -> torch.Tensor:

@@ -63,6 +63,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+    const pagedkv_cpu::FlushDenormals ftz;
     for (int64_t r = b; r < e; ++r) norm_row(xp + r * xs, wp, op + r * d, d, static_cast<float>(eps));
   });
   return out;
@@ -80,6 +81,7 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor a, at::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+    const pagedkv_cpu::FlushDenormals ftz;
     for (int64_t r = b; r < e; ++r) {
       float* xr = xp + r * d;
       const float* ar = ap + r * as;
@@ -149,6 +151,7 @@ at::Tensor rotary_write(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos
                 "pagedkv_cpu ops: slot (", pages[r], ", ", offsets[r], ") outside the pool of ", num_pages,
                 " pages of ", block);
   at::parallel_for(0, n, kRowGrain, [&](int64_t b, int64_t e) {
+    const pagedkv_cpu::FlushDenormals ftz;
     for (int64_t r = b; r < e; ++r) {
       rotate(qp, q.stride(0), q.stride(1), heads, cp, sp, dim, r, qo + r * heads * dim);
       rotate(kp, k.stride(0), k.stride(1), kv_heads, cp, sp, dim, r,
@@ -169,6 +172,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, kRowGrain, [&](int64_t b, int64_t e) {
+    const pagedkv_cpu::FlushDenormals ftz;
     for (int64_t r = b; r < e; ++r) {
       const float* g = gp + r * gs;
       silu_mul_row(g, g + d, op + r * d, d);

@@ -89,6 +89,68 @@ def test_in_place_bfloat16():
     torch.testing.assert_close(out.float(), ref.forward(q, k, v, meta).float(), rtol=2e-2, atol=2e-2)
 
 
+def shared_meta(ctx_lens: list[int], shared: int, block_size: int, num_pages: int, g: torch.Generator,
+                diverge: dict[int, int] | None = None) -> AttentionMetadata:
+    """Decodes whose tables begin with the same ``shared`` pages (a cached prompt prefix), then pages of their own;
+    ``diverge`` {row: page}: that row has a page of its own from that page on."""
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    prefix = [perm.pop() for _ in range(shared)]
+    width = max(-(-c // block_size) for c in ctx_lens) + 1
+    tables = []
+    for row, c in enumerate(ctx_lens):
+        own_from = (diverge or {}).get(row, shared)
+        t = prefix[:own_from] + [perm.pop() for _ in range(-(-c // block_size) - own_from)]
+        tables.append(t + [0] * (width - len(t)))
+    group = DecodeGroup(torch.arange(len(ctx_lens)), torch.tensor(tables), torch.tensor(ctx_lens))
+    empty = torch.zeros(0, dtype=torch.long)
+    return AttentionMetadata(empty, empty, [group], [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,shared", [(8, 33), (20, 14), (40, 9)], ids=lambda x: str(x))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 32), (8, 1, 128)])
+def test_shared_prefix_cascade_matches_reference(rows, shared, heads, kv_heads, head_dim, dtype):
+    """Rows whose tables share their first pages attend them as a cascade (one SDPA over the prefix for every
+    row, then the kernel over each row's own pages, the softmaxes merged): the reference's result, each row at its
+    own length (some end one token into their own pages, some many pages after)."""
+    g = torch.Generator().manual_seed(rows * 100 + shared + head_dim)
+    block_size, num_pages = 16, 1200
+    k, v = pool_views(num_pages, block_size, kv_heads, head_dim, dtype, g)
+    ctx_lens = [shared * block_size + 1 + int(x) for x in torch.randint(0, 70, (rows,), generator=g)]
+    ctx_lens[0] = shared * block_size + 1  # its query is the first token after the prefix
+    meta = shared_meta(ctx_lens, shared, block_size, num_pages, g)
+    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    ref, fast = both(heads, kv_heads, head_dim)
+    out = fast.forward(q, k, v, meta)
+    assert meta.decodes[0].shared_pages.tolist() == meta.decodes[0].page_tables[0, :shared].tolist()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.forward(q, k, v, meta).float(), rtol=tol, atol=tol)
+
+
+def test_the_cascade_takes_only_what_every_row_shares_and_only_where_it_pays():
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, num_pages = 8, 2, 32, 16, 800
+    k, v = pool_views(num_pages, block_size, kv_heads, head_dim, torch.float32, g)
+    ref, fast = both(heads, kv_heads, head_dim)
+
+    def run(ctx_lens, shared, diverge=None, window=None):
+        meta = shared_meta(ctx_lens, shared, block_size, num_pages, g, diverge)
+        meta.sliding_window = window
+        q = torch.randn(len(ctx_lens), heads, head_dim, generator=g)
+        torch.testing.assert_close(fast.forward(q, k, v, meta), ref.forward(q, k, v, meta), rtol=1e-5, atol=1e-5)
+        return meta.decodes[0].shared_pages.numel()
+
+    long = 24 * 16 + 5
+    assert run([long] * 20, 24) == 24
+    assert run([long] * 20, 24, diverge={7: 17}) == 17  # one row has its own pages from page 17 on
+    assert run([long] * 20, 24, diverge={3: 4}) == 0  # 4 pages in common: 64 tokens, too few
+    assert run([long] * 7, 24) == 0  # too few rows
+    assert run([12 * 16 + 3] * 20, 12) == 0  # 20 x 192 tokens: too little work
+    assert run([long] * 20, 24, window=100) == 0  # the model's sliding window: the kernel alone
+    # A row whose query is in page 15 has its own page there: the prefix ends before it for every row.
+    assert run([long] * 19 + [15 * 16 + 2], 24, diverge={19: 15}) == 15
+
+
 class OpLog(torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
