@@ -80,7 +80,7 @@ struct Prefetcher {
     for (int64_t e = std::min(total, next + per_call); next < e; ++next) {
       const int64_t row = next / row_lines, line = next % row_lines;
       const char* base = row < rows ? k + k_off[row] * sizeof(float) : v + v_off[row - rows] * sizeof(float);
-      __builtin_prefetch(base + line * 64, 0, 3);
+      __builtin_prefetch(base + line * 64, 0, 1);
     }
   }
 };

@@ -60,7 +60,7 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device) if cfg.gemma else None
         self.final_norm = w["model.norm.weight"]
-        self.packed = cpu_linear.available(device, dtype)  # float32 on the CPU: oneDNN linears (cpu_linear.py)
+        self.packed = cpu_linear.available(device, dtype)  # float32/bfloat16 on the CPU: oneDNN linears (cpu_linear.py)
         # the logits' linear (a tied head packed is a copy of its own: the embedding lookup reads the original)
         head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.logits = cpu_linear.PackedLinear(head, None) if self.packed else DenseLinear(head, None)

@@ -1,5 +1,6 @@
-"""Float32 linears on the CPU through oneDNN (executor_svc/model/cpu_linear.py): torch's results within float32
-rounding, each row the same bits whatever the batch, and the reference switch back to torch's F.linear."""
+"""Float32 and bfloat16 linears on the CPU through oneDNN (executor_svc/model/cpu_linear.py): torch's results within
+float32 rounding, each float32 row the same bits whatever the batch, bfloat16 within its rounding, and the reference
+switch back to torch's F.linear."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def test_rows_equal_torch_and_do_not_depend_on_the_batch(k, n):
     assert torch.equal(lin(x[5:6]), whole[5:6])
 
 
+@pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN has no bfloat16 kernel on this CPU")
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_bfloat16_rows_match_torch_within_its_rounding(k, n):
+    """bfloat16: torch's F.linear within bfloat16 rounding (fp32 accumulation in both), at every batch size,
+    a lone row included; the output stays bfloat16."""
+    g = torch.Generator().manual_seed(k + n)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    lin = cpu_linear.PackedLinear(w, b)
+    exact = F.linear(x.float(), w.float(), b.float())
+    for m in (1, 2, 17, 300):
+        got = lin(x[:m])
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), exact[:m], rtol=1.6e-2, atol=1e-2 * k ** 0.5)
+
+
 def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llama_dir, monkeypatch):
     from executor_svc.model import load_model
     from executor_svc.model.quant import DenseLinear
@@ -47,4 +65,7 @@ def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llam
     assert packed.weight_bytes()["other"] - plain.weight_bytes()["other"] == extra
     assert packed.weight_bytes()["linears"] == plain.weight_bytes()["linears"]
     bf16 = load_model(cfg, torch.device("cpu"), torch.bfloat16)
-    assert isinstance(bf16.layers[0]["qkv"], DenseLinear)  # other dtypes keep torch's
+    bf16_packed = cpu_linear.available(torch.device("cpu"), torch.bfloat16)  # (where oneDNN has bfloat16 here)
+    assert isinstance(bf16.layers[0]["qkv"], cpu_linear.PackedLinear if bf16_packed else DenseLinear)
+    half = load_model(cfg, torch.device("cpu"), torch.float16)
+    assert isinstance(half.layers[0]["qkv"], DenseLinear)  # other dtypes keep torch's
