@@ -143,12 +143,12 @@ class LlamaModel:
 
     def fused_ops(self):
         """``torch.ops.pagedkv_cpu`` when this model runs its layers with the fused CPU ops (cpu_ops.cpp: RMSNorm,
-        residual add + RMSNorm, rotary + cache write, SiLU x up), else None: a float32 model on the CPU with
-        Llama's norms (not Gemma's), once the CPU kernel library loads. Its torch ops stay the reference (and the
-        path of every other dtype and device); PAGEDKV_CPU_ATTENTION=reference turns both off."""
+        residual add + RMSNorm, rotary + cache write, SiLU x up), else None: a float32 or bfloat16 model on the CPU
+        with Llama's norms (not Gemma's), once the CPU kernel library loads. Its torch ops stay the reference (and
+        the path of every other dtype and device); PAGEDKV_CPU_ATTENTION=reference turns both off."""
         if self._fused is None:
             ops = None
-            if self.device.type == "cpu" and self.dtype == torch.float32 and not self.cfg.gemma \
+            if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.cfg.gemma \
                     and not self.cfg.sandwich_norms:
                 from executor_svc.attention import cpu_kernel
 
@@ -249,7 +249,7 @@ class LlamaModel:
         k_cache, v_cache = pool.layer(i)
         cos, sin = cos_sin
         if (getattr(attention, "plain_cache_writes", False) and isinstance(k_cache, torch.Tensor)
-                and k_cache.dtype == torch.float32):
+                and k_cache.dtype == self.dtype):
             q = ops.rotary_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
         else:  # (8-bit pages, or a backend with writes of its own)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
