@@ -13,7 +13,7 @@ namespace pagedkv_cpu {
 // polynomial, ~1 ulp). Plain float arithmetic with no call, so that a `#pragma omp simd` loop over it vectorizes
 // on whatever -march=native has (AVX2: 8 lanes, AVX-512: 16; with -fno-trapping-math, see cpu_kernel.py), where
 // glibc's expf would run one lane at a time.
-inline float exp_clamped(float x) {
+__attribute__((always_inline)) inline float exp_clamped(float x) {
   x = x < -87.f ? -87.f : x;
   x = x > 88.f ? 88.f : x;
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);

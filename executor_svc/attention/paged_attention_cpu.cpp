@@ -69,18 +69,24 @@ struct Range {
 // task's inner loops: in a decode step the pages come from DRAM (the layer's weights stream through the caches
 // between two calls), and the hardware prefetchers stop at every page (one 4 KiB page or less of a page's rows).
 struct Prefetcher {
-  const char* k = nullptr;  // null: nothing to fetch
+  const char* k = nullptr;
   const char* v = nullptr;
   const int64_t* k_off = nullptr;  // row offsets in floats from k / v
   const int64_t* v_off = nullptr;
-  int64_t rows = 0, row_lines = 0, per_call = 0, next = 0;
+  int64_t rows = 0, row_lines = 0;
+  // Spread evenly over the calls (Bresenham): each call adds `step` (2 x rows: K's rows, then V's) to `credit`,
+  // and a whole row is fetched per `calls` of credit. step 0: nothing to fetch.
+  int64_t step = 0, calls = 1, credit = 0, row = 0;
 
-  inline void issue() {
-    const int64_t total = 2 * rows * row_lines;
-    for (int64_t e = std::min(total, next + per_call); next < e; ++next) {
-      const int64_t row = next / row_lines, line = next % row_lines;
+  // NOTE: a call costs an add and a compare; the inner loops take a copy (local(): registers, where a pointer's
+  // fields stayed in memory) and hand it back. A division per line cost 40% of a hot decode call.
+  __attribute__((always_inline)) inline void issue() {
+    credit += step;
+    while (credit >= calls && row < 2 * rows) {
+      credit -= calls;
       const char* base = row < rows ? k + k_off[row] * sizeof(float) : v + v_off[row - rows] * sizeof(float);
-      __builtin_prefetch(base + line * 64, 0, 1);
+      for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(base + line * 64, 0, 1);
+      ++row;
     }
   }
 };
@@ -119,14 +125,14 @@ constexpr int lo_lane(int half, int lane) {
 }
 
 template <int HALF, size_t... L>
-inline vfloat fold(vfloat a, vfloat b, std::index_sequence<L...>) {
+__attribute__((always_inline)) inline vfloat fold(vfloat a, vfloat b, std::index_sequence<L...>) {
   return __builtin_shufflevector(a, b, lo_lane(HALF, L)...) + __builtin_shufflevector(a, b, (lo_lane(HALF, L) + HALF)...);
 }
 
 // The sum of kLanes vectors' lanes for vectors I, I + S, ... (N of them), depth first (few live registers): at
 // the root (N = kLanes, I = 0, S = 1) lane l holds vector l's sum.
 template <int N, int I, int S, typename Dot>
-inline vfloat fold_tree(const Dot& dot) {
+__attribute__((always_inline)) inline vfloat fold_tree(const Dot& dot) {
   if constexpr (N == 1) {
     return dot(I);
   } else {
@@ -139,8 +145,9 @@ inline vfloat fold_tree(const Dot& dot) {
 // together (fold_tree).
 template <int DIM, int NR>
 inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible, float* scores,
-                        int64_t stride, Prefetcher* pf) {
+                        int64_t stride, Prefetcher& pf_out) {
   constexpr int C = DIM / kLanes;
+  Prefetcher pf = pf_out;
   vfloat qv[NR][C];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < C; ++c) qv[r][c] = vload(q + r * DIM + c * kLanes);
@@ -148,9 +155,9 @@ inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, i
     const int64_t keys = std::min<int64_t>(kLanes, visible - j0);
     const float* key[kLanes];
     for (int l = 0; l < kLanes; ++l) key[l] = kh + k_off[j0 + std::min<int64_t>(l, keys - 1)];  // (tail: repeats)
-    if (pf) pf->issue();
+    pf.issue();
     for (int r = 0; r < NR; ++r) {
-      const vfloat sums = fold_tree<kLanes, 0, 1>([&](int l) {
+      const vfloat sums = fold_tree<kLanes, 0, 1>([&](int l) __attribute__((always_inline)) {
         vfloat acc = qv[r][0] * vload(key[l]);
         for (int c = 1; c < C; ++c) acc += qv[r][c] * vload(key[l] + c * kLanes);
         return acc;
@@ -158,15 +165,17 @@ inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, i
       std::memcpy(scores + r * stride + j0, &sums, keys * sizeof(float));
     }
   }
+  pf_out = pf;
 }
 
 template <int DIM, int NR>
 inline void values_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
-                        int64_t visible, const float* denom, float* out, Prefetcher* pf) {
+                        int64_t visible, const float* denom, float* out, Prefetcher& pf_out) {
   constexpr int C = DIM / kLanes;
+  Prefetcher pf = pf_out;
   vfloat acc[NR][C] = {};
   for (int64_t j = 0; j < visible; ++j) {
-    if (pf) pf->issue();
+    pf.issue();
     const float* val = vh + v_off[j];
     vfloat vv[C];
     for (int c = 0; c < C; ++c) vv[c] = vload(val + c * kLanes);
@@ -182,6 +191,7 @@ inline void values_simd(const float* weights, int64_t stride, const float* vh, c
       std::memcpy(out + r * DIM + c * kLanes, &o, sizeof o);
     }
   }
+  pf_out = pf;
 }
 
 // The rows of one KV head in blocks that keep q (or the accumulators) and a key in registers: DIM / kLanes
@@ -204,7 +214,7 @@ constexpr int64_t kRowBlock = kRegisters >= 32 ? std::max(1, std::min(8, kRegist
 
 template <int DIM>
 inline void scores_rows_simd(const float* q, const float* kh, const int64_t* k_off, int64_t visible,
-                             float* scores, int64_t rows, Prefetcher* pf) {
+                             float* scores, int64_t rows, Prefetcher& pf) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* qr = q + r0 * DIM;
     float* sr = scores + r0 * visible;
@@ -216,7 +226,7 @@ inline void scores_rows_simd(const float* q, const float* kh, const int64_t* k_o
 
 template <int DIM>
 inline void values_rows_simd(const float* weights, const float* vh, const int64_t* v_off, int64_t visible,
-                             const float* denom, float* out, int64_t rows, Prefetcher* pf) {
+                             const float* denom, float* out, int64_t rows, Prefetcher& pf) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
     const float* wr = weights + r0 * visible;
     float* o = out + r0 * DIM;
@@ -228,10 +238,10 @@ inline void values_rows_simd(const float* weights, const float* vh, const int64_
 #else
 // Without vectors (no AVX2/FMA, no AVX-512) the fast path is never taken (kFast is false); these only name it.
 template <int DIM>
-inline void scores_rows_simd(const float*, const float*, const int64_t*, int64_t, float*, int64_t, Prefetcher*) {}
+inline void scores_rows_simd(const float*, const float*, const int64_t*, int64_t, float*, int64_t, Prefetcher&) {}
 template <int DIM>
 inline void values_rows_simd(const float*, const float*, const int64_t*, int64_t, const float*, float*, int64_t,
-                             Prefetcher*) {}
+                             Prefetcher&) {}
 #endif
 
 // The largest of x[0, n) (GCC runs std::max's loop one lane at a time, a chain of dependent maxss).
@@ -363,19 +373,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       constexpr bool kFast = false;
 #endif
       const scalar_t* kh = kp + h0 * k_head;
-      Prefetcher prefetch;
-      Prefetcher* pf = nullptr;
+      Prefetcher pf;
       if (kFast && visible_next > 0) {  // the next task's heads: its own h0
         const int64_t next_h0 = ((task + 1) % blocks) * per_task;
-        prefetch.k = reinterpret_cast<const char*>(kp + next_h0 * k_head);
-        prefetch.v = reinterpret_cast<const char*>(vp + next_h0 * v_head);
-        prefetch.k_off = k_next.data();
-        prefetch.v_off = v_next.data();
-        prefetch.rows = visible_next;
-        prefetch.row_lines = ((per_task - 1) * k_head + dim) * static_cast<int64_t>(sizeof(float)) / 64 + 1;
-        const int64_t calls = per_task * (visible + visible / 8 + 1);  // values' keys and scores' key blocks
-        prefetch.per_call = (2 * visible_next * prefetch.row_lines + calls - 1) / calls;
-        pf = &prefetch;
+        pf.k = reinterpret_cast<const char*>(kp + next_h0 * k_head);
+        pf.v = reinterpret_cast<const char*>(vp + next_h0 * v_head);
+        pf.k_off = k_next.data();
+        pf.v_off = v_next.data();
+        pf.rows = visible_next;
+        pf.row_lines = ((per_task - 1) * k_head + dim) * static_cast<int64_t>(sizeof(float)) / 64 + 1;
+        pf.step = 2 * visible_next;
+        pf.calls = per_task * (visible + visible / 16 + 1);  // values' keys and scores' key blocks (16 keys: AVX-512)
       }
       if constexpr (kFast) {
         for (int64_t hh = 0; hh < per_task; ++hh)
