@@ -239,10 +239,10 @@ class GenerationService(api_grpc.GenerationServicer):
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
                 raise KeyError(req.client_id)
             forks = req.n if resume is None else len(seqs)  # the last messages to send
-            received = request.continuation.prompt_received
-            if req.sampling.prompt_logprobs is not None and len(req.prompt_ids) > 1 and not received:
+            prompt_received = request.continuation.prompt_received  # (not `received`: that is the arrival time)
+            if req.sampling.prompt_logprobs is not None and len(req.prompt_ids) > 1 and not prompt_received:
                 seqs[0].prompt_logprobs = PromptLogprobs(len(req.prompt_ids), req.sampling.prompt_logprobs)
-            prompt = prompt_message(req.prompt_ids, request.sampling, received,
+            prompt = prompt_message(req.prompt_ids, request.sampling, prompt_received,
                                     await self._echo_text(request, req.prompt_ids))
             prompt.tool_call_format = tools.fmt
         except (InvalidRequest, fit.FitError) as err:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import time
 import urllib.request
 
 import pytest
@@ -46,7 +47,9 @@ def test_metrics_follow_a_known_workload(model_cache):
                 second = await client.complete(prefix + [6], max_tokens=8, ignore_eos=True)
                 third = await client.complete(prefix + [7], max_tokens=8, ignore_eos=True)
                 return first, second, third
+        started = time.perf_counter()
         first, second, third = asyncio.run(workload())
+        wall = time.perf_counter() - started
         assert len(first.token_ids) == 48
         assert procs.wait_for(lambda: scrape(sched_metrics)["pagedkv_pages_used"] == 0, 10)
         m = scrape(sched_metrics)
@@ -56,6 +59,11 @@ def test_metrics_follow_a_known_workload(model_cache):
         assert m['pagedkv_requests_finished_total{reason="length"}'] == 3
         assert m['pagedkv_time_to_first_token_seconds_count{tenant="default"}'] == 3
         assert m['pagedkv_request_latency_seconds_count{tenant="default"}'] == 3
+        # measured from each request's arrival: within what the client waited in all (a timestamp clobbered by
+        # another field once measured them from the clock's origin, hours)
+        ttft = m['pagedkv_time_to_first_token_seconds_sum{tenant="default"}']
+        e2e = m['pagedkv_request_latency_seconds_sum{tenant="default"}']
+        assert 0 < ttft < e2e <= wall
         # one gap per token after the first, but for the messages a stream that fell behind coalesced (Outbox)
         gaps = m["pagedkv_inter_token_latency_seconds_count"] + m.get("pagedkv_stream_messages_coalesced_total", 0)
         assert gaps == (48 - 1) + 2 * (8 - 1)
