@@ -67,6 +67,9 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
+    # How a backend splits the prefill chunks' attention (executor_svc/attention/torch_backend.py
+    # ``split_prefills``): made on first use, shared by every layer.
+    prefill_split: object | None = None
 
     @property
     def one_decode_group(self) -> bool:

@@ -21,6 +21,13 @@ its log-sum-exp), then the kernel attends each request's own pages after the pre
 (``paged_attention_after``). The kernel alone scores every request against the prefix one key at a time, ~40
 GFLOP/s here; the cascade's products run at ~3x that (bench/NOTES.md "Shared prefix: a cascade").
 
+Prefill chunks with cached context before them (a chunked prompt's later chunks, a prompt whose prefix was cached)
+attend it in two parts merged by their log-sum-exps: the context's whole pages before the chunk's first query, which
+every query sees (no mask), and the rest (the chunk's own keys, causal). Chunks whose contexts begin with the same
+pages (a shared prompt prefix) score their queries against those pages in one SDPA call over the [tokens x query
+heads] of each KV head (``split_prefills``). The one masked SDPA over the whole gathered context that it replaces
+built a [q_len, ctx] mask per chunk and ran ~40% slower (bench/NOTES.md, session 16).
+
 On a quantized pool (``QuantizedCache`` / ``ChannelScaledCache`` views, executor_svc.kv_quant)
 ``write_cache`` quantizes the new tokens (computing their scales), and the gather dequantizes the gathered
 pages (a copy that the gather makes anyway), so attention itself runs in the model dtype.
@@ -44,6 +51,9 @@ QUANTIZED = (QuantizedCache, ChannelScaledCache)
 CASCADE_MIN_ROWS = 8
 CASCADE_MIN_TOKENS = 128
 CASCADE_MIN_WORK = 4096
+# A prefill chunk's context is split off (above) when it has at least this many tokens in whole pages before the
+# chunk's first query; chunks share one call over their common first pages when those hold CASCADE_MIN_TOKENS.
+PREFILL_SPLIT_MIN_TOKENS = 64
 
 
 def gather_pages(cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
@@ -85,6 +95,34 @@ def prefill_visible(seg: PrefillSegment, window: int | None, device: torch.devic
         visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
     return visible
 _NONE = torch.empty(0, dtype=torch.long)  # "no per-request windows" / "query i reads table row i"
+
+
+def split_prefills(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor, list[PrefillSegment]]]:
+    """The prefill segments whose context is attended apart from their own keys, in groups: (the context pages
+    each group's segments all start with and attend in one call, its segments). Segments with a window (the
+    model's or their own) or too little context before their first query are in no group (one masked SDPA)."""
+    if meta.prefill_split is not None:
+        return meta.prefill_split
+    groups: list[tuple[torch.Tensor, list[PrefillSegment]]] = []
+    by_first: dict[int, list[tuple[PrefillSegment, int]]] = {}
+    if not meta.sliding_window:
+        for seg in meta.prefills:
+            pages = (seg.ctx_len - seg.q_len) // block_size  # whole pages before the first query
+            if seg.window or pages * block_size < PREFILL_SPLIT_MIN_TOKENS:
+                continue
+            by_first.setdefault(int(seg.page_ids[0]), []).append((seg, pages))
+    for members in by_first.values():
+        common = min(pages for _, pages in members)
+        if len(members) > 1:
+            tables = torch.stack([seg.page_ids[:common] for seg, _ in members])
+            same = (tables == tables[:1]).all(0)
+            common = common if bool(same.all()) else int(same.logical_not().nonzero()[0, 0])
+        if len(members) > 1 and common * block_size >= CASCADE_MIN_TOKENS:
+            groups.append((members[0][0].page_ids[:common].contiguous(), [seg for seg, _ in members]))
+        else:
+            groups += [(seg.page_ids[:pages].contiguous(), [seg]) for seg, pages in members]
+    meta.prefill_split = groups
+    return groups
 
 
 def shared_prefix(group: DecodeGroup, block_size: int, window: int) -> torch.Tensor:
@@ -182,10 +220,57 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for group in meta.decodes:
             out[group.token_idx] = self._decode_in_place(kernel, q[group.token_idx], k_cache, v_cache, group, window)
+        split = split_prefills(meta, k_cache.shape[1])
+        done = set()
+        for pages, segs in split:
+            self._prefill_split(q, k_cache, v_cache, pages, segs, out)
+            done.update(id(seg) for seg in segs)
         for seg in meta.prefills:
-            rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
+            if id(seg) not in done:
+                rows = slice(seg.q_start, seg.q_start + seg.q_len)
+                out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
+
+    def _prefill_split(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                       segs: list[PrefillSegment], out: torch.Tensor) -> None:
+        """Prefill segments over context ``pages`` that all of them start with (every query sees all of it: one
+        unmasked SDPA for the group's queries), then each over the rest of its context (its own keys, causal);
+        the two softmaxes merged by their log-sum-exps, in float32."""
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        block_size, kv_heads, dim = k_cache.shape[1], self.num_kv_heads, self.head_dim
+        heads, per_kv = self.num_heads, self.num_heads // self.num_kv_heads
+        length = pages.numel() * block_size
+        k = k_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        v = v_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        qs = [q[seg.q_start:seg.q_start + seg.q_len] for seg in segs]
+        qc = qs[0] if len(qs) == 1 else torch.cat(qs)
+        n = qc.shape[0]
+        # every query head of a KV head, of every token, is a query row of that head: [1, kv_heads, n x per_kv, D]
+        qg = qc.view(n, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, n * per_kv, dim)
+        prior, lse = flash(qg, k, v, 0.0, False, scale=self.scale)[:2]
+        prior = prior[0].view(kv_heads, n, per_kv, dim).transpose(0, 1).reshape(n, heads, dim)
+        lse = lse[0].view(kv_heads, n, per_kv).transpose(0, 1).reshape(n, heads)
+        start = 0
+        for seg, qseg in zip(segs, qs):
+            rest = seg.ctx_len - length  # keys [length, ctx_len): the chunk's own, and context after the pages
+            tail = seg.page_ids[pages.numel():-(-seg.ctx_len // block_size)]
+            kr = gather_pages(k_cache, tail.view(1, -1), q.dtype)[:, :, :rest]  # [1, kv_heads, rest, D]
+            vr = gather_pages(v_cache, tail.view(1, -1), q.dtype)[:, :, :rest]
+            if per_kv > 1:
+                kr, vr = kr.repeat_interleave(per_kv, 1), vr.repeat_interleave(per_kv, 1)
+            qh = qseg.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+            if rest == seg.q_len:
+                own, own_lse = flash(qh, kr, vr, 0.0, True, scale=self.scale)[:2]
+            else:  # query i (position ctx_len - q_len + i) sees key j (position length + j) for j <= i + rest - q_len
+                visible = (torch.arange(rest).view(1, -1)
+                           <= torch.arange(seg.q_len).view(-1, 1) + (rest - seg.q_len))
+                mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(visible.logical_not(), -math.inf)
+                own, own_lse = flash(qh, kr, vr, 0.0, False, attn_mask=mask, scale=self.scale)[:2]
+            rows = slice(start, start + seg.q_len)
+            w = torch.sigmoid(lse[rows] - own_lse[0].transpose(0, 1)).unsqueeze(-1)  # the prior's share
+            merged = own[0].transpose(0, 1).float().lerp_(prior[rows].float(), w)
+            out[seg.q_start:seg.q_start + seg.q_len] = merged.to(out.dtype)
+            start += seg.q_len
 
     def _decode_in_place(self, kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          group: DecodeGroup, window: int) -> torch.Tensor:

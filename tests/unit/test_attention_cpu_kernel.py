@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor_svc.attention import cpu_kernel
-from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
+from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.kv_quant import QuantizedCache, parse_kv_dtype
 
@@ -289,3 +289,59 @@ def test_decodes_stay_in_length_groups_where_they_are_gathered():
     quantized = QuantizedCache(torch.zeros(4, 16, 4, 32, dtype=torch.float8_e4m3fn),
                                torch.ones(4, 16, 4, dtype=torch.bfloat16), fmt)
     assert fast.decode_group_slack(quantized, torch.float32) == DECODE_SLACK
+
+
+def prefill_meta(segments: list[tuple[int, int, int]], block_size: int, num_pages: int, g: torch.Generator,
+                 window: int | None = None) -> AttentionMetadata:
+    """Prefill chunks (q_len, ctx_len, shared pages): each chunk's context starts with the first ``shared`` pages of
+    one common prefix (0: none), then pages of its own."""
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    prefix = [perm.pop() for _ in range(max(s for _, _, s in segments))]
+    segs, start = [], 0
+    for q_len, ctx_len, shared in segments:
+        pages = prefix[:shared] + [perm.pop() for _ in range(-(-ctx_len // block_size) - shared)]
+        segs.append(PrefillSegment(start, q_len, ctx_len, torch.tensor(pages)))
+        start += q_len
+    slots = torch.zeros(start, dtype=torch.long)
+    return AttentionMetadata(slots, slots, [], segs, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 32), (8, 1, 128)])
+def test_prefill_chunks_attend_their_context_apart_and_match_the_reference(heads, kv_heads, head_dim, dtype):
+    """Prefill chunks with cached context: the chunks over a common prefix score it in one call, the others their
+    own context in one, each then its own keys (causal; behind a mask where context follows the common pages), the
+    softmaxes merged: the reference's one masked SDPA over the whole context, for every chunk."""
+    from executor_svc.attention.torch_backend import split_prefills
+
+    g = torch.Generator().manual_seed(heads * 10 + head_dim)
+    block_size, num_pages = 16, 600
+    k, v = pool_views(num_pages, block_size, kv_heads, head_dim, dtype, g)
+    segments = [(40, 40 + 160, 10),  # its context is exactly the common prefix (10 pages)
+                (37, 37 + 160, 10),
+                (5, 5 + 203, 10),  # more context after the prefix, and not on a page boundary
+                (64, 64 + 170, 10),
+                (20, 20 + 100, 0),  # context of its own: split alone
+                (16, 16 + 40, 0),  # too little context: the masked SDPA
+                (30, 30, 0)]  # no context
+    meta = prefill_meta(segments, block_size, num_pages, g)
+    q = torch.randn(sum(s[0] for s in segments), heads, head_dim, generator=g).to(dtype)
+    ref, fast = both(heads, kv_heads, head_dim)
+    out = fast.forward(q, k, v, meta)
+    groups = split_prefills(meta, block_size)
+    assert [(p.numel(), [meta.prefills.index(s) for s in segs]) for p, segs in groups] == [(10, [0, 1, 2, 3]),
+                                                                                           (6, [4])]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.forward(q, k, v, meta).float(), rtol=tol, atol=tol)
+
+
+def test_prefill_chunks_under_a_sliding_window_keep_the_masked_attention():
+    from executor_svc.attention.torch_backend import split_prefills
+
+    g = torch.Generator().manual_seed(5)
+    k, v = pool_views(200, 16, 2, 32, torch.float32, g)
+    meta = prefill_meta([(20, 20 + 160, 10), (20, 20 + 160, 10)], 16, 200, g, window=48)
+    assert split_prefills(meta, 16) == []
+    q = torch.randn(40, 4, 32, generator=g)
+    ref, fast = both(4, 2, 32)
+    torch.testing.assert_close(fast.forward(q, k, v, meta), ref.forward(q, k, v, meta), rtol=1e-5, atol=1e-5)
