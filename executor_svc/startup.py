@@ -15,6 +15,7 @@ from executor_svc.costs import cached_costs, cost_key
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
 from executor_svc.generation_config import sampling_defaults
 from executor_svc.grammar import GrammarEngine
+from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -123,6 +124,7 @@ def _graphs_off_reason(args, device: torch.device, model, kv) -> str | None:
 
 
 def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
+    kept_memory = keep_freed_memory()  # before the first big allocation
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
@@ -169,7 +171,8 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
              page_bytes=pool.page_bytes, backend=backend, backend_choice=why,
              swap_gb_per_s=round(costs.swap_bytes_per_second / 1e9, 2),
              prefill_us_per_token=round(costs.prefill_seconds_per_token * 1e6, 1),
-             costs="kept from an earlier start" if kept else "measured")
+             costs="kept from an earlier start" if kept else "measured",
+             freed_memory="kept in the process" if kept_memory is None else f"returned ({kept_memory})")
     return runner, describe
 
 
