@@ -93,7 +93,8 @@ def measure(args) -> dict:
                                                  max_model_len=args.prompt_len + args.steps + 16, watermark=0.0),
                                  list(describe.eos_token_ids)))  # planned through its wire, as the engine does
         for i in range(b):
-            req = make_request(i, 0, args.steps + 8, prompt=[1] + [100 + (i * 37 + j) % 40000
+            span = min(40000, describe.vocab_size - 100)  # ids within the vocabulary (tiny-llama has 320)
+            req = make_request(i, 0, args.steps + 8, prompt=[1] + [100 + (i * 37 + j) % span
                                                                    for j in range(args.prompt_len - 1)])
             req.sampling.ignore_eos = True
             sched.add(req)
