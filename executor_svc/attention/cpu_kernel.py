@@ -27,7 +27,9 @@ log = structlog.get_logger("executor_svc.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 # The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
-SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp")
+# And the float32 linears (cpu_gemm.cpp).
+SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp",
+           Path(__file__).parent.parent / "model" / "cpu_gemm.cpp")
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both (found through the include path)
 # NOTE: -fno-trapping-math -fno-math-errno (as torch itself is built): without them GCC vectorizes no loop with a
 # clamp or floor in it (the exp of the softmax and of SiLU ran one lane at a time on AVX2). Results are unchanged.

@@ -1,6 +1,6 @@
-"""Float32 and bfloat16 linears on the CPU through oneDNN (executor_svc/model/cpu_linear.py): torch's results within
-float32 rounding, each float32 row the same bits whatever the batch, bfloat16 within its rounding, and the reference
-switch back to torch's F.linear."""
+"""Float32 and bfloat16 linears on the CPU (executor_svc/model/cpu_linear.py): our float32 product (cpu_gemm.cpp,
+where AVX-512 builds it) and oneDNN's, each torch's results within float32 rounding and each float32 row the same
+bits whatever the batch; bfloat16 within its rounding; the reference switch back to torch's F.linear."""
 
 from __future__ import annotations
 
@@ -17,17 +17,32 @@ pytestmark = [pytest.mark.unit, pytest.mark.skipif(not cpu_linear.available(torc
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096), (64, 192)]
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
-def test_rows_equal_torch_and_do_not_depend_on_the_batch(k, n):
+@pytest.fixture(params=["ours", "onednn"])
+def float32_kind(request, monkeypatch):
+    """Each float32 product: ours (skipped where it is not built) and oneDNN's (ours turned off)."""
+    if request.param == "ours":
+        if cpu_linear.float32_kernel() is None:
+            pytest.skip("no AVX-512 (or no kernel library) here: oneDNN's product is used")
+    else:
+        monkeypatch.setattr(cpu_linear, "_ours", [None])
+    return request.param
+
+
+@pytest.mark.parametrize("k,n", SHAPES + [(256, 259), (96, 40)])  # (tiny-llama's head: a partial last panel)
+def test_rows_equal_torch_and_do_not_depend_on_the_batch(k, n, float32_kind):
     g = torch.Generator().manual_seed(k * n)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     x = torch.randn(300, k, generator=g)
     lin = cpu_linear.PackedLinear(w, b)
+    assert (lin.ops is not None) == (float32_kind == "ours")
     whole = lin(x)
     assert torch.allclose(whole, F.linear(x, w, b), rtol=1e-4, atol=1e-4 * k ** 0.5)
     for m in (1, 2, 3, 7, 11, 16, 17, 33, 64, 129, 300):  # every batch size gives each row the same bits
         assert torch.equal(lin(x[:m]), whole[:m]), m
     assert torch.equal(lin(x[5:6]), whole[5:6])
+    assert torch.equal(lin(x[:6].view(2, 3, k)), whole[:6].view(2, 3, n))  # leading dimensions kept
+    if float32_kind == "ours":  # the bias is added to each finished chain
+        assert torch.equal(cpu_linear.PackedLinear(w, None)(x[:9]) + b, whole[:9])
 
 
 @pytest.mark.skipif(not cpu_linear.available(torch.device("cpu"), torch.bfloat16),
@@ -59,10 +74,13 @@ def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llam
     monkeypatch.setenv("PAGEDKV_CPU_ATTENTION", "reference")
     plain = load_model(cfg, torch.device("cpu"), torch.float32)
     assert isinstance(plain.layers[0]["qkv"], DenseLinear) and isinstance(plain.logits, DenseLinear)
-    # (a tied head, packed, is a copy held besides the embedding, and counted in what the model holds)
+    # (a tied head, packed, is a copy held besides the embedding, and counted in what the model holds; our float32
+    # panels hold the head's last one padded to 32 rows: tiny-llama's 259-token vocabulary takes 288)
     assert (plain.logits.weight is plain.embed) == cfg.tie_word_embeddings
     extra = plain.embed.numel() * 4 if cfg.tie_word_embeddings else 0
-    assert packed.weight_bytes()["other"] - plain.weight_bytes()["other"] == extra
+    padding = packed.logits.nbytes() - cfg.vocab_size * cfg.hidden_size * 4
+    assert 0 <= padding < 32 * cfg.hidden_size * 4
+    assert packed.weight_bytes()["other"] - plain.weight_bytes()["other"] == extra + padding
     assert packed.weight_bytes()["linears"] == plain.weight_bytes()["linears"]
     bf16 = load_model(cfg, torch.device("cpu"), torch.bfloat16)
     bf16_packed = cpu_linear.available(torch.device("cpu"), torch.bfloat16)  # (where oneDNN has bfloat16 here)
