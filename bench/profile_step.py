@@ -84,8 +84,14 @@ def measure(args) -> dict:
     runner, describe = build(eargs, logs.configure("profile", json=True, level="warning"))
     model = runner.model
     weights = model.weight_bytes()
+    # a decode step reads every linear, the head and the norms once, and one row of the embedding table (a head
+    # tied in place is the table itself, read whole)
+    embed = model.embed.numel() * model.embed.element_size()
+    if getattr(model.logits, "weight", None) is model.embed:
+        embed = 0
     out: dict = {"model": args.model, "attention_backend": describe.attention_backend, "threads": args.threads,
-                 "weight_bytes": weights, "read_gb_s": read_bandwidth(args.threads), "batches": {}}
+                 "weight_bytes": weights, "read_bytes": weights["linears"] + weights["other"] - embed,
+                 "read_gb_s": read_bandwidth(args.threads), "batches": {}}
     out["read_gb_s"] = max(out["read_gb_s"], read_bandwidth(args.threads))
     for b in batches:
         sched = Driven(Scheduler(PagePool(runner.num_pages, runner.block_size),
@@ -139,10 +145,8 @@ def measure(args) -> dict:
 
 def report(runs: dict[str, dict]) -> None:
     any_run = next(iter(runs.values()))
-    w = any_run["weight_bytes"]
     read = any_run["read_gb_s"]
-    # one decode step reads every linear's weights and the lm_head (tied: the embedding) once
-    step_bytes = w["linears"] + w["other"]
+    step_bytes = any_run["read_bytes"]  # (measure(): what one decode step reads)
     limit_ms = step_bytes / (read * 1e9) * 1e3
     print(f"\n{any_run['model']}: attention {any_run['attention_backend']}, {any_run['threads']} threads; weights "
           f"{step_bytes / 1e6:.0f} MB read per step; read bandwidth {read:.1f} GB/s -> bandwidth limit "
