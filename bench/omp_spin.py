@@ -7,7 +7,7 @@ executor's cores, that spinning takes the CPU they need at that very moment (``p
 tiny-llama's 64-request burst: 44% of its CPU in libgomp's wait loops; SmolLM2's: 13%).
 
 ``pagedkv serve --http-port`` is started once per mode and round (modes alternate), with ``GOMP_SPINCOUNT`` set in
-its environment (the executor keeps a value it is given); the whole workload runs once untimed (its first touch of
+its environment (libgomp reads it when the executor starts); the whole workload runs once untimed (its first touch of
 memory and its shapes), then again, timed: all requests at once, streamed from ``/v1/completions`` (token-id
 prompts, greedy, EOS ignored) by this process. Reported per mode, medians over the rounds: output tok/s, TTFT p50,
 and the CPU seconds the server's processes (executor, scheduler, gateway) took in the window.
