@@ -78,7 +78,8 @@ def measure(args) -> dict:
     p = argparse.ArgumentParser()
     executor_args.add_args(p)
     batches = [int(b) for b in args.batch.split(",")]
-    pages_per = -(-(args.prompt_len + args.steps + 8) // 16)
+    decode_steps = 2 * args.steps if args.loop else args.steps
+    pages_per = -(-(args.prompt_len + decode_steps + 8) // 16)
     eargs = p.parse_args(["--model", args.model, "--num-pages", str(max(batches) * pages_per + 8),
                           "--threads", str(args.threads), "--swap-space", "0", *args.executor_args.split()])
     runner, describe = build(eargs, logs.configure("profile", json=True, level="warning"))
@@ -96,11 +97,11 @@ def measure(args) -> dict:
     for b in batches:
         sched = Driven(Scheduler(PagePool(runner.num_pages, runner.block_size),
                                  SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(2048, args.prompt_len),
-                                                 max_model_len=args.prompt_len + args.steps + 16, watermark=0.0),
+                                                 max_model_len=args.prompt_len + decode_steps + 16, watermark=0.0),
                                  list(describe.eos_token_ids)))  # planned through its wire, as the engine does
         for i in range(b):
             span = min(40000, describe.vocab_size - 100)  # ids within the vocabulary (tiny-llama has 320)
-            req = make_request(i, 0, args.steps + 8, prompt=[1] + [100 + (i * 37 + j) % span
+            req = make_request(i, 0, decode_steps + 8, prompt=[1] + [100 + (i * 37 + j) % span
                                                                    for j in range(args.prompt_len - 1)])
             req.sampling.ignore_eos = True
             sched.add(req)
@@ -110,10 +111,18 @@ def measure(args) -> dict:
             if len(plan.decodes) == b:
                 break
         steps, forwards = [], []
+        loop_steps, loop_forwards = [], []  # --loop: the Python loop's steps, alternated with the one call's
         prof = None
-        for k in range(args.steps):
+        for k in range(decode_steps):
             plan, _ = sched.schedule()
-            if args.profile and k == args.steps // 2:  # (not timed)
+            looped = args.loop and k % 2 == 1
+            model.decode_in_one_call = not looped
+            if looped:
+                t = time.perf_counter()
+                result = runner.step(plan)
+                loop_steps.append(time.perf_counter() - t)
+                loop_forwards.append(result.timings.forward_ms / 1e3)
+            elif args.profile and k == args.steps // 2 * (2 if args.loop else 1):  # (not timed)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     result = runner.step(plan)
                 profiled_ms = result.timings.forward_ms
@@ -124,6 +133,9 @@ def measure(args) -> dict:
                 forwards.append(result.timings.forward_ms / 1e3)
             sched.process(result)
         row = {"step_ms": 1e3 * statistics.median(steps), "forward_ms": 1e3 * statistics.median(forwards)}
+        if loop_steps:
+            row["loop_step_ms"] = 1e3 * statistics.median(loop_steps)
+            row["loop_forward_ms"] = 1e3 * statistics.median(loop_forwards)
         if prof is not None:
             groups: dict[str, list[float]] = {}
             total_ops = 0
@@ -157,6 +169,9 @@ def report(runs: dict[str, dict]) -> None:
         for b, row in r["batches"].items():
             print(f"| {name} | {b} | {row['step_ms']:.1f} | {row['forward_ms']:.1f} | "
                   f"{row['step_ms'] / limit_ms:.2f}x | {int(b) * 1e3 / row['step_ms']:.0f} |")
+            if "loop_step_ms" in row:
+                print(f"| {name}, Python loop | {b} | {row['loop_step_ms']:.1f} | {row['loop_forward_ms']:.1f} | "
+                      f"{row['loop_step_ms'] / limit_ms:.2f}x | {int(b) * 1e3 / row['loop_step_ms']:.0f} |")
     for name, r in runs.items():
         for b, row in r["batches"].items():
             if "profile" not in row:
@@ -174,7 +189,8 @@ def run_tree(tree: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, str(ROOT / "bench" / "profile_step.py"), "--child", "--model", args.model, "--batch",
            args.batch, "--steps", str(args.steps), "--prompt-len", str(args.prompt_len), "--threads",
-           str(args.threads), "--executor-args", args.executor_args, *(["--profile"] if args.profile else [])]
+           str(args.threads), "--executor-args", args.executor_args, *(["--profile"] if args.profile else []),
+           *(["--loop"] if args.loop else [])]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{tree}: {done.stderr[-3000:]}")
@@ -189,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="a torch.profiler table of one step per batch size")
+    p.add_argument("--loop", action="store_true",
+                   help="also time the Python loop over the layers (decode_in_one_call off), alternated step by step "
+                        "with the one call (executor_svc/model/cpu_decode.cpp)")
     p.add_argument("--executor-args", default="", help="more `pagedkv executor` flags, one string")
     p.add_argument("--against", default="", metavar="DIR", help="another checkout, measured after this one")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

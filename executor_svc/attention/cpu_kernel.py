@@ -27,10 +27,11 @@ log = structlog.get_logger("executor_svc.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 # The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
-# And the float32 linears (cpu_gemm.cpp).
-SOURCES = (SOURCE, Path(__file__).parent.parent / "model" / "cpu_ops.cpp",
-           Path(__file__).parent.parent / "model" / "cpu_gemm.cpp")
-HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both (found through the include path)
+# And the float32 linears (cpu_gemm.cpp), and a decode step's layers in one call (cpu_decode.cpp).
+SOURCES = (SOURCE, *(Path(__file__).parent.parent / "model" / name
+                     for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_decode.cpp")))
+# included by the sources (found through the include path): shared math, and the ops as C++ functions
+HEADERS = (Path(__file__).with_name("cpu_math.h"), Path(__file__).with_name("cpu_ops.h"))
 # NOTE: -fno-trapping-math -fno-math-errno (as torch itself is built): without them GCC vectorizes no loop with a
 # clamp or floor in it (the exp of the softmax and of SiLU ran one lane at a time on AVX2). Results are unchanged.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -499,6 +500,8 @@ static at::Tensor paged_attention_checked(const at::Tensor& q, const at::Tensor&
   return at::empty_like(q);
 }
 
+namespace pagedkv_cpu {
+
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                               at::Tensor q_rows, at::Tensor q_pos, at::Tensor sinks, at::Tensor windows,
                               int64_t model_window, double scale) {
@@ -510,6 +513,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   });
   return out;
 }
+
+}  // namespace pagedkv_cpu
 
 // The cascade's second half (executor_svc/attention/torch_backend.py, "shared prefix"): each query attends to its
 // keys at positions >= start (no windows), and the result is merged with ``prior_out`` [N, heads, D] (q's dtype,
@@ -542,6 +547,6 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention", &pagedkv_cpu::paged_attention);
   m.impl("paged_attention_after", &paged_attention_after);
 }

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,6 +36,10 @@ constexpr int64_t kRowBlock = 192;  // rows a block: 192 x K floats stay in L2 a
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedkv_cpu linear_f32: ", what); }
 
+}  // namespace
+
+namespace pagedkv_cpu {
+
 bool linear_f32_available() {
 #if defined(__AVX512F__)
   return true;
@@ -42,6 +47,10 @@ bool linear_f32_available() {
   return false;
 #endif
 }
+
+}  // namespace pagedkv_cpu
+
+namespace {
 
 at::Tensor pack_linear_f32(at::Tensor w) {
   check(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be float32 [N, K]");
@@ -97,6 +106,10 @@ inline void tail(int64_t left, const float* x, int64_t lda, const float* panel, 
 }
 #endif
 
+}  // namespace
+
+namespace pagedkv_cpu {
+
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
   check(linear_f32_available(), "this build has no AVX-512 kernel");
   check(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
@@ -135,15 +148,15 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<
   return y;
 }
 
-}  // namespace
+}  // namespace pagedkv_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
-  m.def("linear_f32_available() -> bool", &linear_f32_available);  // (no tensor to dispatch on)
+  m.def("linear_f32_available() -> bool", &pagedkv_cpu::linear_f32_available);  // (no tensor to dispatch on)
   m.def("pack_linear_f32(Tensor weight) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("pack_linear_f32", &pack_linear_f32);
-  m.impl("linear_f32", &linear_f32);
+  m.impl("linear_f32", &pagedkv_cpu::linear_f32);
 }

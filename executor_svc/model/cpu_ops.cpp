@@ -27,6 +27,7 @@
 #include <limits>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -104,6 +105,10 @@ auto dispatch(const at::Tensor& t, Fn&& fn) {
 
 // Rows are spread over threads only when there are enough of them to pay for the fork.
 constexpr int64_t kRowGrain = 16;
+
+}  // namespace
+
+namespace pagedkv_cpu {
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, w);
@@ -247,6 +252,10 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
+}  // namespace pagedkv_cpu
+
+namespace {
+
 // Structured outputs (executor_svc/grammar_mask.py): dst[rows[i]] = src[rows[i]] with every token that row i of
 // ``bitmask`` refuses at -inf (xgrammar's packing: token t allowed when bit t % 32 of word t // 32 is set); the
 // other rows of dst untouched. One pass over each constrained row; a word of 32 allowed tokens is copied whole.
@@ -309,9 +318,9 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary_write", &rotary_write);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &pagedkv_cpu::rms_norm);
+  m.impl("add_rms_norm", &pagedkv_cpu::add_rms_norm);
+  m.impl("rotary_write", &pagedkv_cpu::rotary_write);
+  m.impl("silu_mul", &pagedkv_cpu::silu_mul);
   m.impl("grammar_mask", &grammar_mask);
 }

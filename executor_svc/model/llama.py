@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.attention.torch_backend import TorchPagedAttention, shared_prefix
 from executor_svc.model import cpu_linear
 from executor_svc.model.checkpoint import (
     expected_tensors,
@@ -68,6 +69,8 @@ class LlamaModel:
         del self.raw
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self._fused = None  # fused_ops(), decided on the first forward
+        self._stack = None  # decode_stack()'s weights, decided on the first decode-only step
+        self.decode_in_one_call = True  # decode_layers where it applies (tests compare it with the Python loop)
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
@@ -156,6 +159,45 @@ class LlamaModel:
             self._fused = ops if ops is not None and hasattr(ops, "add_rms_norm") else False
         return self._fused or None
 
+    def decode_stack(self, ops, meta: AttentionMetadata, pool: DevicePagePool, attention) -> list | None:
+        """The weights ``decode_layers`` (cpu_decode.cpp) takes, ten a layer, when this step's layers run in that one
+        call: a float32 model whose every linear is our float32 product (cpu_linear.py), SiLU MLPs, one rotary
+        table, no per-layer windows, q/k norms or score soft-capping; and a decode-only step in one group without
+        per-request windows, attended in place by the torch backend without a cascade. Else None: the Python loop
+        (_forward_fused), which runs the same ops in the same order."""
+        if not self.decode_in_one_call or not meta.one_decode_group or meta.decodes[0].windows is not None:
+            return None
+        if self._stack is None:
+            self._stack = self._stack_weights(ops) or False
+        if not self._stack or not isinstance(attention, TorchPagedAttention) or not attention.plain_cache_writes:
+            return None
+        k_cache = pool.k_views[0]
+        if not attention.reads_in_place(torch.empty(0, dtype=self.dtype), k_cache):
+            return None
+        group = meta.decodes[0]
+        if group.shared_pages is None:
+            group.shared_pages = shared_prefix(group, k_cache.shape[1], meta.sliding_window or 0)
+        return None if group.shared_pages.numel() else self._stack
+
+    def _stack_weights(self, ops) -> list | None:
+        cfg = self.cfg
+        if (not hasattr(ops, "decode_layers") or self.dtype != torch.float32 or self.act is not F.silu
+                or cfg.qk_norm or cfg.attn_softcap or len(self.rotaries) != 1
+                or any(lw["window"] is not None for lw in self.layers)):
+            return None
+        out: list[torch.Tensor] = []
+        none = torch.empty(0, dtype=self.dtype)
+        for lw in self.layers:
+            if not isinstance(lw["mlp"], DenseMlp):
+                return None
+            linears = (lw["qkv"], lw["o"], lw["gate_up"], lw["down"])
+            if not all(isinstance(lin, cpu_linear.PackedLinear) and lin.ops is not None for lin in linears):
+                return None
+            (qkv, o, gate_up, down) = linears
+            out += [lw["in_norm"], qkv.packed, _or(qkv.bias, none), o.packed, _or(o.bias, none), lw["mlp_norm"],
+                    gate_up.packed, _or(gate_up.bias, none), down.packed, _or(down.bias, none)]
+        return out
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
@@ -214,6 +256,14 @@ class LlamaModel:
         goes into the next layer's norm (one pass over x per norm)."""
         eps = self.cfg.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
+        stack = self.decode_stack(ops, meta, pool, attention)
+        if stack is not None:  # every layer in one call (cpu_decode.cpp): the same ops as the loop below
+            cos, sin = next(iter(self.rotaries.values())).cos_sin(positions, self.dtype)
+            group = meta.decodes[0]
+            ops.decode_layers(x, stack, pool.k_views, pool.v_views, group.page_tables, group.query_positions(), cos,
+                              sin, meta.slot_pages, meta.slot_offsets, self.cfg.num_heads, self.cfg.num_kv_heads,
+                              meta.sliding_window or 0, eps, self.scale)
+            return self._logits(ops, x, logits_idx)
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
         metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
         layers = self.layers
@@ -230,7 +280,10 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, m, layers[i + 1]["in_norm"], eps)  # x += m
             else:
                 x.add_(m)
-        logits = self.logits(ops.rms_norm(x[logits_idx], self.final_norm, eps))
+        return self._logits(ops, x, logits_idx)
+
+    def _logits(self, ops, x: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(ops.rms_norm(x[logits_idx], self.final_norm, self.cfg.rms_norm_eps))
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()
@@ -258,6 +311,10 @@ class LlamaModel:
             attention.write_cache(k_cache, v_cache, k, v, meta)
         a = attention.forward(q, k_cache, v_cache, meta)
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
 
 
 def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[int | None, AttentionMetadata]:
