@@ -35,7 +35,7 @@ from executor_svc.model.checkpoint import (
 )
 from executor_svc.model.layers import ACTIVATIONS, Rotary, gemma_norm, rms_norm, rotate_half
 from executor_svc.model.moe import DenseMlp, MoeMlp
-from executor_svc.model.quant import DenseLinear, build_int4, quant_tensor_names, unpack_linear
+from executor_svc.model.quant import DenseLinear, Int4Linear, build_int4, quant_tensor_names, unpack_linear
 from executor_svc.model.softcap import softcapped_attention
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
@@ -186,16 +186,15 @@ class LlamaModel:
                 or any(lw["window"] is not None for lw in self.layers)):
             return None
         out: list[torch.Tensor] = []
-        none = torch.empty(0, dtype=self.dtype)
         for lw in self.layers:
-            if not isinstance(lw["mlp"], DenseMlp):
+            if not isinstance(lw["mlp"], DenseMlp) or lw["gate_up"].out_features != 2 * cfg.intermediate_size:
                 return None
-            linears = (lw["qkv"], lw["o"], lw["gate_up"], lw["down"])
-            if not all(isinstance(lin, cpu_linear.PackedLinear) and lin.ops is not None for lin in linears):
-                return None
-            (qkv, o, gate_up, down) = linears
-            out += [lw["in_norm"], qkv.packed, _or(qkv.bias, none), o.packed, _or(o.bias, none), lw["mlp_norm"],
-                    gate_up.packed, _or(gate_up.bias, none), down.packed, _or(down.bias, none)]
+            out += [lw["in_norm"], lw["mlp_norm"]]
+            for lin in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"]):
+                tensors = _linear_tensors(lin, self.dtype)
+                if tensors is None:
+                    return None
+                out += tensors
         return out
 
     @torch.inference_mode()
@@ -262,7 +261,7 @@ class LlamaModel:
             group = meta.decodes[0]
             ops.decode_layers(x, stack, pool.k_views, pool.v_views, group.page_tables, group.query_positions(), cos,
                               sin, meta.slot_pages, meta.slot_offsets, self.cfg.num_heads, self.cfg.num_kv_heads,
-                              meta.sliding_window or 0, eps, self.scale)
+                              self.cfg.intermediate_size, meta.sliding_window or 0, eps, self.scale)
             return self._logits(ops, x, logits_idx)
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
         metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
@@ -313,8 +312,18 @@ class LlamaModel:
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
-def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if tensor is None else tensor
+_NONE = torch.empty(0)
+
+
+def _linear_tensors(lin, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """A linear as decode_layers takes it (cpu_decode.cpp: weight, aux, perm, bias), or None where it cannot: our
+    float32 product's panels, or torch's int4 product on the CPU in a float32 model."""
+    bias = _NONE if lin.bias is None else lin.bias
+    if isinstance(lin, cpu_linear.PackedLinear) and lin.ops is not None:
+        return [lin.packed, _NONE, _NONE, bias]
+    if isinstance(lin, Int4Linear) and lin.mm is torch.ops.aten._weight_int4pack_mm_for_cpu and lin.dtype == dtype:
+        return [lin.packed, lin.scales_and_zeros, _NONE if lin.perm is None else lin.perm, bias]
+    return None
 
 
 def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[int | None, AttentionMetadata]:

@@ -1,6 +1,7 @@
 """A decode step's layers in one call (executor_svc/model/cpu_decode.cpp, ``decode_layers``) against the Python loop
 over the same ops (LlamaModel._forward_fused): the same logits and the same pages, bit for bit, on models with and
-without biases and with a model-wide sliding window; and where the one call does not apply, the loop runs."""
+without biases, with a model-wide sliding window, and with 4-bit linears (AWQ; GPTQ with desc_act, whose inputs are
+reordered); and where the one call does not apply, the loop runs."""
 
 from __future__ import annotations
 
@@ -58,10 +59,35 @@ def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, win
     return logits, pool.pages.clone(), ran
 
 
-@pytest.mark.parametrize("which", ["tiny-llama", "qwen2 (qkv bias)", "sliding window 40"])
+@pytest.fixture(scope="module")
+def four_bit_dirs(tmp_path_factory, tiny_llama_dir, qwen2_dir):
+    from pagedkv.tools.quantize import quantize_checkpoint
+
+    tmp = tmp_path_factory.mktemp("four-bit")
+    out = {"awq": quantize_checkpoint(tiny_llama_dir, tmp / "awq", method="awq", group_size=64)}
+    # desc_act: one activation order for the linears over the same inputs, as GPTQ's (one Hessian an input), so
+    # that q/k/v and gate/up stay fused with their inputs reordered (the tool draws an order a module)
+    randperm = torch.randperm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "randperm", lambda k, generator=None: randperm(k, generator=torch.Generator().manual_seed(k)))
+        out["gptq"] = quantize_checkpoint(qwen2_dir, tmp / "gptq", method="gptq", group_size=32, desc_act=True)
+    return out
+
+
+MODELS = ["tiny-llama", "qwen2 (qkv bias)", "sliding window 40", "4-bit awq", "4-bit gptq desc_act (qwen2)"]
+
+
+@pytest.mark.parametrize("which", MODELS)
 @pytest.mark.parametrize("ctx_lens", [[37], [1, 16, 17, 70, 5, 33, 48, 129, 2]], ids=["batch1", "batch9"])
-def test_one_call_equals_the_python_loop_bit_for_bit(which, ctx_lens, tiny_llama_dir, qwen2_dir):
-    cfg, model = _model(qwen2_dir if which.startswith("qwen2") else tiny_llama_dir)
+def test_one_call_equals_the_python_loop_bit_for_bit(which, ctx_lens, tiny_llama_dir, qwen2_dir, four_bit_dirs):
+    if which.startswith("4-bit"):
+        path = four_bit_dirs[which.split()[1]]
+    else:
+        path = qwen2_dir if which.startswith("qwen2") else tiny_llama_dir
+    cfg, model = _model(path)
+    if which.startswith("4-bit"):
+        assert any(k.startswith("int4-cpu") for k in model.linear_kinds), model.linear_kinds
+        assert which.endswith("awq") or model.layers[0]["qkv"].perm is not None, "desc_act must reorder inputs"
     window = 40 if which.startswith("sliding") else None
     got, got_pages, ran = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=True, window=window)
     assert ran, "the one call must apply to this step (else this test compares the loop with itself)"
@@ -109,9 +135,9 @@ def test_bad_arguments_are_refused_by_name(tiny_llama_dir):
     caches = [torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
     one = torch.zeros(1, dtype=torch.long)
     cos = sin = torch.zeros(1, cfg.head_dim)
-    with pytest.raises(RuntimeError, match="10 tensors a layer"):
+    with pytest.raises(RuntimeError, match="18 tensors a layer"):
         ops.decode_layers(x, [x] * 3, caches, caches, one.view(1, 1), one, cos, sin, one, one, cfg.num_heads,
-                          cfg.num_kv_heads, 0, 1e-5, 0.1)
+                          cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        ops.decode_layers(x.double(), [x] * (10 * cfg.num_layers), caches, caches, one.view(1, 1), one, cos, sin, one,
-                          one, cfg.num_heads, cfg.num_kv_heads, 0, 1e-5, 0.1)
+        ops.decode_layers(x.double(), [x] * (18 * cfg.num_layers), caches, caches, one.view(1, 1), one, cos, sin, one,
+                          one, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
