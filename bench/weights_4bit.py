@@ -1,9 +1,10 @@
 """4-bit weights (AWQ / GPTQ) measured against the float model on CPU, one thread:
 
-1. One linear, 4096 x 4096, one row and eight rows: fp32 F.linear, torch's int4 matmul
-   (``_weight_int4pack_mm_for_cpu``) with bf16 inside (what pagedkv runs) and in fp32 (exact, scalar
-   code), and dequantize-then-matmul per call (what a hand-written fallback would do). torchao's int4 CPU
-   layout calls the same aten op, so it is not a separate candidate.
+1. One linear, 4096 x 4096, 1, 8, 64 and 512 rows: fp32 F.linear, our 4-bit product (cpu_gemm.cpp
+   ``linear_int4``: what pagedkv runs for float32 models on an AVX-512 CPU), torch's int4 matmul
+   (``_weight_int4pack_mm_for_cpu``) with bf16 inside (what pagedkv runs elsewhere) and in fp32 (exact, scalar
+   code; 1 and 8 rows), and dequantize-then-matmul per call (what a hand-written fallback would do; 1 and 8 rows).
+   torchao's int4 CPU layout calls the same aten op, so it is not a separate candidate.
 2. A random Llama (hidden 1024, 4 layers) quantized by pagedkv.tools.quantize.quantize_checkpoint: the decoder
    linears' bytes held (vs the same weights in fp16 and fp32) and decode tokens/s through the executor's
    ModelRunner and paged KV, batch 1 and 8, for fp32 weights and each 4-bit format.
@@ -57,24 +58,30 @@ def linear_kernels(reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     w = Int4Weight(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g),
                    torch.randint(0, 16, (k // 128, n), dtype=torch.int32, generator=g),
-                   torch.rand(k // 128, n, generator=g) * 0.01, torch.arange(k) // 128, 128)
-    int4, kind = build_int4([w], None, torch.device("cpu"), torch.float32)
-    assert kind == "int4-cpu" and int4.kernel_dtype == torch.bfloat16, kind
+                   (torch.rand(k // 128, n, generator=g) * 0.01).half().float(), torch.arange(k) // 128, 128)
+    ours, kind = build_int4([w], None, torch.device("cpu"), torch.float32)
+    assert kind == "int4-cpu", kind
+    quant.OWN_CPU_KERNEL = False
+    int4, _ = build_int4([w], None, torch.device("cpu"), torch.float32)
+    assert int4.kernel_dtype == torch.bfloat16
     quant.CPU_KERNEL_DTYPE = None
     exact, _ = build_int4([w], None, torch.device("cpu"), torch.float32)
-    quant.CPU_KERNEL_DTYPE = torch.bfloat16
+    quant.CPU_KERNEL_DTYPE, quant.OWN_CPU_KERNEL = torch.bfloat16, True
     dense = w.dequantize()
     rows = []
-    for m in (1, 8):
+    for m in (1, 8, 64, 512):
         x = torch.randn(m, k, generator=g)
         candidates = {
             "fp32 F.linear": lambda x=x: F.linear(x, dense),
-            "int4 mm, bf16 inside (default)": lambda x=x: int4(x),
+            **({"our 4-bit product (default)": lambda x=x: ours(x)} if ours.ours is not None else {}),
+            "int4 mm, bf16 inside": lambda x=x: int4(x),
             "int4 mm, fp32 (exact)": lambda x=x: exact(x),
             "dequantize per call + F.linear": lambda x=x: F.linear(x, w.dequantize()),
         }
         for name, fn in candidates.items():
             slow = "dequantize" in name or "exact" in name
+            if slow and m > 8:
+                continue
             rows.append({"rows": m, "path": name, "ms": 1e3 * timed(fn, 2 if slow else reps)})
     return rows
 
@@ -136,25 +143,26 @@ def models(quick: bool, reps_steps: int, work: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "bench/results/weights_4bit.json"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     kernels = linear_kernels(5 if args.quick else 20)
-    print("one 4096x4096 linear, fp32 activations, 1 thread")
+    print(f"one 4096x4096 linear, fp32 activations, {args.threads} thread(s)")
     print(f"{'rows':>4}  {'path':<32} {'ms':>8}")
     for r in kernels:
         print(f"{r['rows']:>4}  {r['path']:<32} {r['ms']:>8.3f}")
     with tempfile.TemporaryDirectory() as tmp:
         rows = models(args.quick, 8 if args.quick else 24, Path(tmp))
-    print(f"\nrandom Llama {SHAPE}, fp32 compute, 1 thread")
+    print(f"\nrandom Llama {SHAPE}, fp32 compute, {args.threads} thread(s)")
     print(f"{'weights':<24} {'linear MiB':>10} {'x fp16':>7} {'x fp32':>7} {'tok/s b1':>9} {'tok/s b8':>9}  kernel")
     for r in rows:
         print(f"{r['weights']:<24} {r['linear_bytes'] / 2**20:>10.2f} {r['vs_fp16_linears']:>7.3f} "
               f"{r['vs_fp32_linears']:>7.3f} {r['decode_tok_s_b1']:>9.1f} {r['decode_tok_s_b8']:>9.1f}  "
               f"{','.join(r['linear_kinds'])}")
     print()
-    write_report(args.out, {"torch": torch.__version__, "threads": 1, "shape": SHAPE, "linear": kernels,
+    write_report(args.out, {"torch": torch.__version__, "threads": args.threads, "shape": SHAPE, "linear": kernels,
                             "models": rows, "quick": args.quick})
 
 

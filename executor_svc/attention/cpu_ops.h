@@ -24,5 +24,7 @@ at::Tensor silu_mul(at::Tensor gate_up);
 // executor_svc/model/cpu_gemm.cpp
 bool linear_f32_available();
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor linear_int4(at::Tensor x, at::Tensor packed, at::Tensor zeros, at::Tensor scales, int64_t n,
+                       c10::optional<at::Tensor> bias);
 
 }  // namespace pagedkv_cpu

@@ -12,11 +12,13 @@
 //                 num_heads, num_kv_heads, intermediate_size, model_window, eps, scale)
 //     x [rows, hidden] float32: the embedded tokens, the residual stream after the last layer on return (in place)
 //     weights: kPerLayer a layer: the input norm, the post-attention norm, then four linears (qkv, o, gate_up, down)
-//              of kPerLinear each: (weight, aux, perm, bias), a tensor with no element standing for none:
-//                float32 weight: pack_linear_f32's panels (aux and perm none)
+//              of kPerLinear each: (weight, aux, aux2, perm, bias), a tensor with no element standing for none:
+//                float32 weight: pack_linear_f32's panels (aux, aux2, perm none)
+//                uint8 weight with int8 aux: our 4-bit product's panels (linear_int4), aux its zeros, aux2 its
+//                float16 scales
 //                any other: torch's int4 "tinygemm" pack for the CPU (_weight_int4pack_mm_for_cpu), aux its
-//                [groups, N, 2] scale and offset table in the dtype the product runs in, perm an int32 order of
-//                the inputs (desc_act) or none; rows go in as Int4Linear (quant.py) sends them
+//                [groups, N, 2] scale and offset table in the dtype the product runs in
+//              perm: an int32 order of the inputs (desc_act) or none; rows go in as Int4Linear (quant.py) sends them
 //     k_caches / v_caches: one [pages, block, kv_heads, head_dim] a layer; the step's K/V are written into them
 //     the rest as paged_attention (one query a row, row i using table row i) and rotary_write take them
 
@@ -29,7 +31,7 @@
 
 namespace {
 
-constexpr int64_t kPerLinear = 4;
+constexpr int64_t kPerLinear = 5;
 constexpr int64_t kPerLayer = 2 + 4 * kPerLinear;
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedkv_cpu decode_layers: ", what); }
@@ -39,15 +41,17 @@ inline c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
 }
 
 // One linear (kPerLinear tensors at l) over x [rows, K] -> [rows, n], as llama.py calls it: PackedLinear (our float32
-// product) or Int4Linear (torch's int4 product: inputs reordered, cast to its dtype, the result cast back, + bias).
+// product) or Int4Linear (inputs reordered; our 4-bit product, or torch's: cast to its dtype, the result cast back,
+// + bias).
 at::Tensor linear(const at::Tensor* l, const at::Tensor& x, int64_t n) {
-  if (l[0].scalar_type() == at::kFloat) return pagedkv_cpu::linear_f32(x, l[0], n, bias_of(l[3]));
+  if (l[0].scalar_type() == at::kFloat) return pagedkv_cpu::linear_f32(x, l[0], n, bias_of(l[4]));
+  const at::Tensor xi = l[3].numel() ? x.index_select(1, l[3]) : x;
+  if (l[1].scalar_type() == at::kChar) return pagedkv_cpu::linear_int4(xi, l[0], l[1], l[2], n, bias_of(l[4]));
   const at::Tensor& table = l[1];
   check(table.dim() == 3 && table.size(1) == n && table.size(2) == 2, "an int4 linear's table must be [groups, N, 2]");
-  const at::Tensor xi = l[2].numel() ? x.index_select(1, l[2]) : x;
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(xi.to(table.scalar_type()).contiguous(), l[0],
                                                  x.size(1) / table.size(0), table).to(at::kFloat);
-  return l[3].numel() ? y + l[3] : y;
+  return l[4].numel() ? y + l[4] : y;
 }
 
 }  // namespace
@@ -61,7 +65,7 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   check(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
         static_cast<int64_t>(weights.size()) == kPerLayer * layers,
-        "weights must hold 18 tensors a layer, and k_caches / v_caches one a layer");
+        "weights must hold 22 tensors a layer, and k_caches / v_caches one a layer");
   check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [rows, hidden]");
   check(num_heads > 0 && num_kv_heads > 0 && k_caches[0].dim() == 4, "heads, or caches not [pages, block, kv_heads, dim]");
   const int64_t n = x.size(0), hidden = x.size(1), dim = k_caches[0].size(3);

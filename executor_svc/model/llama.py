@@ -187,8 +187,9 @@ class LlamaModel:
             return None
         out: list[torch.Tensor] = []
         for lw in self.layers:
-            if not isinstance(lw["mlp"], DenseMlp) or lw["gate_up"].out_features != 2 * cfg.intermediate_size:
-                return None
+            if (not isinstance(lw["mlp"], DenseMlp)
+                    or getattr(lw["gate_up"], "out_features", None) != 2 * cfg.intermediate_size):
+                return None  # (an MoE layer, or a fusion split into parts: _Concat)
             out += [lw["in_norm"], lw["mlp_norm"]]
             for lin in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"]):
                 tensors = _linear_tensors(lin, self.dtype)
@@ -316,13 +317,18 @@ _NONE = torch.empty(0)
 
 
 def _linear_tensors(lin, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """A linear as decode_layers takes it (cpu_decode.cpp: weight, aux, perm, bias), or None where it cannot: our
-    float32 product's panels, or torch's int4 product on the CPU in a float32 model."""
+    """A linear as decode_layers takes it (cpu_decode.cpp: weight, aux, aux2, perm, bias), or None where it cannot:
+    our float32 product's panels, our 4-bit product's, or torch's int4 product on the CPU, in a float32 model."""
     bias = _NONE if lin.bias is None else lin.bias
     if isinstance(lin, cpu_linear.PackedLinear) and lin.ops is not None:
-        return [lin.packed, _NONE, _NONE, bias]
-    if isinstance(lin, Int4Linear) and lin.mm is torch.ops.aten._weight_int4pack_mm_for_cpu and lin.dtype == dtype:
-        return [lin.packed, lin.scales_and_zeros, _NONE if lin.perm is None else lin.perm, bias]
+        return [lin.packed, _NONE, _NONE, _NONE, bias]
+    if not isinstance(lin, Int4Linear) or lin.dtype != dtype:
+        return None
+    perm = _NONE if lin.perm is None else lin.perm
+    if lin.ours is not None:
+        return [lin.packed, lin.zeros, lin.scales, perm, bias]
+    if lin.mm is torch.ops.aten._weight_int4pack_mm_for_cpu:
+        return [lin.packed, lin.scales_and_zeros, _NONE, perm, bias]
     return None
 
 

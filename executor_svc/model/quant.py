@@ -41,6 +41,11 @@ KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # None runs it in the compute dtype: exact against the dequantized weights but slow (tests use it to check
 # the formats bit for bit).
 CPU_KERNEL_DTYPE: torch.dtype | None = torch.bfloat16
+# A float32 model on a CPU that builds our float32 product (executor_svc/model/cpu_gemm.cpp, AVX-512) runs its 4-bit
+# linears through it instead: the weights dequantized exactly as Int4Weight.dequantize does, float32 activations,
+# the same FMA chains as a float32 linear (bit for bit linear_f32 over the dequantized weights, whatever the batch).
+# Tests turn it off to check torch's kernel.
+OWN_CPU_KERNEL = True
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -195,8 +200,47 @@ def kernel_layout(w: Int4Weight, kernel: str = "cpu") -> tuple[torch.Tensor | No
     return perm, w.group_size
 
 
+def own_kernel(device: torch.device, dtype: torch.dtype):
+    """``torch.ops.pagedkv_cpu`` when its 4-bit product serves this device and model dtype (OWN_CPU_KERNEL), else
+    None."""
+    if not OWN_CPU_KERNEL or device.type != "cpu" or dtype != torch.float32:
+        return None
+    from executor_svc.model.cpu_linear import float32_kernel
+
+    ops = float32_kernel()
+    return ops if ops is not None and hasattr(ops, "linear_int4") else None
+
+
+PANEL = 32  # output columns a panel of our product (cpu_gemm.cpp)
+
+
+def pack_panels(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q [N, K] (0..15), zeros [G, N], scales [G, N] float32 -> (packed uint8 [P, K, 16], zeros int8 [P, G, 32],
+    scales float16 [P, G, 32]) for linear_int4, P = ceil(N / 32): byte j of input k holds column j of the panel
+    (low nibble) and column j + 16 (high); padding columns are zero. None when a scale is not a float16 value or a
+    zero does not fit int8 (the checkpoint's scales are float16: they are)."""
+    n, k = q.shape
+    if not torch.equal(scales.half().float(), scales) or int(zeros.min()) < -128 or int(zeros.max()) > 127:
+        return None
+    pad = -n % PANEL
+    if pad:
+        q = F.pad(q, (0, 0, 0, pad))
+        zeros, scales = F.pad(zeros, (0, pad)), F.pad(scales, (0, pad))
+    panels = q.shape[0] // PANEL
+    qp = q.to(torch.uint8).view(panels, PANEL, k)
+    packed = (qp[:, :PANEL // 2] | (qp[:, PANEL // 2:] << 4)).transpose(1, 2).contiguous()  # [P, K, 16]
+    groups = zeros.shape[0]
+
+    def by_panel(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype).view(groups, panels, PANEL).transpose(0, 1).contiguous()
+
+    return packed, by_panel(zeros, torch.int8), by_panel(scales, torch.float16)
+
+
 class Int4Linear:
-    """y = x @ W.T + b with W held as int4 in torch's tinygemm layout (one or more fused linears)."""
+    """y = x @ W.T + b with W held as int4 (one or more fused linears): in our product's panels (a float32 model on
+    an AVX-512 CPU: own_kernel), else in torch's tinygemm layout."""
 
     def __init__(self, weights: list[Int4Weight], biases: list[torch.Tensor] | None, kernel: str,
                  perm: torch.Tensor | None, group_size: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -204,8 +248,22 @@ class Int4Linear:
             weights = [Int4Weight(w.q[:, perm], w.zeros, w.scales, w.g_idx[perm], w.group_size) for w in weights]
         q = torch.cat([w.q for w in weights])
         scales = torch.cat([w.scales for w in weights], dim=1)
-        offsets = (8 - torch.cat([w.zeros for w in weights], dim=1).float()) * scales
+        zeros = torch.cat([w.zeros for w in weights], dim=1)
         self.dtype = dtype  # in and out
+        self.perm = None if perm is None else perm.to(device=device, dtype=torch.int32)
+        self.group_size = group_size
+        self.in_features = q.shape[1]
+        self.out_features = q.shape[0]
+        self.bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
+        self.ours = own_kernel(device, dtype) if kernel == "cpu" else None
+        panels = pack_panels(q, zeros, scales) if self.ours is not None else None
+        if panels is not None:
+            self.packed, self.zeros, self.scales = panels
+            self.kernel_dtype = torch.float32
+            self.mm = None
+            return
+        self.ours = None
+        offsets = (8 - zeros.float()) * scales
         self.kernel_dtype = (CPU_KERNEL_DTYPE or dtype) if kernel == "cpu" else dtype
         self.scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(
             device=device, dtype=self.kernel_dtype).contiguous()
@@ -216,17 +274,15 @@ class Int4Linear:
             nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, 8)
             self.mm = torch.ops.aten._weight_int4pack_mm
-        self.perm = None if perm is None else perm.to(device=device, dtype=torch.int32)
-        self.group_size = group_size
-        self.in_features = q.shape[1]
-        self.out_features = q.shape[0]
-        self.bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x = x.index_select(1, self.perm)
+        if self.ours is not None:
+            y = self.ours.linear_int4(x, self.packed, self.zeros, self.scales, self.out_features, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
         y = self.mm(x.to(self.kernel_dtype).contiguous(), self.packed, self.group_size,
                     self.scales_and_zeros).to(self.dtype)
         if self.bias is not None:
@@ -236,8 +292,8 @@ class Int4Linear:
     def nbytes(self) -> int:
         extra = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return (self.packed.numel() * self.packed.element_size()
-                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size() + extra + bias)
+        tables = (self.zeros, self.scales) if self.ours is not None else (self.scales_and_zeros,)
+        return sum(t.numel() * t.element_size() for t in (self.packed, *tables)) + extra + bias
 
 
 class DenseLinear:

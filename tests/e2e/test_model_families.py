@@ -224,7 +224,8 @@ def test_four_bit_weights_equal_to_transformers_on_the_dequantized_weights(arch,
     from pagedkv.tools.quantize import quantize_checkpoint
     from tests.support.model_helpers import paged_greedy
 
-    monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)  # bit-for-bit the dequantized weights' math
+    # float32 math over the dequantized weights: our 4-bit product on an AVX-512 CPU, else torch's kernel in fp32
+    monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)
     extra = dict(tie_word_embeddings=False, sliding_window=12) if arch == "gemma2" else {}
     src = build_random_model(tmp_path / "src", arch=arch, seed=12, hidden_size=128, intermediate_size=256,
                              num_layers=2, num_heads=4, num_kv_heads=2, **extra)

@@ -97,9 +97,9 @@ def test_one_call_equals_the_python_loop_bit_for_bit(which, ctx_lens, tiny_llama
     assert torch.equal(got_pages, want_pages), "the step's K/V written to the same slots, with the same bits"
 
 
-def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir):
-    """A bfloat16 model (its linears are oneDNN's), a request with a window of its own, and a step with a prefill
-    chunk keep the loop."""
+def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir, tmp_path):
+    """A bfloat16 model (its linears are oneDNN's), a 4-bit model whose fused linears were split (each part its own
+    input order), a request with a window of its own, and a step with a prefill chunk keep the loop."""
     from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
     from executor_svc.attention.torch_backend import TorchPagedAttention
     from executor_svc.kv_quant import parse_kv_dtype
@@ -126,6 +126,11 @@ def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir):
     _, bf16 = _model(tiny_llama_dir, torch.bfloat16)
     pool16 = DevicePagePool(cfg, 8, 16, torch.bfloat16, torch.device("cpu"), parse_kv_dtype("auto", torch.bfloat16))
     assert bf16.decode_stack(bf16.fused_ops(), decode(), pool16, attention) is None
+    from pagedkv.tools.quantize import quantize_checkpoint
+
+    _, split = _model(quantize_checkpoint(tiny_llama_dir, tmp_path / "q", method="gptq", group_size=32, desc_act=True))
+    assert any("unfused" in k for k in split.linear_kinds), split.linear_kinds
+    assert split.decode_stack(split.fused_ops(), decode(), pool, attention) is None
 
 
 def test_bad_arguments_are_refused_by_name(tiny_llama_dir):
@@ -135,9 +140,9 @@ def test_bad_arguments_are_refused_by_name(tiny_llama_dir):
     caches = [torch.zeros(4, 16, cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
     one = torch.zeros(1, dtype=torch.long)
     cos = sin = torch.zeros(1, cfg.head_dim)
-    with pytest.raises(RuntimeError, match="18 tensors a layer"):
+    with pytest.raises(RuntimeError, match="22 tensors a layer"):
         ops.decode_layers(x, [x] * 3, caches, caches, one.view(1, 1), one, cos, sin, one, one, cfg.num_heads,
                           cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        ops.decode_layers(x.double(), [x] * (18 * cfg.num_layers), caches, caches, one.view(1, 1), one, cos, sin, one,
+        ops.decode_layers(x.double(), [x] * (22 * cfg.num_layers), caches, caches, one.view(1, 1), one, cos, sin, one,
                           one, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)

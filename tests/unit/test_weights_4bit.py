@@ -1,5 +1,6 @@
-"""4-bit weights: AWQ (GEMM) and GPTQ checkpoints in the tools' format load, stay 4-bit in memory, run on
-torch's int4 matmul, and decode greedily exactly as transformers does on the dequantized fp32 weights.
+"""4-bit weights: AWQ (GEMM) and GPTQ checkpoints in the tools' format load, stay 4-bit in memory, run on our
+4-bit product (float32 models on an AVX-512 CPU) or torch's int4 matmul, and decode greedily exactly as transformers
+does on the dequantized fp32 weights.
 In-process, tiny models; checkpoints made by pagedkv.tools.quantize.quantize_checkpoint (round-to-nearest)."""
 
 from __future__ import annotations
@@ -9,8 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from executor_svc.model.quant import AWQ_ORDER, QuantSpec, unpack_linear
+from executor_svc.model.cpu_linear import float32_kernel
+from executor_svc.model.quant import (
+    AWQ_ORDER,
+    Int4Weight,
+    QuantSpec,
+    build_int4,
+    own_kernel,
+    pack_panels,
+    unpack_linear,
+)
 from executor_svc.model_config import ModelConfig
 from pagedkv.tools.quantize import quantize_checkpoint
 from pagedkv.tools.random_model import build_random_model
@@ -36,8 +47,9 @@ def qwen2_dir(tmp_path_factory) -> Path:  # q/k/v biases, tied embeddings
 
 @pytest.fixture
 def exact(monkeypatch):
-    """The int4 kernel in the compute dtype (fp32): bit-for-bit the dequantized weights' math, so the formats
-    are checked by greedy equality. The default (bf16 kernel, fast) is checked against a tolerance below."""
+    """float32 math over the exactly dequantized weights, so the formats are checked by greedy equality: our 4-bit
+    product where it serves (an AVX-512 CPU; the default there), else torch's int4 kernel in the compute dtype (fp32).
+    Torch's default (bf16 inside, fast) is checked against a tolerance below."""
     from executor_svc.model import quant
 
     monkeypatch.setattr(quant, "CPU_KERNEL_DTYPE", None)
@@ -123,17 +135,26 @@ def test_exact_kernel_within_1e4_of_the_dequantized_weights(llama_dir, tmp_path,
 # ---- memory ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["our product", "torch's kernel"])
 @pytest.mark.parametrize("group,limit", [(128, 0.3), (64, 0.3), (32, 0.32)])
-def test_linears_stay_four_bit_in_memory(group, limit, tmp_path):
-    """Linear weights held vs the same weights in fp16: half a byte a weight, and the kernel's bf16 (scale,
-    offset) table, 4 bytes per group and output (group 128 is what the tools write by default)."""
+def test_linears_stay_four_bit_in_memory(group, limit, own, tmp_path, monkeypatch):
+    """Linear weights held vs the same weights in fp16: half a byte a weight, and a table per group and output:
+    our product's int8 zero and fp16 scale (3 bytes), torch's kernel's bf16 (scale, offset) (4 bytes). Group 128 is
+    what the tools write by default."""
+    from executor_svc.model import quant
+
+    if own and quant.own_kernel(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("no AVX-512 build of our product here")
+    monkeypatch.setattr(quant, "OWN_CPU_KERNEL", own)
     src = build_random_model(tmp_path / "src", seed=3, hidden_size=512, intermediate_size=1024, num_layers=1,
                              num_heads=4, num_kv_heads=4)
     q, ref = quantized(src, tmp_path, method="gptq", group_size=group)
-    held = load(q).weight_bytes()["linears"]
+    model = load(q)
+    assert (model.layers[0]["o"].ours is not None) == own
+    held = model.weight_bytes()["linears"]
     fp16 = load(ref).weight_bytes()["linears"] // 2  # the reference holds them in float32
     assert held <= limit * fp16, (held, fp16, held / fp16)
-    assert held == fp16 // 4 + 4 * fp16 // 2 // group  # exactly: half a byte a weight + the table
+    assert held == fp16 // 4 + (3 if own else 4) * fp16 // 2 // group  # exactly: half a byte a weight + the table
 
 
 # ---- fallback: dequantize at load, and say so --------------------------------------------------------------
@@ -246,13 +267,14 @@ def test_awq_weights_with_an_fp8_kv_cache(llama_dir, tmp_path, exact):
 # ---- the default CPU kernel: bf16 inside the 4-bit linears ------------------------------------------------
 
 
-def test_default_cpu_kernel_runs_bf16_within_the_stated_tolerance(llama_dir, tmp_path):
-    """By default the CPU int4 matmul takes bf16 activations and scales (its only vectorized path): each
-    linear within 2% (relative to its largest output) of the dequantized fp32 weights, and greedy decoding
-    equal to transformers on the dequantized fp32 weights for at least 4 of 6 prompts (random tiny models
-    have near-ties: about one prompt in five flips a token within 10 steps)."""
+def test_default_cpu_kernel_runs_bf16_within_the_stated_tolerance(llama_dir, tmp_path, monkeypatch):
+    """Without our product (a CPU without AVX-512), the CPU int4 matmul takes bf16 activations and scales by default
+    (its only vectorized path): each linear within 2% (relative to its largest output) of the dequantized fp32
+    weights, and greedy decoding equal to transformers on the dequantized fp32 weights for at least 4 of 6 prompts
+    (random tiny models have near-ties: about one prompt in five flips a token within 10 steps)."""
     from executor_svc.model import quant
 
+    monkeypatch.setattr(quant, "OWN_CPU_KERNEL", False)
     assert quant.CPU_KERNEL_DTYPE == torch.bfloat16
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=128, desc_act=True, sym=False)
     m4, mf = load(q), load(ref)
@@ -266,3 +288,57 @@ def test_default_cpu_kernel_runs_bf16_within_the_stated_tolerance(llama_dir, tmp
     want = hf_greedy(ref, prompts, [10] * len(prompts))
     got = paged_greedy(q, prompts, 10)
     assert sum(g == w for g, w in zip(got, want)) >= 4, (got, want)
+
+
+# ---- our 4-bit product (executor_svc/model/cpu_gemm.cpp, linear_int4) ---------------------------------------
+
+
+needs_own = pytest.mark.skipif(own_kernel(torch.device("cpu"), torch.float32) is None,
+                               reason="no AVX-512 build of our product here")
+
+
+@needs_own
+@pytest.mark.parametrize("n,k,group", [(96, 64, 32), (50, 128, 64), (576, 576, 32), (37, 256, 256), (200, 384, 128)])
+def test_our_product_is_the_float32_product_over_the_dequantized_weights_bit_for_bit(n, k, group):
+    """Every row count (1-4 dequantize in registers, more into a buffer; 200+ span two blocks of rows), a last panel
+    part empty, with and without a bias: linear_int4 equals linear_f32 over Int4Weight.dequantize's weights, bit for
+    bit, and F.linear within float32 noise."""
+    ops = float32_kernel()
+    g = torch.Generator().manual_seed(n + k)
+    groups = k // group
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g), torch.randint(0, 17, (groups, n), generator=g),
+                   (torch.rand(groups, n, generator=g) * 0.02).half().float(), torch.arange(k) // group, group)
+    packed, zeros, scales = pack_panels(w.q, w.zeros, w.scales)
+    dense = w.dequantize()
+    as_f32 = ops.pack_linear_f32(dense)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17, 200, 401):
+        x = torch.randn(m, k, generator=g)
+        for b in (None, bias):
+            got = ops.linear_int4(x, packed, zeros, scales, n, b)
+            assert torch.equal(got, ops.linear_f32(x, as_f32, n, b)), (m, b is None)
+            torch.testing.assert_close(got, F.linear(x, dense, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_own
+def test_a_float32_model_runs_our_product_and_decodes_as_transformers(llama_dir, tmp_path):
+    """By default a float32 model's 4-bit linears take our product (float32 activations, the exact dequantized
+    weights): greedy decoding equal to transformers on the dequantized weights for every prompt."""
+    q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=64, desc_act=False, sym=False)
+    model = load(q)
+    assert all(lw[key].ours is not None for lw in model.layers for key in ("qkv", "o", "gate_up", "down"))
+    prompts = random_prompts(5, [4, 19, 40, 25, 60, 11], VOCAB)
+    assert paged_greedy(q, prompts, 10) == hf_greedy(ref, prompts, [10] * len(prompts))
+
+
+@needs_own
+def test_scales_that_are_not_float16_values_keep_torch_s_kernel():
+    g = torch.Generator().manual_seed(1)
+    w = Int4Weight(torch.randint(0, 16, (32, 64), generator=g), torch.randint(0, 16, (2, 32), generator=g),
+                   torch.rand(2, 32, generator=g) * 0.01, torch.arange(64) // 32, 32)
+    assert pack_panels(w.q, w.zeros, w.scales) is None  # float32 scales: no float16 table holds them exactly
+    linear, kind = build_int4([w], None, torch.device("cpu"), torch.float32)
+    assert kind == "int4-cpu" and linear.ours is None and linear.kernel_dtype == torch.bfloat16
+    packed, zeros, scales = pack_panels(w.q, w.zeros, w.scales.half().float())
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        float32_kernel().linear_int4(torch.randn(1, 64), packed, zeros, scales.float(), 32, None)
