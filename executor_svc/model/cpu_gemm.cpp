@@ -72,6 +72,25 @@ at::Tensor pack_linear_f32(at::Tensor w) {
 }
 
 #if defined(__AVX512F__)
+// R rows' accumulators (columns 0-15 in lo, 16-31 in hi) + bias (after the chain), stored to y's first `cols` columns.
+template <int R>
+__attribute__((always_inline)) inline void store_rows(__m512* lo, __m512* hi, const float* bias, float* y, int64_t ldy,
+                                                      int64_t cols) {
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  if (bias != nullptr) {
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    for (int i = 0; i < R; ++i) {
+      lo[i] = _mm512_add_ps(lo[i], b0);
+      hi[i] = _mm512_add_ps(hi[i], b1);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + i * ldy, m0, lo[i]);
+    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, hi[i]);
+  }
+}
+
 // Rows [0, R) of x (stride lda) against one panel (K x 32) into y (stride ldy), its first `cols` columns.
 template <int R>
 inline void rows_panel(const float* x, int64_t lda, const float* panel, int64_t k_len, const float* bias, float* y,
@@ -92,19 +111,7 @@ inline void rows_panel(const float* x, int64_t lda, const float* panel, int64_t 
       hi[i] = _mm512_fmadd_ps(a, w1, hi[i]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  if (bias != nullptr) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-    for (int i = 0; i < R; ++i) {
-      lo[i] = _mm512_add_ps(lo[i], b0);
-      hi[i] = _mm512_add_ps(hi[i], b1);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + i * ldy, m0, lo[i]);
-    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, hi[i]);
-  }
+  store_rows<R>(lo, hi, bias, y, ldy, cols);
 }
 
 template <int R>
@@ -176,19 +183,7 @@ inline void int4_rows_panel(const float* x, int64_t lda, const uint8_t* packed, 
       }
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  if (bias != nullptr) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-    for (int i = 0; i < R; ++i) {
-      lo[i] = _mm512_add_ps(lo[i], b0);
-      hi[i] = _mm512_add_ps(hi[i], b1);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + i * ldy, m0, lo[i]);
-    _mm512_mask_storeu_ps(y + i * ldy + 16, m1, hi[i]);
-  }
+  store_rows<R>(lo, hi, bias, y, ldy, cols);
 }
 #endif
 
