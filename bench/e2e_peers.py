@@ -269,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="HTTP peers: the weights' dtype on both servers (float32: the headline)")
     p.add_argument("--four-bit", action="store_true",
                    help="HTTP peers: pagedkv serves a GPTQ 4-bit group-32 copy (quantize_checkpoint) and llama.cpp "
-                   "the Q4_1 GGUF of the built-in model")
+                   "the Q4_1 GGUF of the built-in model (its tied head 8-bit: q8_0)")
+    p.add_argument("--four-bit-head", action="store_true",
+                   help="with --four-bit: pagedkv's copy has a 4-bit head too (GPTQ's lm_head; the embedding stays "
+                   "float), where its default copy keeps the float32 head")
     args = p.parse_args(argv)
     if args.run:
         return child(args)
@@ -323,7 +326,7 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
         path = model_dir(model)
         extra, gguf = tuple(args.pagedkv_args.split()), None
         if args.four_bit:
-            path, gguf = four_bit_copy(model, path), peers_http.gguf_of(model)
+            path, gguf = four_bit_copy(model, path, args.four_bit_head), peers_http.gguf_of(model)
         print(f"{model} ({path}): {', '.join(servers)} over HTTP, {args.rounds} rounds of {', '.join(workloads)}",
               flush=True)
         got = peers_http.measure_servers(servers, model, path, workloads, args.rounds, dtype=args.dtype,
@@ -345,14 +348,15 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
     return 0
 
 
-def four_bit_copy(model: str, path: Path) -> Path:
-    """A GPTQ 4-bit group-32 copy of the model (pagedkv.tools.quantize.quantize_checkpoint), built once."""
+def four_bit_copy(model: str, path: Path, lm_head: bool = False) -> Path:
+    """A GPTQ 4-bit group-32 copy of the model (pagedkv.tools.quantize.quantize_checkpoint), built once; with
+    ``lm_head`` the head is 4-bit too (GPTQ's lm_head), the embedding float."""
     from pagedkv.models import build_atomically, cache_dir
     from pagedkv.tools.quantize import quantize_checkpoint
 
-    out = cache_dir() / f"{model}-gptq4-g32-v1"
+    out = cache_dir() / f"{model}-gptq4-g32{'-head' if lm_head else ''}-v1"
     if not (out / "config.json").exists():
-        build_atomically(out, lambda d: quantize_checkpoint(path, d, method="gptq", group_size=32))
+        build_atomically(out, lambda d: quantize_checkpoint(path, d, method="gptq", group_size=32, lm_head=lm_head))
     return out
 
 

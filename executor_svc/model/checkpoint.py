@@ -80,7 +80,9 @@ def _mlp_modules(cfg: ModelConfig, i: int, p: str) -> tuple[list[str], list[str]
 def expected_tensors(cfg: ModelConfig) -> list[str]:
     """Every tensor the config implies, as transformers' modules would hold them."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
+    if cfg.quantization is not None and cfg.quantization.lm_head:  # (GPTQ's lm_head: its own 4-bit tensors)
+        names += [f"lm_head.{t}" for t in quant_tensor_names(cfg.quantization)]
+    elif not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

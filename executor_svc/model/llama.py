@@ -62,9 +62,13 @@ class LlamaModel:
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device) if cfg.gemma else None
         self.final_norm = w["model.norm.weight"]
         self.packed = cpu_linear.available(device, dtype)  # float32/bfloat16 on the CPU: oneDNN linears (cpu_linear.py)
-        # the logits' linear (a tied head packed is a copy of its own: the embedding lookup reads the original)
-        head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.logits = cpu_linear.PackedLinear(head, None) if self.packed else DenseLinear(head, None)
+        # the logits' linear (a tied head packed is a copy of its own: the embedding lookup reads the original); a
+        # GPTQ checkpoint's 4-bit head (quantization_config.lm_head) is its own tensors, tied or not
+        if cfg.quantization is not None and cfg.quantization.lm_head:
+            self.logits = self._linear(w, ["lm_head"], False)
+        else:
+            head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+            self.logits = cpu_linear.PackedLinear(head, None) if self.packed else DenseLinear(head, None)
         self.layers = [self._layer_weights(w, i) for i in range(cfg.num_layers)]
         del self.raw
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5

@@ -57,13 +57,15 @@ class QuantSpec:
     sym: bool = True
     zero_offset: int = 0  # added to stored zeros: 1 for the "gptq" (v1) checkpoint format
     keep_float: tuple[str, ...] = ()  # AWQ's modules_to_not_convert: modules whose names contain one stay float
+    lm_head: bool = False  # GPTQ's lm_head: the head is 4-bit too (lm_head.qweight, ...; the embedding stays float)
 
     def quantizes(self, module: str) -> bool:
         return not any(name in module for name in self.keep_float)
 
     def describe(self) -> str:
         extra = f", desc_act={self.desc_act}, sym={self.sym}" if self.method == "gptq" else ""
-        return f"{self.method} 4-bit, group {self.group_size}{extra}"
+        head = ", lm_head 4-bit" if self.lm_head else ""
+        return f"{self.method} 4-bit, group {self.group_size}{extra}{head}"
 
 
 def parse_quant_config(qc, where: str) -> QuantSpec:
@@ -84,9 +86,11 @@ def parse_quant_config(qc, where: str) -> QuantSpec:
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group >= 8):
         refuse("group_size", "a positive group size (or -1)")
-    if qc.get("lm_head"):
-        refuse("lm_head", "a quantized lm_head is not loaded; the tools leave it unquantized by default")
+    if not isinstance(qc.get("lm_head", False), bool):
+        refuse("lm_head", "must be true or false")
     if method == "awq":
+        if qc.get("lm_head"):
+            refuse("lm_head", "AutoAWQ never quantizes the head; a 4-bit lm_head loads from GPTQ checkpoints")
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             refuse("version", "only the GEMM layout loads (AutoAWQ's default)")
@@ -109,7 +113,7 @@ def parse_quant_config(qc, where: str) -> QuantSpec:
         if not isinstance(qc.get(flag, flag == "sym"), bool):
             refuse(flag, "must be true or false")
     return QuantSpec("gptq", group, desc_act=bool(qc.get("desc_act", False)), sym=bool(qc.get("sym", True)),
-                     zero_offset=1 if fmt == "gptq" else 0)
+                     zero_offset=1 if fmt == "gptq" else 0, lm_head=qc.get("lm_head", False))
 
 
 def quant_tensor_names(spec: QuantSpec) -> tuple[str, ...]:
@@ -185,11 +189,14 @@ def kernel_for(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def kernel_layout(w: Int4Weight, kernel: str = "cpu") -> tuple[torch.Tensor | None, int] | None:
+def kernel_layout(w: Int4Weight, kernel: str = "cpu", own: bool = False) -> tuple[torch.Tensor | None, int] | None:
     """(input permutation or None, kernel group size) when the kernel can take w, else None. Both torch
-    kernels want N % 16 == 0 (CPU packing) and K in whole groups of 32..256; CUDA's wants K % 128 too."""
+    kernels want N % 16 == 0 (CPU packing) and K in whole groups of 32..256; CUDA's wants K % 128 too. Our product
+    (``own``) takes any N and K in whole groups of any size."""
     n, k = w.q.shape
-    if w.group_size not in KERNEL_GROUP_SIZES or k % w.group_size or n % 16 or (kernel == "cuda" and k % 128):
+    if k % w.group_size:
+        return None
+    if not own and (w.group_size not in KERNEL_GROUP_SIZES or n % 16 or (kernel == "cuda" and k % 128)):
         return None
     contiguous = torch.arange(k) // w.group_size
     if torch.equal(w.g_idx, contiguous):
@@ -214,15 +221,18 @@ def own_kernel(device: torch.device, dtype: torch.dtype):
 PANEL = 32  # output columns a panel of our product (cpu_gemm.cpp)
 
 
+def fits_panels(w: Int4Weight) -> bool:
+    """Whether our product's tables hold w exactly: its scales float16 values (a checkpoint's are), its zeros int8."""
+    return (torch.equal(w.scales.half().float(), w.scales) and int(w.zeros.min()) >= -128
+            and int(w.zeros.max()) <= 127)
+
+
 def pack_panels(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q [N, K] (0..15), zeros [G, N], scales [G, N] float32 -> (packed uint8 [P, K, 16], zeros int8 [P, G, 32],
-    scales float16 [P, G, 32]) for linear_int4, P = ceil(N / 32): byte j of input k holds column j of the panel
-    (low nibble) and column j + 16 (high); padding columns are zero. None when a scale is not a float16 value or a
-    zero does not fit int8 (the checkpoint's scales are float16: they are)."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] (0..15), zeros [G, N], scales [G, N] float32 (fits_panels) -> (packed uint8 [P, K, 16], zeros int8
+    [P, G, 32], scales float16 [P, G, 32]) for linear_int4, P = ceil(N / 32): byte j of input k holds column j of
+    the panel (low nibble) and column j + 16 (high); padding columns are zero."""
     n, k = q.shape
-    if not torch.equal(scales.half().float(), scales) or int(zeros.min()) < -128 or int(zeros.max()) > 127:
-        return None
     pad = -n % PANEL
     if pad:
         q = F.pad(q, (0, 0, 0, pad))
@@ -243,7 +253,8 @@ class Int4Linear:
     an AVX-512 CPU: own_kernel), else in torch's tinygemm layout."""
 
     def __init__(self, weights: list[Int4Weight], biases: list[torch.Tensor] | None, kernel: str,
-                 perm: torch.Tensor | None, group_size: int, device: torch.device, dtype: torch.dtype) -> None:
+                 perm: torch.Tensor | None, group_size: int, device: torch.device, dtype: torch.dtype,
+                 own: bool = False) -> None:
         if perm is not None:
             weights = [Int4Weight(w.q[:, perm], w.zeros, w.scales, w.g_idx[perm], w.group_size) for w in weights]
         q = torch.cat([w.q for w in weights])
@@ -255,14 +266,12 @@ class Int4Linear:
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         self.bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
-        self.ours = own_kernel(device, dtype) if kernel == "cpu" else None
-        panels = pack_panels(q, zeros, scales) if self.ours is not None else None
-        if panels is not None:
-            self.packed, self.zeros, self.scales = panels
+        self.ours = own_kernel(device, dtype) if own else None
+        if self.ours is not None:
+            self.packed, self.zeros, self.scales = pack_panels(q, zeros, scales)
             self.kernel_dtype = torch.float32
             self.mm = None
             return
-        self.ours = None
         offsets = (8 - zeros.float()) * scales
         self.kernel_dtype = (CPU_KERNEL_DTYPE or dtype) if kernel == "cpu" else dtype
         self.scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(
@@ -316,7 +325,8 @@ def build_int4(weights: list[Int4Weight], biases: list[torch.Tensor] | None, dev
     """One fused linear over weights (same inputs): the int4 kernel when it can take them all with the same
     input order, else dequantized. Returns the linear and what was chosen ("int4-cpu", "dequantized: why")."""
     kernel = kernel_for(device, dtype)
-    layouts = [kernel_layout(w, kernel or "cpu") for w in weights]
+    own = kernel == "cpu" and own_kernel(device, dtype) is not None and all(fits_panels(w) for w in weights)
+    layouts = [kernel_layout(w, kernel or "cpu", own) for w in weights]
     why = None
     if kernel in _FAILED_SELF_CHECK:
         why = _FAILED_SELF_CHECK[kernel]
@@ -335,7 +345,7 @@ def build_int4(weights: list[Int4Weight], biases: list[torch.Tensor] | None, dev
         bias = None if biases is None else torch.cat(biases).to(device=device, dtype=dtype)
         return DenseLinear(weight, bias), f"dequantized ({why})"
     perm, group = layouts[0]
-    linear = Int4Linear(weights, biases, kernel, perm, group, device, dtype)
+    linear = Int4Linear(weights, biases, kernel, perm, group, device, dtype, own)
     if kernel not in _PASSED_SELF_CHECK:
         failure = _self_check(linear, weights, device, dtype)
         if failure:

@@ -13,13 +13,15 @@ QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 
 def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group_size: int = 128,
                         desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
-                        seed: int = 0, reference_dir: Path | None = None) -> Path:
+                        seed: int = 0, reference_dir: Path | None = None, lm_head: bool = False) -> Path:
     """Writes src's decoder linears as a 4-bit AWQ (GEMM) or GPTQ checkpoint: the tensors (qweight, qzeros,
     scales, g_idx) and config.json ``quantization_config`` that AutoAWQ / AutoGPTQ write, from plain
     round-to-nearest (no calibration: the point is the format). ``desc_act`` puts the inputs into groups in
     a random order, as GPTQ's activation order does, recorded in g_idx. ``reference_dir``, when given, gets
     an ordinary float32 checkpoint holding exactly the dequantized weights ((q - zero) * scale, computed
-    here from the integers before packing), which transformers can run as the reference."""
+    here from the integers before packing), which transformers can run as the reference. ``lm_head`` (GPTQ only,
+    as GPTQModel's ``lm_head=True``) quantizes the head too: a tied head becomes lm_head's own 4-bit tensors beside
+    the float embedding, and both configs say ``tie_word_embeddings: false``."""
     import json
 
     import torch
@@ -27,16 +29,25 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
 
     if method not in ("awq", "gptq"):
         raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
+    if lm_head and method != "gptq":
+        raise ValueError("lm_head: only GPTQ checkpoints quantize the head")
     src, out_dir = Path(src), Path(out_dir)
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    config = json.loads((src / "config.json").read_text())
+    if lm_head and "lm_head.weight" not in tensors:  # tied: the head's own copy of the embedding, quantized below
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if lm_head and tensors["lm_head.weight"].shape[0] % 8:
+        raise ValueError(f"lm_head: {tensors['lm_head.weight'].shape[0]} outputs (the vocabulary) are not a multiple "
+                         "of 8, which GPTQ's packed zeros need")
     gen = torch.Generator().manual_seed(seed)
     packed: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and _quantized_linear(module.split(".", 3)[-1])):
+        head = lm_head and name == "lm_head.weight"
+        if not head and not (name.endswith(".weight") and _quantized_linear(module.split(".", 3)[-1])):
             packed[name] = reference[name] = t.contiguous()
             continue
         q, zeros, scales, g_idx = _round_to_nearest(t.float(), method, group_size, desc_act, sym, gen)
@@ -54,7 +65,8 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
             shutil.copy(f, out_dir / f.name)
-    config = json.loads((src / "config.json").read_text())
+    if lm_head:
+        config["tie_word_embeddings"] = False
     if reference_dir is not None:
         reference_dir = Path(reference_dir)
         shutil.copytree(out_dir, reference_dir, dirs_exist_ok=True)
@@ -66,7 +78,8 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
     else:  # as AutoGPTQ / optimum write it
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
               "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-              "checkpoint_format": checkpoint_format, "model_name_or_path": None, "model_file_base_name": None}
+              "checkpoint_format": checkpoint_format, "model_name_or_path": None, "model_file_base_name": None,
+              "lm_head": lm_head}
     config["quantization_config"] = qc
     config["torch_dtype"] = "float16"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

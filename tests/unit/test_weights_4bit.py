@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from executor_svc.model import quant
 from executor_svc.model.cpu_linear import float32_kernel
 from executor_svc.model.quant import (
     AWQ_ORDER,
     Int4Weight,
     QuantSpec,
     build_int4,
+    fits_panels,
     own_kernel,
     pack_panels,
     unpack_linear,
@@ -43,6 +45,16 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:  # q/k/v biases, tied embeddings
     return build_random_model(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=12, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def wide_vocab(tmp_path_factory):
+    """The two models above with 264 embedding rows (a multiple of 8, as GPTQ's packed head needs; the byte
+    tokenizer uses the first 259)."""
+    rows = {"vocab_size": 264}
+    return {"llama": build_random_model(tmp_path_factory.mktemp("llama264"), seed=11, config_overrides=rows, **SMALL),
+            "qwen2": build_random_model(tmp_path_factory.mktemp("qwen2264"), arch="qwen2", seed=12,
+                                        config_overrides=rows, **SMALL)}
 
 
 @pytest.fixture
@@ -100,17 +112,25 @@ CASES = [  # (family, quantize_checkpoint keywords)
     ("llama", dict(method="gptq", group_size=64, desc_act=True, sym=False)),
     ("llama", dict(method="gptq", group_size=128, desc_act=True, sym=False, checkpoint_format="gptq_v2")),
     ("llama", dict(method="gptq", group_size=-1, desc_act=False, sym=True)),
+    ("llama", dict(method="gptq", group_size=32, lm_head=True)),  # untied head, 4-bit
+    ("qwen2", dict(method="gptq", group_size=64, desc_act=True, lm_head=True)),  # tied: the head's own 4-bit copy
 ]
 
 
 @pytest.mark.parametrize("family,kw", CASES, ids=["-".join([c[0]] + [f"{k}={v}" for k, v in c[1].items()])
                                                  for c in CASES])
-def test_greedy_equal_to_transformers_on_the_dequantized_weights(family, kw, llama_dir, qwen2_dir, tmp_path, exact):
-    q, ref = quantized(llama_dir if family == "llama" else qwen2_dir, tmp_path, **kw)
+def test_greedy_equal_to_transformers_on_the_dequantized_weights(family, kw, llama_dir, qwen2_dir, wide_vocab,
+                                                                 tmp_path, exact):
+    if kw.get("lm_head"):
+        src = wide_vocab[family]
+    else:
+        src = llama_dir if family == "llama" else qwen2_dir
+    q, ref = quantized(src, tmp_path, **kw)
     cfg = ModelConfig.from_dir(q)
     assert cfg.quantization.method == kw["method"] and cfg.quantization.group_size == kw["group_size"]
     model = load(q)
     assert set(model.linear_kinds) <= {"int4-cpu", "int4-cpu (unfused: different input orders)"}, model.linear_kinds
+    assert isinstance(model.logits, quant.Int4Linear) == kw.get("lm_head", False)
     prompts = random_prompts(5, [4, 19, 40], VOCAB)
     want = hf_greedy(ref, prompts, [10] * len(prompts))
     got = paged_greedy(q, prompts, 10)
@@ -160,10 +180,14 @@ def test_linears_stay_four_bit_in_memory(group, limit, own, tmp_path, monkeypatc
 # ---- fallback: dequantize at load, and say so --------------------------------------------------------------
 
 
-def test_a_group_size_the_kernel_lacks_is_dequantized_at_load_and_logged(llama_dir, tmp_path, exact):
+def test_a_group_size_the_kernel_lacks_is_dequantized_at_load_and_logged(llama_dir, tmp_path, exact, monkeypatch):
+    """torch's kernel lacks group 16 (our product takes any group size: without it, the layer is dequantized)."""
     from structlog.testing import capture_logs
 
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=16)
+    if quant.own_kernel(torch.device("cpu"), torch.float32) is not None:
+        assert list(load(q).linear_kinds) == ["int4-cpu"]
+    monkeypatch.setattr(quant, "OWN_CPU_KERNEL", False)
     with capture_logs() as logs:
         model = load(q)
     assert list(model.linear_kinds) == ["dequantized (group size 16 or g_idx the kernel cannot take)"]
@@ -201,7 +225,8 @@ def test_a_kernel_that_fails_its_load_time_check_is_not_used(llama_dir, tmp_path
 REFUSALS = [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "quantization_config.bits = 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantization_config.lm_head"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "lm_head": True}, "quantization_config.lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": "yes"}, "quantization_config.lm_head"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down": {}}}, "dynamic"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version = 'gemv'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point = False"),
@@ -336,9 +361,23 @@ def test_scales_that_are_not_float16_values_keep_torch_s_kernel():
     g = torch.Generator().manual_seed(1)
     w = Int4Weight(torch.randint(0, 16, (32, 64), generator=g), torch.randint(0, 16, (2, 32), generator=g),
                    torch.rand(2, 32, generator=g) * 0.01, torch.arange(64) // 32, 32)
-    assert pack_panels(w.q, w.zeros, w.scales) is None  # float32 scales: no float16 table holds them exactly
+    assert not fits_panels(w)  # float32 scales: no float16 table holds them exactly
     linear, kind = build_int4([w], None, torch.device("cpu"), torch.float32)
     assert kind == "int4-cpu" and linear.ours is None and linear.kernel_dtype == torch.bfloat16
     packed, zeros, scales = pack_panels(w.q, w.zeros, w.scales.half().float())
     with pytest.raises(RuntimeError, match="scales must be float16"):
         float32_kernel().linear_int4(torch.randn(1, 64), packed, zeros, scales.float(), 32, None)
+
+
+def test_the_tool_quantizes_a_head_only_where_gptq_can_hold_it(llama_dir, wide_vocab, tmp_path):
+    """A 4-bit head: GPTQ only, a vocabulary in whole words of packed zeros; the float embedding stays for lookups,
+    and the head's bytes are ~4.5 bits a weight."""
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quantize_checkpoint(llama_dir, tmp_path / "a", method="gptq", lm_head=True)
+    with pytest.raises(ValueError, match="only GPTQ"):
+        quantize_checkpoint(wide_vocab["llama"], tmp_path / "b", method="awq", lm_head=True)
+    plain = load(quantize_checkpoint(wide_vocab["qwen2"], tmp_path / "c", method="gptq", group_size=32))
+    head = load(quantize_checkpoint(wide_vocab["qwen2"], tmp_path / "d", method="gptq", group_size=32, lm_head=True))
+    assert torch.equal(head.embed, plain.embed)  # the lookup table is the float one either way
+    float_head = 264 * SMALL["hidden_size"] * 4
+    assert head.weight_bytes()["other"] - (plain.weight_bytes()["other"] - float_head) < 0.2 * float_head
