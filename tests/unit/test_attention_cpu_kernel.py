@@ -1,7 +1,8 @@
 """The CPU kernel that reads decodes' K/V in place (executor_svc/attention/paged_attention_cpu.cpp) against the
 torch backend's reference path (gather, then SDPA): its task layouts (a few queries: one task per KV head;
 many: one per query), head sizes with and without a compiled-in specialization, bfloat16, the model's window
-and requests' sink + window; that it copies no pages; and the fallbacks (quantized pages, no kernel)."""
+and requests' sink + window, long contexts; that it copies no pages; and the fallbacks (quantized pages, no
+kernel)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,30 @@ def test_in_place_windows_and_sinks(window):
     torch.testing.assert_close(fast.forward(q, k, v, meta), ref.forward(q, k, v, meta), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_queries_alone_and_in_a_batch(window):
+    """Long contexts (up to 1,100 keys), a sink + window in two runs, next to short ones: within float32 noise of the
+    reference, and each row's bits the same alone as in the batch (the task layout changes with the batch size, a
+    row's arithmetic does not)."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, num_pages = 9, 3, 64, 16, 700
+    k, v = pool_views(num_pages, block_size, kv_heads, head_dim, torch.float32, g)
+    ctx_lens = [1100, 600, 128, 129, 17, 257, 900, 1]
+    sink_windows = [(4, 200), (0, 0), (0, 0), (0, 0), (0, 0), (100, 100), (0, 0), (0, 0)]
+    meta = decode_meta(ctx_lens, block_size, num_pages, g, sink_windows, window)
+    q = torch.randn(len(ctx_lens), heads, head_dim, generator=g)
+    ref, fast = both(heads, kv_heads, head_dim)
+    got = fast.forward(q, k, v, meta)
+    torch.testing.assert_close(got, ref.forward(q, k, v, meta), rtol=1e-5, atol=1e-5)
+    group = meta.decodes[0]
+    for row in (0, 1, 3, 5):
+        alone = DecodeGroup(torch.arange(1), group.page_tables[row:row + 1], group.ctx_lens[row:row + 1],
+                            group.sinks[row:row + 1], group.windows[row:row + 1])
+        empty = torch.zeros(0, dtype=torch.long)
+        one = fast.forward(q[row:row + 1], k, v, AttentionMetadata(empty, empty, [alone], [], sliding_window=window))
+        assert torch.equal(one[0], got[row]), row
+
+
 def test_in_place_bfloat16():
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, block_size, num_pages = 8, 4, 64, 16, 300
@@ -118,6 +143,7 @@ def test_shared_prefix_cascade_matches_reference(rows, shared, heads, kv_heads, 
     k, v = pool_views(num_pages, block_size, kv_heads, head_dim, dtype, g)
     ctx_lens = [shared * block_size + 1 + int(x) for x in torch.randint(0, 70, (rows,), generator=g)]
     ctx_lens[0] = shared * block_size + 1  # its query is the first token after the prefix
+    ctx_lens[1] = shared * block_size + 300  # 300 keys of its own: the kernel's part in chunks, then the prefix
     meta = shared_meta(ctx_lens, shared, block_size, num_pages, g)
     q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
     ref, fast = both(heads, kv_heads, head_dim)
