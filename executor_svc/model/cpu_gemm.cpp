@@ -18,7 +18,7 @@
 // 4-bit weights (AWQ/GPTQ, executor_svc/model/quant.py) go through the same product: w = (q - zero) x scale, each
 // weight dequantized to float32 exactly as Int4Weight.dequantize does (the integer difference, then one rounded
 // product by the fp16 scale), then the same FMA chain over k. So a 4-bit linear's result is bit for bit
-// linear_f32's over the dequantized weights, whatever the number of rows. Few rows (<= 4) dequantize in registers
+// linear_f32's over the dequantized weights, whatever the number of rows. Few rows (<= 8) dequantize in registers
 // as they go (the weights are read once, 4 bits each); more dequantize a panel into a buffer once per block of
 // rows, then run the float32 block. Packed per panel of 32 columns, k-major: byte j of input k holds column j
 // (low nibble) and column j + 16 (high); zeros int8 and scales fp16 per (panel, group, column).
@@ -187,7 +187,7 @@ inline void int4_rows_panel(const float* x, int64_t lda, const uint8_t* packed, 
 }
 #endif
 
-constexpr int64_t kInt4DirectRows = 4;  // up to this many rows dequantize in registers; more, into a buffer
+constexpr int64_t kInt4DirectRows = 8;  // up to this many rows dequantize in registers; more, into a buffer
 
 }  // namespace
 
@@ -278,6 +278,10 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor packed, at::Tensor zeros, at::Te
           case 2: int4_rows_panel<2>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
           case 3: int4_rows_panel<3>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
           case 4: int4_rows_panel<4>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
+          case 5: int4_rows_panel<5>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
+          case 6: int4_rows_panel<6>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
+          case 7: int4_rows_panel<7>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
+          case 8: int4_rows_panel<8>(xr, k, panel, pz, ps, k, group, b, out, n, cols); continue;
           default: break;
         }
         dequantize_panel(panel, pz, ps, k, group, buffer.data());

@@ -325,7 +325,7 @@ needs_own = pytest.mark.skipif(own_kernel(torch.device("cpu"), torch.float32) is
 @needs_own
 @pytest.mark.parametrize("n,k,group", [(96, 64, 32), (50, 128, 64), (576, 576, 32), (37, 256, 256), (200, 384, 128)])
 def test_our_product_is_the_float32_product_over_the_dequantized_weights_bit_for_bit(n, k, group):
-    """Every row count (1-4 dequantize in registers, more into a buffer; 200+ span two blocks of rows), a last panel
+    """Every row count (1-8 dequantize in registers, more into a buffer; 200+ span two blocks of rows), a last panel
     part empty, with and without a bias: linear_int4 equals linear_f32 over Int4Weight.dequantize's weights, bit for
     bit, and F.linear within float32 noise."""
     ops = float32_kernel()
