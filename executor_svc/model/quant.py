@@ -1,4 +1,5 @@
-"""4-bit weights: AWQ (GEMM layout) and GPTQ checkpoints, kept 4-bit and run with torch's int4 matmul.
+"""4-bit weights: AWQ (GEMM layout) and GPTQ checkpoints, kept 4-bit and run with our 4-bit product (float32 models
+on an AVX-512 CPU: cpu_gemm.cpp ``linear_int4``, see OWN_CPU_KERNEL) or torch's int4 matmul.
 
 What the tools write, per quantized linear with K inputs, N outputs and groups of ``g`` inputs:
 
@@ -16,12 +17,13 @@ g_idx      (none: input i is in i // g) int32 [K]: the group of each input (desc
 AWQ's interleave: the 8 nibbles of a word, low to high, hold outputs 0, 2, 4, 6, 1, 3, 5, 7 of its 8.
 Either way the weight is ``(q - zero[group]) * scale[group]``.
 
-Kept in memory as torch's int4 "tinygemm" layout (``_convert_weight_to_int4pack*``: N x K/2 bytes) with a
-[K/g, N, 2] table of (scale, offset) where ``w = (q - 8) * scale + offset``, i.e. offset = (8 - zero) *
-scale. That kernel wants the inputs of a group next to each other; a desc_act checkpoint's inputs are
+Our product keeps them in panels of 32 outputs (``pack_panels``: K x 16 bytes a panel, int8 zeros and fp16 scales
+per group and output). Torch's keeps them in its int4 "tinygemm" layout (``_convert_weight_to_int4pack*``: N x K/2
+bytes) with a [K/g, N, 2] table of (scale, offset) where ``w = (q - 8) * scale + offset``, i.e. offset = (8 - zero)
+* scale. Both kernels want the inputs of a group next to each other; a desc_act checkpoint's inputs are
 therefore sorted by group once at load and each activation row is gathered in the same order (as vLLM's
-exllama path does). Where the kernel cannot run (CUDA without bf16, a group size it lacks, a g_idx whose
-groups are not all ``g`` long) the layer is dequantized at load and the log says so.
+exllama path does). Where no kernel can run (CUDA without bf16, a group size torch's lacks where ours does not
+serve, a g_idx whose groups are not all ``g`` long) the layer is dequantized at load and the log says so.
 """
 
 from __future__ import annotations
