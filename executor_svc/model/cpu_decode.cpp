@@ -1,7 +1,7 @@
 // A decode step's decoder layers in one call, for float32 Llama-style models on the CPU (executor_svc/model/llama.py
-// decides when it applies: every linear through our float32 product or torch's int4 matmul, SiLU MLPs, one rotary
-// table, no per-layer windows, q/k norms or score soft-capping; a decode-only step in one group, read in place,
-// without a cascade).
+// decides when it applies: every linear through our float32 or 4-bit product or torch's int4 matmul, SiLU MLPs,
+// one rotary table, no per-layer windows, q/k norms or score soft-capping; a decode-only step in one group, read in
+// place, without a cascade).
 //
 // It runs the same ops in the same order as llama.py's fused Python loop (LlamaModel._forward_fused), calling
 // them as C++ functions (cpu_ops.h) and ATen's, instead of through Python: each row's bits are the loop's

@@ -164,11 +164,12 @@ class LlamaModel:
         return self._fused or None
 
     def decode_stack(self, ops, meta: AttentionMetadata, pool: DevicePagePool, attention) -> list | None:
-        """The weights ``decode_layers`` (cpu_decode.cpp) takes, ten a layer, when this step's layers run in that one
-        call: a float32 model whose every linear is our float32 product (cpu_linear.py), SiLU MLPs, one rotary
-        table, no per-layer windows, q/k norms or score soft-capping; and a decode-only step in one group without
-        per-request windows, attended in place by the torch backend without a cascade. Else None: the Python loop
-        (_forward_fused), which runs the same ops in the same order."""
+        """The weights ``decode_layers`` (cpu_decode.cpp) takes, 22 a layer, when this step's layers run in that one
+        call: a float32 model whose every linear is our float32 or 4-bit product or torch's int4 kernel
+        (cpu_linear.py, quant.py), SiLU MLPs, one rotary table, no per-layer windows, q/k norms or score
+        soft-capping; and a decode-only step in one group without per-request windows, attended in place by the
+        torch backend without a cascade. Else None: the Python loop (_forward_fused), which runs the same ops in the
+        same order."""
         if not self.decode_in_one_call or not meta.one_decode_group or meta.decodes[0].windows is not None:
             return None
         if self._stack is None:
