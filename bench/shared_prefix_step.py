@@ -3,11 +3,13 @@
 SmolLM2 (or ``--model``) on the executor's own build path, in one process with the real Scheduler planning (as
 bench/profile_step.py): ``--batch`` requests whose prompts are the same ``--prefix`` tokens followed by
 ``--suffix`` tokens of their own, so prefix caching maps the prefix to the same pages in every table. Once all of
-them decode, ``--steps`` steps run with the cascade and without it (the kernel alone, from the Python loop over the
-layers and from the one C++ call of executor_svc/model/cpu_decode.cpp), alternated step by step (one process, the
-same requests: what the machine does meanwhile hits all alike); the table gives each mode's median step and the
-attention alone (every ``paged_attention`` / ``paged_attention_after`` call and the cascade's SDPA, timed with
-``perf_counter``; not inside the one call). tests/unit/test_attention_cpu_kernel.py holds both modes to the
+them decode, ``--steps`` steps run in five modes alternated step by step (one process, the same requests: what the
+machine does meanwhile hits all alike): the kernel alone, from the Python loop over the layers and from the one C++
+call of executor_svc/model/cpu_decode.cpp; the cascade with its prefix half as one SDPA call over the gathered
+prefix (before session 19); the cascade with it as the kernel library's matrix products (paged_attention_shared),
+from the loop and from the one call. The table gives each mode's median step and the attention alone (every
+``paged_attention`` / ``paged_attention_shared`` / ``paged_attention_after`` call and the cascade's SDPA, timed with
+``perf_counter``; not inside the one call). tests/unit/test_attention_cpu_kernel.py holds the modes to the
 reference's results.
 
     .venv/bin/python bench/shared_prefix_step.py [--batch 32] [--prefix 1024] [--suffix 64] [--steps 40]
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
                           "--swap-space", "0"])
     runner, describe = build(eargs, logs.configure("bench", json=True, level="warning"))
     timed: list[float] = []
+    by_op: dict[str, list[float]] = {}
     ops = torch.ops.pagedkv_cpu
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -68,11 +71,13 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             out = self.fn(*a, **k)
             timed.append(time.perf_counter() - t)
+            by_op.setdefault(str(self.fn), []).append(timed[-1])
             return out
 
     class Kernel:  # torch.ops.pagedkv_cpu with the attention's two ops timed
         paged_attention = Timed(ops.paged_attention)
         paged_attention_after = Timed(ops.paged_attention_after)
+        paged_attention_shared = Timed(ops.paged_attention_shared)
 
         def __getattr__(self, name):
             return getattr(ops, name)
@@ -97,13 +102,16 @@ def main(argv=None) -> int:
         if len(plan.decodes) == args.batch:
             break
     rows = torch_backend.CASCADE_MIN_ROWS
-    modes = ("kernel alone", "kernel alone, one call", "cascade")
+    modes = ("kernel alone", "kernel alone, one call", "cascade, SDPA prefix", "cascade", "cascade, one call")
+    in_kernel = torch_backend.shared_in_kernel
     steps: dict[str, list[float]] = {m: [] for m in modes}
     attention: dict[str, list[float]] = {m: [] for m in modes}
     model = runner.model
+    by_op.clear()  # (the prefills' calls above)
     for k in range(args.steps):
         mode = modes[k % len(modes)]
-        torch_backend.CASCADE_MIN_ROWS = rows if mode == "cascade" else 1 << 30
+        torch_backend.CASCADE_MIN_ROWS = rows if mode.startswith("cascade") else 1 << 30
+        torch_backend.shared_in_kernel = (lambda kernel, q: False) if mode.endswith("SDPA prefix") else in_kernel
         # (the one call, executor_svc/model/cpu_decode.cpp, runs the kernel from C++: its attention is not timed)
         model.decode_in_one_call = mode.endswith("one call")
         plan, _ = sched.schedule()
@@ -114,6 +122,7 @@ def main(argv=None) -> int:
         attention[mode].append(sum(timed))
         sched.process(result)
     torch_backend.CASCADE_MIN_ROWS = rows
+    torch_backend.shared_in_kernel = in_kernel
     model.decode_in_one_call = True
     out = {"model": args.model, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
            "threads": args.threads, "load": os.getloadavg()[0], "modes": {}}
@@ -125,6 +134,10 @@ def main(argv=None) -> int:
         s, att = 1e3 * statistics.median(steps[mode]), 1e3 * statistics.median(attention[mode])
         out["modes"][mode] = {"step_ms": s, "attention_ms": att}
         print(f"| {mode} | {s:.1f} | {'(in the call)' if mode.endswith('one call') else f'{att:.1f}'} |")
+    print("\n| op (every mode's calls) | calls | median ms a call |\n|---|---|---|")
+    for name, ts in by_op.items():
+        print(f"| {name} | {len(ts)} | {1e3 * statistics.median(ts):.3f} |")
+        out.setdefault("ops", {})[name] = {"calls": len(ts), "median_ms": 1e3 * statistics.median(ts)}
     print(f"\nload {out['load']:.2f}")
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

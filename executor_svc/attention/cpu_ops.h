@@ -7,12 +7,21 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 namespace pagedkv_cpu {
 
 // executor_svc/attention/paged_attention_cpu.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables, at::Tensor q_rows,
                            at::Tensor q_pos, at::Tensor sinks, at::Tensor windows, int64_t model_window, double scale);
+at::Tensor paged_attention_after(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                                 at::Tensor q_pos, int64_t start, at::Tensor prior_out, at::Tensor prior_lse,
+                                 double scale);
+std::vector<int64_t> paged_attention_shared_dims();
+bool paged_attention_shared_available(const at::Tensor& q);
+std::tuple<at::Tensor, at::Tensor> paged_attention_shared(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                                          at::Tensor pages, double scale);
 
 // executor_svc/model/cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -520,6 +521,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
 // keys at positions >= start (no windows), and the result is merged with ``prior_out`` [N, heads, D] (q's dtype,
 // contiguous) and ``prior_lse`` [N, heads] (float32, contiguous): the same queries' attention over the keys before
 // start, normalized, and its log-sum-exp of the scaled scores. Query i uses table row i. Returns [N, heads, D].
+namespace pagedkv_cpu {
+
 at::Tensor paged_attention_after(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                                  at::Tensor q_pos, int64_t start, at::Tensor prior_out, at::Tensor prior_lse,
                                  double scale) {
@@ -538,15 +541,252 @@ at::Tensor paged_attention_after(at::Tensor q, at::Tensor k_cache, at::Tensor v_
   return out;
 }
 
+}  // namespace pagedkv_cpu
+
+namespace {
+
+#if defined(PAGEDKV_SIMD)
+// The cascade's first half as matrix products (paged_attention_shared below). A task takes one KV head and one
+// chunk of the shared keys (kSharedChunk): their K transposed into panels of kKeyBlock keys ([DIM][kKeyBlock] each,
+// contiguous; zeros after the last key), then for each block of query vectors the scores S = Q K^T (qk_block:
+// kQkRows rows x kQkVectors vectors of keys in registers, one broadcast of q per row and channel; a panel stays in
+// L1 across the block's rows), their softmax within the chunk, and the values' sums O = P V (pv_block: rows x DIM /
+// kLanes vectors in registers, one broadcast of p per row and key; kKeyBlock keys' values at a time, in L1 across
+// the rows). The chunks' parts are merged by their maxima at the end.
+constexpr int kQkVectors = kRegisters >= 32 ? 4 : 2;
+constexpr int kQkRows = kRegisters >= 32 ? 6 : 4;
+constexpr int64_t kSharedChunk = 256;  // keys a task (K panel 64 KiB at DIM 64)
+constexpr int64_t kSharedRowBlock = 64;  // query vectors a block (scores 64 KiB at a 256-key chunk)
+
+template <int DIM, int MR>
+__attribute__((always_inline)) inline void qk_block(const float* q, const float* kt, int64_t kp, float* s,
+                                                    int64_t s_stride) {
+  vfloat acc[MR][kQkVectors] = {};
+  for (int d = 0; d < DIM; ++d) {
+    vfloat kv[kQkVectors];
+    for (int v = 0; v < kQkVectors; ++v) kv[v] = vload(kt + d * kp + v * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const float qs = q[r * DIM + d];
+      for (int v = 0; v < kQkVectors; ++v) acc[r][v] += qs * kv[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kQkVectors; ++v) std::memcpy(s + r * s_stride + v * kLanes, &acc[r][v], sizeof(vfloat));
+}
+
+template <int DIM>
+constexpr int kPvRows = std::max(1, std::min(8, (kRegisters - 1) / (DIM / kLanes + 1)));
+
+template <int DIM, int MR>
+__attribute__((always_inline)) inline void pv_block(const float* p, int64_t p_stride, const float* vh,
+                                                    const int64_t* v_off, int64_t keys, float* o, bool add) {
+  constexpr int C = DIM / kLanes;
+  vfloat acc[MR][C] = {};
+  if (add)
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = vload(o + r * DIM + c * kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* val = vh + v_off[j];
+    float w[MR];
+    for (int r = 0; r < MR; ++r) w[r] = p[r * p_stride + j];
+    for (int c = 0; c < C; ++c) {
+      const vfloat vv = vload(val + c * kLanes);
+      for (int r = 0; r < MR; ++r) acc[r][c] += w[r] * vv;
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < C; ++c) std::memcpy(o + r * DIM + c * kLanes, &acc[r][c], sizeof(vfloat));
+}
+
+template <int DIM>
+void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,
+                   double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t n = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t block_size = k_cache.size(1), num_pages = std::min(k_cache.size(0), v_cache.size(0));
+  const int64_t length = pages.numel() * block_size, m = n * group;  // keys; query vectors a KV head
+  const int64_t chunks = (length + kSharedChunk - 1) / kSharedChunk;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* page_p = pages.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pages.numel(); ++i)
+    TORCH_CHECK(page_p[i] >= 0 && page_p[i] < num_pages, "paged_attention_shared: page id ", page_p[i],
+                " outside the pool of ", num_pages, " pages");
+  const int64_t k_page = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_page = v_cache.stride(0), v_tok = v_cache.stride(1), v_head = v_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+  // Each task's (KV head, chunk) part for every query vector: unnormalized sums, the chunk's max and denominator.
+  // (kept between calls: a fresh vector of this size is a fresh mapping, page faults every call)
+  static thread_local std::vector<float> parts;
+  parts.resize(std::max<size_t>(parts.size(), chunks * kv_heads * m * (DIM + 2)));
+  float* part_o = parts.data();
+  float* part_max = part_o + chunks * kv_heads * m * DIM;
+  float* part_sum = part_max + chunks * kv_heads * m;
+
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t first, int64_t last) {
+    const pagedkv_cpu::FlushDenormals ftz;
+    constexpr int64_t kKeyBlock = kQkVectors * kLanes;
+    static thread_local std::vector<float> kt, qf, s;
+    static thread_local std::vector<int64_t> v_off;
+    kt.resize(DIM * ((kSharedChunk + kKeyBlock - 1) / kKeyBlock) * kKeyBlock);
+    qf.resize(kSharedRowBlock * DIM);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t h = task / chunks, c = task % chunks;
+      const int64_t k0 = c * kSharedChunk, keys = std::min(kSharedChunk, length - k0);
+      const int64_t kpad = (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+      std::fill(kt.begin(), kt.begin() + DIM * kpad, 0.f);
+      v_off.resize(keys);
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t pos = k0 + j, page = page_p[pos / block_size], tok = pos % block_size;
+        const float* key = kp + page * k_page + tok * k_tok + h * k_head;
+        float* panel = kt.data() + (j / kKeyBlock) * DIM * kKeyBlock + j % kKeyBlock;
+        for (int d = 0; d < DIM; ++d) panel[d * kKeyBlock] = key[d];
+        v_off[j] = page * v_page + tok * v_tok;
+      }
+      s.resize(kSharedRowBlock * kpad);
+      const int64_t base = (c * kv_heads + h) * m;
+      for (int64_t r0 = 0; r0 < m; r0 += kSharedRowBlock) {
+        const int64_t rows = std::min(kSharedRowBlock, m - r0);
+        for (int64_t r = 0; r < rows; ++r) {  // query vector r0 + r: row (r0 + r) / group, head h x group + its rest
+          const float* src = qp + (((r0 + r) / group) * heads + h * group + (r0 + r) % group) * DIM;
+          for (int d = 0; d < DIM; ++d) qf[r * DIM + d] = src[d] * fscale;
+        }
+        // a panel of keys (kKeyBlock x DIM, 16 KiB at DIM 64) stays in L1 across the block's query vectors
+        for (int64_t j0 = 0; j0 < kpad; j0 += kKeyBlock) {
+          const float* panel = kt.data() + j0 * DIM;
+          for (int64_t a = 0; a < rows; a += kQkRows) {
+            const float* qa = qf.data() + a * DIM;
+            float* sa = s.data() + a * kpad + j0;
+            switch (std::min<int64_t>(kQkRows, rows - a)) {
+              case 1: qk_block<DIM, 1>(qa, panel, kKeyBlock, sa, kpad); break;
+              case 2: qk_block<DIM, 2>(qa, panel, kKeyBlock, sa, kpad); break;
+              case 3: qk_block<DIM, 3>(qa, panel, kKeyBlock, sa, kpad); break;
+              case 4: qk_block<DIM, 4>(qa, panel, kKeyBlock, sa, kpad); break;
+              case 5: if constexpr (kQkRows >= 5) qk_block<DIM, 5>(qa, panel, kKeyBlock, sa, kpad); break;
+              default: if constexpr (kQkRows >= 6) qk_block<DIM, 6>(qa, panel, kKeyBlock, sa, kpad); break;
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s.data() + r * kpad;
+          const float mx = max_of(sr, keys);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < keys; ++j) {
+            sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
+            sum += sr[j];
+          }
+          part_max[base + r0 + r] = mx;
+          part_sum[base + r0 + r] = sum;
+        }
+        const float* vh = vp + h * v_head;
+        for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {  // (the block's values stay in L1 across the rows)
+          const int64_t n_keys = std::min(kKeyBlock, keys - j0);
+          for (int64_t a = 0; a < rows; a += kPvRows<DIM>) {
+            const float* pa = s.data() + a * kpad + j0;
+            float* o = part_o + (base + r0 + a) * DIM;
+            const int64_t* vo = v_off.data() + j0;
+            switch (std::min<int64_t>(kPvRows<DIM>, rows - a)) {
+#define PAGEDKV_PV(NR) \
+  case NR: if constexpr (kPvRows<DIM> >= NR) pv_block<DIM, NR>(pa, kpad, vh, vo, n_keys, o, j0 > 0); break;
+              PAGEDKV_PV(1) PAGEDKV_PV(2) PAGEDKV_PV(3) PAGEDKV_PV(4) PAGEDKV_PV(5) PAGEDKV_PV(6) PAGEDKV_PV(7)
+              default: if constexpr (kPvRows<DIM> >= 8) pv_block<DIM, 8>(pa, kpad, vh, vo, n_keys, o, j0 > 0); break;
+#undef PAGEDKV_PV
+            }
+          }
+        }
+      }
+    }
+  });
+
+  // The chunks' parts merged by their maxima: out = sum_c e^(max_c - M) O_c / sum_c e^(max_c - M) sum_c.
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, n * heads, 64, [&](int64_t first, int64_t last) {
+    for (int64_t qi = first; qi < last; ++qi) {
+      const int64_t i = qi / heads, hd = qi % heads, h = hd / group, row = i * group + hd % group;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_max[(c * kv_heads + h) * m + row]);
+      float denom = 0.f, acc[DIM] = {};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (c * kv_heads + h) * m + row;
+        const float w = pagedkv_cpu::exp_clamped(part_max[at] - mx);
+        denom += w * part_sum[at];
+        const float* po = part_o + at * DIM;
+#pragma omp simd
+        for (int d = 0; d < DIM; ++d) acc[d] += w * po[d];
+      }
+      const float inv = 1.f / denom;
+      float* o = op + qi * DIM;
+#pragma omp simd
+      for (int d = 0; d < DIM; ++d) o[d] = acc[d] * inv;
+      lp[qi] = mx + std::log(denom);
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+namespace pagedkv_cpu {
+
+// The head sizes paged_attention_shared takes on this CPU (none without AVX2 or AVX-512).
+std::vector<int64_t> paged_attention_shared_dims() {
+#if defined(PAGEDKV_SIMD)
+  return {32, 64, 128, 256};
+#else
+  return {};
+#endif
+}
+
+bool paged_attention_shared_available(const at::Tensor& q) {
+  const std::vector<int64_t> dims = paged_attention_shared_dims();
+  return q.dim() == 3 && q.scalar_type() == at::kFloat && std::find(dims.begin(), dims.end(), q.size(2)) != dims.end();
+}
+
+// The cascade's first half (executor_svc/attention/torch_backend.py, "shared prefix"), as matrix products: every
+// query of q [N, heads, D] (float32, contiguous; D 32, 64, 128 or 256) attends to all keys of ``pages`` (int64
+// page ids, in order: keys 0 .. pages x block_size - 1; no mask). Returns its output [N, heads, D] (normalized) and
+// the log-sum-exp of its scaled scores [N, heads] (float32): paged_attention_after's prior_out and prior_lse.
+std::tuple<at::Tensor, at::Tensor> paged_attention_shared(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                                          at::Tensor pages, double scale) {
+  check(paged_attention_shared_available(q), "paged_attention_shared takes float32 q with head_dim 32, 64, 128 or 256 "
+        "on an AVX2 or AVX-512 CPU");
+  check(q.is_contiguous(), "q must be a contiguous [N, heads, head_dim]");
+  check(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+        v_cache.scalar_type() == at::kFloat, "caches must be float32 [pages, block_size, kv_heads, head_dim]");
+  check(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous in the caches");
+  check(k_cache.size(3) == q.size(2) && k_cache.size(2) == v_cache.size(2) && k_cache.size(1) == v_cache.size(1) &&
+        q.size(1) % k_cache.size(2) == 0, "head shapes disagree");
+  check(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.numel() > 0 && pages.is_contiguous(),
+        "pages must be a non-empty contiguous int64 vector");
+  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(1)}, q.options());
+#if defined(PAGEDKV_SIMD)
+  switch (q.size(2)) {
+    case 32: attend_shared<32>(q, k_cache, v_cache, pages, scale, out, lse); break;
+    case 64: attend_shared<64>(q, k_cache, v_cache, pages, scale, out, lse); break;
+    case 128: attend_shared<128>(q, k_cache, v_cache, pages, scale, out, lse); break;
+    default: attend_shared<256>(q, k_cache, v_cache, pages, scale, out, lse); break;
+  }
+#endif
+  return {out, lse};
+}
+
+}  // namespace pagedkv_cpu
+
 // torch.ops.pagedkv_cpu.paged_attention: an operator, so the profiler and the dispatcher see it.
 TORCH_LIBRARY(pagedkv_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_rows, Tensor q_pos, "
         "Tensor sinks, Tensor windows, int model_window, float scale) -> Tensor");
   m.def("paged_attention_after(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_pos, int start, "
         "Tensor prior_out, Tensor prior_lse, float scale) -> Tensor");
+  m.def("paged_attention_shared(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, float scale) -> "
+        "(Tensor, Tensor)");
+  m.def("paged_attention_shared_dims() -> int[]", &pagedkv_cpu::paged_attention_shared_dims);  // (no tensor)
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("paged_attention", &pagedkv_cpu::paged_attention);
-  m.impl("paged_attention_after", &paged_attention_after);
+  m.impl("paged_attention_after", &pagedkv_cpu::paged_attention_after);
+  m.impl("paged_attention_shared", &pagedkv_cpu::paged_attention_shared);
 }

@@ -143,6 +143,19 @@ def shared_prefix(group: DecodeGroup, block_size: int, window: int) -> torch.Ten
     return tables[0, :pages].contiguous()
 
 
+_SHARED_DIMS: dict[int, frozenset[int]] = {}
+
+
+def shared_in_kernel(kernel, q: torch.Tensor) -> bool:
+    """Whether the kernel library attends a shared prefix itself (``paged_attention_shared``: float32, the head
+    sizes it was built for on this CPU); else the cascade's first half is an SDPA call over the gathered prefix."""
+    dims = _SHARED_DIMS.get(id(kernel))
+    if dims is None:
+        dims = _SHARED_DIMS[id(kernel)] = frozenset(kernel.paged_attention_shared_dims()
+                                                     if hasattr(kernel, "paged_attention_shared_dims") else ())
+    return q.dtype == torch.float32 and q.shape[-1] in dims
+
+
 class TorchPagedAttention:
     """The torch backend (an ``executor_svc.attention.PagedAttention``); ``reference=True`` always gathers."""
 
@@ -284,6 +297,10 @@ class TorchPagedAttention:
         rows, heads, dim = q.shape
         kv_heads, per_kv = self.num_kv_heads, self.num_heads // self.num_kv_heads
         length = group.shared_pages.numel() * k_cache.shape[1]
+        if shared_in_kernel(kernel, q):
+            prior, lse = kernel.paged_attention_shared(q, k_cache, v_cache, group.shared_pages, self.scale)
+            return kernel.paged_attention_after(q, k_cache, v_cache, group.page_tables, group.query_positions(),
+                                                length, prior, lse, self.scale)
         k = k_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
         v = v_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
         # Every query head of a KV head, of every row, is a query row of that head: [1, kv_heads, rows x per_kv, D].

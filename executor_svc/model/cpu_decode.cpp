@@ -1,14 +1,14 @@
 // A decode step's decoder layers in one call, for float32 Llama-style models on the CPU (executor_svc/model/llama.py
 // decides when it applies: every linear through our float32 or 4-bit product or torch's int4 matmul, SiLU MLPs,
 // one rotary table, no per-layer windows, q/k norms or score soft-capping; a decode-only step in one group, read in
-// place, without a cascade).
+// place; its shared prefix, if any, attended by paged_attention_shared).
 //
 // It runs the same ops in the same order as llama.py's fused Python loop (LlamaModel._forward_fused), calling
 // them as C++ functions (cpu_ops.h) and ATen's, instead of through Python: each row's bits are the loop's
 // (tests/unit/test_decode_layers.py compares the two). What it saves is the Python and dispatch around them, ~50-130
 // us a layer (SmolLM2: ~985 ops dispatched a float32 step, ~2,400 a 4-bit one; bench/NOTES.md, session 18).
 //
-//   decode_layers(x, weights, k_caches, v_caches, tables, q_pos, cos, sin, slot_pages, slot_offsets,
+//   decode_layers(x, weights, k_caches, v_caches, tables, q_pos, shared_pages, cos, sin, slot_pages, slot_offsets,
 //                 num_heads, num_kv_heads, intermediate_size, model_window, eps, scale)
 //     x [rows, hidden] float32: the embedded tokens, the residual stream after the last layer on return (in place)
 //     weights: kPerLayer a layer: the input norm, the post-attention norm, then four linears (qkv, o, gate_up, down)
@@ -20,6 +20,8 @@
 //                [groups, N, 2] scale and offset table in the dtype the product runs in
 //              perm: an int32 order of the inputs (desc_act) or none; rows go in as Int4Linear (quant.py) sends them
 //     k_caches / v_caches: one [pages, block, kv_heads, head_dim] a layer; the step's K/V are written into them
+//     shared_pages: the pages every row's table begins with, attended as a cascade (torch_backend.py: the loop's
+//                   paged_attention_shared, then paged_attention_after), or none (paged_attention alone)
 //     the rest as paged_attention (one query a row, row i using table row i) and rotary_write take them
 
 #include <ATen/ATen.h>
@@ -59,7 +61,7 @@ at::Tensor linear(const at::Tensor* l, const at::Tensor& x, int64_t n) {
 namespace pagedkv_cpu {
 
 void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches, at::TensorList v_caches,
-                   at::Tensor tables, at::Tensor q_pos, at::Tensor cos, at::Tensor sin, at::Tensor slot_pages,
+                   at::Tensor tables, at::Tensor q_pos, at::Tensor shared_pages, at::Tensor cos, at::Tensor sin, at::Tensor slot_pages,
                    at::Tensor slot_offsets, int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
                    int64_t model_window, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -71,6 +73,8 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches
   const int64_t n = x.size(0), hidden = x.size(1), dim = k_caches[0].size(3);
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   const at::Tensor none = at::empty({0}, q_pos.options());
+  const int64_t shared = shared_pages.numel() * k_caches[0].size(1);  // keys before each row's own
+  check(shared == 0 || model_window == 0, "a shared prefix is attended without a model-wide window");
   at::Tensor h = rms_norm(x, weights[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * kPerLayer;
@@ -80,8 +84,13 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, dim});
     const at::Tensor qr = rotary_write(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_pages, slot_offsets);
-    const at::Tensor a = paged_attention(qr, k_caches[i], v_caches[i], tables, none, q_pos, none, none, model_window,
-                                         scale);
+    at::Tensor a;
+    if (shared_pages.numel()) {
+      const auto [prior, lse] = paged_attention_shared(qr, k_caches[i], v_caches[i], shared_pages, scale);
+      a = paged_attention_after(qr, k_caches[i], v_caches[i], tables, q_pos, shared, prior, lse, scale);
+    } else {
+      a = paged_attention(qr, k_caches[i], v_caches[i], tables, none, q_pos, none, none, model_window, scale);
+    }
     const at::Tensor o = linear(qkv_w + kPerLinear, a.view({n, q_size}), hidden);
     h = add_rms_norm(x, o, w[1], eps);  // x += o
     const at::Tensor gate_up = linear(qkv_w + 2 * kPerLinear, h, 2 * intermediate_size);
@@ -98,7 +107,7 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor tables, "
-        "Tensor q_pos, Tensor cos, Tensor sin, Tensor slot_pages, Tensor slot_offsets, int num_heads, "
+        "Tensor q_pos, Tensor shared_pages, Tensor cos, Tensor sin, Tensor slot_pages, Tensor slot_offsets, int num_heads, "
         "int num_kv_heads, int intermediate_size, int model_window, float eps, float scale) -> ()");
 }
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.metadata import AttentionMetadata
-from executor_svc.attention.torch_backend import TorchPagedAttention, shared_prefix
+from executor_svc.attention.torch_backend import TorchPagedAttention, shared_in_kernel, shared_prefix
 from executor_svc.model import cpu_linear
 from executor_svc.model.checkpoint import (
     expected_tensors,
@@ -168,8 +168,8 @@ class LlamaModel:
         call: a float32 model whose every linear is our float32 or 4-bit product or torch's int4 kernel
         (cpu_linear.py, quant.py), SiLU MLPs, one rotary table, no per-layer windows, q/k norms or score
         soft-capping; and a decode-only step in one group without per-request windows, attended in place by the
-        torch backend without a cascade. Else None: the Python loop (_forward_fused), which runs the same ops in the
-        same order."""
+        torch backend, its shared prefix (if it has one) by the kernel library (shared_in_kernel). Else None: the
+        Python loop (_forward_fused), which runs the same ops in the same order."""
         if not self.decode_in_one_call or not meta.one_decode_group or meta.decodes[0].windows is not None:
             return None
         if self._stack is None:
@@ -182,7 +182,9 @@ class LlamaModel:
         group = meta.decodes[0]
         if group.shared_pages is None:
             group.shared_pages = shared_prefix(group, k_cache.shape[1], meta.sliding_window or 0)
-        return None if group.shared_pages.numel() else self._stack
+        if group.shared_pages.numel() and not shared_in_kernel(ops, torch.empty(0, 0, self.cfg.head_dim)):
+            return None
+        return self._stack
 
     def _stack_weights(self, ops) -> list | None:
         cfg = self.cfg
@@ -265,9 +267,10 @@ class LlamaModel:
         if stack is not None:  # every layer in one call (cpu_decode.cpp): the same ops as the loop below
             cos, sin = next(iter(self.rotaries.values())).cos_sin(positions, self.dtype)
             group = meta.decodes[0]
-            ops.decode_layers(x, stack, pool.k_views, pool.v_views, group.page_tables, group.query_positions(), cos,
-                              sin, meta.slot_pages, meta.slot_offsets, self.cfg.num_heads, self.cfg.num_kv_heads,
-                              self.cfg.intermediate_size, meta.sliding_window or 0, eps, self.scale)
+            cfg = self.cfg
+            ops.decode_layers(x, stack, pool.k_views, pool.v_views, group.page_tables, group.query_positions(),
+                              group.shared_pages, cos, sin, meta.slot_pages, meta.slot_offsets, cfg.num_heads,
+                              cfg.num_kv_heads, cfg.intermediate_size, meta.sliding_window or 0, eps, self.scale)
             return self._logits(ops, x, logits_idx)
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
         metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})

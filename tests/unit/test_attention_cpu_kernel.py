@@ -153,6 +153,51 @@ def test_shared_prefix_cascade_matches_reference(rows, shared, heads, kv_heads, 
     torch.testing.assert_close(out.float(), ref.forward(q, k, v, meta).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim,pages,block_size", [
+    (32, 9, 3, 64, 64, 16),  # SmolLM2's shape: 96 query vectors a KV head, 1,024 keys in four chunks
+    (1, 2, 1, 64, 1, 16),  # one query vector, one page
+    (7, 8, 2, 128, 21, 16),  # chunks of 256 keys, the last one 80
+    (33, 9, 3, 64, 17, 5),  # 85 keys: a panel of 64 and one of 21 (zeros after)
+    (3, 4, 1, 256, 9, 16),
+    (70, 4, 4, 32, 40, 8),  # 70 query vectors: a block of 64 and one of 6
+])
+def test_shared_prefix_product_matches_float64(rows, heads, kv_heads, head_dim, pages, block_size):
+    """paged_attention_shared (the cascade's first half as matrix products, float32): every query against every key
+    of the given pages, in their order; its output and log-sum-exp against float64 on fresh random values."""
+    kernel = cpu_kernel.load()
+    if head_dim not in kernel.paged_attention_shared_dims():
+        pytest.skip("no vectors for paged_attention_shared on this CPU")
+    g = torch.Generator().manual_seed(rows + pages + head_dim)
+    num_pages = 3 * pages + 2
+    k, v = pool_views(num_pages, block_size, kv_heads, head_dim, torch.float32, g)
+    page_ids = torch.randperm(num_pages, generator=g)[:pages]
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    out, lse = kernel.paged_attention_shared(q, k, v, page_ids, scale)
+    keys = k[page_ids].reshape(-1, kv_heads, head_dim).double().repeat_interleave(heads // kv_heads, 1)
+    values = v[page_ids].reshape(-1, kv_heads, head_dim).double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("nhd,lhd->nhl", q.double(), keys) * scale
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), torch.einsum("nhl,lhd->nhd", scores.softmax(-1), values),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_product_refuses_bad_arguments_by_name():
+    kernel = cpu_kernel.load()
+    if 64 not in kernel.paged_attention_shared_dims():
+        pytest.skip("no vectors for paged_attention_shared on this CPU")
+    k = v = torch.randn(4, 16, 2, 64)
+    q = torch.randn(3, 4, 64)
+    with pytest.raises(RuntimeError, match="float32 q with head_dim"):
+        kernel.paged_attention_shared(q.bfloat16(), k, v, torch.tensor([1]), 0.1)
+    with pytest.raises(RuntimeError, match="pages must be a non-empty"):
+        kernel.paged_attention_shared(q, k, v, torch.tensor([], dtype=torch.long), 0.1)
+    with pytest.raises(RuntimeError, match="page id 4 outside the pool of 4 pages"):
+        kernel.paged_attention_shared(q, k, v, torch.tensor([1, 4]), 0.1)
+    with pytest.raises(RuntimeError, match="head shapes disagree"):
+        kernel.paged_attention_shared(torch.randn(3, 3, 64), k, v, torch.tensor([1]), 0.1)
+
+
 def test_the_cascade_takes_only_what_every_row_shares_and_only_where_it_pays():
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, block_size, num_pages = 8, 2, 32, 16, 800
@@ -199,6 +244,14 @@ def test_in_place_copies_no_pages():
             attention.forward(q, k, v, meta)
         assert ("index_select" in ops.names) is gathers, ops.names
         assert ("scaled_dot_product_attention" in ops.names) is gathers, ops.names
+    # nor does a float32 cascade over a shared prefix (the kernel library attends the prefix where it lies)
+    k, v = pool_views(200, 16, 4, 32, torch.float32, g)
+    meta = shared_meta([24 * 16 + 5] * 20, 24, 16, 200, g)
+    q = torch.randn(20, 8, 32, generator=g)
+    with OpLog() as ops:
+        fast.forward(q, k, v, meta)
+    assert meta.decodes[0].shared_pages.numel() == 24
+    assert "index_select" not in ops.names, ops.names
 
 
 def test_quantized_pages_and_other_kv_dtypes_gather():

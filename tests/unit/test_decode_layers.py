@@ -24,9 +24,11 @@ def _model(path, dtype=torch.float32):
     return cfg, load_model(cfg, torch.device("cpu"), dtype)
 
 
-def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, window: int | None = None):
+def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, window: int | None = None,
+                 shared: int = 0):
     """A decode-only step of len(ctx_lens) requests over a pool filled with random K/V (fresh values, each request
-    its own pages in a shuffled order); returns (logits, the pool after the step, whether the one call ran)."""
+    its own pages in a shuffled order, after ``shared`` pages that begin every table); returns (logits, the pool
+    after the step, whether the one call ran, the pages attended as a shared prefix)."""
     from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup
     from executor_svc.attention.torch_backend import TorchPagedAttention
     from executor_svc.kv_quant import parse_kv_dtype
@@ -34,16 +36,17 @@ def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, win
 
     block = 16
     g = torch.Generator().manual_seed(seed)
-    widths = [-(-n // block) for n in ctx_lens]
-    num_pages = sum(widths) + 3
+    widths = [-(-n // block) - shared for n in ctx_lens]
+    num_pages = shared + sum(widths) + 3
     pool = DevicePagePool(cfg, num_pages, block, torch.float32, torch.device("cpu"),
                           parse_kv_dtype("auto", torch.float32))
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=g))
-    order = torch.randperm(num_pages - 1, generator=g)[:sum(widths)] + 1
-    tables = torch.zeros(len(ctx_lens), max(widths), dtype=torch.long)
-    start = 0
+    order = torch.randperm(num_pages - 1, generator=g)[:shared + sum(widths)] + 1
+    tables = torch.zeros(len(ctx_lens), shared + max(widths), dtype=torch.long)
+    tables[:, :shared] = order[:shared]
+    start = shared
     for i, w in enumerate(widths):
-        tables[i, :w] = order[start:start + w]
+        tables[i, shared:shared + w] = order[start:start + w]
         start += w
     ctx = torch.tensor(ctx_lens)
     pos = ctx - 1
@@ -54,9 +57,10 @@ def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, win
     attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     model.decode_in_one_call = one_call
     ran = model.decode_stack(model.fused_ops(), meta, pool, attention) is not None
+    cascade = meta.decodes[0].shared_pages
     meta.decodes[0].shared_pages = None
     logits = model.forward(ids, pos, meta, pool, attention, torch.arange(len(ctx_lens)))
-    return logits, pool.pages.clone(), ran
+    return logits, pool.pages.clone(), ran, cascade
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +93,27 @@ def test_one_call_equals_the_python_loop_bit_for_bit(which, ctx_lens, tiny_llama
         assert any(k.startswith("int4-cpu") for k in model.linear_kinds), model.linear_kinds
         assert which.endswith("awq") or model.layers[0]["qkv"].perm is not None, "desc_act must reorder inputs"
     window = 40 if which.startswith("sliding") else None
-    got, got_pages, ran = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=True, window=window)
+    got, got_pages, ran, _ = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=True, window=window)
     assert ran, "the one call must apply to this step (else this test compares the loop with itself)"
-    want, want_pages, ran = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=False, window=window)
+    want, want_pages, ran, _ = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=False, window=window)
     assert not ran
     assert torch.equal(got, want)
     assert torch.equal(got_pages, want_pages), "the step's K/V written to the same slots, with the same bits"
+
+
+@pytest.mark.parametrize("which", ["tiny-llama", "4-bit gptq desc_act (qwen2)"])
+def test_one_call_with_a_shared_prefix_equals_the_loop(which, tiny_llama_dir, four_bit_dirs):
+    """Rows whose tables begin with the same pages (a cached prompt): the one call attends them as the loop's cascade
+    does (paged_attention_shared, then each row's own keys merged), with the same bits."""
+    cfg, model = _model(four_bit_dirs["gptq"] if which.startswith("4-bit") else tiny_llama_dir)
+    shared = 29  # 464 tokens, x 9 rows: enough for a cascade (torch_backend.CASCADE_MIN_WORK)
+    ctx_lens = [shared * 16 + n for n in (1, 40, 7, 16, 70, 3, 33, 2, 17)]
+    got, got_pages, ran, cascade = _decode_step(cfg, model, ctx_lens, seed=5, one_call=True, shared=shared)
+    assert ran and cascade.numel() == shared, "the one call must take this step, its shared prefix as a cascade"
+    want, want_pages, ran, _ = _decode_step(cfg, model, ctx_lens, seed=5, one_call=False, shared=shared)
+    assert not ran
+    assert torch.equal(got, want)
+    assert torch.equal(got_pages, want_pages)
 
 
 def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir, tmp_path):
@@ -141,8 +160,8 @@ def test_bad_arguments_are_refused_by_name(tiny_llama_dir):
     one = torch.zeros(1, dtype=torch.long)
     cos = sin = torch.zeros(1, cfg.head_dim)
     with pytest.raises(RuntimeError, match="22 tensors a layer"):
-        ops.decode_layers(x, [x] * 3, caches, caches, one.view(1, 1), one, cos, sin, one, one, cfg.num_heads,
+        ops.decode_layers(x, [x] * 3, caches, caches, one.view(1, 1), one, one[:0], cos, sin, one, one, cfg.num_heads,
                           cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        ops.decode_layers(x.double(), [x] * (22 * cfg.num_layers), caches, caches, one.view(1, 1), one, cos, sin, one,
-                          one, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
+        ops.decode_layers(x.double(), [x] * (22 * cfg.num_layers), caches, caches, one.view(1, 1), one, one[:0], cos,
+                          sin, one, one, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, 0, 1e-5, 0.1)
