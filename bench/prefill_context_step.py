@@ -11,7 +11,9 @@ bench/shared_prefix_step.py). Two steps, each run ``--runs`` times per mode, the
 
 Modes: ``masked`` is one SDPA per chunk over its whole gathered context with a [q_len, ctx] mask (the path before
 ``split_prefills``; forced by raising ``PREFILL_SPLIT_MIN_TOKENS``), ``split`` the context's whole pages apart
-(shared ones in one call for every chunk), then the chunk's own keys, merged by log-sum-exp.
+(shared ones in one call for every chunk), then the chunk's own keys, merged by log-sum-exp: ``split, SDPA`` with
+the pages' part one SDPA call over them gathered (before session 19), ``split`` with it the kernel library's
+``paged_attention_shared`` over the pages where they lie (float32).
 tests/unit/test_attention_cpu_kernel.py holds the split to the reference's results.
 
     .venv/bin/python bench/prefill_context_step.py [--runs 3]
@@ -101,21 +103,25 @@ def main(argv=None) -> int:
 
     cases = {f"{args.batch - 1} chunks of {args.suffix} over a shared {args.prefix}-token prefix": shared,
              f"the 3rd {args.chunk}-token chunk of a {args.prompt}-token prompt": chunked}
-    times: dict[str, dict[str, list[float]]] = {c: {"masked": [], "split": []} for c in cases}
-    for run in range(2 * args.runs):
-        mode = "split" if run % 2 else "masked"
-        torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min if mode == "split" else 1 << 30
+    modes = ("masked", "split, SDPA", "split")
+    in_kernel = torch_backend.shared_in_kernel
+    times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in modes} for c in cases}
+    for run in range(len(modes) * args.runs):
+        mode = modes[run % len(modes)]
+        torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min if mode.startswith("split") else 1 << 30
+        torch_backend.shared_in_kernel = (lambda kernel, q: False) if mode == "split, SDPA" else in_kernel
         for case, fn in cases.items():
             times[case][mode].append(fn(run))
     torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min
+    torch_backend.shared_in_kernel = in_kernel
     out = {"model": args.model, "threads": args.threads, "load": os.getloadavg()[0], "cases": {}}
     print(f"\n{args.model}, {args.threads} threads, {args.runs} runs a mode, alternated (median ms)\n")
-    print("| step | masked | split | split / masked |")
-    print("|---|---|---|---|")
+    print("| step | masked | split, SDPA | split | split / masked |")
+    print("|---|---|---|---|---|")
     for case in cases:
-        m, s = (1e3 * statistics.median(times[case][k]) for k in ("masked", "split"))
-        out["cases"][case] = {"masked_ms": m, "split_ms": s, "runs": times[case]}
-        print(f"| {case} | {m:.0f} | {s:.0f} | {s / m:.2f}x |")
+        m, sd, s = (1e3 * statistics.median(times[case][k]) for k in modes)
+        out["cases"][case] = {"masked_ms": m, "split_sdpa_ms": sd, "split_ms": s, "runs": times[case]}
+        print(f"| {case} | {m:.0f} | {sd:.0f} | {s:.0f} | {s / m:.2f}x |")
     print(f"\nload {out['load']:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

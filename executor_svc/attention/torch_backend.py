@@ -15,11 +15,12 @@ padding), outside the model's sliding window when there is one, and outside a re
 
 Decodes whose tables all start with the same pages (a shared prompt prefix: prefix caching maps it to the same
 pages) attend them as a cascade when the prefix is long enough for it to pay (``CASCADE_MIN_ROWS``,
-``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``): the prefix's K/V are gathered once per layer and every query of the
-group is scored against them in one SDPA call over the [rows x query heads] of each KV head (matrix products, with
-its log-sum-exp), then the kernel attends each request's own pages after the prefix and merges the two softmaxes
+``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``): every query of the group is scored against the prefix as matrix
+products over the [rows x query heads] of each KV head, with its log-sum-exp (float32: the kernel library's
+``paged_attention_shared``, reading the prefix where it lies; other dtypes: one SDPA call over the prefix gathered
+once a layer), then the kernel attends each request's own pages after the prefix and merges the two softmaxes
 (``paged_attention_after``). The kernel alone scores every request against the prefix one key at a time, ~40
-GFLOP/s here; the cascade's products run at ~3x that (bench/NOTES.md "Shared prefix: a cascade").
+GFLOP/s here; the products run at ~3x that (bench/NOTES.md "Shared prefix: a cascade", and session 19).
 
 Prefill chunks with cached context before them (a chunked prompt's later chunks, a prompt whose prefix was cached)
 attend it in two parts merged by their log-sum-exps: the context's whole pages before the chunk's first query, which
@@ -236,7 +237,7 @@ class TorchPagedAttention:
         split = split_prefills(meta, k_cache.shape[1])
         done = set()
         for pages, segs in split:
-            self._prefill_split(q, k_cache, v_cache, pages, segs, out)
+            self._prefill_split(kernel, q, k_cache, v_cache, pages, segs, out)
             done.update(id(seg) for seg in segs)
         for seg in meta.prefills:
             if id(seg) not in done:
@@ -244,25 +245,29 @@ class TorchPagedAttention:
                 out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
-    def _prefill_split(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-                       segs: list[PrefillSegment], out: torch.Tensor) -> None:
+    def _prefill_split(self, kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       pages: torch.Tensor, segs: list[PrefillSegment], out: torch.Tensor) -> None:
         """Prefill segments over context ``pages`` that all of them start with (every query sees all of it: one
-        unmasked SDPA for the group's queries), then each over the rest of its context (its own keys, causal);
-        the two softmaxes merged by their log-sum-exps, in float32."""
+        unmasked product for the group's queries: the kernel library's paged_attention_shared in float32, else
+        SDPA over the gathered pages), then each over the rest of its context (its own keys, causal); the two
+        softmaxes merged by their log-sum-exps, in float32."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         block_size, kv_heads, dim = k_cache.shape[1], self.num_kv_heads, self.head_dim
         heads, per_kv = self.num_heads, self.num_heads // self.num_kv_heads
         length = pages.numel() * block_size
-        k = k_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
-        v = v_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
         qs = [q[seg.q_start:seg.q_start + seg.q_len] for seg in segs]
         qc = qs[0] if len(qs) == 1 else torch.cat(qs)
         n = qc.shape[0]
-        # every query head of a KV head, of every token, is a query row of that head: [1, kv_heads, n x per_kv, D]
-        qg = qc.view(n, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, n * per_kv, dim)
-        prior, lse = flash(qg, k, v, 0.0, False, scale=self.scale)[:2]
-        prior = prior[0].view(kv_heads, n, per_kv, dim).transpose(0, 1).reshape(n, heads, dim)
-        lse = lse[0].view(kv_heads, n, per_kv).transpose(0, 1).reshape(n, heads)
+        if shared_in_kernel(kernel, qc):
+            prior, lse = kernel.paged_attention_shared(qc.contiguous(), k_cache, v_cache, pages, self.scale)
+        else:
+            k = k_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+            v = v_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+            # every query head of a KV head, of every token, is a query row of that head: [1, kv_heads, n x per_kv, D]
+            qg = qc.view(n, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, n * per_kv, dim)
+            prior, lse = flash(qg, k, v, 0.0, False, scale=self.scale)[:2]
+            prior = prior[0].view(kv_heads, n, per_kv, dim).transpose(0, 1).reshape(n, heads, dim)
+            lse = lse[0].view(kv_heads, n, per_kv).transpose(0, 1).reshape(n, heads)
         start = 0
         for seg, qseg in zip(segs, qs):
             rest = seg.ctx_len - length  # keys [length, ctx_len): the chunk's own, and context after the pages
