@@ -4,7 +4,8 @@
 For each batch size, ``--batch`` requests with ``--prompt-len``-token prompts are prefilled, then ``--steps`` decode
 steps run; the table gives the median step (``ModelRunner.step``: plan applied, inputs, forward, sample), the
 forward alone, and TPOT against the memory-bandwidth limit (the weights the step reads divided by the read
-bandwidth measured here: a torch sum over 256 MiB on the executor's threads, best of 5). ``--profile`` adds a
+bandwidth measured here: a torch sum over 256 MiB on the executor's threads, best of 2, after each timed step,
+the median of those per batch size: the VM's bandwidth moves by 2x within minutes). ``--profile`` adds a
 torch.profiler table of one step's ops by self CPU time, grouped (linear, attention, norm, rotary, activation,
 other elementwise, logits, sampler), and the number of ops dispatched per step.
 
@@ -42,15 +43,20 @@ GROUPS = (  # (group, substrings of aten op names), first match wins
 )
 
 
-def read_bandwidth(threads: int) -> float:
-    """GB/s of a torch sum over 256 MiB of float32, best of 5."""
+_PROBE: list = []
+
+
+def read_bandwidth(threads: int, runs: int = 5) -> float:
+    """GB/s of a torch sum over 256 MiB of float32, best of ``runs``."""
     import torch
 
     torch.set_num_threads(threads)
-    x = torch.ones(64 << 20, dtype=torch.float32)
-    x.sum()
+    if not _PROBE:
+        _PROBE.append(torch.ones(64 << 20, dtype=torch.float32))
+        _PROBE[0].sum()
+    x = _PROBE[0]
     best = float("inf")
-    for _ in range(5):
+    for _ in range(runs):
         t = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t)
@@ -110,7 +116,7 @@ def measure(args) -> dict:
             sched.process(runner.step(plan))
             if len(plan.decodes) == b:
                 break
-        steps, forwards = [], []
+        steps, forwards, probes = [], [], []  # probes: the read bandwidth after each timed step (the VM's moves)
         loop_steps, loop_forwards = [], []  # --loop: the Python loop's steps, alternated with the one call's
         prof = None
         for k in range(decode_steps):
@@ -131,8 +137,10 @@ def measure(args) -> dict:
                 result = runner.step(plan)
                 steps.append(time.perf_counter() - t)
                 forwards.append(result.timings.forward_ms / 1e3)
+                probes.append(read_bandwidth(args.threads, runs=2))
             sched.process(result)
-        row = {"step_ms": 1e3 * statistics.median(steps), "forward_ms": 1e3 * statistics.median(forwards)}
+        row = {"step_ms": 1e3 * statistics.median(steps), "forward_ms": 1e3 * statistics.median(forwards),
+               "read_gb_s": statistics.median(probes)}
         if loop_steps:
             row["loop_step_ms"] = 1e3 * statistics.median(loop_steps)
             row["loop_forward_ms"] = 1e3 * statistics.median(loop_forwards)
@@ -161,17 +169,21 @@ def report(runs: dict[str, dict]) -> None:
     step_bytes = any_run["read_bytes"]  # (measure(): what one decode step reads)
     limit_ms = step_bytes / (read * 1e9) * 1e3
     print(f"\n{any_run['model']}: attention {any_run['attention_backend']}, {any_run['threads']} threads; weights "
-          f"{step_bytes / 1e6:.0f} MB read per step; read bandwidth {read:.1f} GB/s -> bandwidth limit "
-          f"{limit_ms:.1f} ms/step\n")
-    print("| tree | batch | step ms | forward ms | step / limit | tok/s |")
-    print("|---|---|---|---|---|---|")
+          f"{step_bytes / 1e6:.0f} MB read per step; read bandwidth at the start {read:.1f} GB/s -> bandwidth "
+          f"limit {limit_ms:.1f} ms/step\n")
+    print("The limit per row: the median of the bandwidth probes run between that row's steps (best of 2 each).\n")
+    print("| tree | batch | step ms | forward ms | read GB/s between steps | limit ms | step / limit | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         for b, row in r["batches"].items():
-            print(f"| {name} | {b} | {row['step_ms']:.1f} | {row['forward_ms']:.1f} | "
-                  f"{row['step_ms'] / limit_ms:.2f}x | {int(b) * 1e3 / row['step_ms']:.0f} |")
+            row_read = row.get("read_gb_s", read)  # (a tree from before the probes: the run's)
+            limit_ms = step_bytes / (row_read * 1e9) * 1e3
+            print(f"| {name} | {b} | {row['step_ms']:.1f} | {row['forward_ms']:.1f} | {row_read:.1f} | "
+                  f"{limit_ms:.1f} | {row['step_ms'] / limit_ms:.2f}x | {int(b) * 1e3 / row['step_ms']:.0f} |")
             if "loop_step_ms" in row:
                 print(f"| {name}, Python loop | {b} | {row['loop_step_ms']:.1f} | {row['loop_forward_ms']:.1f} | "
-                      f"{row['loop_step_ms'] / limit_ms:.2f}x | {int(b) * 1e3 / row['loop_step_ms']:.0f} |")
+                      f"{row_read:.1f} | {limit_ms:.1f} | {row['loop_step_ms'] / limit_ms:.2f}x | "
+                      f"{int(b) * 1e3 / row['loop_step_ms']:.0f} |")
     for name, r in runs.items():
         for b, row in r["batches"].items():
             if "profile" not in row:
