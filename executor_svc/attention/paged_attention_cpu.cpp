@@ -546,17 +546,19 @@ at::Tensor paged_attention_after(at::Tensor q, at::Tensor k_cache, at::Tensor v_
 namespace {
 
 #if defined(PAGEDKV_SIMD)
-// The cascade's first half as matrix products (paged_attention_shared below). A task takes one KV head and one
-// chunk of the shared keys (kSharedChunk): their K transposed into panels of kKeyBlock keys ([DIM][kKeyBlock] each,
-// contiguous; zeros after the last key), then for each block of query vectors the scores S = Q K^T (qk_block:
-// kQkRows rows x kQkVectors vectors of keys in registers, one broadcast of q per row and channel; a panel stays in
-// L1 across the block's rows), their softmax within the chunk, and the values' sums O = P V (pv_block: rows x DIM /
-// kLanes vectors in registers, one broadcast of p per row and key; kKeyBlock keys' values at a time, in L1 across
-// the rows). The chunks' parts are merged by their maxima at the end.
+// The cascade's first half as matrix products (paged_attention_shared below). A task takes one KV head, one block
+// of query vectors (kSharedRowBlock at most) and a group of the shared keys' chunks (kSharedChunk keys each). For
+// each chunk: its K transposed into panels of kKeyBlock keys ([DIM][kKeyBlock] each, contiguous; zeros after the
+// last key), the scores S = Q K^T (qk_block: kQkRows rows x kQkVectors vectors of keys in registers, one broadcast
+// of q per row and channel; a panel stays in L1 across the block's rows), their softmax within the chunk, the
+// values' sums O = P V (pv_block: rows x DIM / kLanes vectors in registers, one broadcast of p per row and key;
+// kKeyBlock keys' values at a time, in L1 across the rows), merged into the task's running part by the two maxima.
+// The groups' parts, where there are several, are merged at the end.
 constexpr int kQkVectors = kRegisters >= 32 ? 4 : 2;
 constexpr int kQkRows = kRegisters >= 32 ? 6 : 4;
-constexpr int64_t kSharedChunk = 256;  // keys a task (K panel 64 KiB at DIM 64)
-constexpr int64_t kSharedRowBlock = 64;  // query vectors a block (scores 64 KiB at a 256-key chunk)
+constexpr int64_t kSharedChunk = 256;  // keys a chunk (its K panels 64 KiB at DIM 64)
+constexpr int64_t kQkL1Rows = 8 * kQkRows;  // query vectors beside a key panel in L1 (12 KiB of q at DIM 64)
+constexpr int64_t kSharedRowBlock = 128;  // query vectors a block at most (scores 128 KiB at a 256-key chunk)
 
 template <int DIM, int MR>
 __attribute__((always_inline)) inline void qk_block(const float* q, const float* kt, int64_t kp, float* s,
@@ -615,49 +617,64 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t k_page = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
   const int64_t v_page = v_cache.stride(0), v_tok = v_cache.stride(1), v_head = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
-  // Each task's (KV head, chunk) part for every query vector: unnormalized sums, the chunk's max and denominator.
-  // (kept between calls: a fresh vector of this size is a fresh mapping, page faults every call)
-  static thread_local std::vector<float> parts;
-  parts.resize(std::max<size_t>(parts.size(), chunks * kv_heads * m * (DIM + 2)));
-  float* part_o = parts.data();
-  float* part_max = part_o + chunks * kv_heads * m * DIM;
-  float* part_sum = part_max + chunks * kv_heads * m;
+  // Tasks: (KV head, block of query vectors, group of chunks). A task runs its chunks in order, merging each into
+  // its rows' running part (online softmax); the groups split the chunks only where there are too few blocks of
+  // rows to keep the threads busy (a decode step: a few dozen query vectors), so the parts stay the size of the
+  // output times the groups, and the groups x blocks x KV heads about 4 tasks a thread.
+  const int64_t blocks = (m + kSharedRowBlock - 1) / kSharedRowBlock;
+  const int64_t block_rows = (m + blocks - 1) / blocks;  // (balanced: 96 query vectors are 48 + 48, not 64 + 32)
+  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t groups = std::max<int64_t>(1, std::min(chunks, (want + kv_heads * blocks - 1) / (kv_heads * blocks)));
+  // each (group, KV head, query vector): its unnormalized sums, running max and denominator
+  at::Tensor parts = at::empty({groups * kv_heads * m * (DIM + 2)}, q.options());
+  float* part_o = parts.data_ptr<float>();
+  float* part_max = part_o + groups * kv_heads * m * DIM;
+  float* part_sum = part_max + groups * kv_heads * m;
 
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, kv_heads * blocks * groups, 1, [&](int64_t first, int64_t last) {
     const pagedkv_cpu::FlushDenormals ftz;
     constexpr int64_t kKeyBlock = kQkVectors * kLanes;
-    static thread_local std::vector<float> kt, qf, s;
+    constexpr int64_t kPanelKeys = (kSharedChunk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    static thread_local std::vector<float> kt, qf, s, oc;  // (bounded: one chunk, one block of rows)
     static thread_local std::vector<int64_t> v_off;
-    kt.resize(DIM * ((kSharedChunk + kKeyBlock - 1) / kKeyBlock) * kKeyBlock);
+    kt.resize(DIM * kPanelKeys);
     qf.resize(kSharedRowBlock * DIM);
+    s.resize(kSharedRowBlock * kPanelKeys);
+    oc.resize(kSharedRowBlock * DIM);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t h = task / chunks, c = task % chunks;
-      const int64_t k0 = c * kSharedChunk, keys = std::min(kSharedChunk, length - k0);
-      const int64_t kpad = (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-      std::fill(kt.begin(), kt.begin() + DIM * kpad, 0.f);
-      v_off.resize(keys);
-      for (int64_t j = 0; j < keys; ++j) {
-        const int64_t pos = k0 + j, page = page_p[pos / block_size], tok = pos % block_size;
-        const float* key = kp + page * k_page + tok * k_tok + h * k_head;
-        float* panel = kt.data() + (j / kKeyBlock) * DIM * kKeyBlock + j % kKeyBlock;
-        for (int d = 0; d < DIM; ++d) panel[d * kKeyBlock] = key[d];
-        v_off[j] = page * v_page + tok * v_tok;
+      const int64_t h = task / (blocks * groups), b = task / groups % blocks, g = task % groups;
+      const int64_t r0 = b * block_rows, rows = std::min(block_rows, m - r0);
+      const int64_t base = (g * kv_heads + h) * m + r0;  // this task's rows in the parts
+      float* run_o = part_o + base * DIM;
+      float* run_max = part_max + base;
+      float* run_sum = part_sum + base;
+      std::fill(run_o, run_o + rows * DIM, 0.f);
+      std::fill(run_max, run_max + rows, -std::numeric_limits<float>::infinity());
+      std::fill(run_sum, run_sum + rows, 0.f);
+      for (int64_t r = 0; r < rows; ++r) {  // query vector r0 + r: row (r0 + r) / group, head h x group + its rest
+        const float* src = qp + (((r0 + r) / group) * heads + h * group + (r0 + r) % group) * DIM;
+        for (int d = 0; d < DIM; ++d) qf[r * DIM + d] = src[d] * fscale;
       }
-      s.resize(kSharedRowBlock * kpad);
-      const int64_t base = (c * kv_heads + h) * m;
-      for (int64_t r0 = 0; r0 < m; r0 += kSharedRowBlock) {
-        const int64_t rows = std::min(kSharedRowBlock, m - r0);
-        for (int64_t r = 0; r < rows; ++r) {  // query vector r0 + r: row (r0 + r) / group, head h x group + its rest
-          const float* src = qp + (((r0 + r) / group) * heads + h * group + (r0 + r) % group) * DIM;
-          for (int d = 0; d < DIM; ++d) qf[r * DIM + d] = src[d] * fscale;
+      for (int64_t c = g * chunks / groups; c < (g + 1) * chunks / groups; ++c) {
+        const int64_t k0 = c * kSharedChunk, keys = std::min(kSharedChunk, length - k0);
+        const int64_t kpad = (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+        std::fill(kt.begin(), kt.begin() + DIM * kpad, 0.f);
+        v_off.resize(keys);
+        for (int64_t j = 0; j < keys; ++j) {
+          const int64_t pos = k0 + j, page = page_p[pos / block_size], tok = pos % block_size;
+          const float* key = kp + page * k_page + tok * k_tok + h * k_head;
+          float* panel = kt.data() + (j / kKeyBlock) * DIM * kKeyBlock + j % kKeyBlock;
+          for (int d = 0; d < DIM; ++d) panel[d * kKeyBlock] = key[d];
+          v_off[j] = page * v_page + tok * v_tok;
         }
-        // a panel of keys (kKeyBlock x DIM, 16 KiB at DIM 64) stays in L1 across the block's query vectors
+        // a panel of keys (kKeyBlock x DIM, 16 KiB at DIM 64) stays in L1 across kQkL1Rows query vectors
+        for (int64_t a0 = 0; a0 < rows; a0 += kQkL1Rows)
         for (int64_t j0 = 0; j0 < kpad; j0 += kKeyBlock) {
           const float* panel = kt.data() + j0 * DIM;
-          for (int64_t a = 0; a < rows; a += kQkRows) {
+          for (int64_t a = a0; a < std::min(rows, a0 + kQkL1Rows); a += kQkRows) {
             const float* qa = qf.data() + a * DIM;
             float* sa = s.data() + a * kpad + j0;
-            switch (std::min<int64_t>(kQkRows, rows - a)) {
+            switch (std::min<int64_t>(kQkRows, std::min(rows, a0 + kQkL1Rows) - a)) {
               case 1: qk_block<DIM, 1>(qa, panel, kKeyBlock, sa, kpad); break;
               case 2: qk_block<DIM, 2>(qa, panel, kKeyBlock, sa, kpad); break;
               case 3: qk_block<DIM, 3>(qa, panel, kKeyBlock, sa, kpad); break;
@@ -667,6 +684,7 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
             }
           }
         }
+        float chunk_max[kSharedRowBlock], chunk_sum[kSharedRowBlock];
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s.data() + r * kpad;
           const float mx = max_of(sr, keys);
@@ -676,15 +694,15 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
             sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
             sum += sr[j];
           }
-          part_max[base + r0 + r] = mx;
-          part_sum[base + r0 + r] = sum;
+          chunk_max[r] = mx;
+          chunk_sum[r] = sum;
         }
         const float* vh = vp + h * v_head;
         for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {  // (the block's values stay in L1 across the rows)
           const int64_t n_keys = std::min(kKeyBlock, keys - j0);
           for (int64_t a = 0; a < rows; a += kPvRows<DIM>) {
             const float* pa = s.data() + a * kpad + j0;
-            float* o = part_o + (base + r0 + a) * DIM;
+            float* o = oc.data() + a * DIM;
             const int64_t* vo = v_off.data() + j0;
             switch (std::min<int64_t>(kPvRows<DIM>, rows - a)) {
 #define PAGEDKV_PV(NR) \
@@ -695,21 +713,31 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
             }
           }
         }
+        for (int64_t r = 0; r < rows; ++r) {  // the chunk into the running part, by the two maxima
+          const float mx = std::max(run_max[r], chunk_max[r]);
+          const float keep = pagedkv_cpu::exp_clamped(run_max[r] - mx), add = pagedkv_cpu::exp_clamped(chunk_max[r] - mx);
+          run_max[r] = mx;
+          run_sum[r] = run_sum[r] * keep + chunk_sum[r] * add;
+          float* ro = run_o + r * DIM;
+          const float* co = oc.data() + r * DIM;
+#pragma omp simd
+          for (int d = 0; d < DIM; ++d) ro[d] = ro[d] * keep + co[d] * add;
+        }
       }
     }
   });
 
-  // The chunks' parts merged by their maxima: out = sum_c e^(max_c - M) O_c / sum_c e^(max_c - M) sum_c.
+  // The groups' parts merged by their maxima: out = sum_g e^(max_g - M) O_g / sum_g e^(max_g - M) sum_g.
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, n * heads, 64, [&](int64_t first, int64_t last) {
     for (int64_t qi = first; qi < last; ++qi) {
       const int64_t i = qi / heads, hd = qi % heads, h = hd / group, row = i * group + hd % group;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_max[(c * kv_heads + h) * m + row]);
+      for (int64_t g = 0; g < groups; ++g) mx = std::max(mx, part_max[(g * kv_heads + h) * m + row]);
       float denom = 0.f, acc[DIM] = {};
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (c * kv_heads + h) * m + row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = (g * kv_heads + h) * m + row;
         const float w = pagedkv_cpu::exp_clamped(part_max[at] - mx);
         denom += w * part_sum[at];
         const float* po = part_o + at * DIM;

@@ -159,7 +159,9 @@ def test_shared_prefix_cascade_matches_reference(rows, shared, heads, kv_heads, 
     (7, 8, 2, 128, 21, 16),  # chunks of 256 keys, the last one 80
     (33, 9, 3, 64, 17, 5),  # 85 keys: a panel of 64 and one of 21 (zeros after)
     (3, 4, 1, 256, 9, 16),
-    (70, 4, 4, 32, 40, 8),  # 70 query vectors: a block of 64 and one of 6
+    (70, 4, 4, 32, 40, 8),  # 70 query vectors, 320 keys: two chunks
+    (50, 9, 3, 64, 40, 16),  # 150 query vectors a KV head: two blocks of 75; 640 keys: chunks in groups
+    (200, 9, 3, 64, 48, 16),  # 600 query vectors: five blocks, each over three chunks merged as it goes
 ])
 def test_shared_prefix_product_matches_float64(rows, heads, kv_heads, head_dim, pages, block_size):
     """paged_attention_shared (the cascade's first half as matrix products, float32): every query against every key
