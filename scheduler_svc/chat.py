@@ -116,34 +116,50 @@ def chat_text(m: api.ChatMessage) -> list[str]:
 
 def _texts(chat: api.Chat):
     """Every text of a chat that counts against --max-prompt-bytes: the messages', then the tools' (their names,
-    descriptions and schemas reach the template too)."""
+    descriptions and schemas reach the template too), each list with whether it is a tool's."""
     for m in chat.messages:
-        yield chat_text(m)
+        yield False, chat_text(m)
     for t in chat.tools:
-        yield [t.function.name, t.function.description, t.function.parameters]
+        yield True, [t.function.name, t.function.description, t.function.parameters]
+
+
+def _message_bytes(chat: api.Chat) -> int:
+    return sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if not tool for t in texts)
+
+
+def _over_bytes(name: str, size: int, limit: int, tools: bool, exact: bool) -> InvalidRequest:
+    """The refusal of a chat's text over --max-prompt-bytes: ``tools``, the tools' text took it over (the messages
+    alone fit), which names the tools' field."""
+    if tools:
+        return InvalidRequest(f"{name.removesuffix('messages')}tools: their text takes the chat's to "
+                              f"{'' if exact else 'at least '}{size} bytes of UTF-8 (the messages alone fit); at most "
+                              f"{limit} in all (--max-prompt-bytes; send fewer tools or shorter descriptions and "
+                              "parameters)")
+    return InvalidRequest(f"{name}: text of {'' if exact else 'at least '}{size} bytes of UTF-8; at most {limit} in "
+                          "all (--max-prompt-bytes; send fewer or shorter messages)")
 
 
 def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
-    """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) at most ``limit``
-    UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just to be refused.
-    ``name``: the messages' field, as the refusal names it."""
+    """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) and the tools' at
+    most ``limit`` UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just
+    to be refused. ``name``: the messages' field, as the refusal names it (the tools' field, ``name`` with tools for
+    messages, where the tools are too many or their text took the chat over)."""
     n = len(chat.messages)
     if not 0 < n <= MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"{name}: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
     if len(chat.tools) > MAX_TOOLS:
         raise InvalidRequest(f"{name.removesuffix('messages')}tools: {len(chat.tools)} tools; at most {MAX_TOOLS}")
-    tools = " (the tools' with them)" if chat.tools else ""
     chars = 0
-    for texts in _texts(chat):
+    for tool, texts in _texts(chat):
         chars += sum(map(len, texts))
-        if chars > limit:  # a character is at least one byte
-            raise InvalidRequest(f"{name}: text of at least {chars} bytes of UTF-8{tools}; at most {limit} in all "
-                                 "(--max-prompt-bytes; send fewer or shorter messages)")
+        if chars > limit:  # a character is at least one byte (the messages', here at most ``limit``, are encoded)
+            raise _over_bytes(name, chars, limit, tool and _message_bytes(chat) <= limit, exact=False)
     if chars * 4 > limit:
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for texts in _texts(chat) for t in texts)
+        messages = _message_bytes(chat)
+        size = messages + sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if tool
+                              for t in texts)
         if size > limit:
-            raise InvalidRequest(f"{name}: text of {size} bytes of UTF-8{tools}; at most {limit} in all "
-                                 "(--max-prompt-bytes; send fewer or shorter messages)")
+            raise _over_bytes(name, size, limit, messages <= limit, exact=True)
 
 
 def _json_object(text: str, where: str, depth: int, what: str) -> dict:
