@@ -11,7 +11,8 @@ import json
 from collections.abc import Mapping
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway.errors import bad
+from pagedkv.gateway.errors import ApiError, bad
+from scheduler_svc.chat import MAX_TOOLS
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -119,6 +120,9 @@ def tools_of(body: Mapping, chat: api.Chat) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("tools", "must be a list of tools")
+        if len(tools) > MAX_TOOLS:  # (the scheduler's bound, named as OpenAI names it, before any is read)
+            raise ApiError(400, f"tools: {len(tools)} tools; at most {MAX_TOOLS} (OpenAI's limit)", param="tools",
+                           code="array_above_max_length")
         chat.tools.extend(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
     if body.get("tool_choice") is not None:
         chat.tool_choice.CopyFrom(_tool_choice(body["tool_choice"]))

@@ -101,6 +101,15 @@ def param_of(details: str, chat: bool) -> str | None:
     return _PROTO_PARAMS.get(head, head)
 
 
+def prompt_too_long(details: str, chat: bool) -> ApiError:
+    """A prompt, or a chat, refused for its size before it is sent (the scheduler's own checks: validation's
+    check_text_bytes, chat.check_chat_size) in OpenAI's terms: 400, code prompt_too_long, ``param`` the field the
+    refusal names: tools where the tools drive it (too many, or their text took the chat over), else messages
+    (a chat) or prompt."""
+    return ApiError(400, details, param=param_of(details, chat) or ("messages" if chat else "prompt"),
+                    code="prompt_too_long")
+
+
 def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiError:
     """The scheduler's refusal in OpenAI's terms. RESOURCE_EXHAUSTED means two things: a queue bound reached, a
     limit that clears as requests start and end (its message starts with QUEUE_FULL_PREFIX: 429 with Retry-After,

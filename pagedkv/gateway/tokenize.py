@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway.chat_requests import chat_of
-from pagedkv.gateway.errors import ApiError, bad
+from pagedkv.gateway.errors import ApiError, bad, prompt_too_long
 from pagedkv.gateway.openai_requests import RequestLimits
 from scheduler_svc.chat import check_chat_size
 from scheduler_svc.validation import InvalidRequest, check_text_bytes
@@ -70,7 +70,7 @@ def tokenize_request(body, limits: RequestLimits) -> tuple[str | None, api.Token
         try:
             check_chat_size(req.chat, "messages", limits.prompt_bytes)
         except InvalidRequest as err:
-            raise ApiError(400, str(err), param="messages", code="prompt_too_long") from None
+            raise prompt_too_long(str(err), chat=True) from None
         return model, req, strs
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
@@ -78,7 +78,7 @@ def tokenize_request(body, limits: RequestLimits) -> tuple[str | None, api.Token
     try:
         check_text_bytes(prompt, "prompt", limits.prompt_bytes)
     except InvalidRequest as err:
-        raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
+        raise prompt_too_long(str(err), chat=False) from None
     req = api.TokenizeRequest(text=prompt)
     if special is not None:
         req.add_special_tokens = special
