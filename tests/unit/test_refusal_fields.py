@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway.errors import ApiError, from_grpc, param_of, prompt_too_long
-from pagedkv.gateway.openai_requests import RequestLimits, parse_chat
+from pagedkv.gateway.openai_requests import RequestLimits, check_sizes, parse_chat
 from pagedkv.gateway.tokenize import tokenize_request
 from scheduler_svc import chat as chats
 from scheduler_svc.constraints import MAX_CONSTRAINT_BYTES, check_constraint
@@ -111,6 +111,15 @@ def test_tools_that_take_a_chat_over_its_bytes_are_named_by_the_gateway():
     body = {"model": "m", "messages": MESSAGES, "tools": _tools(20, "x" * 100)}
     with pytest.raises(ApiError) as e:
         tokenize_request(body, RequestLimits(max_model_len=2048, prompt_bytes=8000, body_bytes=1 << 20))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "tools", "prompt_too_long")
+
+
+@pytest.mark.xfail(strict=True, reason="openai_requests.check_sizes (another engineer's) names messages for any "
+                   "chat refused for its size: it is to raise errors.prompt_too_long(str(err), chat=True) (#46 F10)")
+def test_tools_that_take_a_chat_over_its_bytes_are_named_by_chat_completions():
+    body = {"model": "m", "messages": MESSAGES, "tools": _tools(20, "x" * 100)}
+    with pytest.raises(ApiError) as e:
+        check_sizes(parse_chat(body, "r"), RequestLimits(max_model_len=2048, prompt_bytes=8000, body_bytes=1 << 20))
     assert (e.value.status, e.value.param, e.value.code) == (400, "tools", "prompt_too_long")
 
 
