@@ -352,3 +352,78 @@ def test_a_callers_own_continuation_is_where_progress_starts():
     assert err is None and len(stub.requests) == 2
     forks = [(list(f.token_ids), f.draw_offset, f.finished) for f in stub.requests[1].continuation.forks]
     assert forks == [([7, 8, 10], 3, False), ([9], 1, True)]
+
+
+# ---- the outage window: an executor restart waited out (issue 46, F9) ----------------------------------------------
+class RestartingScheduler:
+    """A scheduler whose only executor was killed ``down_at`` s in (virtual time): a stream in flight then breaks,
+    and every call answers UNAVAILABLE "no executor is up" (at once, as scheduler_svc/api.py's Generate does) until
+    ``back_at``, when the stream goes on from what the call's continuation says it had."""
+
+    NO_EXECUTOR = "no executor is up (none connected, or all failed or draining); retry later"
+
+    def __init__(self, clock: list[float], back_at: float, tokens: list[int]) -> None:
+        self.clock, self.back_at, self.tokens = clock, back_at, tokens
+        self.calls: list[float] = []  # when each call came
+
+    def Generate(self, request, metadata=()):  # noqa: N802
+        self.calls.append(self.clock[0])
+        if len(self.calls) == 1:  # the first call: half the tokens, then the executor dies
+            return ScriptedCall([msg(ids=self.tokens[:4], seed=7), rpc_error(UNAVAILABLE, "no executor that can "
+                                                                             "hold this request was available")])
+        if self.clock[0] < self.back_at:
+            return ScriptedCall([rpc_error(UNAVAILABLE, self.NO_EXECUTOR)])
+        had = len(request.continuation.forks[0].token_ids)
+        return ScriptedCall([msg(ids=self.tokens[had:], finish=2)])
+
+
+def _in_virtual_time(monkeypatch, clock: list[float]) -> None:
+    """resumable_generate's clock and sleeps in virtual seconds (``clock[0]``): a minute's outage in no time."""
+    import types
+
+    import pagedkv.client as client
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        await asyncio.sleep(0)
+    monkeypatch.setattr(client, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(client, "asyncio", types.SimpleNamespace(sleep=sleep, wait_for=asyncio.wait_for))
+
+
+def test_the_default_window_outlasts_serves_longest_executor_restart():
+    """The outage a stream waits out when every call is refused at once (ResumePolicy.window_s) is the whole
+    --resume-timeout, and longer than serve's longest restart backoff plus an executor's start (tiny-llama's took
+    3.8-6.8 s to serve again after one to three kills -9 in a row; was: 5 attempts, 7.75 s)."""
+    import inspect
+
+    from pagedkv.resume_policy import DEFAULT_RESUME
+    from pagedkv.supervisor import Supervisor
+
+    backoff_max = inspect.signature(Supervisor).parameters["backoff_max"].default
+    assert DEFAULT_RESUME.window_s == DEFAULT_RESUME.timeout_s == 60.0
+    assert DEFAULT_RESUME.window_s >= backoff_max + 6.8 + 20  # (20 s more for a model larger than tiny-llama)
+    assert ResumePolicy(attempts=5, max_backoff_s=4.0).window_s == 7.75  # (the old defaults)
+    assert ResumePolicy(attempts=5).window_s == 5.75 and ResumePolicy(attempts=100, timeout_s=9).window_s == 9
+
+
+@pytest.mark.parametrize("back_at", [5.0, 20.0, 45.0])
+def test_a_stream_waits_out_an_executor_restart(monkeypatch, back_at):
+    clock = [0.0]
+    _in_virtual_time(monkeypatch, clock)
+    tokens = list(range(10, 18))
+    stub = RestartingScheduler(clock, back_at, tokens)
+    out, err = run(stub, Client.build_request([1], max_tokens=8, seed=7), policy=ResumePolicy())
+    assert err is None, err.details()
+    assert [t for m in out for t in m.token_ids] == tokens  # none lost or repeated
+    refused = [t for t in stub.calls[1:] if t < back_at]
+    assert refused and stub.calls[-1] - back_at <= ResumePolicy().max_backoff_s  # back within one backoff
+
+
+def test_an_outage_longer_than_the_window_ends_with_the_schedulers_words(monkeypatch):
+    clock = [0.0]
+    _in_virtual_time(monkeypatch, clock)
+    stub = RestartingScheduler(clock, 1e9, list(range(10, 18)))
+    out, err = run(stub, Client.build_request([1], max_tokens=8, seed=7), policy=ResumePolicy())
+    assert err.code() == UNAVAILABLE and len(out) == 1
+    assert err.details() == f"{RestartingScheduler.NO_EXECUTOR} (not resumed within 60s)"
+    assert 58.0 <= stub.calls[-1] < 60.0 and clock[0] >= 60.0
