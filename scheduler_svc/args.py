@@ -10,6 +10,7 @@ from scheduler_svc import fit
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.policy import Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
+from scheduler_svc.template_pool import TemplateLimits
 from scheduler_svc.tenancy import MAX_INT
 from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS, MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
@@ -78,8 +79,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "directory)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (a Jinja template: code, run in the sandbox "
-                   "transformers uses, with no bound on its time); off by default, as in vLLM: such a request is "
-                   "refused, and one naming one of the model's templates is taken")
+                   "transformers uses, in a worker process bounded by --chat-template-timeout and "
+                   "--chat-template-memory, its text by --max-prompt-bytes); off by default, as in vLLM: such a "
+                   "request is refused, and one naming one of the model's templates is taken")
+    p.add_argument("--chat-template-timeout", type=float, default=TemplateLimits().timeout_s, metavar="SECONDS",
+                   help="seconds a request's own chat template may take to render; past it its worker process is "
+                   "killed and the request gets INVALID_ARGUMENT naming its chat_template and this flag (default "
+                   "%(default)s)")
+    p.add_argument("--chat-template-workers", type=int, default=TemplateLimits().workers, metavar="N",
+                   help="worker processes that render requests' own chat templates, started as needed; one tenant "
+                   "renders at most half of them at once (at least one), its further requests wait for its own "
+                   "(default %(default)s)")
+    p.add_argument("--chat-template-memory", type=int, default=TemplateLimits().memory_bytes >> 20, metavar="MIB",
+                   help="address space of a chat template worker in MiB (RLIMIT_AS); a render that needs more gets "
+                   "INVALID_ARGUMENT naming this flag (default %(default)s)")
     p.add_argument("--tool-call-parser", default="", choices=("", *tool_calls.PARSERS), metavar="PARSER",
                    help="how a chat request with tools and tool_choice auto has its output read into tool calls: "
                    f"{', '.join(tool_calls.PARSERS)} (Hermes/Qwen <tool_call>{{...}}</tool_call>; Llama 3.x JSON "

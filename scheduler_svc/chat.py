@@ -6,6 +6,8 @@ special tokens, and the request's ``chat_template_kwargs`` as variables. An assi
 ``{id, type: "function", function: {name, arguments}}`` with ``arguments`` decoded from its JSON text into an object,
 as vLLM decodes them (transformers' templates expect a mapping; text that is not a JSON object becomes ``{}``, as in
 vLLM). Every size is bounded here, before anything is parsed or rendered; each refusal names the field and the limit.
+A request's own template (--trust-request-chat-template) is rendered by a worker process with its own time, memory
+and output bounds (``render_job``, template_pool.py); the model's render here (``render``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ChatPrompt:
     template: str | None = None  # the request's template, or the name of one of the model's; None: the model's
     kwargs: dict = field(default_factory=dict)
     tools: list[dict] | None = None  # the template's tools variable (None: the request has none)
+    request_template: bool = False  # template is the request's own (rendered in a worker: template_pool.py)
 
 
 def _too_long(value: str, name: str) -> None:
@@ -311,7 +314,17 @@ def check_chat(chat: api.Chat, field: str, limit: int, model_templates=None,
                              "tokenizer_config.json); send text or token_ids, or a chat_template")
     return ChatPrompt(messages, generation_prompt, chat.continue_final_message, template,
                       _template_kwargs(chat.chat_template_kwargs, f"{field}.chat_template_kwargs"),
-                      _tools(chat, field))
+                      _tools(chat, field), request_template=template is not None and not named)
+
+
+def render_job(prompt: ChatPrompt, special_tokens: dict[str, str], max_bytes: int) -> dict:
+    """What a template worker is sent to render ``prompt``'s own template (template_sandbox.render_job's job): the
+    template, the messages, tools and kwargs, the model's named special tokens (the template's bos_token and so on)
+    and the bound on the rendered text, ``max_bytes`` (--max-prompt-bytes); nothing else."""
+    return {"template": prompt.template, "messages": prompt.messages, "tools": prompt.tools, "kwargs": prompt.kwargs,
+            "add_generation_prompt": prompt.add_generation_prompt,
+            "continue_final_message": prompt.continue_final_message, "special_tokens": special_tokens,
+            "max_bytes": max_bytes}
 
 
 def render(tokenizer, prompt: ChatPrompt, field: str) -> str:

@@ -1,6 +1,9 @@
 """The scheduler's tokenizer work, on its one thread (``Prompts``): a request's prompt as token ids (text, token ids
 or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's and Detokenize's answers;
-the bad words' token sequences. Every input is bounded before the tokenizer or a template sees it.
+the bad words' token sequences. Every input is bounded before the tokenizer or a template sees it. A request's own
+chat template (--trust-request-chat-template) renders in a worker process (template_pool.TemplatePool: time, memory
+and output bounds, and a bound per tenant), never on the tokenizer thread every tenant shares; only its text is
+tokenized there. The model's own templates render on the thread (they are the operator's, and known).
 
 One rule says whether special tokens (BOS) are added (``adds_special_tokens``), for Generate and Tokenize alike."""
 
@@ -13,6 +16,7 @@ from typing import TypeVar
 
 from pagedkv.api.v1 import api_pb2 as api
 from scheduler_svc import chat as chats
+from scheduler_svc.template_pool import TemplatePool
 from scheduler_svc.validation import InvalidRequest, Limits, bad_words_token_ids, check_bad_words, check_text_bytes
 
 T = TypeVar("T")
@@ -48,6 +52,26 @@ class Prompts:
         self.trust_request_templates = trust_request_templates  # --trust-request-chat-template
         self.tool_call_parser = tool_call_parser  # --tool-call-parser ("": the template's markup says)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._templates: TemplatePool | None = None  # requests' own templates' workers (default limits unless set)
+
+    def use_template_pool(self, pool: TemplatePool) -> None:
+        """Requests' own templates render in ``pool`` (the scheduler's, with its --chat-template-* limits)."""
+        self._templates = pool
+
+    def _template_pool(self) -> TemplatePool:
+        if self._templates is None:
+            self._templates = TemplatePool()
+        return self._templates
+
+    async def close(self) -> None:
+        """Ends the template workers (the scheduler's shutdown)."""
+        if self._templates is not None:
+            await self._templates.close()
+
+    def _special_tokens(self) -> dict[str, str]:
+        """The model's named special tokens, as the template sees them (bos_token, eos_token, ...)."""
+        named = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        return {k: v for k, v in named.items() if isinstance(v, str)}
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the tokenizer thread."""
@@ -67,14 +91,20 @@ class Prompts:
             return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
         return await self.run(encode)
 
-    async def chat_ids(self, chat: api.Chat, field: str, tokens: bool = False):
+    async def chat_ids(self, chat: api.Chat, field: str, tokens: bool = False, tenant: str = ""):
         """Token ids (and with ``tokens``, their strings) of the prompt the chat template renders from ``chat``;
-        the request is checked (chat.check_chat) before the template runs."""
+        the request is checked (chat.check_chat) before the template runs. A request's own template renders in a
+        worker, counted against ``tenant``'s renders at once."""
         prompt = chats.check_chat(chat, field, self.limits.prompt_bytes, getattr(self.tokenizer, "chat_template", None),
                                   self.trust_request_templates)
+        text = None
+        if prompt.request_template:
+            job = chats.render_job(prompt, self._special_tokens(), self.limits.prompt_bytes)
+            text = await self._template_pool().render(job, tenant, field)
 
         def render():
-            ids = self._ids(chats.render(self.tokenizer, prompt, field), adds_special_tokens("chat"))
+            rendered = text if text is not None else chats.render(self.tokenizer, prompt, field)
+            ids = self._ids(rendered, adds_special_tokens("chat"))
             return (ids, self.tokenizer.convert_ids_to_tokens(ids)) if tokens else ids
         return await self.run(render)
 
@@ -86,11 +116,12 @@ class Prompts:
         return chats.tool_use(request.chat, "prompt.chat", getattr(self.tokenizer, "chat_template", None),
                               self.tool_call_parser)
 
-    async def ids(self, request: api.GenerateRequest) -> list[int]:
-        """A Generate request's prompt as token ids, only its last truncate_prompt_tokens when that is set."""
+    async def ids(self, request: api.GenerateRequest, tenant: str = "") -> list[int]:
+        """A Generate request's prompt as token ids, only its last truncate_prompt_tokens when that is set;
+        ``tenant``: whose request it is (a bound on its own templates' renders at once)."""
         which = request.WhichOneof("prompt")
         if which == "chat":
-            ids = await self.chat_ids(request.chat, "prompt.chat")
+            ids = await self.chat_ids(request.chat, "prompt.chat", tenant=tenant)
         elif which == "text":
             if not request.text:
                 raise InvalidRequest("prompt.text: must not be empty")

@@ -19,6 +19,7 @@ from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.template_pool import TemplateLimits, TemplatePool
 from scheduler_svc.tenancy import InvalidTenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tokenizer import load_tokenizer
@@ -130,6 +131,8 @@ async def serve(args) -> None:
         log.info("scheduler_stopped", during="start-up")
         return
     max_len = check_args(args, describe, log)
+    templates = TemplatePool(TemplateLimits(args.chat_template_timeout, args.chat_template_workers,
+                                            args.chat_template_memory << 20), log)  # (workers start when used)
     tokenizer = load_tokenizer(args.tokenizer or describe.model_path, log)  # tokenizers alone where that suffices
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -197,6 +200,7 @@ async def serve(args) -> None:
                                 queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total),
                                 trust_request_templates=args.trust_request_chat_template,
                                 tool_call_parser=args.tool_call_parser)
+    service.prompts.use_template_pool(templates)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port, credentials)
@@ -260,4 +264,5 @@ async def serve(args) -> None:
     await cluster.stop()
     cluster.fail_all("the scheduler shut down before this request finished")
     await server.stop(grace=2.0)
+    await service.prompts.close()  # (the chat template workers)
     log.info("scheduler_stopped", unfinished_streams=left)

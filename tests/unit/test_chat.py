@@ -19,6 +19,7 @@ from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService
 from scheduler_svc.chat import MAX_CHAT_MESSAGES
 from scheduler_svc.validation import Limits
+from tests.support import template_workers
 from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
 from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_grpc import Aborted, Context
@@ -277,8 +278,10 @@ def test_continue_final_message_and_a_named_template(tool_tokenizer, monkeypatch
 
 
 def test_a_request_template_needs_the_trust_flag(tool_tokenizer, monkeypatch):
+    """Refused without the flag; with it, rendered by a template worker (here one in process), never on the
+    tokenizer thread, with the model's special tokens and the request's kwargs; Tokenize likewise."""
     tokenizer, hf = tool_tokenizer
-    own = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ flavour }}"
+    own = "{{ bos_token }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ flavour }}"
     messages = [{"role": "user", "content": "Hi"}]
 
     async def scenario(service):
@@ -286,13 +289,19 @@ def test_a_request_template_needs_the_trust_flag(tool_tokenizer, monkeypatch):
         with pytest.raises(Aborted) as refused:
             await generate(service, req)
         service.prompts.trust_request_templates = True
-        return refused.value, await service.prompts.ids(req)
+        service.prompts.use_template_pool(template_workers.pool())
+        tokenized = await service.Tokenize(api.TokenizeRequest(chat=req.chat), Context())
+        return refused.value, await service.prompts.ids(req), list(tokenized.token_ids)
 
-    refused, ids = run_service(tokenizer, scenario, monkeypatch)
+    spy = Spy(tokenizer)
+    refused, ids, tokenized = run_service(spy, scenario, monkeypatch)
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.details.startswith("prompt.chat.chat_template: a template from a request is refused")
     assert "--trust-request-chat-template" in refused.details
-    assert ids == list(b + 3 for b in b"[user:Hi]x") == template_ids(hf, messages, chat_template=own, flavour="x")
+    want = template_ids(hf, messages, chat_template=own, flavour="x")
+    assert ids == tokenized == want and bytes(t - 3 for t in want[1:]) == b"[user:Hi]x"
+    assert not spy.template_threads, "a request's own template ran on the tokenizer thread"
+    assert [w.jobs for w in template_workers.InlineWorker.started] == [2]
 
 
 def _tool_call(arguments: str = "{}", **fields) -> dict:
