@@ -20,10 +20,10 @@ class ResumePolicy:
 
     The defaults' window is ``timeout_s``, 60 s (their attempts would last longer: the timeout ends an outage first).
     It covers an executor that ``pagedkv serve`` restarts: its supervisor waits 1 s after a crash, doubling up to 30 s
-    while the executor keeps crashing, and then the executor starts (tiny-llama: requests accepted again 3.8, 4.8 and
-    6.8 s after each of three kills -9 in a row), with 30 s left for a larger model's start. The scheduler's refusal
-    carries no retry hint: it cannot know when an executor will be back (serve's supervisor, Kubernetes or compose
-    restarts it, or nobody)."""
+    while the executor keeps crashing, and then the executor starts (tiny-llama, three kills -9 in a row: serving
+    again after 3.8, 4.8, 6.8 s on an idle 2-core machine, 6.9, 9.0, 9.9 s on a busy one; bench/executor_restart.py),
+    with 20 s left for a larger model's start. The scheduler's refusal carries no retry hint: it cannot know when an
+    executor will be back (serve's supervisor, Kubernetes or compose restarts it, or nobody)."""
 
     attempts: int = 40
     timeout_s: float = 60.0

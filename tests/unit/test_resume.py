@@ -392,8 +392,8 @@ def _in_virtual_time(monkeypatch, clock: list[float]) -> None:
 
 def test_the_default_window_outlasts_serves_longest_executor_restart():
     """The outage a stream waits out when every call is refused at once (ResumePolicy.window_s) is the whole
-    --resume-timeout, and longer than serve's longest restart backoff plus an executor's start (tiny-llama's took
-    3.8-6.8 s to serve again after one to three kills -9 in a row; was: 5 attempts, 7.75 s)."""
+    --resume-timeout, and longer than serve's longest restart backoff plus an executor's start (tiny-llama served
+    again 3.8-9.9 s after each of three kills -9 in a row, bench/executor_restart.py; was: 5 attempts, 7.75 s)."""
     import inspect
 
     from pagedkv.resume_policy import DEFAULT_RESUME
@@ -401,7 +401,7 @@ def test_the_default_window_outlasts_serves_longest_executor_restart():
 
     backoff_max = inspect.signature(Supervisor).parameters["backoff_max"].default
     assert DEFAULT_RESUME.window_s == DEFAULT_RESUME.timeout_s == 60.0
-    assert DEFAULT_RESUME.window_s >= backoff_max + 6.8 + 20  # (20 s more for a model larger than tiny-llama)
+    assert DEFAULT_RESUME.window_s >= backoff_max + 9.9 + 20  # (20 s more for a model larger than tiny-llama)
     assert ResumePolicy(attempts=5, max_backoff_s=4.0).window_s == 7.75  # (the old defaults)
     assert ResumePolicy(attempts=5).window_s == 5.75 and ResumePolicy(attempts=100, timeout_s=9).window_s == 9
 
