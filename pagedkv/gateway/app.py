@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pagedkv
-from pagedkv.gateway import fields, logprobs
+from pagedkv.gateway import fields, logprobs, response_budget
 from pagedkv.gateway import openai_requests as requests
 from pagedkv.gateway import tokenize as tokens
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
@@ -33,11 +33,13 @@ DEFAULT_MAX_STREAMS = 1024
 
 class Gateway:
     def __init__(self, upstream: Upstream, log, max_body_bytes: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
-                 token_text=None, max_prompt_bytes: int = 0) -> None:
+                 token_text=None, max_prompt_bytes: int = 0,
+                 max_response_bytes: int = response_budget.DEFAULT_MAX_RESPONSE_BYTES) -> None:
         """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of).
         ``token_text``: how logprobs name tokens (a logprobs.TokenNames loading --tokenizer, or a function of the
-        token id; None: token_id:N)."""
+        token id; None: token_id:N). ``max_response_bytes``: the most an answer may take (response_budget.py)."""
         self.upstream, self.log, self.token_text = upstream, log, token_text
+        self.max_response_bytes = max_response_bytes
         self.max_body_bytes, self.max_prompt_bytes, self.max_streams = max_body_bytes, max_prompt_bytes, max_streams
         self.limits: RequestLimits | None = None  # once the scheduler's max_model_len is known
         self.active = 0  # streams (prompts x n) being answered
@@ -57,6 +59,12 @@ class Gateway:
             return await self.token_text.get()
         except ValueError as err:
             raise ApiError(503, f"this gateway cannot name tokens in logprobs: {err}") from None
+
+    def token_sizes(self, plan: Plan) -> response_budget.TokenSizes:
+        """The most bytes a token takes in this plan's answer: by the loaded --tokenizer's longest token (before it
+        is loaded, and for a token_text function, response_budget.FALLBACK_TOKEN_BYTES)."""
+        longest = self.token_text.longest if isinstance(self.token_text, logprobs.TokenNames) else None
+        return response_budget.token_sizes(longest, by_id=plan.tokens_as_ids or self.token_text is None)
 
     def check_streams(self, plan: Plan) -> None:
         """--max-streams counts streams, each prompt's n forks: one request may be 32 prompts x n=16 = 512."""
@@ -114,6 +122,8 @@ class Gateway:
             logprobs.check_limits(plan, limits.max_logprobs)
             plan.token_text = await self.token_names() if plan.names_tokens else None
             model = await self.upstream.check_model(plan.model, metadata)
+            bound = response_budget.check(plan, limits.max_model_len, self.max_response_bytes, self.token_sizes(plan),
+                                          rid, model)  # (a 400: before check_streams' 429, which clears)
             self.check_streams(plan)
         except ApiError as err:
             REQUESTS.labels(endpoint, str(err.status)).inc()
@@ -121,7 +131,8 @@ class Gateway:
             return JSONResponse(err.body(), status_code=err.status, headers={**err.headers(), **echo})
         self.active += plan.num_choices
         STREAMS.inc(plan.num_choices)
-        return Generation(self.upstream.client, self.finished, plan, rid, model, metadata, endpoint, started)
+        return Generation(self.upstream.client, self.finished, plan, rid, model, metadata, endpoint, started,
+                          bound.total)
 
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, chat=False)

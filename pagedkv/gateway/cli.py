@@ -18,6 +18,7 @@ from pagedkv.gateway.guards import (
     bounded_protocol,
 )
 from pagedkv.gateway.logprobs import TokenNames
+from pagedkv.gateway.response_budget import DEFAULT_MAX_RESPONSE_BYTES, MIN_MAX_RESPONSE_BYTES
 from pagedkv.gateway.upstream import Upstream
 from pagedkv.resume_policy import add_resume_args, resume_policy
 from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
@@ -92,6 +93,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "it is sent; set it to the scheduler's --max-prompt-bytes when that is set (default: the "
                    f"scheduler's default, {PROMPT_BYTES_PER_TOKEN} bytes per token of its max_model_len, at least "
                    f"{MIN_PROMPT_BYTES})")
+    _add_response_bytes(p)
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS, metavar="N",
                    help="streams answered at once, each prompt's n forks counted (32 prompts x n=16 are 512): a "
                    "request past it gets 429 with Retry-After, one that alone is over it 400 (default: %(default)s)")
@@ -115,6 +117,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: readable on a terminal, JSON lines otherwise")
     add_tls_server_args(p)  # HTTPS on the HTTP side
     add_tls_client_args(p)  # trust the scheduler's certificate
+
+
+def _add_response_bytes(p: argparse.ArgumentParser, whose: str = "") -> None:
+    p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES, metavar="N",
+                   help=f"{whose}the most bytes one answer may take, bounded from what the request asks before "
+                   "anything is sent: prompts x n, max_tokens, echo, logprobs / top_logprobs and prompt_logprobs "
+                   "(each token with its alternatives, at the tokenizer's longest token); a request over it is "
+                   "refused with 400 naming what drives it. It bounds the memory a non-streamed answer takes here "
+                   "(built and encoded whole: several times its size) and a stream's total (its CPU here, the "
+                   "scheduler's work); vLLM has no such bound (default: %(default)s = 32 MiB; at least "
+                   f"{MIN_MAX_RESPONSE_BYTES})")
 
 
 def _server_class():
@@ -149,6 +162,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "tokens in logprobs by their text with the model's tokenizer (--tokenizer, else --model); with "
                    "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
                    "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
+    _add_response_bytes(p, "with --http-port, the gateway's: ")
 
 
 def serve_child_command(args) -> list[str] | None:
@@ -165,6 +179,11 @@ def serve_child_command(args) -> list[str] | None:
         cmd += ["--tokenizer", tokenizer]
     if getattr(args, "max_prompt_bytes", 0):  # the scheduler's, so that the gateway refuses what it would
         cmd += ["--max-prompt-bytes", str(args.max_prompt_bytes)]
+    response_bytes = getattr(args, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+    if response_bytes < MIN_MAX_RESPONSE_BYTES:
+        raise ValueError(f"--max-response-bytes {response_bytes}: at least {MIN_MAX_RESPONSE_BYTES}")
+    if response_bytes != DEFAULT_MAX_RESPONSE_BYTES:
+        cmd += ["--max-response-bytes", str(response_bytes)]
     if args.tls_cert:
         ca = os.environ.get("PAGEDKV_TLS_CA", "")
         if not ca:
@@ -181,6 +200,8 @@ def check_bounds(args) -> None:
                             ("--max-header-bytes", args.max_header_bytes, 1024)):
         if value < 0 or 0 < value < lo:
             raise ValueError(f"{flag} {value}: at least {lo} (or 0 for the default)")
+    if args.max_response_bytes < MIN_MAX_RESPONSE_BYTES:
+        raise ValueError(f"--max-response-bytes {args.max_response_bytes}: at least {MIN_MAX_RESPONSE_BYTES}")
     if args.max_streams < 1:
         raise ValueError(f"--max-streams {args.max_streams}: at least 1")
     for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
@@ -202,7 +223,8 @@ async def serve(args) -> None:
     resume = replace(resume, queue_full_at_start=False) if resume is not None else None  # (as GATEWAY_RESUME)
     upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name), resume)
     token_names = TokenNames(args.tokenizer, log) if args.tokenizer else None  # (loads once the gateway listens)
-    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_names, args.max_prompt_bytes)
+    gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_names, args.max_prompt_bytes,
+                      args.max_response_bytes)
     app = create_app(gateway, on_shutdown=(upstream.close,))
     protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,6 +139,12 @@ def token_string(tokenizer, token_id: int) -> str:
 def load_token_text(path: str) -> TokenText:
     """--tokenizer: a token id -> its name (cached). ``path``: a tokenizer (or model) directory, or a built-in model's
     name (resolved as the executor resolves --model: built or fetched on first use)."""
+    return load_token_names(path)[0]
+
+
+def load_token_names(path: str) -> tuple[TokenText, int]:
+    """load_token_text's function, and the most bytes a token's name takes inside a JSON string (the longest token
+    of the vocabulary, escapes counted: response_budget.py bounds answers with it)."""
     from transformers import AutoTokenizer
 
     from pagedkv.models import BUILTIN_MODELS, resolve_model
@@ -147,7 +154,9 @@ def load_token_text(path: str) -> TokenText:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as err:
         raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there: {err}") from None
-    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: token_string(tokenizer, token_id))
+    longest = max((len(json.dumps(token_string(tokenizer, i), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+                   - 2 for i in range(len(tokenizer))), default=1)
+    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: token_string(tokenizer, token_id)), longest
 
 
 class TokenNames:
@@ -164,8 +173,16 @@ class TokenNames:
         self._task: asyncio.Future | None = None
 
     def start(self) -> None:
-        self._task = asyncio.ensure_future(asyncio.to_thread(load_token_text, self.path))
+        self._task = asyncio.ensure_future(asyncio.to_thread(load_token_names, self.path))
         self._task.add_done_callback(self._loaded)
+
+    @property
+    def longest(self) -> int | None:
+        """The most bytes a token's name takes in JSON, once the tokenizer is loaded (None before, or if it failed)."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()[1]
 
     def _loaded(self, task: asyncio.Future) -> None:
         if self.log is not None and not task.cancelled() and task.exception() is not None:
@@ -174,4 +191,4 @@ class TokenNames:
     async def get(self) -> TokenText:
         if self._task is None:
             self.start()
-        return await asyncio.shield(self._task)
+        return (await asyncio.shield(self._task))[0]
