@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -13,6 +13,7 @@ import grpc
 from starlette.responses import Response
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.gateway import json_pieces
 from pagedkv.gateway import openai_responses as answers
 from pagedkv.gateway.errors import ApiError, from_grpc
 from pagedkv.gateway.fields import IGNORED_FIELDS_HEADER, ignored_header
@@ -69,7 +70,7 @@ def plan_headers(plan: Plan, rid: str) -> list[tuple[bytes, bytes]]:
 
 
 def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json_pieces.dumps(obj).encode() + b"\n\n"
 
 
 class Generation(Response):
@@ -79,9 +80,12 @@ class Generation(Response):
     (pagedkv.client.Client); ``finished(self)`` is called once it is over, whatever happened."""
 
     def __init__(self, client, finished: Callable[[Generation], None], plan: Plan, rid: str, model: str, metadata,
-                 endpoint: str, started: float) -> None:
+                 endpoint: str, started: float, bound: int = 0) -> None:
+        """``bound``: the most bytes the answer can take (response_budget.estimate): above json_pieces.INLINE_BYTES
+        it is built and encoded off the event loop."""
         self.client, self.finished = client, finished
         self.plan, self.rid, self.model, self.metadata = plan, rid, model, metadata
+        self.bound = bound
         self.endpoint, self.started = endpoint, started
         self.status_code = 200
         self.background = None
@@ -138,9 +142,9 @@ class Generation(Response):
                 for i, item in first:
                     if item is not None:
                         self._add(i, item)
-                body = answers.response_body(self.plan, self.rid, answers.now(), self.model, self.choices,
-                                             self.prompts)
-                await self._send_json(send, 200, body)
+                _, chunks = await json_pieces.encoded(lambda: answers.response_body(
+                    self.plan, self.rid, answers.now(), self.model, self.choices, self.prompts), self.bound)
+                await self._send_chunks(send, 200, chunks)
         finally:
             await events.aclose()
             await merged.aclose()  # (closing the wrapper leaves the merged streams open)
@@ -202,13 +206,14 @@ class Generation(Response):
             if item.token_ids and not self.streamed_a_token:
                 self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
-            chunk = answers.chunk_body(plan, self.rid, created, self.model, index, text, item.token_ids,
-                                       item.logprobs, finish, tops=item.top_logprobs, echo=echo,
-                                       offset=choice.streamed_chars, usage=answers.choice_usage(self.prompts[i], choice)
-                                       if plan.continuous_usage else None, tool_call_deltas=calls)
+            usage = answers.choice_usage(self.prompts[i], choice) if plan.continuous_usage else None
+            chunk, data = await json_pieces.encoded(functools.partial(  # (an echo may be large: off the loop)
+                answers.chunk_body, plan, self.rid, created, self.model, index, text, item.token_ids, item.logprobs,
+                finish, tops=item.top_logprobs, echo=echo, offset=choice.streamed_chars, usage=usage,
+                tool_call_deltas=calls), self.bound if echo is not None else 0)
             choice.echoed = choice.echoed or echo is not None
             choice.streamed_chars += len(chunk["choices"][0].get("text", ""))
-            await self._body(send, _sse(chunk))
+            await self._body(send, b"data: " + b"".join(data) + b"\n\n")
             RELAY.observe(time.perf_counter() - read_at)
         tail = b""
         if plan.include_usage:
@@ -219,14 +224,17 @@ class Generation(Response):
     async def _body(send, data: bytes, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def _send_json(self, send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    async def _send_chunks(self, send, status: int, chunks: list[bytes], headers: dict[str, str] | None = None) -> None:
+        """A JSON body given as chunks (json_pieces.encode), each dropped once sent."""
         self.status_code = status
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        size = sum(len(c) for c in chunks)
         extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(size).encode()),
                                 *plan_headers(self.plan, self.rid), *extra]})
-        await send({"type": "http.response.body", "body": data})
+        chunks.reverse()
+        while chunks:
+            await self._body(send, chunks.pop(), more=bool(chunks))
 
     async def _send_error(self, send, err: ApiError) -> None:
-        await self._send_json(send, err.status, err.body(), err.headers())
+        await self._send_chunks(send, err.status, [json_pieces.dumps(err.body()).encode()], err.headers())
