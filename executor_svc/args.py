@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from executor_svc.grammar import (
+    DEFAULT_COMPILE_MEMORY_MB,
+    DEFAULT_COMPILE_TIMEOUT,
+    DEFAULT_STEP_BUDGET_MS,
+    DEFAULT_TENANT_BUDGET_MS,
+)
 from pagedkv.security import add_secret_arg, add_tls_server_args
 
 BLOCK_SIZES = (8, 16, 32)
@@ -50,10 +56,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    f"decode steps run eager); set it to the scheduler's --max-num-seqs (default: "
                    f"{DEFAULT_GRAPH_MAX_BATCH}, the scheduler's default; under pagedkv serve, its --max-num-seqs)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="structured outputs: a constraint (JSON schema, regex, choice, grammar) that takes longer to "
-                   "compile against the vocabulary is refused (INVALID_ARGUMENT naming the field); compiles run on "
-                   "their own threads, off the step loop")
+    p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
+                   help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
+                   "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "
+                   "naming the field), and refused at once in that tenant for 10 minutes (default: %(default)s)")
+    p.add_argument("--grammar-compile-memory-mb", type=int, default=DEFAULT_COMPILE_MEMORY_MB, metavar="MB",
+                   help="memory one compile may add to its worker process (RLIMIT_AS); past it the constraint is "
+                   "refused, as past the timeout (0: no limit; default: %(default)s)")
+    p.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
+                   help="compile worker processes (each ~300 MB; replaced when a limit ends one). 0: compile on "
+                   "threads of the executor, which no limit can stop (default: %(default)s)")
+    p.add_argument("--grammar-compiles-per-tenant", type=int, default=1, metavar="N",
+                   help="one tenant's compiles running at once; the others' take the remaining workers in turn "
+                   "(default: %(default)s)")
+    p.add_argument("--grammar-threads", type=int, default=2, metavar="N",
+                   help="threads that advance the constrained requests' grammar matchers and fill their token "
+                   "masks, beside the forward (default: %(default)s)")
+    p.add_argument("--grammar-step-budget-ms", type=float, default=DEFAULT_STEP_BUDGET_MS, metavar="MS",
+                   help="CPU one constrained request's matcher may use in one step (advance and mask fill; a resent "
+                   "request's replay gets one budget per 16 tokens more); past it the request ends with "
+                   "INVALID_ARGUMENT naming this flag and sampling does not wait for it (default: %(default)s)")
+    p.add_argument("--grammar-tenant-step-budget-ms", type=float, default=DEFAULT_TENANT_BUDGET_MS, metavar="MS",
+                   help="CPU one tenant's matchers may use together in one step (replays aside); past it its "
+                   "costliest constrained requests end until it is within (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to wait for the scheduler to move this executor's requests away "
                    "before exiting anyway")

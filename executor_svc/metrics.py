@@ -20,6 +20,17 @@ HOST_PAGES = Gauge("pagedkv_executor_host_pages", "Host-tier pages in this execu
 DRAINING = Gauge("pagedkv_executor_draining", "1 while the executor drains after SIGTERM")
 GRAMMAR_REFUSED = Counter("pagedkv_executor_grammar_refused_tokens_total", "Sampled tokens a constrained request's "
                           "matcher refused (0 unless the logits were NaN: the mask allows only what it accepts)")
+GRAMMAR_WAIT_SECONDS = Histogram("pagedkv_executor_grammar_wait_seconds", "How long a step's sampling waited for its "
+                                 "constrained rows' matcher work (which runs beside the forward), in steps with any",
+                                 buckets=STEP_BUCKETS)
+GRAMMAR_ENDED = Counter("pagedkv_executor_grammar_ended_requests_total", "Constrained requests the executor ended: "
+                        "a matcher past its CPU budget (--grammar-step-budget-ms, --grammar-tenant-step-budget-ms), "
+                        "a grammar not compiled here, output tokens that do not follow it")
+GRAMMAR_COMPILES = Counter("pagedkv_executor_grammar_compiles_total", "Constraint compiles asked for, by outcome "
+                           "(compiled, cached, invalid, limit: past --grammar-compile-timeout or "
+                           "--grammar-compile-memory-mb)", ["outcome"])
+GRAMMAR_COMPILE_CPU = Counter("pagedkv_executor_grammar_compile_cpu_seconds_total", "CPU the constraint compiles used "
+                              "(in the compile workers)")
 
 
 def observe_step(plan, result, num_requests: int) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc.grammar import ConstraintError, GrammarEngine, GrammarState
+from executor_svc.grammar import ConstraintError, GrammarEngine
+from executor_svc.grammar_jobs import GrammarState
 from executor_svc.sampler import History, SamplingParams
 from executor_svc.token_counts import TokenCounts
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -106,7 +107,8 @@ class RequestMirror:
         return len(self.requests)
 
     def reset(self) -> None:
-        self.requests.clear()
+        for rid in list(self.requests):
+            self._drop(rid)
         self.token_counts.release_all()
         self.prompt_logprobs.clear()
 
@@ -115,6 +117,8 @@ class RequestMirror:
         st = self.requests.pop(rid, None)
         if st is not None and st.counts_slot >= 0:
             self.token_counts.release(st.counts_slot)
+        if st is not None and st.grammar is not None and self.grammars is not None:
+            self.grammars.unpin(st.grammar.key)
 
     def penalty_history(self, states: list[RequestState], vocab: int, device: torch.device) -> History:
         """The tokens of ``states`` (each a request about to sample: its tokens are its prompt and its num_output
@@ -174,17 +178,25 @@ class RequestMirror:
         )
 
     def _grammar(self, new: pb.NewRequest) -> GrammarState:
-        """A constrained request's matcher, after the output tokens the plan carries (compiled first if this
-        executor has not yet: the only compile on the step loop)."""
+        """A constrained request's matcher, to replay the output tokens the plan carries when it first runs (on the
+        matcher threads: grammar_jobs.py). Its grammar must be cached: nothing compiles here. One that is not (or
+        is unusable) ends this request alone (``GrammarState.failed``), never the plan."""
         rid, n = new.request_id, new.num_output_tokens
         if self.grammars is None:
             raise PlanError(f"request {rid}: sampling.constraint: this executor has no grammar engine", [rid])
         if n > len(new.token_ids):
             raise PlanError(f"request {rid}: num_output_tokens {n} exceeds its {len(new.token_ids)} tokens", [rid])
+        words = (self.grammars.vocab_size + 31) // 32
         try:
-            return self.grammars.state(new.constraint, new.token_ids[len(new.token_ids) - n:], rid)
+            key, compiled = self.grammars.lookup(new.constraint)
         except ConstraintError as err:
-            raise PlanError(f"request {rid}: {err}", [rid]) from None
+            return GrammarState(None, None, (), words, failed=str(err))
+        outputs = list(new.token_ids[len(new.token_ids) - n:])
+        state = GrammarState(key, compiled, tuple(new.constraint.end_token_ids), words, pending=outputs, replay=n)
+        if compiled is None:
+            state.failed = ("sampling.constraint: its grammar is not compiled on this executor (it restarted, or the "
+                            "grammar was let go of after its hold): send the request again")
+        return state
 
     def _check_fit(self, rid: str, st: RequestState, n: int, page_at, table: int) -> None:
         """``n`` tokens from position ``st.num_computed`` must be known, have pages (none dropped among those
@@ -260,6 +272,8 @@ class RequestMirror:
         for rid, state, _ in staged:
             self._drop(rid)
             self.requests[rid] = state
+            if state.grammar is not None and state.grammar.compiled is not None:
+                self.grammars.pin(state.grammar.key)
             if state.sampling.prompt_logprobs:
                 self.prompt_logprobs.add(rid)
         for c in plan.continuing:

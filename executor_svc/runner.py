@@ -17,6 +17,8 @@ from executor_svc.attention.interface import PagedAttention
 from executor_svc.attention.metadata import DECODE_SLACK
 from executor_svc.batch import PromptRows, build_batch, decode_row, prompt_rows
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.grammar_jobs import Matchers, StepGrammar
+from executor_svc.grammar_mask import GrammarMask
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.plan_check import PlanError, RequestMirror, RequestState, Scheduled
 from executor_svc.sampler import sample, token_logprobs
@@ -46,6 +48,7 @@ class ModelRunner:
         self.mirror = RequestMirror(self.num_pages, num_host, self.block_size,
                                     cfg.vocab_size if cfg is not None else None,
                                     cfg.max_position_embeddings if cfg is not None else None)
+        self.matchers: Matchers | None = None  # structured outputs: the matcher threads and budgets (startup.py)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
 
@@ -106,13 +109,14 @@ class ModelRunner:
         t2 = time.perf_counter()
         prepared = t2
         if scheduled:
+            grammar = self._start_grammar(scheduled)  # (the matchers' work runs beside the forward)
             extra = prompt_rows(scheduled) if self.mirror.prompt_logprobs else None
             logits, prepared = self._forward(scheduled, result, extra)
             t3 = time.perf_counter()
             if extra is not None:  # (their rows come after the sampled ones)
                 self._prompt_logprobs(scheduled, extra, logits[logits.shape[0] - len(extra.flat):], result)
                 logits = logits[:logits.shape[0] - len(extra.flat)]
-            self._sample(scheduled, logits, result)
+            self._sample(scheduled, logits, result, grammar)
         else:
             t3 = time.perf_counter()
         t4 = time.perf_counter()
@@ -145,7 +149,18 @@ class ModelRunner:
         prepared = time.perf_counter()
         return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
 
-    def _sample(self, scheduled: list[Scheduled], logits: torch.Tensor, result: pb.StepResult) -> None:
+    def _start_grammar(self, scheduled: list[Scheduled]) -> StepGrammar | None:
+        """The matcher jobs of the constrained rows that sample this step, started (None: no such row)."""
+        states = [item.state.grammar if item.start + item.count == len(item.state.token_ids) else None
+                  for item in scheduled]
+        if self.matchers is None or all(st is None for st in states):
+            return None
+        grammar = self.matchers.step()
+        grammar.start(states)
+        return grammar
+
+    def _sample(self, scheduled: list[Scheduled], logits: torch.Tensor, result: pb.StepResult,
+                grammar: StepGrammar | None = None) -> None:
         finishing, rows = [], []
         for row, item in enumerate(scheduled):  # (scheduled is in plan order: its index is the plan row)
             st = item.state
@@ -155,6 +170,7 @@ class ModelRunner:
                 rows.append(row)
         if not finishing:
             return
+        mask, failed = self._grammar_masks(grammar, finishing, rows, result)
         params = [st.sampling for st in finishing]
         penalised = [st for st, p in zip(finishing, params) if p.penalised]
         history = self.mirror.penalty_history(penalised, logits.shape[-1], logits.device) if penalised else None
@@ -163,26 +179,56 @@ class ModelRunner:
             st = finishing[row]
             return st.token_ids[len(st.token_ids) - min(n, st.num_output):]
 
-        grammars = [st.grammar for st in finishing]
-        engine = self.mirror.grammars
-        mask = engine.masks(grammars) if engine is not None and any(g is not None for g in grammars) else None
         tokens, logprobs, top = sample(logits, params, [st.num_output for st in finishing], history, outputs,
                                        grammar=mask)
         if penalised:
             self.mirror.count_samples(penalised, [t for t, p in zip(tokens, params) if p.penalised])
-        if mask is not None:
-            refused = engine.advance([grammars[i] for i in mask.rows], [tokens[i] for i in mask.rows])
-            if refused:  # (the mask allows only what the matcher accepts: NaN logits at most)
-                metrics.GRAMMAR_REFUSED.inc(len(refused))
-        for st, token in zip(finishing, tokens):
+        for st, token in zip(finishing, tokens):  # (a failed row's token too: later plans may still compute it)
             st.token_ids.append(token)
             st.num_output += 1
+            if st.grammar is not None and not st.grammar.failed:
+                st.grammar.pending.append(token)  # (accepted by its next job)
+        keep = [i for i in range(len(rows)) if i not in failed]
+        if len(keep) < len(rows):  # a request the executor ended takes no token
+            rows, tokens, logprobs = [rows[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep]
+            if top is not None:
+                top = top._replace(top_ids=[top.top_ids[i] for i in keep],
+                                   top_logprobs=[top.top_logprobs[i] for i in keep])
         result.sampled_rows.extend(rows)
         result.sampled_token_ids.extend(tokens)
         result.sampled_logprobs.extend(logprobs)
         if top is not None:  # (rows with top_logprobs k > 0: k entries each, in row order)
             result.sampled_top_token_ids.extend(chain.from_iterable(top.top_ids))
             result.sampled_top_logprobs.extend(chain.from_iterable(top.top_logprobs))
+
+    @staticmethod
+    def _grammar_masks(grammar: StepGrammar | None, finishing: list[RequestState], rows: list[int],
+                       result: pb.StepResult) -> tuple[GrammarMask | None, set[int]]:
+        """Waits for the step's matcher jobs (each within its budget): the mask of the rows they constrain, and the
+        indices (into ``finishing``) of the rows whose request the executor ended, now or before (reported once,
+        in ``result.failed_rows``), with the matchers' CPU into ``result.grammar_cpu_us``."""
+        mask, failed = grammar.wait() if grammar is not None else (None, {})
+        if grammar is not None:
+            result.timings.grammar_wait_ms = grammar.wait_s * 1e3
+            metrics.GRAMMAR_WAIT_SECONDS.observe(grammar.wait_s)
+            for i, cpu_us in grammar.cpu_us():
+                result.grammar_rows.append(rows[i])
+                result.grammar_cpu_us.append(cpu_us)
+            refused = sum(job.refused for job in grammar.jobs.values())
+            if refused:  # (the mask allows only what the matcher accepts: NaN logits at most)
+                metrics.GRAMMAR_REFUSED.inc(refused)
+        ended = set()
+        for i, st in enumerate(finishing):
+            g = st.grammar
+            if g is None or not g.failed:
+                continue
+            ended.add(i)
+            if not g.reported:
+                g.reported = True
+                result.failed_rows.append(rows[i])
+                result.failed_errors.append(g.failed)
+                metrics.GRAMMAR_ENDED.inc()
+        return mask, ended
 
     # Prompt rows whose log-probabilities are taken at once (each a log_softmax over the vocabulary: bounded memory)
     PROMPT_ROWS_AT_ONCE = 256

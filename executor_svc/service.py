@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from executor_svc import metrics
-from executor_svc.grammar import ConstraintError
+from executor_svc.grammar import CompileLimit, ConstraintError
 from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -50,21 +50,26 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         return self.describe
 
     async def CheckConstraint(self, request, context):  # noqa: N802
-        """Compiles a constraint into the grammar cache on the engine's threads (the step loop goes on meanwhile):
-        an empty error once it is there, else why not."""
+        """Compiles a constraint into the grammar cache, in a compile worker (the step loop goes on meanwhile), and
+        holds it there for the scheduler's queued request: an empty error once it is there, else why not. The
+        compile is bounded by its own CPU and memory limits, never by how long it waited for a worker."""
         engine = self.runner.mirror.grammars
         if engine is None:
             return pb.CheckConstraintResponse(error="sampling.constraint: this executor has no grammar engine")
         started = time.perf_counter()
         try:
             cached = engine.cached(request)
-            compiling = asyncio.shield(asyncio.wrap_future(engine.submit(request)))  # (shared with other callers)
-            await asyncio.wait_for(compiling, engine.compile_timeout)
-        except asyncio.TimeoutError:
-            return pb.CheckConstraintResponse(error=str(engine.timed_out(request)))
+            compiled = await asyncio.shield(asyncio.wrap_future(engine.submit(request)))  # (shared with others)
         except ConstraintError as err:
-            return pb.CheckConstraintResponse(error=str(err))
-        return pb.CheckConstraintResponse(compile_ms=(time.perf_counter() - started) * 1e3, cached=cached)
+            limit = isinstance(err, CompileLimit)
+            metrics.GRAMMAR_COMPILES.labels("limit" if limit else "invalid").inc()
+            used = err.used if limit else 0.0
+            metrics.GRAMMAR_COMPILE_CPU.inc(used)
+            return pb.CheckConstraintResponse(error=str(err), compile_cpu_ms=used * 1e3)
+        metrics.GRAMMAR_COMPILES.labels("cached" if cached else "compiled").inc()
+        metrics.GRAMMAR_COMPILE_CPU.inc(compiled.cpu_s)
+        return pb.CheckConstraintResponse(compile_ms=(time.perf_counter() - started) * 1e3, cached=cached,
+                                          compile_cpu_ms=compiled.cpu_s * 1e3)
 
     async def Run(self, request_iterator, context):  # noqa: N802
         """One scheduler's stream of plans.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from executor_svc.costs import cached_costs, cost_key
 from executor_svc.cuda_graphs import DecodeGraphs, graph_blocker
 from executor_svc.generation_config import sampling_defaults
 from executor_svc.grammar import GrammarEngine
+from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.model import load_model
@@ -26,6 +28,22 @@ from pagedkv.models import resolve_model
 from pagedkv.wire import EXECUTOR_PROTOCOL
 
 HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
+
+
+def _grammars(args, path: Path, vocab_size: int) -> tuple[GrammarEngine, Matchers]:
+    """Structured outputs: the compile workers and cache, the matcher threads and their budgets (the flags)."""
+    for flag, value, least in (("--grammar-compile-timeout", args.grammar_compile_timeout, 1e-3),
+                               ("--grammar-compile-memory-mb", args.grammar_compile_memory_mb, 0),
+                               ("--grammar-compile-workers", args.grammar_compile_workers, 0),
+                               ("--grammar-compiles-per-tenant", args.grammar_compiles_per_tenant, 1),
+                               ("--grammar-threads", args.grammar_threads, 1),
+                               ("--grammar-step-budget-ms", args.grammar_step_budget_ms, 1e-3),
+                               ("--grammar-tenant-step-budget-ms", args.grammar_tenant_step_budget_ms, 1e-3)):
+        if not value >= least:
+            raise ValueError(f"{flag} {value}: must be >= {least:g}")
+    engine = GrammarEngine(path, vocab_size, args.grammar_compile_timeout, args.grammar_compile_workers,
+                           args.grammar_compile_memory_mb, args.grammar_compiles_per_tenant)
+    return engine, Matchers(args.grammar_threads, args.grammar_step_budget_ms, args.grammar_tenant_step_budget_ms)
 
 
 def _device(name: str) -> torch.device:
@@ -146,7 +164,7 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
                                                  scratch_page=num_pages)
     runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
-    runner.mirror.grammars = GrammarEngine(path, cfg.vocab_size, getattr(args, "grammar_compile_timeout", 5.0))
+    runner.mirror.grammars, runner.matchers = _grammars(args, path, cfg.vocab_size)
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
              eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
     costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),

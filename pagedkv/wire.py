@@ -8,7 +8,9 @@ messages; these are the values outside them)."""
 # 4: top and prompt log-probabilities (SamplingParams.top_logprobs, prompt_logprobs; StepResult.sampled_top_*,
 #    prompt_logprobs), and a fork parent that asks for prompt log-probabilities sent with its whole prompt.
 # 5: structured outputs (NewRequest.constraint, the CheckConstraint RPC): an older executor would sample unconstrained.
-EXECUTOR_PROTOCOL = 5
+# 6: grammar work bounded per request and per tenant (Constraint.scope; StepResult.failed_rows, grammar_cpu_us): an
+#    older executor compiles on its step loop and never ends a request alone.
+EXECUTOR_PROTOCOL = 6
 
 # Run-stream metadata: the scheduler's session id, one per scheduler process and executor link. The executor keeps
 # its page contents (the scheduler's prefix cache) when the same session re-attaches after a dropped stream, and

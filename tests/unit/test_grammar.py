@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from executor_svc.grammar import ConstraintError, GrammarEngine, constraint_key
+from executor_svc.grammar import CompileLimit, ConstraintError, GrammarEngine, constraint_key
+from executor_svc.grammar_jobs import GrammarState, Matchers
 from executor_svc.grammar_mask import GrammarMask, allowed, constrain
 from executor_svc.plan_check import PlanError, RequestMirror
 from executor_svc.sampler import SamplingParams, sample
@@ -86,9 +87,14 @@ def test_the_grammar_wins_where_the_other_controls_leave_nothing():
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> GrammarEngine:
-    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=30.0)
+    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=30.0, compile_workers=0)  # (threads: the unit tier)
     yield e
     e.close()
+
+
+@pytest.fixture(scope="module")
+def matchers() -> Matchers:
+    return Matchers(threads=2, step_budget_ms=5000.0, tenant_budget_ms=10000.0)
 
 
 def _constraint(**kind) -> pb.Constraint:
@@ -102,54 +108,78 @@ def _new(rid: str, tokens: list[int], num_output: int, constraint: pb.Constraint
                          sampling=pb.SamplingParams(**sampling), num_output_tokens=num_output, constraint=constraint)
 
 
-def _bits(engine: GrammarEngine, state) -> torch.Tensor:
-    mask = engine.masks([state])
+def compiled(engine: GrammarEngine, c: pb.Constraint):
+    return engine.submit(c).result(timeout=60).grammar
+
+
+def _mirror(engine: GrammarEngine) -> RequestMirror:
+    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
+    mirror.grammars = engine
+    return mirror
+
+
+def _state(engine: GrammarEngine, c: pb.Constraint, outputs: list[int] = ()) -> GrammarState:
+    compiled(engine, c)
+    mirror = _mirror(engine)
+    mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", [5, *outputs], len(outputs), c)]))
+    return mirror.requests["a"].grammar
+
+
+def _step(matchers: Matchers, *states: GrammarState):
+    """One step's matcher work for ``states``: (mask, failed rows)."""
+    step = matchers.step()
+    step.start(list(states))
+    return step.wait()
+
+
+def _bits(matchers: Matchers, state: GrammarState) -> torch.Tensor | None:
+    mask, failed = _step(matchers, state)
+    assert not failed, failed
     return mask.bitmask.clone() if mask is not None else None
 
 
-def test_the_matcher_rebuilt_from_the_outputs_equals_the_advanced_one(engine):
-    """The runner's path (mask, sample, advance), then the request resent in full (recompute, swap-in, migration,
-    resume all send a NewRequest): the rebuilt matcher allows exactly what the advanced one does, step after step."""
-    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
-    mirror.grammars = engine
+def test_the_matcher_rebuilt_from_the_outputs_equals_the_advanced_one(engine, matchers):
+    """The runner's path (the step's job accepts the last token and fills the mask; sample), then the request resent
+    in full (recompute, swap-in, migration, resume all send a NewRequest): the rebuilt matcher, replaying the outputs,
+    allows exactly what the advanced one does, step after step."""
     c = _constraint(json_schema=json.dumps(SCHEMA), strict=True)
     prompt = [5, 6, 7]
+    compiled(engine, c)
+    mirror = _mirror(engine)
     mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", prompt, 0, c, temperature=1.0, seed=9)]))
     a = mirror.requests["a"]
     g = torch.Generator().manual_seed(10)
     for step in range(150):
-        mask = engine.masks([a.grammar])
-        if mask is None:
-            break
-        tokens = sample(torch.randn(1, VOCAB, generator=g), [a.sampling], [a.num_output], grammar=mask).tokens
-        assert engine.advance([a.grammar], tokens) == []
-        a.token_ids.append(tokens[0])
-        a.num_output += 1
-        a.num_computed = len(a.token_ids) - 1
-        resent = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
-        resent.grammars = engine
+        resent = _mirror(engine)
         resent.apply(pb.StepPlan(step_id=2, new_requests=[_new("a", a.token_ids, a.num_output, c)]))
         rebuilt = resent.requests["a"].grammar
+        mask = _bits(matchers, a.grammar)
+        again = _bits(matchers, rebuilt)
         assert rebuilt.terminated == a.grammar.terminated
-        if not a.grammar.terminated:
-            assert torch.equal(_bits(engine, rebuilt), _bits(engine, a.grammar)), f"step {step}"
+        if mask is None:
+            break
+        assert torch.equal(again, mask), f"step {step}"
+        tokens = sample(torch.randn(1, VOCAB, generator=g), [a.sampling], [a.num_output],
+                        grammar=GrammarMask([0], mask)).tokens
+        a.grammar.pending.append(tokens[0])
+        a.token_ids.append(tokens[0])
+        a.num_output += 1
     assert a.grammar.terminated and a.token_ids[-1] == EOS
     text = bytes(t - 3 for t in a.token_ids[len(prompt):-1]).decode()  # (tiny-llama: byte b is token b + 3)
     value = json.loads(text)
     assert set(value) == {"name", "kind", "tags"} and value["kind"] in ("cat", "dog") and len(value["tags"]) <= 2
 
 
-def test_outputs_that_break_the_constraint_refuse_the_plan(engine):
-    mirror = RequestMirror(num_pages=64, num_host_pages=0, block_size=4, vocab_size=VOCAB, max_positions=None)
-    mirror.grammars = engine
+def test_outputs_that_break_the_constraint_end_that_request_alone(engine, matchers):
+    """A resent request whose outputs do not follow its constraint (a resumed client's tokens) ends alone when its
+    matcher replays them; the plan stands."""
     c = _constraint(choice=pb.Choices(choices=["yes", "no"]))
-    bad = [5, 6, ord("x") + 3]
-    with pytest.raises(PlanError, match="request a: output token 0 .* does not follow its sampling.constraint"):
-        mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", bad, 1, c)]))
-    assert "a" not in mirror.requests
-    good = [5, 6, ord("y") + 3, ord("e") + 3]
-    mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", good, 2, c)]))
-    assert bit(_bits(engine, mirror.requests["a"].grammar), 0, ord("s") + 3)
+    bad = _state(engine, c, [ord("x") + 3])
+    good = _state(engine, c, [ord("y") + 3, ord("e") + 3])
+    mask, failed = _step(matchers, bad, good)
+    assert list(failed) == [0] and "output token 0 (123) does not follow its sampling.constraint" in failed[0]
+    assert bad.failed == failed[0] and not good.failed
+    assert mask.rows == [1] and bit(mask.bitmask, 0, ord("s") + 3) and not bit(mask.bitmask, 0, ord("o") + 3)
 
 
 def test_an_executor_without_a_grammar_engine_refuses_constrained_requests():
@@ -158,35 +188,55 @@ def test_an_executor_without_a_grammar_engine_refuses_constrained_requests():
         mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", [5], 0, _constraint(regex="a+"))]))
 
 
+def test_a_grammar_not_compiled_here_ends_the_request_never_the_plan(engine):
+    """Nothing compiles on the step loop: a plan whose constraint is not cached (an executor that restarted, a
+    grammar let go of) is applied, and that request carries why it ends."""
+    mirror = _mirror(engine)
+    c = _constraint(regex="never-checked-[0-9]+")
+    mirror.apply(pb.StepPlan(step_id=1, new_requests=[_new("a", [5], 0, c), _new("b", [5], 0, pb.Constraint())]))
+    assert not engine.cached(c)
+    assert "its grammar is not compiled on this executor" in mirror.requests["a"].grammar.failed
+    assert "no kind set" in mirror.requests["b"].grammar.failed
+
+
 @pytest.mark.parametrize("kind, value, message", [
     ("json_schema", '{"type": "objectx"}', "sampling.constraint.json_schema: not usable: Unsupported type"),
     ("regex", "[a-", "sampling.constraint.regex: not usable: Regex parsing error"),
     ("grammar", "root ::= missing", "sampling.constraint.grammar: not usable: .*missing"),
+    ("json_schema", "[" * 2000 + "]" * 2000, "sampling.constraint.json_schema: "),
 ])
 def test_invalid_constraints_name_their_field(engine, kind, value, message):
     with pytest.raises(ConstraintError, match=message):
-        engine.compiled(_constraint(**{kind: value}))
+        compiled(engine, _constraint(**{kind: value}))
 
 
-def test_compiled_grammars_are_cached_per_constraint(engine):
+def test_compiled_grammars_are_cached_per_constraint_and_scope(engine):
     c = _constraint(regex="[0-9]{3}-[a-z]{2}")
     assert not engine.cached(c)
-    first = engine.compiled(c)
-    assert engine.cached(c) and engine.compiled(c) is first
-    assert engine.compiled(pb.Constraint(regex="[0-9]{3}-[a-z]{2}", end_token_ids=[7])) is first  # (not the ends)
+    first = compiled(engine, c)
+    assert engine.cached(c) and compiled(engine, c) is first
+    assert compiled(engine, pb.Constraint(regex="[0-9]{3}-[a-z]{2}", end_token_ids=[7])) is first  # (not the ends)
+    other = pb.Constraint(regex="[0-9]{3}-[a-z]{2}", scope="another tenant")
+    assert not engine.cached(other)  # (a tenant cannot tell what another compiled)
+    assert compiled(engine, other) is not first and engine.cached(other)
     assert constraint_key(pb.Constraint(json_schema="{}", strict=True)) != constraint_key(pb.Constraint(
         json_schema="{}"))
 
 
-def test_a_compile_over_the_timeout_is_refused_and_remembered(tiny_llama_dir):
-    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=0.0)
+def test_a_compile_past_its_cpu_limit_is_refused_and_remembered_in_its_scope(tiny_llama_dir):
+    e = GrammarEngine(tiny_llama_dir, VOCAB, compile_timeout=1e-6, compile_workers=0)
     try:
-        c = _constraint(regex="[a-z]{2,40}@[a-z]{3,30}\\.(com|org)")
-        with pytest.raises(ConstraintError, match=r"limit of 0 s \(--grammar-compile-timeout"):
-            e.compiled(c)
-        e.compile_timeout = 30.0
-        with pytest.raises(ConstraintError, match="longer than"):  # (refused at once from then on)
-            e.compiled(c)
+        c = _constraint(regex="[a-z]{2,40}@[a-z]{3,30}\\.(com|org)", scope="t1")
+        with pytest.raises(CompileLimit, match=r"limit of 1e-06 s of CPU \(--grammar-compile-timeout\)"):
+            compiled(e, c)
+        e.pool().timeout_s = 30.0
+        with pytest.raises(CompileLimit, match="more than"):  # (refused at once from then on, in its scope)
+            compiled(e, c)
+        other = pb.Constraint()
+        other.CopyFrom(c)
+        other.scope = "t2"
+        assert compiled(e, other) is not None  # (another tenant's is compiled: no tenant makes another's refused)
+        assert e.compile_cpu_s > 0
     finally:
         e.close()
 
@@ -221,7 +271,7 @@ def test_the_scheduler_refuses_what_it_can_see_is_wrong(constraint, sampling, me
         _check(constraint, **sampling)
 
 
-def test_random_outputs_of_every_kind_follow_their_constraint(engine):
+def test_random_outputs_of_every_kind_follow_their_constraint(engine, matchers):
     """Seeded random logits through the mask until the grammar ends: each output is what its kind promises."""
     import re
 
@@ -232,15 +282,15 @@ def test_random_outputs_of_every_kind_follow_their_constraint(engine):
     rng = random.Random(11)
     for c, check in cases:
         for trial in range(3):
-            state = engine.state(c, [], "r")
+            state = _state(engine, c)
             out = []
             for draw in range(60):
-                mask = engine.masks([state])
+                mask, _ = _step(matchers, state)
                 if mask is None:
                     break
                 logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
                 tokens = sample(logits, [SamplingParams(temperature=1.0, seed=trial)], [draw], grammar=mask).tokens
-                engine.advance([state], tokens)
+                state.pending.append(tokens[0])
                 out.append(tokens[0])
             assert out[-1] == EOS, (c, out)
             assert check(bytes(t - 3 for t in out[:-1]).decode()), (c, out)
@@ -289,4 +339,4 @@ def test_without_xgrammar_a_constraint_is_refused_naming_what_is_missing(monkeyp
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # (import xgrammar raises ImportError)
     with pytest.raises(ConstraintError, match="structured outputs need xgrammar.*pip install --no-deps xgrammar"):
-        build_grammar(("regex", "a+", False))
+        build_grammar("regex", "a+", False)

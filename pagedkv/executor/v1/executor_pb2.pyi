@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "end_token_ids")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "end_token_ids", "scope")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class Constraint(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
@@ -22,7 +23,8 @@ class Constraint(_message.Message):
     grammar: str
     strict: bool
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., strict: _Optional[bool] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    scope: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., strict: _Optional[bool] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -31,14 +33,16 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckConstraintResponse(_message.Message):
-    __slots__ = ("error", "compile_ms", "cached")
+    __slots__ = ("error", "compile_ms", "cached", "compile_cpu_ms")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_CPU_MS_FIELD_NUMBER: _ClassVar[int]
     error: str
     compile_ms: float
     cached: bool
-    def __init__(self, error: _Optional[str] = ..., compile_ms: _Optional[float] = ..., cached: _Optional[bool] = ...) -> None: ...
+    compile_cpu_ms: float
+    def __init__(self, error: _Optional[str] = ..., compile_ms: _Optional[float] = ..., cached: _Optional[bool] = ..., compile_cpu_ms: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -228,23 +232,25 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., forget: _Optional[_Iterable[str]] = ..., page_ops: _Optional[_Union[PageOps, _Mapping]] = ..., decodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms", "prepare_ms")
+    __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms", "prepare_ms", "grammar_wait_ms")
     PAGE_OPS_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     page_ops_ms: float
     forward_ms: float
     sample_ms: float
     total_ms: float
     wait_ms: float
     prepare_ms: float
-    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
+    grammar_wait_ms: float
+    def __init__(self, page_ops_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prepare_ms: _Optional[float] = ..., grammar_wait_ms: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "sampled_top_token_ids", "sampled_top_logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "timings", "error", "desynced_request_ids", "num_computed_tokens", "draining", "sampled_rows", "sampled_token_ids", "sampled_logprobs", "sampled_top_token_ids", "sampled_top_logprobs", "prompt_logprobs", "failed_rows", "failed_errors", "grammar_rows", "grammar_cpu_us")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +263,10 @@ class StepResult(_message.Message):
     SAMPLED_TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_CPU_US_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     timings: StepTimings
     error: str
@@ -269,7 +279,11 @@ class StepResult(_message.Message):
     sampled_top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampled_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_top_token_ids: _Optional[_Iterable[int]] = ..., sampled_top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    failed_rows: _containers.RepeatedScalarFieldContainer[int]
+    failed_errors: _containers.RepeatedScalarFieldContainer[str]
+    grammar_rows: _containers.RepeatedScalarFieldContainer[int]
+    grammar_cpu_us: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., desynced_request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., sampled_rows: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_top_token_ids: _Optional[_Iterable[int]] = ..., sampled_top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failed_rows: _Optional[_Iterable[int]] = ..., failed_errors: _Optional[_Iterable[str]] = ..., grammar_rows: _Optional[_Iterable[int]] = ..., grammar_cpu_us: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("row", "first_token", "logprobs", "top_token_ids", "top_logprobs", "ranks")

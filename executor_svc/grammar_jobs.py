@@ -1,0 +1,254 @@
+"""The matchers' work of a step, on threads of its own, each row within a CPU budget.
+
+A constrained row that samples this step needs its matcher to accept the tokens sampled since it last ran (for a
+request sent in full: all its output tokens, the replay) and then to fill its bitmask. That work is one job per row,
+started before the forward and run on ``MatcherPool``'s threads (xgrammar releases the GIL), so it overlaps the
+forward; sampling then waits for the jobs (``StepGrammar.wait``), each only while its CPU stays within its budget:
+
+- a row's job may use ``step_budget_s`` of CPU (a replay ``replay_allowance`` per token more);
+- the jobs of one scope (a tenant) may use ``tenant_budget_s`` together in a step, replays aside.
+
+A job past either ends its request (the error names the flag), and sampling goes on without it at once: the job is
+abandoned to finish on its own thread (a fresh thread takes its place) and its matcher is never used again. A
+grammar's per-token cost can grow with each token (an ambiguous grammar's matcher state does), so a request is ended
+at the first step past its budget, not after it has slowed everyone for minutes. The CPU is each job's own thread's
+(``pthread_getcpuclockid``), not wall time: a job that waited for a core is not charged for the wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor_svc.grammar import DEFAULT_STEP_BUDGET_MS, DEFAULT_TENANT_BUDGET_MS, FIELD, Key, new_matcher
+from executor_svc.grammar_mask import GrammarMask
+
+REPLAY_TOKENS_PER_BUDGET = 16  # a replay's allowance: a step budget per this many tokens replayed
+
+
+@dataclass(slots=True, eq=False)
+class GrammarState:
+    """One constrained request's matcher on this executor. ``pending``: tokens it has yet to accept (the first
+    ``replay`` of them the request's outputs when it was sent in full); ``failed``: why the executor ended it."""
+
+    key: Key
+    compiled: object
+    end_token_ids: tuple[int, ...]
+    words: int  # int32 words of a bitmask row
+    pending: list[int] = field(default_factory=list)
+    replay: int = 0
+    matcher: object = None
+    terminated: bool = False  # it accepted an end token: nothing follows (sampled unconstrained)
+    failed: str = ""
+    reported: bool = False  # its failure went out in a result
+    bitmask: torch.Tensor | None = None  # [1, words] int32, its own (an abandoned job may still write to it)
+    cpu_s: float = 0.0  # its matcher's CPU so far
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    state: GrammarState
+    tokens: list[int]
+    replay: int  # of tokens, how many are a replay of outputs
+    fill: bool
+    limit_s: float  # CPU budget
+    allowance_s: float  # of it, what a replay may use beyond the step budget (outside the tenant's budget)
+    clock: int | None = None  # its thread's CPU clock, once a thread runs it (Linux's are negative numbers)
+    cpu0: float = 0.0
+    cpu_s: float = 0.0  # when done
+    done: bool = False
+    abandoned: bool = False
+    error: str = ""
+    refused: int = 0  # sampled tokens the matcher refused (none unless a bug)
+
+    def used(self) -> float:
+        """CPU so far (its thread's clock while it runs)."""
+        if self.done or self.clock is None:
+            return self.cpu_s
+        try:
+            return time.clock_gettime(self.clock) - self.cpu0
+        except OSError:  # (its thread just ended)
+            return self.cpu_s
+
+
+class MatcherPool:
+    """Threads that run matcher jobs; one abandoned past its budget gets a fresh thread in its place (so a queued job
+    always finds one), and its own thread ends when the call it is in returns."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[Job] = []
+        self._threads = 0
+        self._retiring = 0  # threads that end once their abandoned job returns
+        self.abandoned_running = 0
+        for _ in range(max(1, threads)):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self._threads += 1
+        threading.Thread(target=self._loop, name=f"grammar-match-{self._threads}", daemon=True).start()
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        with self._cond:
+            self._queue.extend(jobs)
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.pop(0)
+                job.clock, job.cpu0 = clock, time.clock_gettime(clock)
+            self._run(job)
+            with self._cond:
+                job.cpu_s = time.clock_gettime(clock) - job.cpu0
+                job.done = True
+                self._cond.notify_all()
+                if job.abandoned:
+                    self.abandoned_running -= 1
+                    if self._retiring:
+                        self._retiring -= 1
+                        self._threads -= 1
+                        return
+
+    def _run(self, job: Job) -> None:
+        st = job.state
+        try:
+            if st.matcher is None:
+                st.matcher = new_matcher(st.compiled, st.end_token_ids)
+            matcher = st.matcher
+            for i, token in enumerate(job.tokens):
+                if matcher.is_terminated():
+                    break
+                if not matcher.accept_token(token):
+                    if i < job.replay:
+                        job.error = f"output token {i} ({token}) does not follow its {FIELD}"
+                        return
+                    job.refused += 1
+            st.terminated = matcher.is_terminated()
+            if job.fill and not st.terminated:
+                matcher.fill_next_token_bitmask(st.bitmask, 0)
+        except Exception as err:  # noqa: BLE001 -- xgrammar's errors end the request, never the step
+            job.error = f"{FIELD}: the grammar matcher failed ({type(err).__name__}: {err})"
+
+    def abandon(self, job: Job) -> None:
+        """``job`` is past its budget: nobody waits for it; a fresh thread takes its place."""
+        with self._cond:
+            if job.done or job.abandoned:
+                return
+            job.abandoned = True
+            if job.clock is None:  # (not started: it never will)
+                self._queue.remove(job)
+                job.done = True
+                return
+            self.abandoned_running += 1
+            self._retiring += 1
+            self._spawn()
+
+    def wait_any(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)
+
+
+class StepGrammar:
+    """One step's matcher jobs: ``start`` them before the forward, ``wait`` for them before sampling."""
+
+    def __init__(self, pool: MatcherPool, step_budget_s: float, tenant_budget_s: float) -> None:
+        self.pool = pool
+        self.step_budget_s = step_budget_s
+        self.tenant_budget_s = tenant_budget_s
+        self.jobs: dict[int, Job] = {}  # by the index of the row among the step's sampled rows
+        self.wait_s = 0.0
+
+    def start(self, states: Sequence[GrammarState | None]) -> None:
+        """Jobs for the rows that have a live matcher (``states[i]`` None: unconstrained)."""
+        for i, st in enumerate(states):
+            if st is None or st.failed or (st.terminated and not st.pending):
+                continue
+            if st.bitmask is None:
+                st.bitmask = torch.empty(1, st.words, dtype=torch.int32)
+            tokens, replay = st.pending, st.replay
+            st.pending, st.replay = [], 0
+            allowance = self.step_budget_s * replay / REPLAY_TOKENS_PER_BUDGET
+            self.jobs[i] = Job(st, tokens, replay, True, self.step_budget_s + allowance, allowance)
+        if self.jobs:
+            self.pool.submit(list(self.jobs.values()))
+
+    def wait(self) -> tuple[GrammarMask | None, dict[int, str]]:
+        """Waits for every job to end or pass its budget; returns the mask of the rows whose matcher allows only some
+        tokens (None: no such row), and the rows whose request the executor ends, with why."""
+        started = time.perf_counter()
+        failed: dict[int, str] = {}
+        pending = dict(self.jobs)
+        while pending:
+            for i, job in list(pending.items()):
+                if job.done:
+                    del pending[i]
+            nearest = self._budgets(pending, failed)
+            if pending:
+                self.pool.wait_any(max(nearest, 2e-4))
+        self.wait_s = time.perf_counter() - started
+        rows, masks = [], []
+        for i, job in self.jobs.items():
+            st = job.state
+            st.cpu_s += job.used()
+            if i in failed or job.error:
+                st.failed = failed.get(i) or job.error
+                failed[i] = st.failed
+            elif not st.terminated:
+                rows.append(i)
+                masks.append(st.bitmask)
+        return (GrammarMask(rows, torch.cat(masks)) if rows else None), failed
+
+    def _budgets(self, pending: dict[int, Job], failed: dict[int, str]) -> float:
+        """Abandons the jobs past a budget (their rows into ``failed``); returns the least CPU any job still running
+        may use before it passes one (it cannot pass one sooner in wall time)."""
+        nearest = self.step_budget_s
+        by_scope: dict[str, list[tuple[float, int]]] = {}
+        for i, job in list(pending.items()):
+            used = job.used()
+            if used > job.limit_s:
+                failed[i] = (f"{FIELD}: its grammar's matcher took {used * 1e3:.1f} ms of CPU in one step; the limit "
+                             f"is {job.limit_s * 1e3:g} ms (--grammar-step-budget-ms)")
+                self.pool.abandon(job)
+                del pending[i]
+                continue
+            nearest = min(nearest, job.limit_s - used)
+            by_scope.setdefault(job.state.key.scope, []).append((max(0.0, used - job.allowance_s), i))
+        for scope, used in by_scope.items():
+            total = sum(u for u, _ in used) + sum(max(0.0, j.used() - j.allowance_s) for j in self.jobs.values()
+                                                  if j.done and j.state.key.scope == scope)
+            while used and total > self.tenant_budget_s:
+                cost, i = max(used)
+                used.remove((cost, i))
+                failed[i] = (f"{FIELD}: its tenant's grammar matchers took {total * 1e3:.1f} ms of CPU in one step; "
+                             f"the limit is {self.tenant_budget_s * 1e3:g} ms (--grammar-tenant-step-budget-ms)")
+                self.pool.abandon(pending.pop(i))
+                total -= cost
+            if used:
+                nearest = min(nearest, self.tenant_budget_s - total)
+        return nearest
+
+    def cpu_us(self) -> list[tuple[int, int]]:
+        """(row index, CPU in microseconds) of each job this step."""
+        return [(i, int(job.used() * 1e6)) for i, job in self.jobs.items()]
+
+
+class Matchers:
+    """The executor's matcher threads and budgets (--grammar-threads, --grammar-step-budget-ms,
+    --grammar-tenant-step-budget-ms): a ``StepGrammar`` per step."""
+
+    def __init__(self, threads: int = 2, step_budget_ms: float = DEFAULT_STEP_BUDGET_MS,
+                 tenant_budget_ms: float = DEFAULT_TENANT_BUDGET_MS) -> None:
+        self.pool = MatcherPool(threads)
+        self.step_budget_s = step_budget_ms / 1e3
+        self.tenant_budget_s = tenant_budget_ms / 1e3
+
+    def step(self) -> StepGrammar:
+        return StepGrammar(self.pool, self.step_budget_s, self.tenant_budget_s)
