@@ -76,15 +76,24 @@ class LocalServer:
     def scheduler_pid(self) -> int | None:
         """serve's live scheduler child now (a restarted one has a new pid; None between a death and the restart,
         or while the restarted one has not yet exec'd), from /proc."""
+        return self.child_pid("scheduler")
+
+    def child_pid(self, role: str) -> int | None:
+        """serve's live ``role`` child (scheduler, executor) now, as scheduler_pid."""
         for pid in self.child_pids():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if b"scheduler" in argv and state != "Z":
+            if role.encode() in argv and state != "Z":
                 return pid
         return None
+
+    def saw(self, event: str, **fields) -> bool:
+        """Whether a child logged ``event`` with ``fields`` (its JSON log events: serve run with --log-format json)."""
+        return any(e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
+                   for e in list(self.events))
 
     def stop(self) -> int:
         """Ctrl-C, as a user would; SIGKILL to serve and its children (each in a process group of its own) if it

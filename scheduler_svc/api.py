@@ -16,7 +16,6 @@ from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import (
     check_constrained_requests,
     check_constraint,
-    compile_on_executors,
     constraint_bytes,
 )
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -68,6 +67,7 @@ def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[in
                 info.fair_share_pages += u.fair_share_pages
         info.peak_used_pages += u.peak_used_pages
         info.service = max(info.service, u.service)  # (one ledger-wide figure: each executor has the same)
+        info.grammar_cpu_seconds = max(info.grammar_cpu_seconds, u.grammar_cpu_s)  # (likewise)
         info.budget_hits += u.budget_hits
         if cross_tenant:
             info.fair_share_preemptions += u.fair_share_preemptions
@@ -227,13 +227,17 @@ class GenerationService(api_grpc.GenerationServicer):
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
         tenant, key = await self._caller(context, METHODS + "Generate")
-        try:
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another "
+                                "scheduler (or this one once it is back)")
+        if not self.cluster.available:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
+                                "failed or draining); retry later")
+        try:  # (after those: a retry during an outage costs no tokenizing)
             ids = await self.prompts.ids(request)
             tools = self.prompts.tool_use(request)
             req, resume = self._build_request(request, tenant, ids,
                                               await self.prompts.bad_words_ids(request.sampling.bad_words), tools)
-            await compile_on_executors(self.cluster.clients(), req.sampling.constraint,  # (refused before placed)
-                                       "prompt.chat.tools" if tools.constraint is not None else "")
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
@@ -252,22 +256,27 @@ class GenerationService(api_grpc.GenerationServicer):
         except KeyError as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {err.args[0]!r} is already in use by a live request")
-        if self.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another "
-                                "scheduler (or this one once it is back)")
-        if not self.cluster.available:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
-                                "failed or draining); retry later")
         try:
-            self.queue_bounds.check(tenant, *self.cluster.queued(tenant.id))
+            self.queue_bounds.check(tenant, *self.cluster.queued(tenant.id))  # (the compile phase counts as queued)
             if req.sampling.constraint is not None and tenant.max_constrained_requests:
-                check_constrained_requests(tenant, sum(
+                check_constrained_requests(tenant, self.cluster.compiling(tenant.id) + sum(
                     1 for (tid, _), live in self.live.items() if tid == tenant.id and live.req.sampling.constraint))
         except QueueFull as err:
             metrics.QUEUE_FULL.labels(err.bound).inc()
             self.log.info("request_refused", request_id=req.client_id, tenant=req.tenant, reason="queue_full",
                           bound=err.bound)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        if req.sampling.constraint is not None:  # compiled on the executors before it is placed (after its bounds)
+            try:
+                await self.cluster.compile_constraint(tenant.id, req.sampling.constraint,
+                                                      "prompt.chat.tools" if tools.constraint is not None else "")
+                if (tenant.id, req.client_id) in self.live:  # (taken while it compiled)
+                    raise KeyError(req.client_id)
+            except InvalidRequest as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except KeyError as err:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request_id: {err.args[0]!r} is already in use by a live request")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
         if resume is not None:
@@ -299,7 +308,7 @@ class GenerationService(api_grpc.GenerationServicer):
                         log.warning("request_revoked", error=out.error)
                         await context.abort(grpc.StatusCode.UNAUTHENTICATED, out.error)
                     log.warning("request_failed", error=out.error)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                    await context.abort(getattr(grpc.StatusCode, out.error_code or "UNAVAILABLE"), out.error)
                 msg = response(req.client_id, out)
                 if seed is not None:  # (the first message: the seed and the prompt)
                     msg.seed, seed = seed, None

@@ -8,6 +8,7 @@ import argparse
 from pagedkv import security, tool_calls
 from scheduler_svc import fit
 from scheduler_svc.cluster import parse_address, read_executors_file
+from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
 from scheduler_svc.policy import Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
 from scheduler_svc.template_pool import TemplateLimits
@@ -63,6 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-total", type=int, default=DEFAULT_MAX_QUEUED_TOTAL, metavar="N",
                    help="requests of all tenants together that may wait to start on this scheduler; past it a new "
                    "request gets RESOURCE_EXHAUSTED 'queue full: ...' (default %(default)s; 0: no limit)")
+    p.add_argument("--max-compiles-per-tenant", type=int, default=DEFAULT_COMPILES_PER_TENANT, metavar="N",
+                   help="structured outputs: constraint compiles of one tenant asked of the executors at once; its "
+                   "other constrained requests wait their turn, counted as queued (default: %(default)s)")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
     p.add_argument("--sliding-window", type=int, default=0, metavar="N",
@@ -157,7 +161,7 @@ def check_args(args, describe, log) -> int:
     if bad_name is not None:
         raise ValueError(f"--served-model-name {bad_name[:32]!r}: each name must have 1 to {MAX_MODEL_NAME_CHARS} "
                          "characters")
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_compiles_per_tenant"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("sliding_window", "sink_tokens", "max_logprobs"):

@@ -28,10 +28,12 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import metrics
-from scheduler_svc.engine import Engine, EngineHooks, State
+from scheduler_svc.engine import Engine
+from scheduler_svc.engine_types import EngineHooks, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
 from scheduler_svc.fit import FitLimits, limits_for
 from scheduler_svc.gauges import Gauges
+from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT, GrammarGate
 from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -78,7 +80,8 @@ class Cluster:
     def __init__(self, reference, make_scheduler: MakeScheduler, log, *,
                  step_timeout: float, check_every_step: bool = False, drain_timeout: float = 30.0,
                  unplaced_timeout: float = 30.0, link: ExecutorLink | None = None,
-                 tenants: Tenants | None = None, async_scheduling: bool = True) -> None:
+                 tenants: Tenants | None = None, async_scheduling: bool = True,
+                 compiles_per_tenant: int = DEFAULT_COMPILES_PER_TENANT) -> None:
         self._reference = reference  # the first executor's DescribeResponse: every other must serve the same
         self._make_scheduler = make_scheduler
         self.ledger = TenantLedger(tenants)  # every executor's scheduler joins it
@@ -90,6 +93,7 @@ class Cluster:
         self.unplaced_timeout = unplaced_timeout
         self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
+        self.grammars = GrammarGate(compiles_per_tenant, self._charge_compile)  # constraints' compiles, who holds which
         self._clients: dict[str, ExecutorClient] = {}  # each engine's connection (by address, as engines)
         self._unplaced: deque[tuple[Request, float]] = deque()
         self.arrivals = 0
@@ -111,7 +115,7 @@ class Cluster:
             client = self._clients[address] = ExecutorClient(address, self.step_timeout, self.link)
             engine = Engine(self._hooks, client, self.log,
                             check_every_step=self.check_every_step, drain_timeout=self.drain_timeout,
-                            async_scheduling=self.async_scheduling)
+                            async_scheduling=self.async_scheduling, grammars=self.grammars)
             self.engines[address] = engine
             engine.start()
             self.log.info("executor_added", executor=address)
@@ -229,18 +233,34 @@ class Cluster:
     def available(self) -> bool:
         return any(e.accepts for e in self.engines.values())
 
-    def clients(self) -> list[ExecutorClient]:
-        """The connections to the executors that take work (structured outputs asks them to compile first)."""
-        return [c for address, e in self.engines.items() if e.accepts and (c := self._clients.get(address))]
+    def grammar_targets(self) -> list[tuple[ExecutorClient, str]]:
+        """The connections to the executors that take work, with their executor ids (structured outputs asks them to
+        compile first: GrammarGate)."""
+        return [(c, e.executor_id) for address, e in self.engines.items()
+                if e.accepts and (c := self._clients.get(address))]
+
+    async def compile_constraint(self, tenant_id: str, constraint, source: str = "") -> None:
+        """Has the executors that take work compile a request's constraint before it is placed (GrammarGate.compile);
+        InvalidRequest naming the field when one refuses it."""
+        await self.grammars.compile(tenant_id, constraint, self.grammar_targets(), source)
+
+    def compiling(self, tenant_id: str) -> int:
+        """The tenant's requests waiting for or in their constraint's compile."""
+        return self.grammars.compiling(tenant_id)
+
+    def _charge_compile(self, tenant_id: str, cpu_s: float) -> None:
+        self.ledger.charge_compile(tenant_id, cpu_s)
+        metrics.GRAMMAR_CPU_SECONDS.labels(tenant_id, "compile").inc(cpu_s)
 
     def next_arrival(self) -> int:
         self.arrivals += 1
         return self.arrivals
 
     def queued(self, tenant_id: str) -> tuple[int, int]:
-        """Requests waiting to start (in an executor's wait queue, or held while none can take them): the
-        tenant's and everyone's (the queue bounds, ``queue_bounds.py``)."""
+        """Requests waiting to start (in an executor's wait queue, waiting for or in their constraint's compile, or
+        held while no executor can take them): the tenant's and everyone's (the queue bounds, ``queue_bounds.py``)."""
         mine, total = self.ledger.queued(tenant_id)
+        mine, total = mine + self.grammars.compiling(tenant_id), total + self.grammars.compiling_total
         if self._unplaced:
             total += len(self._unplaced)
             mine += sum(1 for r, _ in self._unplaced if r.tenant == tenant_id)

@@ -1,24 +1,24 @@
 """Structured outputs on the scheduler's side: a request's ``sampling.constraint`` checked and sent on.
 
-The scheduler loads no torch, so it neither parses grammars nor compiles them: it bounds a constraint's size before
-anything parses it, checks what is cheap (one kind, JSON that parses, choices), and then asks the executors to
-compile it (``CheckConstraint``, on their grammar threads, off their step loops) before the request is placed. An
-executor's refusal (an invalid schema, regex or grammar; a compile longer than its --grammar-compile-timeout) ends the
-call with INVALID_ARGUMENT naming the field, before any page is taken; the executor that runs the request finds the
-grammar compiled. The executor keeps the matcher (executor_svc/grammar.py).
+The scheduler loads no torch, so it neither parses grammars nor compiles them: it bounds a constraint's size and its
+JSON nesting before anything parses it, checks what is cheap (one kind, JSON that parses, choices), tags it with its
+tenant's scope, and then, once the request has passed its queue bounds, has the executors compile it
+(``grammar_gate.GrammarGate``: ``CheckConstraint``, in their compile workers, off their step loops) before the request
+is placed. An executor's refusal (an invalid schema, regex or grammar; a compile past its CPU or memory limit) ends the
+call with INVALID_ARGUMENT naming the field, before any page is taken. The executor keeps the matcher
+(executor_svc/grammar.py, grammar_jobs.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterable
-
-import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
+from pagedkv.json_bounds import nests_deeper_than
+from scheduler_svc.grammar_gate import grammar_scope
 from scheduler_svc.queue_bounds import QueueFull
 from scheduler_svc.request import Sampling
 from scheduler_svc.tenancy import Tenant
@@ -27,7 +27,7 @@ from scheduler_svc.validation import InvalidRequest
 FIELD = "sampling.constraint"
 MAX_CONSTRAINT_BYTES = 65536  # UTF-8 bytes of a schema, regex or grammar, or of the choices together
 MAX_CHOICES = 1024
-CHECK_TIMEOUT_S = 120.0  # the RPC's own deadline (the executor answers within its compile timeout)
+MAX_SCHEMA_DEPTH = 64  # arrays and objects nested in a JSON schema (each level a recursion in every parser after)
 
 
 def constraint_bytes(tenant: Tenant) -> int:
@@ -71,15 +71,22 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
     limit = constraint_bytes(tenant) if tenant else MAX_CONSTRAINT_BYTES
     if size > limit:
         whose = f" (tenant {tenant.id}'s max_constraint_bytes)" if limit < MAX_CONSTRAINT_BYTES else ""
+        if tools is not None:  # (the client sent tools, not this schema: name them)
+            at = tools_field.partition(" ")[0].removesuffix("tool_choice") + "tools"
+            raise InvalidRequest(f"{at}: the JSON schema {tools_field} makes of them is {size} bytes; at most "
+                                 f"{limit}{whose}; send fewer tools or smaller parameters schemas")
         raise InvalidRequest(f"{field}: {size} bytes; at most {limit}{whose}")
     if kind in ("regex", "grammar") and not getattr(c, kind):
         raise InvalidRequest(f"{field}: must not be empty")
     if kind == "json_object" and not c.json_object:
         raise InvalidRequest(f"{field}: must be true when set")
     if kind == "json_schema":
+        if nests_deeper_than(c.json_schema.encode(), MAX_SCHEMA_DEPTH):
+            raise InvalidRequest(f"{field}: JSON nested more than {MAX_SCHEMA_DEPTH} levels deep (arrays and objects); "
+                                 f"at most {MAX_SCHEMA_DEPTH}")
         try:
             schema = json.loads(c.json_schema)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise InvalidRequest(f"{field}: not JSON: {err}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(f"{field}: a JSON Schema is an object (or true/false), not {type(schema).__name__}")
@@ -87,6 +94,7 @@ def check_constraint(p: api.SamplingParams, sampling: Sampling, eos_token_ids: I
         raise InvalidRequest(f"sampling.ignore_eos: refused with {FIELD} (a complete output ends with EOS)")
     out = pb.Constraint.FromString(c.SerializeToString())  # (the same fields, numbered alike)
     out.end_token_ids.extend(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
+    out.scope = grammar_scope(tenant.id if tenant is not None else "")
     return out
 
 
@@ -97,20 +105,3 @@ def check_constrained_requests(tenant: Tenant, open_constrained: int) -> None:
     if limit and open_constrained >= limit:
         raise QueueFull(f"{QUEUE_FULL_PREFIX}tenant {tenant.id} has {open_constrained} constrained requests open; its "
                         f"max_constrained_requests is {limit} (retry once one has ended)", "constrained")
-
-
-async def compile_on_executors(clients: list, constraint: pb.Constraint | None, source: str = "") -> None:
-    """Has every executor that takes work compile ``constraint`` (``clients``: their ExecutorClients), at once;
-    InvalidRequest with the first refusal (``source``: the field the constraint came from, when not
-    sampling.constraint, named before it). An executor that cannot be asked (down, or older than the RPC) is
-    skipped: it compiles the constraint when a plan brings it."""
-    if constraint is None or not clients:
-        return
-    calls = [client.stub.CheckConstraint(constraint, timeout=CHECK_TIMEOUT_S, metadata=client.metadata)
-             for client in clients]
-    answers = await asyncio.gather(*calls, return_exceptions=True)
-    for answer in answers:
-        if isinstance(answer, pb.CheckConstraintResponse) and answer.error:
-            raise InvalidRequest(f"{source}: {answer.error}" if source else answer.error)
-        if isinstance(answer, BaseException) and not isinstance(answer, grpc.aio.AioRpcError):
-            raise answer

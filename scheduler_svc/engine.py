@@ -15,61 +15,32 @@ States::
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pagedkv.wire import PAGES_FRESH, PAGES_KEPT
 from scheduler_svc import metrics
+from scheduler_svc.constraint_hold import ConstraintHold
+from scheduler_svc.engine_types import EngineHooks, EngineInfo, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.grammar_gate import GrammarGate
 from scheduler_svc.outputs import deliver
 from scheduler_svc.policy import PreemptionCosts
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_stream import StepStream
 
-
-class State(enum.Enum):
-    CONNECTING = "connecting"
-    UP = "up"
-    DRAINING = "draining"
-    DOWN = "down"
-
-
 RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
 SYNC_AFTER_REJECTION = 64  # steps planned one at a time after the executor rejected a plan
 RECONNECT_LOG_EVERY = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineHooks:
-    """What an engine tells the cluster, and asks of it."""
-
-    make_scheduler: Callable[[object], Scheduler]  # a DescribeResponse -> a planner for that executor (in the ledger)
-    check_compatible: Callable[[object], str]  # a DescribeResponse -> why it cannot join, or ''
-    up: Callable[[Engine], None]  # the executor is up: requests may be placed here
-    down: Callable[[Engine], None]  # it is down (drained, lost or failed) and holds no request: it serves no tenant
-    relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
-    gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
-
-
-@dataclass(slots=True)
-class EngineInfo:
-    """An engine's figures: the executor it is connected to (as its Describe said) and its counts."""
-
-    executor_id: str = ""
-    kv_dtype: str = ""  # its KV cache format
-    kv_bytes_per_token: int = 0
-    steps: int = 0  # results applied
-    num_placed: int = 0  # requests placed here
-    num_migrated_out: int = 0  # requests moved to other executors (failure or drain)
-
-
 class Engine:
     def __init__(self, hooks: EngineHooks, client: ExecutorClient, log, check_every_step: bool = False,
-                 drain_timeout: float = 30.0, async_scheduling: bool = True) -> None:
+                 drain_timeout: float = 30.0, async_scheduling: bool = True,
+                 grammars: GrammarGate | None = None) -> None:
         self.hooks = hooks
+        self.hold = ConstraintHold(self, grammars or GrammarGate())  # constrained requests until the grammar is here
         self.client = client
         self.address = client.address
         self.log = log.bind(executor=client.address)
@@ -122,6 +93,7 @@ class Engine:
         # step's read, say): a single cancel() may never end the loop (seen as a scheduler whose shutdown hung with an
         # idle event loop). So the loop also checks a flag, and the cancel is repeated until the task is done.
         self.stopping = True
+        self.hold.stop()
         self.wake.set()
         while self._task is not None and not self._task.done():
             self._task.cancel()
@@ -148,12 +120,20 @@ class Engine:
         """New requests may be placed here."""
         return self._state is State.UP and not self._removed
 
+    @property
+    def executor_id(self) -> str:
+        """The executor process it is connected to (its Describe's id; another after a restart)."""
+        return self._info.executor_id
+
     def add_request(self, req: Request, front: bool = False) -> None:
+        if self.hold.holds(req, front):  # (its executor does not hold its grammar yet: added once it does)
+            return
         self._scheduler.add(req, front=front)
         self._info.num_placed += 1
         self.wake.set()
 
     def abort(self, group: str) -> None:
+        self.hold.abort(group)
         if self._scheduler is not None:
             self._scheduler.abort(group)
             self.wake.set()

@@ -8,7 +8,8 @@ import time
 from collections.abc import Mapping
 
 from scheduler_svc import metrics
-from scheduler_svc.engine import Engine, State
+from scheduler_svc.engine import Engine
+from scheduler_svc.engine_types import State
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.wait_queue import VtcCounters
 

@@ -55,6 +55,9 @@ PREFIX_HIT_TOKENS = Counter("pagedkv_prefix_cache_hit_tokens_total",
                             "Of those, tokens served from the prefix cache (hit rate = hits / queries)")
 TTFT_SECONDS = Histogram("pagedkv_time_to_first_token_seconds", "Request received to first token sent", ["tenant"],
                          buckets=LATENCY_BUCKETS)
+GRAMMAR_CPU_SECONDS = Counter("pagedkv_tenant_grammar_cpu_seconds_total", "CPU a tenant's constraints cost the "
+                              "executors, by kind (compile: in the compile workers; match: the matchers' advances and "
+                              "mask fills)", ["tenant", "kind"])
 ITL_SECONDS = Histogram("pagedkv_inter_token_latency_seconds", "Gap between consecutive token messages of a stream",
                         buckets=TOKEN_GAP_BUCKETS)
 E2E_SECONDS = Histogram("pagedkv_request_latency_seconds", "Request received to its last message", ["tenant"],

@@ -23,6 +23,7 @@ class TokenOutcome:
     finish: Finish
     stop_reason: str = ""
     budget_hit: bool = False  # it ended at its page budget ('stop' policy)
+    error: str = ""  # the executor ended it (StepResult.failed_rows): a client error, INVALID_ARGUMENT
 
 
 class OutputProcessor:
@@ -101,7 +102,26 @@ class OutputProcessor:
             charge(tenant, output_tokens=k)
         if streamed:
             metrics.GENERATED_TOKENS.inc(streamed)
+        if result.grammar_rows:
+            self.take_grammar_costs(rows, result, charge)
+        for row, error in zip(result.failed_rows, result.failed_errors):
+            req = rows[row]
+            if req.status is not finished and not req.aborted:  # (ended meanwhile: nothing to say)
+                out = end(req, TokenOutcome(Finish.ABORT, error=error))
+                out.error_code = "INVALID_ARGUMENT"
+                outputs.append((req, out))
         return outputs
+
+    @staticmethod
+    def take_grammar_costs(rows: list[Request], result, charge: Callable[..., None]) -> None:
+        """The CPU the constrained rows' grammar matchers used this step, charged to their tenants."""
+        by_tenant: dict[str, float] = {}
+        for row, cpu_us in zip(result.grammar_rows, result.grammar_cpu_us):
+            tenant = rows[row].tenant
+            by_tenant[tenant] = by_tenant.get(tenant, 0.0) + cpu_us / 1e6
+        for tenant, cpu_s in by_tenant.items():
+            charge(tenant, grammar_cpu_s=cpu_s)
+            metrics.GRAMMAR_CPU_SECONDS.labels(tenant, "match").inc(cpu_s)
 
     @staticmethod
     def take_prompt_logprobs(rows: list[Request], entries) -> None:

@@ -38,6 +38,7 @@ def snapshot_of(pool: PagePool, kv: KVManager, queues: RequestQueues, limits: Te
                 used_pages=pool.used_by[t], host_pages=host.used_by[t] if host is not None else 0,
                 peak_used_pages=st.peak_used_pages, num_running=num_running, num_waiting=num_waiting,
                 num_swapped=num_swapped, service=queues.waiting.charged(t), budget_hits=st.budget_hits,
+                grammar_cpu_s=queues.waiting.grammar_cpu(t),
                 fair_share_preemptions=st.fair_share_preemptions,
                 fair_share_pages=shares.get(t, 0.0) * pool.num_pages / total)
     return SchedulerSnapshot(

@@ -69,6 +69,7 @@ class Output:
     cached_tokens: int = 0
     top_logprobs: Sequence[TopEntry] = ()  # per token, when the request asks for top_logprobs
     prompt: PromptLogprobs | None = None  # a message of the prompt's log-probabilities (no tokens)
+    error_code: str = ""  # with error: the grpc.StatusCode name the stream ends with ("": UNAVAILABLE, to resume)
 
 
 class _Run:

@@ -294,7 +294,7 @@ class Scheduler:
         def end(req: Request, outcome: TokenOutcome) -> Output:
             if outcome.budget_hit:
                 self.limits.stats(req.tenant).budget_hits += 1
-            return self.finish(req, outcome.finish, outcome.stop_reason)
+            return self.finish(req, outcome.finish, outcome.stop_reason, outcome.error)
 
         return self._outputs.take_samples(sent.rows, result, self.queues.waiting.charge, end)
 

@@ -162,7 +162,7 @@ async def serve(args) -> None:
     cluster = Cluster(describe, make_scheduler, log, step_timeout=args.step_timeout,
                       check_every_step=args.check_integrity, drain_timeout=args.drain_timeout,
                       unplaced_timeout=args.unplaced_timeout, link=link, tenants=tenants,
-                      async_scheduling=args.async_scheduling)
+                      async_scheduling=args.async_scheduling, compiles_per_tenant=args.max_compiles_per_tenant)
     cluster.start()
     cluster.set_addresses(addresses)
     try:

@@ -46,6 +46,7 @@ class TenantUsage:
     num_waiting: int = 0
     num_swapped: int = 0
     service: float = 0.0  # weighted tokens charged to it (its own; not the fair scheduler's counter)
+    grammar_cpu_s: float = 0.0  # CPU its constraints cost the executors (its own)
     budget_hits: int = 0
     fair_share_preemptions: int = 0
     fair_share_pages: float = 0.0

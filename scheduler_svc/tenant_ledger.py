@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler_svc.tenancy import Tenant, Tenants
-from scheduler_svc.wait_queue import VtcCounters
+from scheduler_svc.wait_queue import GRAMMAR_MS_COST, VtcCounters
 
 if TYPE_CHECKING:
     from scheduler_svc.pages import PagePool
@@ -67,6 +67,10 @@ class TenantLedger:
     def service(self) -> VtcCounters:
         """Each tenant's weighted service, shared by every member's wait queue."""
         return self._service
+
+    def charge_compile(self, tenant_id: str, cpu_s: float) -> None:
+        """CPU a constraint's compile cost the executors, charged to its tenant's service (wait_queue's rate)."""
+        self._service.add(tenant_id, GRAMMAR_MS_COST * 1e3 * cpu_s / self._tenants.get(tenant_id).weight, cpu_s)
 
     def set_tenants(self, tenants: Tenants) -> None:
         """New tenant settings (a reload; ``resize`` fits them to the members' pools)."""

@@ -22,6 +22,7 @@ from scheduler_svc.request import Request
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
+GRAMMAR_MS_COST = OUTPUT_TOKEN_COST  # a millisecond of a constraint's CPU (compile or matcher) costs an output token
 
 
 @dataclass(slots=True)
@@ -32,10 +33,18 @@ class VtcCounters:
 
     counters: dict[str, float] = field(default_factory=dict)
     charged: dict[str, float] = field(default_factory=dict)  # weighted tokens charged to each tenant (its own only)
+    grammar_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds its constraints cost (its own only)
     vtime: float = 0.0  # the service of the last tenant to go idle: the floor when nobody is active
 
     def went_idle(self, service: float) -> None:
         self.vtime = max(self.vtime, service)
+
+    def add(self, tenant: str, cost: float, grammar_cpu_s: float = 0.0) -> None:
+        """``cost`` weighted service to the tenant (``grammar_cpu_s`` of it its constraints' CPU)."""
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
+        self.charged[tenant] = self.charged.get(tenant, 0.0) + cost
+        if grammar_cpu_s:
+            self.grammar_cpu[tenant] = self.grammar_cpu.get(tenant, 0.0) + grammar_cpu_s
 
 
 class WaitQueue:
@@ -128,16 +137,19 @@ class WaitQueue:
         self._shared.went_idle(self._counters.get(tenant, 0.0))
 
     # ---- service -------------------------------------------------------------------------------
-    def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
-        cost = (PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / self._weight(tenant)
-        counters = self._counters
-        counters[tenant] = counters.get(tenant, 0.0) + cost
-        charged = self._shared.charged
-        charged[tenant] = charged.get(tenant, 0.0) + cost
+    def charge(self, tenant: str, prompt_tokens: int = 0, output_tokens: int = 0, grammar_cpu_s: float = 0.0) -> None:
+        """Service to the tenant: prompt tokens computed, output tokens sampled, CPU its constraints cost."""
+        cost = (PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
+                + GRAMMAR_MS_COST * 1e3 * grammar_cpu_s) / self._weight(tenant)
+        self._shared.add(tenant, cost, grammar_cpu_s)
 
     def service(self, tenant: str) -> float:
         """The tenant's virtual token counter (it follows the other tenants: a scheduling figure only)."""
         return self._counters.get(tenant, 0.0)
+
+    def grammar_cpu(self, tenant: str) -> float:
+        """CPU seconds the tenant's constraints cost the executors so far (its own history)."""
+        return self._shared.grammar_cpu.get(tenant, 0.0)
 
     def charged(self, tenant: str) -> float:
         """The weighted tokens charged to the tenant so far: its own history, whatever the others do."""

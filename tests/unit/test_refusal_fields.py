@@ -141,9 +141,6 @@ def test_128_tools_make_a_required_schema_over_the_constraint_limit():
         check_constraint(api.SamplingParams(), sampling, [2], use.constraint, "prompt.chat.tool_choice (required)")
 
 
-@pytest.mark.xfail(strict=True, reason="check_constraint names sampling.constraint.json_schema for a tool choice's "
-                   "schema: scheduler_svc/constraints.py (another engineer's) is to name prompt.chat.tools (#46 F10; "
-                   "the message wanted: test_scheduler_fields_of_a_chat_with_tools_map_to_the_openai_params)")
 def test_128_tools_with_tool_choice_required_are_refused_naming_the_tools():
     use, size = _required_constraint()
     sampling = types.SimpleNamespace(ignore_eos=False, stop_token_ids=[])

@@ -205,6 +205,7 @@ def test_a_tenant_without_structured_outputs_gets_no_tool_choice_that_needs_the_
                          plain)
     assert check_constraint(api.SamplingParams(), sampling, [2], None, "", plain) is None
     small = Tenant("small", max_constraint_bytes=10)
-    with pytest.raises(InvalidRequest, match=r"json_schema: \d+ bytes; at most 10 \(tenant small's"):
+    with pytest.raises(InvalidRequest, match=r"^prompt.chat.tools: the JSON schema .* is \d+ bytes; at most 10 "
+                       r"\(tenant small's"):
         check_constraint(api.SamplingParams(), sampling, [2], named.constraint, "prompt.chat.tool_choice (named)",
                          small)
