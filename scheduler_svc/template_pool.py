@@ -160,7 +160,7 @@ class TemplatePool:
         async with self._tenant_slot(tenant), self._free:
             if self.closed:
                 raise InvalidRequest(f"{field}.chat_template: the scheduler is shutting down")
-            worker = self._idle.pop() if self._idle else await self._start_worker(self.limits)
+            worker = self._idle.pop() if self._idle else await self._start()
             self._busy.add(worker)
             keep = False
             try:
@@ -186,6 +186,19 @@ class TemplatePool:
                 else:  # (timed out, ended, out of memory, or the caller went away mid-render)
                     await worker.stop()
         return self._text(reply, job["max_bytes"], field)
+
+    async def _start(self) -> TemplateWorker:
+        """A new worker; a start that fails is tried once more (then RuntimeError: the server's fault, not the
+        request's)."""
+        failures = (WorkerGone, RuntimeError, OSError, asyncio.TimeoutError)
+        try:
+            return await self._start_worker(self.limits)
+        except failures as err:
+            self.log.warning("chat_template_worker_start_failed", error=str(err), hint="trying once more")
+        try:
+            return await self._start_worker(self.limits)
+        except failures as err:
+            raise RuntimeError(f"the chat template worker did not start: {err}") from err
 
     def _killed(self, tenant: str, why: str) -> None:
         self.killed += 1

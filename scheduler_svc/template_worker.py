@@ -13,6 +13,7 @@ parent-death signal), ignores Ctrl-C (the scheduler ends it), and runs at a lowe
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -76,6 +77,7 @@ def reply(job: dict) -> dict:
 
 def main() -> None:
     memory, cpu_seconds = int(sys.argv[1]), float(sys.argv[2])
+    faulthandler.enable()  # (a crash says where, on the scheduler's stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     os.nice(NICE)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from scheduler_svc.template_pool import TemplateLimits
+from scheduler_svc.template_pool import TemplateLimits, TemplatePool, WorkerGone
 from scheduler_svc.template_sandbox import MAX_POWER_BITS, RenderLimit, render_job
 from scheduler_svc.template_worker import reply
 from scheduler_svc.validation import InvalidRequest
@@ -164,3 +164,24 @@ def test_close_kills_idle_and_rendering_workers_and_refuses_later_renders():
     assert stopped == [True, True] and alive == 0
     assert in_flight.startswith("prompt.chat.chat_template: its render ended without an answer")
     assert later == "prompt.chat.chat_template: the scheduler is shutting down"
+
+
+def test_a_worker_that_fails_to_start_is_tried_once_more():
+    tries: list[bool] = []
+
+    async def flaky(limits: TemplateLimits) -> InlineWorker:  # (fails its first start, then works)
+        tries.append(True)
+        if len(tries) == 1:
+            raise WorkerGone("exit code -11")
+        return await InlineWorker.start(limits)
+
+    async def broken(limits: TemplateLimits) -> InlineWorker:
+        raise WorkerGone("exit code -11")
+
+    async def scenario():
+        text = await TemplatePool(start_worker=flaky).render(job("{{ 2 + 3 }}"), "a", "prompt.chat")
+        with pytest.raises(RuntimeError, match="the chat template worker did not start: exit code -11"):
+            await TemplatePool(start_worker=broken).render(job("{{ 1 }}"), "a", "prompt.chat")
+        return text
+
+    assert asyncio.run(scenario()) == "5" and len(tries) == 2
