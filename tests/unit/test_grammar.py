@@ -262,6 +262,8 @@ def test_the_scheduler_sends_the_constraint_with_its_end_tokens():
     (api.Constraint(choice=api.Choices(choices=["a", ""])), {}, "choice: 2 choices; give 1 to 1024, none empty"),
     (api.Constraint(json_schema="{not json"), {}, "json_schema: not JSON"),
     (api.Constraint(json_schema="[1, 2]"), {}, "json_schema: a JSON Schema is an object"),
+    (api.Constraint(json_schema='{"a":' * 990 + "1" + "}" * 990), {},  # (F8: was a RecursionError, UNKNOWN)
+     "sampling.constraint.json_schema: JSON nested more than 64 levels deep"),
     (api.Constraint(regex="a+", strict=True), {}, "sampling.constraint.strict: only with"),
     (api.Constraint(grammar=""), {}, "grammar: must not be empty"),
     (api.Constraint(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos: refused with sampling.constraint"),
