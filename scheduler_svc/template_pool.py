@@ -14,7 +14,8 @@ tenant's prompts behind it (issue #46 F5). Here it runs in a worker:
 - tenants: a tenant renders at most ``per_tenant`` templates at once (half the workers, at least one), so the others
   always find a worker; its further requests wait for its own renders to end (each ends within the time limit), as
   they would for a worker: they delay that tenant alone. (A refusal, RESOURCE_EXHAUSTED, would also turn away a
-  tenant's burst of ordinary requests that each render in a millisecond.)
+  tenant's burst of ordinary requests that each render in a millisecond.) NOTE: the tenant is what the caller of
+  Prompts.ids / chat_ids passes; a caller that passes none counts every request as tenant "", one bound for all.
 
 Workers start on first use, are reused while they answer, and are all killed by ``close`` (the scheduler's shutdown);
 a scheduler that dies takes them with it (template_worker.py).
