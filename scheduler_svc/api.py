@@ -234,7 +234,7 @@ class GenerationService(api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
                                 "failed or draining); retry later")
         try:  # (after those: a retry during an outage costs no tokenizing)
-            ids = await self.prompts.ids(request)
+            ids = await self.prompts.ids(request, tenant.id)
             tools = self.prompts.tool_use(request)
             req, resume = self._build_request(request, tenant, ids,
                                               await self.prompts.bad_words_ids(request.sampling.bad_words), tools)
@@ -354,7 +354,7 @@ class GenerationService(api_grpc.GenerationServicer):
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802
-        await self._tenant(context, METHODS + "Tokenize")
+        tenant = await self._tenant(context, METHODS + "Tokenize")
         try:
             if request.HasField("chat"):
                 if request.text:
@@ -362,7 +362,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 if request.HasField("add_special_tokens") and request.add_special_tokens:
                     raise InvalidRequest("add_special_tokens: true is not supported with chat (the chat template "
                                          "places the special tokens); leave it unset or false")
-                ids, tokens = await self.prompts.chat_ids(request.chat, "chat", tokens=True)
+                ids, tokens = await self.prompts.chat_ids(request.chat, "chat", tokens=True, tenant=tenant.id)
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else None
                 ids, tokens = await self.prompts.text_ids(request.text, "text", special, tokens=True)

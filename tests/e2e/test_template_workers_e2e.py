@@ -137,9 +137,6 @@ def test_a_looping_template_is_refused_in_its_time_while_another_tenant_is_answe
     assert gone
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler_svc/api.py (not this change's) calls Prompts.ids(request) and "
-                   "chat_ids without the tenant, so every request's own template counts against one shared bound: "
-                   "it is to pass tenant.id (#46 F5)")
 def test_another_tenants_own_template_is_rendered_while_the_loop_runs(scheduler):
     answer, attack_pending, err, _, _ = asyncio.run(
         attack_and_answer(scheduler.address, scheduler.proc.pid, "{{ messages[0].content }}!"))
