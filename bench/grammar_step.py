@@ -4,7 +4,8 @@ over one model, their steps alternated, so both see the same machine load); medi
 N = 1, 32 and 256. Then the output tokens per second of a batch half constrained, against the same batch
 unconstrained, and the schema's compile time (first, and from the cache).
 
-A row whose grammar completes is given a fresh matcher (every row stays constrained for the whole run).
+A row whose grammar completes is given a fresh matcher (every row stays constrained for the whole run). The matchers'
+work runs as the executor runs it: jobs on its matcher threads beside the forward (executor_svc/grammar_jobs.py).
 
     python bench/grammar_step.py                                   # tiny-llama and smollm2-135m-instruct
     python bench/grammar_step.py --models tiny-llama --steps 20    # -> bench/results/grammar_step.json
@@ -51,8 +52,9 @@ def build(path: Path, n: int, steps: int, engine, constrained: set[int]):
     per = -(-(PROMPT_LEN + steps + 4) // block)
     pool = DevicePagePool(cfg, n * per + 1, block, torch.float32, cpu, parse_kv_dtype("auto", torch.float32))
     runner = ModelRunner(model, pool, attention, cpu)
-    runner.mirror.grammars = engine
+    runner.mirror.grammars, runner.matchers = engine, build.matchers
     constraint = pb.Constraint(json_schema=json.dumps(SCHEMA), strict=True, end_token_ids=list(cfg.eos_token_ids))
+    engine.submit(constraint).result()  # (compiled before a plan brings it, as the scheduler has it done)
     plan = pb.StepPlan(step_id=0)
     for i in range(n):
         new = plan.new_requests.add(request_id=str(i), token_ids=[1] + [3 + (i * 7 + j) % 200 for j in
@@ -66,15 +68,24 @@ def build(path: Path, n: int, steps: int, engine, constrained: set[int]):
 
 
 build.models = {}
+build.matchers = None  # (main: the executor's matcher threads, defaults)
+
+
+def fresh(engine, constraint):
+    """A matcher that starts over (a GrammarState as the mirror makes one)."""
+    from executor_svc.grammar_jobs import GrammarState
+
+    key, compiled = engine.lookup(constraint)
+    return GrammarState(key, compiled, tuple(constraint.end_token_ids), (engine.vocab_size + 31) // 32)
 
 
 def decode(runner, constraint, engine, step_id: int) -> float:
     """One decode step of every request; ms (the executor's total)."""
     from pagedkv.executor.v1 import executor_pb2 as pb
 
-    for rid, st in runner.requests.items():  # (a completed grammar starts over: every row stays constrained)
+    for st in runner.requests.values():  # (a completed grammar starts over: every row stays constrained)
         if st.grammar is not None and st.grammar.terminated:
-            st.grammar = engine.state(constraint, [], rid)
+            st.grammar = fresh(engine, constraint)
     result = runner.step(pb.StepPlan(step_id=step_id, decodes=sorted(runner.requests, key=int)))
     assert not result.error, result.error
     return result.timings.total_ms
@@ -99,9 +110,9 @@ def compile_times(engine) -> dict:
 
     c = pb.Constraint(json_schema=json.dumps({**SCHEMA, "minItems": 1}), strict=True)
     t0 = time.perf_counter()
-    engine.compiled(c)
+    engine.submit(c).result()
     t1 = time.perf_counter()
-    engine.compiled(c)
+    engine.submit(c).result()
     t2 = time.perf_counter()
     return {"compile_first_ms": round((t1 - t0) * 1e3, 2), "compile_cached_ms": round((t2 - t1) * 1e3, 4)}
 
@@ -116,6 +127,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from executor_svc.grammar import GrammarEngine
+    from executor_svc.grammar_jobs import Matchers
     from executor_svc.model_config import ModelConfig
     from pagedkv.models import resolve_model
 
@@ -123,7 +135,8 @@ def main() -> None:
     print(f"{'model':24} {'N':>4} {'constrained':>11} {'ms/step on':>10} {'ms/step off':>11} {'ratio':>6}")
     for name in args.models:
         path = resolve_model(name)
-        engine = GrammarEngine(path, ModelConfig.from_dir(path).vocab_size, compile_timeout=60.0)
+        engine = GrammarEngine(path, ModelConfig.from_dir(path).vocab_size, compile_timeout=60.0, compile_workers=0)
+        build.matchers = Matchers()
         entry = {"compile": compile_times(engine), "steps": [], "half_constrained": None}
         for n in args.sizes:
             row = side_by_side(path, n, args.steps, engine)

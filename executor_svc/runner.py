@@ -186,7 +186,7 @@ class ModelRunner:
         for st, token in zip(finishing, tokens):  # (a failed row's token too: later plans may still compute it)
             st.token_ids.append(token)
             st.num_output += 1
-            if st.grammar is not None and not st.grammar.failed:
+            if st.grammar is not None and not st.grammar.failed and not st.grammar.terminated:
                 st.grammar.pending.append(token)  # (accepted by its next job)
         keep = [i for i in range(len(rows)) if i not in failed]
         if len(keep) < len(rows):  # a request the executor ended takes no token
