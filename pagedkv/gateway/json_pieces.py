@@ -12,16 +12,38 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 
 PIECE_WEIGHT = 4096  # values (numbers, strings, containers) encoded by one json.dumps call: ~100 KB, ~1 ms
 CHUNK_CHARS = 1 << 20  # pieces joined into chunks of about this many characters (each one ASGI body message)
 INLINE_BYTES = 256 << 10  # an answer bounded below this is built and encoded on the loop (a thread costs more)
+T = TypeVar("T")
 _SAMPLE = 3  # a long list's weight: its length times the heaviest of its first, middle and last elements
+
+
+@dataclass(frozen=True, slots=True)
+class Lazy:
+    """A JSON array whose elements are made as they are written, and dropped once written (``pieces``): a large
+    answer's choices, so that the objects of one choice live at a time, not of all (memory, and the garbage
+    collector's passes, which hold the GIL, over them). ``dumps`` makes them all first."""
+
+    count: int
+    item: Callable[[int], object]
+
+    def items(self) -> list:
+        return [self.item(i) for i in range(self.count)]
+
+
+def _default(obj):
+    if isinstance(obj, Lazy):
+        return obj.items()
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
 def dumps(obj) -> str:
     """The gateway's JSON: compact, UTF-8 as it is."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=_default)
 
 
 def _sample(items: list) -> tuple:
@@ -31,6 +53,8 @@ def _sample(items: list) -> tuple:
 def weight(obj) -> int:
     """About how many values ``obj`` holds (a string counts one per 64 characters); lists, and dicts of more than
     64 entries, are weighed by a sample of their elements, so that this costs little more than the depth."""
+    if isinstance(obj, Lazy):
+        return 1 << 62  # (never written whole)
     if isinstance(obj, dict):
         values = list(obj.values()) if len(obj) > 64 else None
         if values is None:
@@ -47,6 +71,12 @@ def pieces(obj, limit: int = PIECE_WEIGHT) -> Iterator[str]:
     """``dumps(obj)`` as consecutive strings, none much heavier than ``limit`` unless one value is: a dict's entries
     one by one, a list's elements in slices of about ``limit`` (or one by one, each in pieces, when they are heavy).
     ``"".join(pieces(obj)) == dumps(obj)``."""
+    if isinstance(obj, Lazy):
+        for i in range(obj.count):
+            yield "," if i else "["
+            yield from pieces(obj.item(i), limit)
+        yield "]" if obj.count else "[]"
+        return
     if not isinstance(obj, dict | list) or weight(obj) <= limit:
         yield dumps(obj)
         return
@@ -92,15 +122,15 @@ def encode(obj) -> list[bytes]:
     return chunks
 
 
-async def encoded(build: Callable[[], object], bound: int) -> tuple[object, list[bytes]]:
-    """``build()`` and its JSON (chunks, to send in order): on the loop when the answer is bounded by at most
-    INLINE_BYTES (``bound``: response_budget's estimate), else in a thread, in pieces."""
-    if bound <= INLINE_BYTES:
-        obj = build()
-        return obj, [dumps(obj).encode()]
+async def encoded(build: Callable[[], object], bound: int,
+                  keep: Callable[[object], T] | None = None) -> tuple[T | None, list[bytes]]:
+    """``build()``'s JSON (chunks, to send in order), and ``keep`` of it (None without): on the loop when the answer
+    is bounded by at most INLINE_BYTES (``bound``: response_budget's estimate), else in a thread, in pieces, where
+    the built object is also dropped (freeing millions of small objects took the loop seconds)."""
 
-    def run() -> tuple[object, list[bytes]]:
+    def run() -> tuple[T | None, list[bytes]]:
         obj = build()
-        return obj, encode(obj)
+        chunks = [dumps(obj).encode()] if bound <= INLINE_BYTES else encode(obj)
+        return (keep(obj) if keep is not None else None), chunks
 
-    return await asyncio.to_thread(run)
+    return run() if bound <= INLINE_BYTES else await asyncio.to_thread(run)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedkv import tool_calls
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import logprobs as lp
+from pagedkv.gateway.json_pieces import Lazy
 from pagedkv.gateway.openai_requests import Plan
 
 FINISH = {api.FINISH_REASON_STOP: "stop", api.FINISH_REASON_LENGTH: "length", api.FINISH_REASON_ABORT: "abort"}
@@ -93,21 +94,25 @@ def chat_message(plan: Plan, c: Choice, fmt: str) -> tuple[dict, str | None]:
 
 
 def response_body(plan: Plan, rid: str, created: int, model: str, choices: list[Choice],
-                  prompts: Sequence[api.Prompt] = ()) -> dict:
-    """The non-streamed answer (``prompts``: one per prompt, for echo and prompt_logprobs)."""
-    out = []
-    for i, c in enumerate(choices):
+                  prompts: Sequence[api.Prompt] = (), lazy: bool = False) -> dict:
+    """The non-streamed answer (``prompts``: one per prompt, for echo and prompt_logprobs); ``lazy``: its choices
+    made one at a time as they are written (json_pieces.Lazy)."""
+
+    def choice(i: int) -> dict:
+        c = choices[i]
         prompt = prompts[i // plan.n] if prompts else api.Prompt()
         echo = prompt if plan.echo else None
         logprobs = logprobs_body(plan, c.token_ids, c.logprobs, c.top_logprobs, echo)
         if plan.chat:
             message, finish = chat_message(plan, c, prompt.tool_call_format)
-            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            continue
-        out.append({"index": i, "text": (prompt.text if echo else "") + c.text, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason})
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        out = {"index": i, "text": (prompt.text if echo else "") + c.text, "logprobs": logprobs,
+               "finish_reason": c.finish_reason}
         if plan.prompt_logprobs is not None:  # (vLLM's: per choice in completions)
-            out[-1]["prompt_logprobs"] = lp.prompt_logprobs_body(prompt, plan.prompt_logprobs, plan.token_text)
+            out["prompt_logprobs"] = lp.prompt_logprobs_body(prompt, plan.prompt_logprobs, plan.token_text)
+        return out
+
+    out = Lazy(len(choices), choice) if lazy else [choice(i) for i in range(len(choices))]
     body = {"id": rid, "object": "chat.completion" if plan.chat else "text_completion", "created": created,
             "model": model, "choices": out, "usage": usage_body(choices, len(plan.requests), plan.n),
             "system_fingerprint": None}

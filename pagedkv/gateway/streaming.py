@@ -69,6 +69,10 @@ def plan_headers(plan: Plan, rid: str) -> list[tuple[bytes, bytes]]:
     return headers
 
 
+def _text_chars(chunk: dict) -> int:
+    return len(chunk["choices"][0].get("text", ""))
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json_pieces.dumps(obj).encode() + b"\n\n"
 
@@ -143,7 +147,7 @@ class Generation(Response):
                     if item is not None:
                         self._add(i, item)
                 _, chunks = await json_pieces.encoded(lambda: answers.response_body(
-                    self.plan, self.rid, answers.now(), self.model, self.choices, self.prompts), self.bound)
+                    self.plan, self.rid, answers.now(), self.model, self.choices, self.prompts, lazy=True), self.bound)
                 await self._send_chunks(send, 200, chunks)
         finally:
             await events.aclose()
@@ -207,12 +211,12 @@ class Generation(Response):
                 self.streamed_a_token = True
                 TTFT.observe(time.perf_counter() - self.started)
             usage = answers.choice_usage(self.prompts[i], choice) if plan.continuous_usage else None
-            chunk, data = await json_pieces.encoded(functools.partial(  # (an echo may be large: off the loop)
+            chars, data = await json_pieces.encoded(functools.partial(  # (an echo may be large: off the loop)
                 answers.chunk_body, plan, self.rid, created, self.model, index, text, item.token_ids, item.logprobs,
                 finish, tops=item.top_logprobs, echo=echo, offset=choice.streamed_chars, usage=usage,
-                tool_call_deltas=calls), self.bound if echo is not None else 0)
+                tool_call_deltas=calls), self.bound if echo is not None else 0, _text_chars)
             choice.echoed = choice.echoed or echo is not None
-            choice.streamed_chars += len(chunk["choices"][0].get("text", ""))
+            choice.streamed_chars += chars
             await self._body(send, b"data: " + b"".join(data) + b"\n\n")
             RELAY.observe(time.perf_counter() - read_at)
         tail = b""

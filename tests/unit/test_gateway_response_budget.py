@@ -213,6 +213,28 @@ def test_a_large_answer_comes_in_pieces_and_chunks():
     assert b"".join(chunks) == json_pieces.dumps(body).encode() and len(chunks) >= 2
 
 
+def test_lazy_choices_are_made_as_they_are_written_and_the_json_is_the_same():
+    """A large answer's choices are made one at a time (only one choice's objects live at once)."""
+    made: list[int] = []
+
+    def choice(i: int) -> dict:
+        made.append(i)
+        return {"index": i, "top": [{f"t{j}": -0.5 for j in range(21)} for _ in range(500)]}
+
+    body = {"id": "x", "choices": json_pieces.Lazy(3, choice), "usage": {"total_tokens": 3}}
+    plain = json_pieces.dumps({**body, "choices": [choice(i) for i in range(3)]})
+    made.clear()
+    seen = []
+    for piece in json_pieces.pieces(body, limit=256):
+        seen.append((piece, list(made)))
+    assert "".join(p for p, _ in seen) == plain == json_pieces.dumps(body)
+    starts = [j for j, (p, _) in enumerate(seen) if p == '{"index":']  # (each choice made as it is written)
+    assert [seen[j + 1][0] for j in starts] == ["0", "1", "2"] and [seen[j][1] for j in starts] == [[0], [0, 1],
+                                                                                                   [0, 1, 2]]
+    assert json_pieces.dumps({"choices": json_pieces.Lazy(0, choice)}) == '{"choices":[]}'
+    assert "".join(json_pieces.pieces({"c": json_pieces.Lazy(0, choice)}, 1)) == '{"c":[]}'
+
+
 def test_the_loop_runs_between_the_pieces_of_a_large_answer(monkeypatch):
     """While a large answer is encoded off the loop, the loop runs: a task on it sees the encoding begun and not
     yet done. (One json.dumps in a thread would hold the GIL, and so the loop, from the first piece to the last.)"""
