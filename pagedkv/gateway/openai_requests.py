@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway import fields
 from pagedkv.gateway.chat_requests import chat_of
-from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded
+from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded, prompt_too_long
 from pagedkv.gateway.structured import constraint_of
 from scheduler_svc.chat import check_chat_size
 from scheduler_svc.validation import (
@@ -380,7 +380,7 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
             try:
                 check_text_bytes(req.text, name, limits.prompt_bytes)
             except InvalidRequest as err:
-                raise ApiError(400, str(err), param="prompt", code="prompt_too_long") from None
+                raise prompt_too_long(str(err), chat=False) from None
         elif kind == "token_ids" and (count := min(len(req.token_ids.ids), keep or 2**31)) >= limits.max_model_len:
             kept = f" (truncate_prompt_tokens={keep})" if keep else ""
             raise context_length_exceeded(limits.max_model_len, count, None, chat=False,
@@ -391,4 +391,4 @@ def check_sizes(plan: Plan, limits: RequestLimits) -> None:
             try:  # (the scheduler's own check: contents, names, ids and tool calls together)
                 check_chat_size(req.chat, "messages", limits.prompt_bytes)
             except InvalidRequest as err:
-                raise ApiError(400, str(err), param="messages", code="prompt_too_long") from None
+                raise prompt_too_long(str(err), chat=True) from None

@@ -114,8 +114,6 @@ def test_tools_that_take_a_chat_over_its_bytes_are_named_by_the_gateway():
     assert (e.value.status, e.value.param, e.value.code) == (400, "tools", "prompt_too_long")
 
 
-@pytest.mark.xfail(strict=True, reason="openai_requests.check_sizes (another engineer's) names messages for any "
-                   "chat refused for its size: it is to raise errors.prompt_too_long(str(err), chat=True) (#46 F10)")
 def test_tools_that_take_a_chat_over_its_bytes_are_named_by_chat_completions():
     body = {"model": "m", "messages": MESSAGES, "tools": _tools(20, "x" * 100)}
     with pytest.raises(ApiError) as e:
