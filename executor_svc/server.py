@@ -79,4 +79,6 @@ async def serve(args) -> None:
         w.cancel()
     drained = service.detached.is_set()
     await server.stop(grace=1.0)
+    if runner.mirror.grammars is not None:
+        runner.mirror.grammars.close()  # (its compile workers end with it)
     log.info("executor_stopped", drained=drained, requests_left=len(runner.requests))
