@@ -247,16 +247,17 @@ def rows_256(steps: int) -> dict:
 
 
 def main() -> None:
+    global ATTACK_S  # noqa: PLW0603 -- the one setting the probes share
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose server runs (default: this one)")
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--gap", type=float, default=0.5, help="seconds between the bystander's requests")
     p.add_argument("--steps", type=int, default=40, help="steps of the 256-row measurement")
-    p.add_argument("--attack-s", type=float, default=ATTACK_S, help="an attack still running then is cancelled")
+    p.add_argument("--attack-s", type=float, default=60.0, help="an attack still running then is cancelled")
     p.add_argument("--skip-rows", action="store_true", help="no 256-row measurement (an older checkout has no jobs)")
     p.add_argument("--out", type=Path, default=RESULTS / "grammar_attacks.json")
     args, extra = p.parse_known_args()
-    global ATTACK_S
+    extra = [a for a in extra if a != "--"]
     ATTACK_S = args.attack_s
     tenants = Path(RESULTS) / "grammar_attacks_tenants.toml"
     tenants.parent.mkdir(parents=True, exist_ok=True)

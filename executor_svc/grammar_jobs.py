@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,16 +52,19 @@ class GrammarState:
 
 @dataclass(slots=True, eq=False)
 class Job:
+    index: int  # the row's index among the step's sampled rows
     state: GrammarState
     tokens: list[int]
     replay: int  # of tokens, how many are a replay of outputs
-    fill: bool
     limit_s: float  # CPU budget
     allowance_s: float  # of it, what a replay may use beyond the step budget (outside the tenant's budget)
+    step: StepGrammar | None = None
     clock: int | None = None  # its thread's CPU clock, once a thread runs it (Linux's are negative numbers)
     cpu0: float = 0.0
     cpu_s: float = 0.0  # when done
+    started: bool = False
     done: bool = False
+    counted: bool = False  # its step no longer waits for it (done, or given up)
     abandoned: bool = False
     error: str = ""
     refused: int = 0  # sampled tokens the matcher refused (none unless a bug)
@@ -76,84 +80,95 @@ class Job:
 
 
 class MatcherPool:
-    """Threads that run matcher jobs; one abandoned past its budget gets a fresh thread in its place (so a queued job
-    always finds one), and its own thread ends when the call it is in returns."""
+    """Threads that run matcher jobs, taken from one queue. A job abandoned past its budget gets a fresh thread in
+    its place (so the queue is always served), and its own thread ends when the call it is in returns."""
 
     def __init__(self, threads: int = 2) -> None:
         self._cond = threading.Condition()
-        self._queue: list[Job] = []
+        self._queue: deque[Job] = deque()
         self._threads = 0
         self._retiring = 0  # threads that end once their abandoned job returns
-        self.abandoned_running = 0
+        self.running: dict[int, Job] = {}  # by thread: the job each runs now (what a waiting step looks at)
+        self.abandoned = 0  # jobs given up while they ran, since start
         for _ in range(max(1, threads)):
             self._spawn()
+
+    @property
+    def threads(self) -> int:
+        """Threads that run jobs now (those retiring after an abandoned job aside)."""
+        return self._threads - self._retiring
 
     def _spawn(self) -> None:
         self._threads += 1
         threading.Thread(target=self._loop, name=f"grammar-match-{self._threads}", daemon=True).start()
 
     def submit(self, jobs: Sequence[Job]) -> None:
+        self._queue.extend(jobs)
         with self._cond:
-            self._queue.extend(jobs)
             self._cond.notify_all()
 
     def _loop(self) -> None:
-        clock = time.pthread_getcpuclockid(threading.get_ident())
+        ident = threading.get_ident()
+        clock = time.pthread_getcpuclockid(ident)
         while True:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                job = self._queue.pop(0)
-                job.clock, job.cpu0 = clock, time.clock_gettime(clock)
-            self._run(job)
-            with self._cond:
-                job.cpu_s = time.clock_gettime(clock) - job.cpu0
-                job.done = True
-                self._cond.notify_all()
-                if job.abandoned:
-                    self.abandoned_running -= 1
-                    if self._retiring:
+            while True:
+                try:
+                    job = self._queue.popleft()
+                except IndexError:
+                    break
+                with self._cond:
+                    if job.abandoned:  # (given up before it started)
+                        continue
+                    job.clock, job.cpu0, job.started = clock, time.clock_gettime(clock), True
+                    self.running[ident] = job
+                _run(job)
+                with self._cond:
+                    job.cpu_s = time.clock_gettime(clock) - job.cpu0
+                    job.done = True
+                    del self.running[ident]
+                    retire = job.abandoned and self._retiring > 0
+                    if retire:
                         self._retiring -= 1
                         self._threads -= 1
-                        return
-
-    def _run(self, job: Job) -> None:
-        st = job.state
-        try:
-            if st.matcher is None:
-                st.matcher = new_matcher(st.compiled, st.end_token_ids)
-            matcher = st.matcher
-            for i, token in enumerate(job.tokens):
-                if matcher.is_terminated():
-                    break
-                if not matcher.accept_token(token):
-                    if i < job.replay:
-                        job.error = f"output token {i} ({token}) does not follow its {FIELD}"
-                        return
-                    job.refused += 1
-            st.terminated = matcher.is_terminated()
-            if job.fill and not st.terminated:
-                matcher.fill_next_token_bitmask(st.bitmask, 0)
-        except Exception as err:  # noqa: BLE001 -- xgrammar's errors end the request, never the step
-            job.error = f"{FIELD}: the grammar matcher failed ({type(err).__name__}: {err})"
+                job.step.finished(job)
+                if retire:
+                    return
 
     def abandon(self, job: Job) -> None:
-        """``job`` is past its budget: nobody waits for it; a fresh thread takes its place."""
+        """``job`` is past its budget: nobody waits for it; a fresh thread takes its place if it is running."""
         with self._cond:
             if job.done or job.abandoned:
                 return
             job.abandoned = True
-            if job.clock is None:  # (not started: it never will)
-                self._queue.remove(job)
-                job.done = True
-                return
-            self.abandoned_running += 1
-            self._retiring += 1
-            self._spawn()
+            if job.started:
+                self.abandoned += 1
+                self._retiring += 1
+                self._spawn()
 
-    def wait_any(self, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait(timeout)
+
+def _run(job: Job) -> None:
+    """Accepts the job's tokens, then fills the row's mask (on a matcher thread; xgrammar releases the GIL)."""
+    st = job.state
+    try:
+        if st.matcher is None:
+            st.matcher = new_matcher(st.compiled, st.end_token_ids)
+        matcher = st.matcher
+        for i, token in enumerate(job.tokens):
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(token):
+                if i < job.replay:
+                    job.error = f"output token {i} ({token}) does not follow its {FIELD}"
+                    return
+                job.refused += 1
+        st.terminated = matcher.is_terminated()
+        if not st.terminated:
+            matcher.fill_next_token_bitmask(st.bitmask, 0)
+    except Exception as err:  # noqa: BLE001 -- xgrammar's errors end the request, never the step
+        job.error = f"{FIELD}: the grammar matcher failed ({type(err).__name__}: {err})"
 
 
 class StepGrammar:
@@ -165,9 +180,15 @@ class StepGrammar:
         self.tenant_budget_s = tenant_budget_s
         self.jobs: dict[int, Job] = {}  # by the index of the row among the step's sampled rows
         self.wait_s = 0.0
+        self._lock = threading.Lock()
+        self._left = 0  # jobs it still waits for
+        self._all_done = threading.Event()
+        self._scope_cpu: dict[str, float] = {}  # CPU of the jobs done, per scope (replay allowances aside)
+        self._scope_left: dict[str, int] = {}  # jobs not done, per scope
 
     def start(self, states: Sequence[GrammarState | None]) -> None:
         """Jobs for the rows that have a live matcher (``states[i]`` None: unconstrained)."""
+        budget = self.step_budget_s
         for i, st in enumerate(states):
             if st is None or st.failed or (st.terminated and not st.pending):
                 continue
@@ -175,24 +196,37 @@ class StepGrammar:
                 st.bitmask = torch.empty(1, st.words, dtype=torch.int32)
             tokens, replay = st.pending, st.replay
             st.pending, st.replay = [], 0
-            allowance = self.step_budget_s * replay / REPLAY_TOKENS_PER_BUDGET
-            self.jobs[i] = Job(st, tokens, replay, True, self.step_budget_s + allowance, allowance)
+            allowance = budget * replay / REPLAY_TOKENS_PER_BUDGET
+            self.jobs[i] = Job(i, st, tokens, replay, budget + allowance, allowance, self)
+            self._scope_left[st.key.scope] = self._scope_left.get(st.key.scope, 0) + 1
+        self._left = len(self.jobs)
         if self.jobs:
             self.pool.submit(list(self.jobs.values()))
+        else:
+            self._all_done.set()
+
+    def finished(self, job: Job) -> None:
+        """``job`` is done, or given up: the step waits for it no more."""
+        with self._lock:
+            if job.counted:
+                return
+            job.counted = True
+            self._scope_left[job.state.key.scope] -= 1
+            if job.done:
+                scope = job.state.key.scope
+                self._scope_cpu[scope] = self._scope_cpu.get(scope, 0.0) + max(0.0, job.cpu_s - job.allowance_s)
+            self._left -= 1
+            if not self._left:
+                self._all_done.set()
 
     def wait(self) -> tuple[GrammarMask | None, dict[int, str]]:
         """Waits for every job to end or pass its budget; returns the mask of the rows whose matcher allows only some
         tokens (None: no such row), and the rows whose request the executor ends, with why."""
         started = time.perf_counter()
         failed: dict[int, str] = {}
-        pending = dict(self.jobs)
-        while pending:
-            for i, job in list(pending.items()):
-                if job.done:
-                    del pending[i]
-            nearest = self._budgets(pending, failed)
-            if pending:
-                self.pool.wait_any(max(nearest, 2e-4))
+        while not self._all_done.is_set():
+            if self._all_done.wait(max(self._budgets(failed), 2e-4)):
+                break
         self.wait_s = time.perf_counter() - started
         rows, masks = [], []
         for i, job in self.jobs.items():
@@ -206,33 +240,41 @@ class StepGrammar:
                 masks.append(st.bitmask)
         return (GrammarMask(rows, torch.cat(masks)) if rows else None), failed
 
-    def _budgets(self, pending: dict[int, Job], failed: dict[int, str]) -> float:
-        """Abandons the jobs past a budget (their rows into ``failed``); returns the least CPU any job still running
-        may use before it passes one (it cannot pass one sooner in wall time)."""
+    def _give_up(self, job: Job, failed: dict[int, str], why: str) -> None:
+        failed[job.index] = why
+        self.pool.abandon(job)
+        self.finished(job)
+
+    def _budgets(self, failed: dict[int, str]) -> float:
+        """Gives up the running jobs past a budget (their rows into ``failed``); returns the least CPU any job still
+        running may use before it passes one (it cannot pass one sooner in wall time)."""
         nearest = self.step_budget_s
-        by_scope: dict[str, list[tuple[float, int]]] = {}
-        for i, job in list(pending.items()):
+        by_scope: dict[str, list[tuple[float, Job]]] = {}
+        for job in list(self.pool.running.values()):
+            if job.step is not self or job.done:
+                continue
             used = job.used()
             if used > job.limit_s:
-                failed[i] = (f"{FIELD}: its grammar's matcher took {used * 1e3:.1f} ms of CPU in one step; the limit "
-                             f"is {job.limit_s * 1e3:g} ms (--grammar-step-budget-ms)")
-                self.pool.abandon(job)
-                del pending[i]
+                self._give_up(job, failed, f"{FIELD}: its grammar's matcher took {used * 1e3:.1f} ms of CPU in one "
+                              f"step; the limit is {job.limit_s * 1e3:g} ms (--grammar-step-budget-ms)")
                 continue
             nearest = min(nearest, job.limit_s - used)
-            by_scope.setdefault(job.state.key.scope, []).append((max(0.0, used - job.allowance_s), i))
-        for scope, used in by_scope.items():
-            total = sum(u for u, _ in used) + sum(max(0.0, j.used() - j.allowance_s) for j in self.jobs.values()
-                                                  if j.done and j.state.key.scope == scope)
-            while used and total > self.tenant_budget_s:
-                cost, i = max(used)
-                used.remove((cost, i))
-                failed[i] = (f"{FIELD}: its tenant's grammar matchers took {total * 1e3:.1f} ms of CPU in one step; "
-                             f"the limit is {self.tenant_budget_s * 1e3:g} ms (--grammar-tenant-step-budget-ms)")
-                self.pool.abandon(pending.pop(i))
+            by_scope.setdefault(job.state.key.scope, []).append((max(0.0, used - job.allowance_s), job))
+        threads = max(1, self.pool.threads)
+        for scope, left in self._scope_left.items():
+            if not left:
+                continue
+            running = by_scope.get(scope, [])
+            total = self._scope_cpu.get(scope, 0.0) + sum(u for u, _ in running)
+            while running and total > self.tenant_budget_s:
+                cost, job = max(running, key=lambda r: r[0])
+                running.remove((cost, job))
+                self._give_up(job, failed, f"{FIELD}: its tenant's grammar matchers took {total * 1e3:.1f} ms of CPU "
+                              f"in one step; the limit is {self.tenant_budget_s * 1e3:g} ms "
+                              "(--grammar-tenant-step-budget-ms)")
                 total -= cost
-            if used:
-                nearest = min(nearest, self.tenant_budget_s - total)
+            # (its jobs not done spend at most one CPU second a second each, on no more threads than run)
+            nearest = min(nearest, max(0.0, self.tenant_budget_s - total) / min(max(1, left), threads))
         return nearest
 
     def cpu_us(self) -> list[tuple[int, int]]:
