@@ -150,6 +150,10 @@ class _Worker:
 
     def _loop(self) -> None:
         pool = self.pool
+        try:  # started before the first compile, so that none waits for a worker's start (~2 s)
+            self.proc = self._spawn()
+        except ConstraintError:
+            self.proc = None  # (tried again for the first compile)
         while (job := pool.queue.take()) is not None:
             try:
                 job.future.set_result(self._compile(job.key))
