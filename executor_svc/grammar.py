@@ -9,11 +9,12 @@ output tokens the plan carries: the state is a function of the tokens so far, no
 exactly wherever the request goes. The matchers' work runs on threads of their own within CPU budgets
 (grammar_jobs.py).
 
-Compilation (grammar_compile.py): in worker processes under a CPU and a memory limit that the kernel enforces, taken
-in turn across tenants. The scheduler asks for a constraint (``CheckConstraint``) before it places a request, after
-its queue bounds: an invalid constraint, or one past a limit, is refused there, before anything runs; a compiled one
-is then held in the cache for the request (``HOLD_S`` after its last check or use; while a request holds it, it is
-pinned). Nothing compiles on the step loop: a plan whose constraint is not cached ends that request alone.
+Compilation (grammar_compile.py): first in worker processes under a CPU and a memory limit that the kernel enforces,
+taken in turn across tenants; what compiled within them is compiled again here, on a thread of its own. The
+scheduler asks for a constraint (``CheckConstraint``) before it places a request, after its queue bounds: an invalid
+constraint, or one past a limit, is refused there, before anything runs; a compiled one is then held in the cache
+for the request (``HOLD_S`` after its last check or use; while a request holds it, it is pinned). Nothing compiles
+on the step loop: a plan whose constraint is not cached ends that request alone.
 
 Everything is per scope (``Constraint.scope``, the tenant's tag): the cache key, the memory of constraints refused
 for a limit (for ``REFUSED_S``), the compile queue. A tenant cannot tell which constraints another used (a cached
@@ -165,6 +166,7 @@ class GrammarEngine:
         self._refused: dict[str, OrderedDict[Key, tuple[float, ConstraintError]]] = {}
         self.compile_cpu_s = 0.0
         self._ready: Future = Future()  # -> (TokenizerInfo, CompilePool), loaded off the loop (~0.5 s)
+        self._local = None  # this process's GrammarCompiler (what a worker proved compiles, compiled here)
         settings = (compile_workers, compile_memory_mb, per_scope)
         threading.Thread(target=self._load, args=(Path(tokenizer_dir), settings), name="grammar-load",
                          daemon=True).start()
@@ -178,8 +180,9 @@ class GrammarEngine:
 
             info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=self.vocab_size)
             workers, memory_mb, per_scope = settings
-            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False) if workers == 0 else None
-            pool = CompilePool(info.serialize_json(), self.compile_timeout, memory_mb, workers, per_scope, compiler)
+            self._local = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            pool = CompilePool(info.serialize_json(), self.compile_timeout, memory_mb, workers, per_scope,
+                               self._local if workers == 0 else None)
             self._ready.set_result((info, pool))
         except Exception as err:  # noqa: BLE001 -- no xgrammar, or the tokenizer would not load
             self._ready.set_exception(ConstraintError(f"{FIELD}: this executor cannot compile constraints: {err}"))
@@ -219,10 +222,12 @@ class GrammarEngine:
 
     def _compile(self, key: Key, out: Future) -> None:
         try:
-            info, pool = self._ready.result()
+            _, pool = self._ready.result()
             compiled, cpu_s = pool.submit(key).result()
-            if isinstance(compiled, str):
-                compiled = _xgrammar().CompiledGrammar.deserialize_json(compiled, info)
+            if compiled is None:  # (a worker proved it compiles within the limits: compiled here now, as costly)
+                started = time.thread_time()
+                compiled = self._local.compile_grammar(build_grammar(key.kind, key.text, key.strict))
+                cpu_s += time.thread_time() - started
             with self._lock:
                 self.compile_cpu_s += cpu_s
                 self._cache[key] = _Entry(compiled, compiled.memory_size_bytes, held_until=time.monotonic() + HOLD_S)

@@ -1,10 +1,11 @@
 """Constraint compiles in worker processes that can be killed, taken fairly across tenants.
 
-Each compile runs in a ``grammar_worker`` child process under a CPU limit (the compile's own CPU, never the time it
-waited for a worker) and a memory limit that the kernel enforces: a constraint that would compile for minutes or take
-gigabytes ends its worker, which is replaced, and is refused. Workers take compiles from a queue per scope (the
-tenant's tag, ``Constraint.scope``) in turn, at most ``per_scope`` of one scope at a time, so one tenant's slow
-compiles hold at most that many workers and the others' compiles go on.
+Each compile runs first in a ``grammar_worker`` child process under a CPU limit (the compile's own CPU, never the time
+it waited for a worker) and a memory limit that the kernel enforces: a constraint that would compile for minutes or
+take gigabytes ends its worker, which is replaced, and is refused. One that compiled within them is compiled again
+in the executor (grammar.py: cheaper than moving the compiled grammar, see grammar_worker.py). Workers take compiles
+from a queue per scope (the tenant's tag, ``Constraint.scope``) in turn, at most ``per_scope`` of one scope at a
+time, so one tenant's slow compiles hold at most that many workers and the others' compiles go on.
 
 ``CompilePool(workers=0)`` compiles on threads of this process instead (no kill, the limit checked once the compile
 returns): for tests of the tier that starts no process, and for an executor that cannot start one.
@@ -38,8 +39,8 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 @dataclass(eq=False)
 class CompileJob:
     key: Key
-    # -> (the compiled grammar: xgrammar's JSON of it from a worker process, the CompiledGrammar from a thread, and the
-    # CPU seconds its compile took)
+    # -> (the CompiledGrammar from a thread of this process; None from a worker process, which proves only that it
+    # compiles within the limits: grammar_worker.py; and the CPU seconds its compile took)
     future: Future = field(default_factory=Future)
 
 
@@ -165,21 +166,20 @@ class _Worker:
                 pool.queue.done(job)
         self.stop()
 
-    def _compile(self, key: Key) -> tuple[str, float]:
+    def _compile(self, key: Key) -> tuple[None, float]:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = self._spawn()
         proc, limit = self.proc, self.pool.timeout_s
-        answer = text = None
+        answer = None
         try:
             write_frame(proc.stdin, json.dumps({"kind": key.kind, "text": key.text, "strict": key.strict,
                                                 "timeout_s": limit}).encode())
             if _watch(proc, limit):
                 header = read_frame(proc.stdout)
                 answer = json.loads(header) if header is not None else None
-                text = read_frame(proc.stdout) if answer is not None and not answer["error"] else None
         except OSError:
             pass
-        if answer is None or (not answer["error"] and text is None):  # the worker died: a limit, or a crash
+        if answer is None:  # the worker died: a limit, or a crash
             proc.kill()
             code = proc.wait()
             self.proc = None
@@ -193,7 +193,7 @@ class _Worker:
             raise ConstraintError(answer["error"])
         if answer["cpu_s"] > limit:
             raise CompileLimit(key, "cpu", answer["cpu_s"], limit)
-        return text.decode(), answer["cpu_s"]
+        return None, answer["cpu_s"]
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
