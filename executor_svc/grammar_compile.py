@@ -151,11 +151,15 @@ class _Worker:
 
     def _loop(self) -> None:
         pool = self.pool
-        try:  # started before the first compile, so that none waits for a worker's start (~2 s)
-            self.proc = self._spawn()
-        except ConstraintError:
-            self.proc = None  # (tried again for the first compile)
-        while (job := pool.queue.take()) is not None:
+        pool.warm.wait()  # (no process until the first compile is asked for: most executors never compile)
+        while True:
+            if not pool.queue.closed and (self.proc is None or self.proc.poll() is not None):
+                try:  # (a worker a limit ended is replaced before the next compile, not by it)
+                    self.proc = self._spawn()
+                except ConstraintError:
+                    self.proc = None  # (tried again for the next compile)
+            if (job := pool.queue.take()) is None:
+                break
             try:
                 job.future.set_result(self._compile(job.key))
             except ConstraintError as err:
@@ -214,6 +218,7 @@ class CompilePool:
         self.memory_mb = memory_mb
         self.compiler = compiler
         self.queue = FairQueue(per_scope)
+        self.warm = threading.Event()  # set at the first compile: the workers start then, all at once
         self.started = 0  # worker processes started
         self.killed = 0  # ended by a limit (or a crash) mid-compile
         if workers > 0:
@@ -226,6 +231,7 @@ class CompilePool:
                 t.start()
 
     def submit(self, key: Key) -> Future:
+        self.warm.set()
         job = CompileJob(key)
         if self.queue.closed:
             job.future.set_exception(ConstraintError("sampling.constraint: this executor is shutting down"))
@@ -250,6 +256,7 @@ class CompilePool:
                 self.queue.done(job)
 
     def close(self) -> None:
+        self.warm.set()
         for job in self.queue.close():
             job.future.set_exception(ConstraintError("sampling.constraint: this executor is shutting down"))
         for worker in self._workers:
