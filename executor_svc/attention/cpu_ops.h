@@ -22,6 +22,8 @@ std::vector<int64_t> paged_attention_shared_dims();
 bool paged_attention_shared_available(const at::Tensor& q);
 std::tuple<at::Tensor, at::Tensor> paged_attention_shared(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                                           at::Tensor pages, double scale);
+at::Tensor paged_attention_cascade(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                                   at::Tensor q_pos, at::Tensor pages, double scale);
 
 // executor_svc/model/cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);

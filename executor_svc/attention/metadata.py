@@ -68,8 +68,10 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
     # How a backend splits the prefill chunks' attention (executor_svc/attention/torch_backend.py
-    # ``split_prefills``): made on first use, shared by every layer.
+    # ``split_prefills``), or the chunks' tokens as the CPU kernel's queries (``PrefillQueries``): made on first use,
+    # shared by every layer.
     prefill_split: object | None = None
+    prefill_queries: object | None = None
 
     @property
     def one_decode_group(self) -> bool:
@@ -77,3 +79,39 @@ class AttentionMetadata:
         attend q as a whole instead of gathering and scattering its rows."""
         return (not self.prefills and len(self.decodes) == 1
                 and self.decodes[0].token_idx.numel() == self.slot_pages.numel() and self.decodes[0].in_order)
+
+
+_NONE = torch.empty(0, dtype=torch.long)
+
+
+@dataclass(slots=True)
+class PrefillQueries:
+    """A step's prefill tokens as queries of the CPU kernel's ``paged_attention`` (torch_backend.py): the i-th (flat
+    index ``token_idx[i]``; None: the step is these tokens, in order) at position ``q_pos[i]`` reads table row
+    ``q_rows[i]`` (its chunk's pages, padded with page 0), with its chunk's sink and window (empty: none has one)."""
+
+    token_idx: torch.Tensor | None
+    tables: torch.Tensor
+    q_rows: torch.Tensor
+    q_pos: torch.Tensor
+    sinks: torch.Tensor
+    windows: torch.Tensor
+
+
+def prefill_queries(meta: AttentionMetadata) -> PrefillQueries:
+    """The step's prefill chunks as kernel queries (made on first use, shared by every layer)."""
+    if meta.prefill_queries is None:
+        segs = meta.prefills
+        tables = torch.zeros(len(segs), max(seg.page_ids.numel() for seg in segs), dtype=torch.long)
+        whole, at = not meta.decodes, 0  # (the chunks are the step's tokens, in order)
+        for i, seg in enumerate(segs):
+            tables[i, :seg.page_ids.numel()] = seg.page_ids
+            whole, at = whole and seg.q_start == at, at + seg.q_len
+        sinks, windows = _NONE, _NONE
+        if any(seg.window for seg in segs):
+            sinks, windows = torch.tensor([seg.sink for seg in segs]), torch.tensor([seg.window for seg in segs])
+        meta.prefill_queries = PrefillQueries(
+            None if whole else torch.cat([torch.arange(seg.q_start, seg.q_start + seg.q_len) for seg in segs]),
+            tables, torch.repeat_interleave(torch.arange(len(segs)), torch.tensor([seg.q_len for seg in segs])),
+            torch.cat([torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len) for seg in segs]), sinks, windows)
+    return meta.prefill_queries

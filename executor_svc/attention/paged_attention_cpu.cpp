@@ -67,6 +67,10 @@ struct Range {
   int64_t begin, end;
 };
 
+constexpr int64_t kRunTokens = 32;  // queries of one run a task at most (attend)
+constexpr int64_t kRunScores = 1 << 18;  // and its scores at most (1 MiB: in L2 with the keys' parts)
+constexpr int64_t kCascadeQueries = 8;  // queries a block at most (attend_cascade)
+
 // Software prefetch of the next task's K and V rows (all its heads), a few lines at a time from the current
 // task's inner loops: in a decode step the pages come from DRAM (the layer's weights stream through the caches
 // between two calls), and the hardware prefetchers stop at every page (one 4 KiB page or less of a page's rows).
@@ -164,7 +168,10 @@ inline void scores_simd(const float* q, const float* kh, const int64_t* k_off, i
         for (int c = 1; c < C; ++c) acc += qv[r][c] * vload(key[l] + c * kLanes);
         return acc;
       });
-      std::memcpy(scores + r * stride + j0, &sums, keys * sizeof(float));
+      if (keys == kLanes)  // (a copy of a known size: one store, where a variable one is a call to memcpy)
+        std::memcpy(scores + r * stride + j0, &sums, sizeof sums);
+      else
+        std::memcpy(scores + r * stride + j0, &sums, keys * sizeof(float));
     }
   }
   pf_out = pf;
@@ -237,6 +244,78 @@ inline void values_rows_simd(const float* weights, const float* vh, const int64_
 #undef PAGEDKV_VALUES
   }
 }
+
+// Queries that share keys (attend's runs: a prefill chunk's tokens; attend_cascade's blocks: decodes over a shared
+// prefix) take them kRunKeys at a time (32 KiB of K at DIM 64), each part in L1 across all of their rows, where a
+// lone query's loops take each row block over all of its keys. The same arithmetic for each row: each score is one
+// fold_tree lane's (whatever keys are beside it), and each value sum the same additions in the same order, its
+// running sums kept in ``acc`` between parts (a float stored and loaded is the same float), then scaled by
+// 1 / denominator as values_simd does. Scores and weights: row r's key j at [r * stride + j].
+template <int DIM>
+constexpr int64_t kRunKeys = std::max<int64_t>(kLanes, 8192 / DIM);
+
+template <int DIM, int NR>
+inline void values_part_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
+                             int64_t keys, float* acc_io, bool first) {
+  constexpr int C = DIM / kLanes;
+  vfloat acc[NR][C] = {};
+  if (!first)
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = vload(acc_io + r * DIM + c * kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* val = vh + v_off[j];
+    vfloat vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(val + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const float w = weights[r * stride + j];
+      for (int c = 0; c < C; ++c) acc[r][c] += w * vv[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < C; ++c) std::memcpy(acc_io + r * DIM + c * kLanes, &acc[r][c], sizeof(vfloat));
+}
+
+// Scores of `rows` query rows (q: DIM floats each) against `keys` keys.
+template <int DIM>
+inline void scores_run_simd(const float* q, const float* kh, const int64_t* k_off, int64_t keys, float* scores,
+                            int64_t stride, int64_t rows) {
+  Prefetcher none;
+  for (int64_t j0 = 0; j0 < keys; j0 += kRunKeys<DIM>) {
+    const int64_t part = std::min(kRunKeys<DIM>, keys - j0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
+      const float* qr = q + r0 * DIM;
+      float* sr = scores + r0 * stride + j0;
+#define PAGEDKV_SCORES(NR) scores_simd<DIM, NR>(qr, kh, k_off + j0, part, sr, stride, none)
+      PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_SCORES)
+#undef PAGEDKV_SCORES
+    }
+  }
+}
+
+// The value sums of `rows` rows over `keys` keys into their running sums ``acc`` (begun here when `first`).
+template <int DIM>
+inline void values_run_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off, int64_t keys,
+                            float* acc, int64_t rows, bool first) {
+  for (int64_t j0 = 0; j0 < keys; j0 += kRunKeys<DIM>) {
+    const int64_t part = std::min(kRunKeys<DIM>, keys - j0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
+      const float* wr = weights + r0 * stride + j0;
+      const bool begin = first && j0 == 0;
+#define PAGEDKV_VALUES(NR) values_part_simd<DIM, NR>(wr, stride, vh, v_off + j0, part, acc + r0 * DIM, begin)
+      PAGEDKV_ROW_BLOCK_CASES(PAGEDKV_VALUES)
+#undef PAGEDKV_VALUES
+    }
+  }
+}
+
+// out row r = acc row r / denom[r] (values_simd's last step).
+template <int DIM>
+inline void normalize_rows(const float* acc, const float* denom, float* out, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / denom[r];
+    for (int d = 0; d < DIM; ++d) out[r * DIM + d] = acc[r * DIM + d] * inv;
+  }
+}
 #else
 // Without vectors (no AVX2/FMA, no AVX-512) the fast path is never taken (kFast is false); these only name it.
 template <int DIM>
@@ -244,6 +323,12 @@ inline void scores_rows_simd(const float*, const float*, const int64_t*, int64_t
 template <int DIM>
 inline void values_rows_simd(const float*, const float*, const int64_t*, int64_t, const float*, float*, int64_t,
                              Prefetcher&) {}
+template <int DIM>
+inline void scores_run_simd(const float*, const float*, const int64_t*, int64_t, float*, int64_t, int64_t) {}
+template <int DIM>
+inline void values_run_simd(const float*, int64_t, const float*, const int64_t*, int64_t, float*, int64_t, bool) {}
+template <int DIM>
+inline void normalize_rows(const float*, const float*, float*, int64_t) {}
 #endif
 
 // The largest of x[0, n) (GCC runs std::max's loop one lane at a time, a chain of dependent maxss).
@@ -260,6 +345,29 @@ inline float max_of(const float* x, int64_t n) {
 #endif
   for (; j < n; ++j) mx = std::max(mx, x[j]);
   return mx;
+}
+
+// On AVX-512, a loop's vectors 512 bits wide where GCC would take 256 (its default there; exp_row: ~5% of a long
+// prefill's attention).
+#if defined(__AVX512F__)
+#define PAGEDKV_WIDE __attribute__((target("prefer-vector-width=512")))
+#else
+#define PAGEDKV_WIDE
+#endif
+
+// A row's softmax numerators in place, e^(s - max) over its n scores; returns their sum, the max in *max_out. One
+// copy of the loop (noinline) for every caller, so that its vectorized sum adds in the same order wherever a row
+// is computed (a decode, a prefill chunk's run, a cascade's block).
+PAGEDKV_WIDE __attribute__((noinline)) float exp_row(float* sr, int64_t n, float* max_out) {
+  const float mx = max_of(sr, n);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
+    sum += sr[j];
+  }
+  *max_out = mx;
+  return sum;
 }
 
 // Calls fn(key pointer offset, position) for each visible position, page by page (no division per key).
@@ -307,23 +415,63 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const float fscale = static_cast<float>(scale);
   const scalar_t* prior_p = prior_out.numel() ? prior_out.data_ptr<scalar_t>() : nullptr;
   const float* prior_lse_p = prior_p ? prior_lse.data_ptr<float>() : nullptr;
+#if defined(PAGEDKV_SIMD)
+  constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % kLanes == 0;
+#else
+  constexpr bool kFast = false;
+#endif
+  // Runs: consecutive queries on one table row at consecutive positions (a prefill chunk's tokens), taken by one
+  // task (kRunTokens at most, fewer where there would be under ~4 tasks a thread or over kRunScores scores; on the
+  // fast path, without a window of their request's or a prior). Their keys are one range but for its ends, read
+  // once for the run (scores_run_simd, values_run_simd). Each query's arithmetic is a lone query's: scores outside
+  // its own keys are computed but left out of its softmax, and its values' sums run over those keys at weight 0,
+  // which adds nothing. So a token's result does not depend on whether it is computed in a prefill chunk (of any
+  // length, starting anywhere) or in a decode, nor on the queries beside it (tests/unit/test_attention_rows_exact.py).
+  // NOTE: the softmax of every path is exp_row's one loop; the scores and sums are the same inline loops.
+  std::vector<int64_t> run_first;  // run k: queries [run_first[k], run_first[k + 1])
+  run_first.reserve(n + 1);
+  const bool may_run = kFast && rows && !prior_p;
+  int64_t run_tokens = 1;  // (a run's length does not change its queries' results: made for speed alone)
+  if (may_run) {
+    int64_t keys = 1;
+    for (int64_t i = 0; i < n; ++i) keys = std::max(keys, pos_p[i] + 1);
+    const int64_t want = (4 * static_cast<int64_t>(at::get_num_threads()) + kv_heads - 1) / kv_heads;  // runs
+    run_tokens = std::clamp<int64_t>(std::min(n / want, kRunScores / (group * keys)), 1, kRunTokens);
+  }
+  int64_t longest = 1;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    if (may_run && (!win_p || rows[i] < 0 || rows[i] >= tables.size(0) || win_p[rows[i]] <= 0))
+      while (j < n && j - i < run_tokens && rows[j] == rows[i] && pos_p[j] == pos_p[j - 1] + 1) ++j;
+    run_first.push_back(i);
+    longest = std::max(longest, j - i);
+    i = j;
+  }
+  run_first.push_back(n);
+  const int64_t runs = static_cast<int64_t>(run_first.size()) - 1;
   // NOTE: with enough queries one task takes all KV heads of a query, reading each key's heads (one
-  // contiguous row) together; with few (a small batch) one task per (query, KV head) keeps threads busy.
-  const int64_t per_task = n >= 4 * at::get_num_threads() ? kv_heads : 1;
+  // contiguous row) together; with few (a small batch), or runs, one task per (query, KV head) keeps threads busy
+  // (and a run's scores small).
+  const int64_t per_task = runs >= 4 * at::get_num_threads() && longest == 1 ? kv_heads : 1;
   const int64_t blocks = kv_heads / per_task;
-  const int64_t rows_per_task = per_task * group;  // query heads of one task
+  const int64_t heads_per_task = per_task * group;  // query heads of one task's query
+  // With runs, the tasks alternate between the first runs and the last (0, R - 1, 1, R - 2, ...): a thread's
+  // contiguous share of the tasks then holds its share of the work (a prompt's later tokens see more keys).
+  auto run_of = [&](int64_t k) { return longest == 1 ? k : (k % 2 ? runs - 1 - k / 2 : k / 2); };
 
   // Where each visible key's row of a task starts in the K and V views (offsets from head 0's): returns their
   // number.
+  auto lo_of = [&](int64_t p) { return std::max<int64_t>(start, model_window > 0 ? p + 1 - model_window : 0); };
+  // A run's keys: from its first query's first to its last query's last (one range: a run has no window of its own).
   auto key_rows = [&](int64_t task, std::vector<int64_t>& k_off, std::vector<int64_t>& v_off) -> int64_t {
-    const int64_t i = task / blocks;
+    const int64_t run = run_of(task / blocks), i = run_first[run + 1] - 1;
     const int64_t row = rows ? rows[i] : i;
     TORCH_CHECK(row >= 0 && row < tables.size(0), "paged_attention_cpu: table row ", row, " of ", tables.size(0));
-    const int64_t p = pos_p[i];
-    TORCH_CHECK(p >= 0 && p < width * block_size, "paged_attention_cpu: query position ", p,
-                " outside its page table of ", width, " pages");
+    const int64_t p = pos_p[i], p_first = pos_p[run_first[run]];
+    TORCH_CHECK(p_first >= 0 && p < width * block_size, "paged_attention_cpu: query position ",
+                p_first < 0 ? p_first : p, " outside its page table of ", width, " pages");
     const int64_t* table = tp + row * width;
-    const int64_t lo = std::max<int64_t>(start, model_window > 0 ? p + 1 - model_window : 0);
+    const int64_t lo = lo_of(p_first);
     Range ranges[2];
     int n_ranges = 0;
     const int64_t w = win_p ? win_p[row] : 0;
@@ -352,31 +500,34 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     return visible;
   };
 
-  at::parallel_for(0, n * blocks, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, runs * blocks, 1, [&](int64_t first, int64_t last) {
     const pagedkv_cpu::FlushDenormals ftz;
-    std::vector<float> qf(rows_per_task * dim), acc(rows_per_task * dim), denom(rows_per_task),
-        maxes(rows_per_task), scores;
+    std::vector<float> qf, acc, denom, maxes, scores, outs;
     std::vector<int64_t> k_off, v_off, k_next, v_next;
     int64_t visible_next = first < last ? key_rows(first, k_next, v_next) : 0;
     for (int64_t task = first; task < last; ++task) {
-      const int64_t i = task / blocks, h0 = (task % blocks) * per_task;
+      const int64_t run = run_of(task / blocks), h0 = (task % blocks) * per_task;
+      const int64_t i = run_first[run], tokens = run_first[run + 1] - i;  // queries i .. i + tokens - 1
+      const int64_t rows_per_task = tokens * heads_per_task;  // query vectors: [KV head][token][its query heads]
       std::swap(k_off, k_next);
       std::swap(v_off, v_next);
-      const int64_t visible = visible_next;
+      const int64_t visible = visible_next;  // (the run's last query's)
       visible_next = task + 1 < last ? key_rows(task + 1, k_next, v_next) : 0;
       scores.resize(rows_per_task * visible);
+      qf.resize(rows_per_task * dim);
+      denom.resize(rows_per_task);
+      maxes.resize(rows_per_task);
 
-      const scalar_t* qi = qp + (i * heads + h0 * group) * dim;
-      for (int64_t j = 0; j < rows_per_task * dim; ++j) qf[j] = to_f(qi[j]) * fscale;
+      for (int64_t hh = 0; hh < per_task; ++hh)
+        for (int64_t t = 0; t < tokens; ++t) {
+          const scalar_t* qi = qp + ((i + t) * heads + (h0 + hh) * group) * dim;
+          float* dst = qf.data() + (hh * tokens + t) * group * dim;
+          for (int64_t j = 0; j < group * dim; ++j) dst[j] = to_f(qi[j]) * fscale;
+        }
 
-#if defined(PAGEDKV_SIMD)
-      constexpr bool kFast = std::is_same_v<scalar_t, float> && DIM >= 32 && DIM % kLanes == 0;
-#else
-      constexpr bool kFast = false;
-#endif
       const scalar_t* kh = kp + h0 * k_head;
       Prefetcher pf;
-      if (kFast && visible_next > 0) {  // the next task's heads: its own h0
+      if (kFast && tokens == 1 && visible_next > 0) {  // the next task's heads: its own h0 (a run's keys: in cache)
         const int64_t next_h0 = ((task + 1) % blocks) * per_task;
         pf.k = reinterpret_cast<const char*>(kp + next_h0 * k_head);
         pf.v = reinterpret_cast<const char*>(vp + next_h0 * v_head);
@@ -387,10 +538,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         pf.step = 2 * visible_next;
         pf.calls = per_task * (visible + visible / 16 + 1);  // values' keys and scores' key blocks (16 keys: AVX-512)
       }
+      const int64_t q_rows_hh = tokens * group;  // query vectors of one KV head
       if constexpr (kFast) {
-        for (int64_t hh = 0; hh < per_task; ++hh)
-          scores_rows_simd<DIM>(qf.data() + hh * group * DIM, reinterpret_cast<const float*>(kh + hh * k_head),
-                                  k_off.data(), visible, scores.data() + hh * group * visible, group, pf);
+        for (int64_t hh = 0; hh < per_task; ++hh) {
+          const float* qh = qf.data() + hh * q_rows_hh * DIM;
+          const float* kr = reinterpret_cast<const float*>(kh + hh * k_head);
+          float* sh = scores.data() + hh * q_rows_hh * visible;
+          if (tokens > 1)
+            scores_run_simd<DIM>(qh, kr, k_off.data(), visible, sh, visible, q_rows_hh);
+          else
+            scores_rows_simd<DIM>(qh, kr, k_off.data(), visible, sh, q_rows_hh, pf);
+        }
       } else {
       for (int64_t j = 0; j < visible; ++j) {
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
@@ -401,23 +559,23 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       }
       }
+      const int64_t run_lo = lo_of(pos_p[i]);
       for (int64_t r = 0; r < rows_per_task; ++r) {
-        float* sr = scores.data() + r * visible;
-        const float mx = max_of(sr, visible);
-        maxes[r] = mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < visible; ++j) {
-          sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
-          sum += sr[j];
-        }
-        denom[r] = sum;
+        // this query's keys: [lo, p] of the run's [run_lo, last position] (all of them for a lone query)
+        const int64_t p = pos_p[i + r / group % tokens], skip = tokens > 1 ? lo_of(p) - run_lo : 0;
+        const int64_t own = tokens > 1 ? p + 1 - lo_of(p) : visible;
+        float* all = scores.data() + r * visible;
+        std::fill(all, all + skip, 0.f);  // (keys of earlier queries of the run only: under a sliding window)
+        float* sr = all + skip;
+        denom[r] = exp_row(sr, own, &maxes[r]);
+        std::fill(sr + own, all + visible, 0.f);  // (keys of later queries of the run only)
       }
 
       scalar_t* oi = op + (i * heads + h0 * group) * dim;
       const scalar_t* vh = vp + h0 * v_head;
       // With a prior (the keys before ``start``, attended elsewhere: their normalized output and log-sum-exp),
       // the two softmaxes are merged: out = (1 - w) x this part + w x prior, w = 1 / (1 + e^(lse - prior_lse)).
+      // (A task with a prior has one query.)
       auto merge_prior = [&]() {
         if (!prior_p) return;
         const int64_t base = i * heads + h0 * group;
@@ -434,14 +592,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       };
       if constexpr (kFast) {
-        for (int64_t hh = 0; hh < per_task; ++hh)
-          values_rows_simd<DIM>(scores.data() + hh * group * visible,
+        if (tokens == 1) {  // (its rows are contiguous in out)
+          for (int64_t hh = 0; hh < per_task; ++hh)
+            values_rows_simd<DIM>(scores.data() + hh * q_rows_hh * visible,
                                   reinterpret_cast<const float*>(vh + hh * v_head), v_off.data(), visible,
-                                  denom.data() + hh * group, reinterpret_cast<float*>(oi) + hh * group * DIM, group, pf);
-        merge_prior();
+                                  denom.data() + hh * q_rows_hh, reinterpret_cast<float*>(oi) + hh * q_rows_hh * DIM,
+                                  q_rows_hh, pf);
+          merge_prior();
+          continue;
+        }
+        // a run: [KV head][token][query head] here, copied to out's [token][head]
+        outs.resize(rows_per_task * DIM);
+        acc.resize(rows_per_task * DIM);
+        values_run_simd<DIM>(scores.data(), visible, reinterpret_cast<const float*>(vh), v_off.data(), visible,
+                             acc.data(), rows_per_task, true);  // (per_task is 1: one KV head)
+        normalize_rows<DIM>(acc.data(), denom.data(), outs.data(), rows_per_task);
+        for (int64_t hh = 0; hh < per_task; ++hh)
+          for (int64_t t = 0; t < tokens; ++t)
+            std::memcpy(op + ((i + t) * heads + (h0 + hh) * group) * dim,
+                        outs.data() + (hh * tokens + t) * group * DIM, group * DIM * sizeof(float));
         continue;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      acc.assign(rows_per_task * dim, 0.f);
       for (int64_t j = 0; j < visible; ++j) {
         for (int64_t hh = 0, r = 0; hh < per_task; ++hh) {
           const scalar_t* val = vh + v_off[j] + hh * v_head;
@@ -752,6 +924,98 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     }
   });
 }
+
+// The cascade exactly (paged_attention_cascade below): each query attends to its keys [0, p] through its table as
+// paged_attention attends it alone, bit for bit (the same scores, softmax and sums in the same order), but the
+// shared pages' keys are scored and summed for a block of queries at once (scores_run_simd, values_run_simd: each
+// part of those keys read once for the block's rows) instead of once for every query. A task: one KV head and a
+// block of queries; then each query's own keys after the shared ones, its softmax over all of them, its value sums
+// going on from the shared keys' into its own.
+template <int DIM>
+void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& tables, const at::Tensor& q_pos, const at::Tensor& pages, double scale,
+                    at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t block_size = k_cache.size(1), num_pages = std::min(k_cache.size(0), v_cache.size(0));
+  const int64_t width = tables.size(1), shared_pages = pages.numel(), shared = shared_pages * block_size;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* pos_p = q_pos.data_ptr<int64_t>();
+  const int64_t* page_p = pages.data_ptr<int64_t>();
+  const int64_t k_page = k_cache.stride(0), k_tok = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_page = v_cache.stride(0), v_tok = v_cache.stride(1), v_head = v_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos_p[i] >= shared && pos_p[i] < width * block_size, "paged_attention_cascade: query position ",
+                pos_p[i], " not after the ", shared, " shared keys or outside its page table of ", width, " pages");
+    TORCH_CHECK(std::equal(page_p, page_p + shared_pages, tp + i * width),
+                "paged_attention_cascade: table row ", i, " does not begin with the shared pages");
+  }
+  const Range all{0, shared};
+  std::vector<int64_t> k_shared(shared), v_shared(shared);
+  int64_t idx = 0;
+  for_each_key(page_p, num_pages, block_size, k_page, k_tok, &all, 1,
+               [&](int64_t off, int64_t) { k_shared[idx++] = off; });
+  idx = 0;
+  for_each_key(page_p, num_pages, block_size, v_page, v_tok, &all, 1,
+               [&](int64_t off, int64_t) { v_shared[idx++] = off; });
+  // queries a block: at most kCascadeQueries, fewer where there would be under ~4 tasks a thread
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(kCascadeQueries, n * kv_heads / want));
+  const int64_t blocks = (n + per_block - 1) / per_block;
+
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
+    const pagedkv_cpu::FlushDenormals ftz;
+    std::vector<float> qf, scores, denom, acc;
+    std::vector<int64_t> k_own, v_own;
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t h = task / blocks, i0 = task % blocks * per_block, count = std::min(per_block, n - i0);
+      const int64_t rows = count * group;  // [query][its query heads of KV head h]
+      int64_t stride = 0;  // (the block's most keys)
+      for (int64_t t = 0; t < count; ++t) stride = std::max(stride, pos_p[i0 + t] + 1);
+      qf.resize(rows * DIM);
+      scores.resize(rows * stride);
+      denom.resize(rows);
+      acc.resize(rows * DIM);
+      for (int64_t t = 0; t < count; ++t) {
+        const float* src = qp + ((i0 + t) * heads + h * group) * DIM;
+        for (int64_t j = 0; j < group * DIM; ++j) qf[t * group * DIM + j] = src[j] * fscale;
+      }
+      const float* kh = kp + h * k_head;
+      const float* vh = vp + h * v_head;
+      scores_run_simd<DIM>(qf.data(), kh, k_shared.data(), shared, scores.data(), stride, rows);
+      for (int64_t t = 0; t < count; ++t) {  // each query's own keys: scores, then its softmax over all of its keys
+        const int64_t visible = pos_p[i0 + t] + 1, own = visible - shared;
+        const Range mine{shared, visible};
+        k_own.resize(own);
+        int64_t at = 0;
+        for_each_key(tp + (i0 + t) * width, num_pages, block_size, k_page, k_tok, &mine, 1,
+                     [&](int64_t off, int64_t) { k_own[at++] = off; });
+        float* st = scores.data() + t * group * stride;
+        scores_run_simd<DIM>(qf.data() + t * group * DIM, kh, k_own.data(), own, st + shared, stride, group);
+        float mx;
+        for (int64_t g = 0; g < group; ++g) denom[t * group + g] = exp_row(st + g * stride, visible, &mx);
+      }
+      values_run_simd<DIM>(scores.data(), stride, vh, v_shared.data(), shared, acc.data(), rows, true);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t visible = pos_p[i0 + t] + 1, own = visible - shared;
+        const Range mine{shared, visible};
+        v_own.resize(own);
+        int64_t at = 0;
+        for_each_key(tp + (i0 + t) * width, num_pages, block_size, v_page, v_tok, &mine, 1,
+                     [&](int64_t off, int64_t) { v_own[at++] = off; });
+        values_run_simd<DIM>(scores.data() + t * group * stride + shared, stride, vh, v_own.data(), own,
+                             acc.data() + t * group * DIM, group, false);
+        normalize_rows<DIM>(acc.data() + t * group * DIM, denom.data() + t * group,
+                            op + ((i0 + t) * heads + h * group) * DIM, group);
+      }
+    }
+  });
+}
+
 #endif
 
 }  // namespace
@@ -800,6 +1064,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_shared(at::Tensor q, at::Tens
   return {out, lse};
 }
 
+// The cascade, exactly (executor_svc/attention/torch_backend.py, "shared prefix"): query i of q [N, heads, D]
+// (float32, contiguous; D 32, 64, 128 or 256) attends to its keys [0, q_pos[i]] through table row i, whose first
+// pages are ``pages`` (every row's: keys 0 .. pages x block_size - 1, all before each query); no windows. Each row
+// is bit for bit paged_attention's; the shared keys are read once for a block of queries (attend_cascade).
+at::Tensor paged_attention_cascade(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                                   at::Tensor q_pos, at::Tensor pages, double scale) {
+  check(paged_attention_shared_available(q), "paged_attention_cascade takes float32 q with head_dim 32, 64, 128 or "
+        "256 on an AVX2 or AVX-512 CPU");
+  check(pages.scalar_type() == at::kLong && pages.dim() == 1 && pages.numel() > 0 && pages.is_contiguous(),
+        "pages must be a non-empty contiguous int64 vector");
+  check(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.size(1) >= pages.numel(),
+        "tables must have a row per query, each at least as long as pages");
+  const at::Tensor none = at::empty({0}, q_pos.options());
+  auto out = paged_attention_checked(q, k_cache, v_cache, tables, none, q_pos, none, none);
+#if defined(PAGEDKV_SIMD)
+  switch (q.size(2)) {
+    case 32: attend_cascade<32>(q, k_cache, v_cache, tables, q_pos, pages, scale, out); break;
+    case 64: attend_cascade<64>(q, k_cache, v_cache, tables, q_pos, pages, scale, out); break;
+    case 128: attend_cascade<128>(q, k_cache, v_cache, tables, q_pos, pages, scale, out); break;
+    default: attend_cascade<256>(q, k_cache, v_cache, tables, q_pos, pages, scale, out); break;
+  }
+#endif
+  return out;
+}
+
 }  // namespace pagedkv_cpu
 
 // torch.ops.pagedkv_cpu.paged_attention: an operator, so the profiler and the dispatcher see it.
@@ -810,6 +1099,8 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
         "Tensor prior_out, Tensor prior_lse, float scale) -> Tensor");
   m.def("paged_attention_shared(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, float scale) -> "
         "(Tensor, Tensor)");
+  m.def("paged_attention_cascade(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_pos, Tensor pages, "
+        "float scale) -> Tensor");
   m.def("paged_attention_shared_dims() -> int[]", &pagedkv_cpu::paged_attention_shared_dims);  // (no tensor)
 }
 
@@ -817,4 +1108,5 @@ TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("paged_attention", &pagedkv_cpu::paged_attention);
   m.impl("paged_attention_after", &pagedkv_cpu::paged_attention_after);
   m.impl("paged_attention_shared", &pagedkv_cpu::paged_attention_shared);
+  m.impl("paged_attention_cascade", &pagedkv_cpu::paged_attention_cascade);
 }

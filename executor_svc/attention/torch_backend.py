@@ -1,8 +1,15 @@
 """Paged attention in plain PyTorch (CPU and GPU), and the reference the CUDA kernels are checked against.
 
 On the CPU, decodes read K/V where they lie in the pool: a small C++ kernel (``paged_attention_cpu.cpp``,
-built once and cached by ``executor_svc.attention.cpu_kernel``) walks each request's page table. Prefill
-chunks gather their context and run SDPA, as the reference does.
+built once and cached by ``executor_svc.attention.cpu_kernel``) walks each request's page table. In float32 (at the
+head sizes of its vector path: ``prefill_in_kernel``) prefill chunks go to the same kernel, each token a query as a
+decode is: it takes a chunk's consecutive tokens together, reading their keys once, each token's arithmetic a lone
+decode's. So a token's attention, and with it its K/V in the next layers and its logits, has the same bits however
+it is computed: in a prefill chunk of any length and start, in a recompute (preemption, migration, a resumed stream:
+prompt and outputs as one prefill) or in a decode step, beside any other requests (the linears and row-wise ops are
+batch-independent too: executor_svc/model/cpu_linear.py). A recomputed sampled stream goes on exactly as it would
+have (issue #46; tests/unit/test_exact_recompute.py). Other dtypes gather each chunk's context and run SDPA, as the
+reference does.
 
 The reference path (``reference=True``; also wherever the kernel does not apply: other devices, 8-bit
 pools, a KV dtype other than the model's, no compiler) gathers for decodes too:
@@ -15,25 +22,23 @@ padding), outside the model's sliding window when there is one, and outside a re
 
 Decodes whose tables all start with the same pages (a shared prompt prefix: prefix caching maps it to the same
 pages) attend them as a cascade when the prefix is long enough for it to pay (``CASCADE_MIN_ROWS``,
-``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``): every query of the group is scored against the prefix as matrix
-products over the [rows x query heads] of each KV head, with its log-sum-exp (float32: the kernel library's
-``paged_attention_shared``, reading the prefix where it lies; other dtypes: one SDPA call over the prefix gathered
-once a layer), then the kernel attends each request's own pages after the prefix and merges the two softmaxes
-(``paged_attention_after``). The kernel alone scores every request against the prefix one key at a time, ~40
-GFLOP/s here; the products run at ~3x that (bench/NOTES.md "Shared prefix: a cascade", and session 19).
+``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``). In float32 the kernel library's ``paged_attention_cascade`` reads the
+prefix's keys once for a block of rows instead of once a row, each row's arithmetic the kernel's alone (its bits do
+not depend on whether the cascade runs). Other dtypes score every query against the prefix in one SDPA call over
+the prefix gathered once a layer (the [rows x query heads] of each KV head), with its log-sum-exp; the kernel then
+attends each request's own pages after the prefix and merges the two softmaxes (``paged_attention_after``).
 
-Prefill chunks with cached context before them (a chunked prompt's later chunks, a prompt whose prefix was cached)
-attend it in two parts merged by their log-sum-exps: the context's whole pages before the chunk's first query, which
-every query sees (no mask), and the rest (the chunk's own keys, causal). Chunks whose contexts begin with the same
-pages (a shared prompt prefix) score their queries against those pages in one SDPA call over the [tokens x query
-heads] of each KV head (``split_prefills``). The one masked SDPA over the whole gathered context that it replaces
-built a [q_len, ctx] mask per chunk and ran ~40% slower (bench/NOTES.md, session 16).
+In other dtypes, prefill chunks with cached context before them (a chunked prompt's later chunks, a prompt whose
+prefix was cached) attend it in two parts merged by their log-sum-exps: the context's whole pages before the chunk's
+first query, which every query sees (no mask), and the rest (the chunk's own keys, causal). Chunks whose contexts
+begin with the same pages (a shared prompt prefix) score their queries against those pages in one SDPA call over the
+[tokens x query heads] of each KV head (``split_prefills``). The one masked SDPA over the whole gathered context that
+it replaces built a [q_len, ctx] mask per chunk and ran ~40% slower (bench/NOTES.md, session 16).
 
 On a quantized pool (``QuantizedCache`` / ``ChannelScaledCache`` views, executor_svc.kv_quant)
 ``write_cache`` quantizes the new tokens (computing their scales), and the gather dequantizes the gathered
 pages (a copy that the gather makes anyway), so attention itself runs in the model dtype.
 """
-
 from __future__ import annotations
 
 import math
@@ -42,7 +47,13 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import cpu_kernel
-from executor_svc.attention.metadata import DECODE_SLACK, AttentionMetadata, DecodeGroup, PrefillSegment
+from executor_svc.attention.metadata import (
+    DECODE_SLACK,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    prefill_queries,
+)
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
@@ -147,9 +158,16 @@ def shared_prefix(group: DecodeGroup, block_size: int, window: int) -> torch.Ten
 _SHARED_DIMS: dict[int, frozenset[int]] = {}
 
 
+def prefill_in_kernel(kernel, q: torch.Tensor) -> bool:
+    """Whether prefill chunks are attended by the kernel, each token as a decode is (where ``shared_in_kernel``:
+    the kernel's vector path, whose runs of a chunk's tokens read their keys once); else SDPA."""
+    return shared_in_kernel(kernel, q)
+
+
 def shared_in_kernel(kernel, q: torch.Tensor) -> bool:
-    """Whether the kernel library attends a shared prefix itself (``paged_attention_shared``: float32, the head
-    sizes it was built for on this CPU); else the cascade's first half is an SDPA call over the gathered prefix."""
+    """Whether the kernel library attends a shared prefix itself (``paged_attention_cascade``: float32, the head
+    sizes of its vector path on this CPU, ``paged_attention_shared_dims``); else the cascade's first half is an SDPA
+    call over the gathered prefix."""
     dims = _SHARED_DIMS.get(id(kernel))
     if dims is None:
         dims = _SHARED_DIMS[id(kernel)] = frozenset(kernel.paged_attention_shared_dims()
@@ -224,20 +242,30 @@ class TorchPagedAttention:
 
     def _forward_in_place(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:
-        # NOTE: only decodes go to the kernel. It attends one query at a time, and a prefill chunk's queries
-        # are faster as one SDPA (matrix products) over its gathered context, a copy that is small beside
-        # q_len x ctx of attention (bench/NOTES.md "CPU attention without the gather copy").
+        # NOTE: float32 prefill chunks go to the kernel too, each token attended as a decode is (the module
+        # docstring); in other dtypes a chunk's queries run as one SDPA over its gathered context.
         kernel = cpu_kernel.load()
         window = meta.sliding_window or 0
         if meta.one_decode_group:  # (a decode-only step: no gather of q's rows, no scatter of the output)
             return self._decode_in_place(kernel, q, k_cache, v_cache, meta.decodes[0], window)
+        exact = bool(meta.prefills) and prefill_in_kernel(kernel, q)
+        if exact:
+            pq = prefill_queries(meta)
+            rows = kernel.paged_attention((q if pq.token_idx is None else q[pq.token_idx]).contiguous(), k_cache,
+                                          v_cache, pq.tables, pq.q_rows, pq.q_pos, pq.sinks, pq.windows, window,
+                                          self.scale)
+            if pq.token_idx is None:
+                return rows
         out = torch.empty_like(q)
         for group in meta.decodes:
             out[group.token_idx] = self._decode_in_place(kernel, q[group.token_idx], k_cache, v_cache, group, window)
+        if exact:
+            out[pq.token_idx] = rows
+            return out
         split = split_prefills(meta, k_cache.shape[1])
         done = set()
         for pages, segs in split:
-            self._prefill_split(kernel, q, k_cache, v_cache, pages, segs, out)
+            self._prefill_split(q, k_cache, v_cache, pages, segs, out)
             done.update(id(seg) for seg in segs)
         for seg in meta.prefills:
             if id(seg) not in done:
@@ -245,12 +273,11 @@ class TorchPagedAttention:
                 out[rows] = self._prefill(q[rows], k_cache, v_cache, seg, meta.sliding_window)
         return out
 
-    def _prefill_split(self, kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _prefill_split(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pages: torch.Tensor, segs: list[PrefillSegment], out: torch.Tensor) -> None:
         """Prefill segments over context ``pages`` that all of them start with (every query sees all of it: one
-        unmasked product for the group's queries: the kernel library's paged_attention_shared in float32, else
-        SDPA over the gathered pages), then each over the rest of its context (its own keys, causal); the two
-        softmaxes merged by their log-sum-exps, in float32."""
+        unmasked SDPA over the gathered pages for the group's queries), then each over the rest of its context (its
+        own keys, causal); the two softmaxes merged by their log-sum-exps, in float32."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         block_size, kv_heads, dim = k_cache.shape[1], self.num_kv_heads, self.head_dim
         heads, per_kv = self.num_heads, self.num_heads // self.num_kv_heads
@@ -258,16 +285,13 @@ class TorchPagedAttention:
         qs = [q[seg.q_start:seg.q_start + seg.q_len] for seg in segs]
         qc = qs[0] if len(qs) == 1 else torch.cat(qs)
         n = qc.shape[0]
-        if shared_in_kernel(kernel, qc):
-            prior, lse = kernel.paged_attention_shared(qc.contiguous(), k_cache, v_cache, pages, self.scale)
-        else:
-            k = k_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
-            v = v_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
-            # every query head of a KV head, of every token, is a query row of that head: [1, kv_heads, n x per_kv, D]
-            qg = qc.view(n, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, n * per_kv, dim)
-            prior, lse = flash(qg, k, v, 0.0, False, scale=self.scale)[:2]
-            prior = prior[0].view(kv_heads, n, per_kv, dim).transpose(0, 1).reshape(n, heads, dim)
-            lse = lse[0].view(kv_heads, n, per_kv).transpose(0, 1).reshape(n, heads)
+        k = k_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        v = v_cache.index_select(0, pages).view(1, length, kv_heads, dim).transpose(1, 2)
+        # every query head of a KV head, of every token, is a query row of that head: [1, kv_heads, n x per_kv, D]
+        qg = qc.view(n, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, n * per_kv, dim)
+        prior, lse = flash(qg, k, v, 0.0, False, scale=self.scale)[:2]
+        prior = prior[0].view(kv_heads, n, per_kv, dim).transpose(0, 1).reshape(n, heads, dim)
+        lse = lse[0].view(kv_heads, n, per_kv).transpose(0, 1).reshape(n, heads)
         start = 0
         for seg, qseg in zip(segs, qs):
             rest = seg.ctx_len - length  # keys [length, ctx_len): the chunk's own, and context after the pages
@@ -299,13 +323,12 @@ class TorchPagedAttention:
             sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
             return kernel.paged_attention(q, k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
                                           sinks, windows, window, self.scale)
+        if shared_in_kernel(kernel, q):
+            return kernel.paged_attention_cascade(q, k_cache, v_cache, group.page_tables, group.query_positions(),
+                                                  group.shared_pages, self.scale)
         rows, heads, dim = q.shape
         kv_heads, per_kv = self.num_kv_heads, self.num_heads // self.num_kv_heads
         length = group.shared_pages.numel() * k_cache.shape[1]
-        if shared_in_kernel(kernel, q):
-            prior, lse = kernel.paged_attention_shared(q, k_cache, v_cache, group.shared_pages, self.scale)
-            return kernel.paged_attention_after(q, k_cache, v_cache, group.page_tables, group.query_positions(),
-                                                length, prior, lse, self.scale)
         k = k_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
         v = v_cache.index_select(0, group.shared_pages).view(1, length, kv_heads, dim).transpose(1, 2)
         # Every query head of a KV head, of every row, is a query row of that head: [1, kv_heads, rows x per_kv, D].

@@ -1,7 +1,7 @@
 // A decode step's decoder layers in one call, for float32 Llama-style models on the CPU (executor_svc/model/llama.py
 // decides when it applies: every linear through our float32 or 4-bit product or torch's int4 matmul, SiLU MLPs,
 // one rotary table, no per-layer windows, q/k norms or score soft-capping; a decode-only step in one group, read in
-// place; its shared prefix, if any, attended by paged_attention_shared).
+// place; its shared prefix, if any, attended by paged_attention_cascade).
 //
 // It runs the same ops in the same order as llama.py's fused Python loop (LlamaModel._forward_fused), calling
 // them as C++ functions (cpu_ops.h) and ATen's, instead of through Python: each row's bits are the loop's
@@ -21,7 +21,7 @@
 //              perm: an int32 order of the inputs (desc_act) or none; rows go in as Int4Linear (quant.py) sends them
 //     k_caches / v_caches: one [pages, block, kv_heads, head_dim] a layer; the step's K/V are written into them
 //     shared_pages: the pages every row's table begins with, attended as a cascade (torch_backend.py: the loop's
-//                   paged_attention_shared, then paged_attention_after), or none (paged_attention alone)
+//                   paged_attention_cascade), or none (paged_attention alone)
 //     the rest as paged_attention (one query a row, row i using table row i) and rotary_write take them
 
 #include <ATen/ATen.h>
@@ -86,8 +86,7 @@ void decode_layers(at::Tensor x, at::TensorList weights, at::TensorList k_caches
     const at::Tensor qr = rotary_write(q, k, v, cos, sin, k_caches[i], v_caches[i], slot_pages, slot_offsets);
     at::Tensor a;
     if (shared_pages.numel()) {
-      const auto [prior, lse] = paged_attention_shared(qr, k_caches[i], v_caches[i], shared_pages, scale);
-      a = paged_attention_after(qr, k_caches[i], v_caches[i], tables, q_pos, shared, prior, lse, scale);
+      a = paged_attention_cascade(qr, k_caches[i], v_caches[i], tables, q_pos, shared_pages, scale);
     } else {
       a = paged_attention(qr, k_caches[i], v_caches[i], tables, none, q_pos, none, none, model_window, scale);
     }
