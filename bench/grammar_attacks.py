@@ -218,7 +218,7 @@ def rows_256(steps: int) -> dict:
         return GrammarState(Key("t", "json_schema", "", False), compiled, (), words)
 
     states = [fresh() for _ in range(256)]
-    pool = Matchers(threads=2)
+    pool = Matchers(threads=THREADS)
     for _ in range(steps):
         for m in matchers:  # (a row that ended starts again: 256 live rows every step)
             if m.is_terminated():

@@ -52,43 +52,52 @@ class GrammarState:
 
 @dataclass(slots=True, eq=False)
 class Job:
+    """One row's work in a step."""
+
     index: int  # the row's index among the step's sampled rows
     state: GrammarState
     tokens: list[int]
     replay: int  # of tokens, how many are a replay of outputs
     limit_s: float  # CPU budget
     allowance_s: float  # of it, what a replay may use beyond the step budget (outside the tenant's budget)
-    step: StepGrammar | None = None
-    clock: int | None = None  # its thread's CPU clock, once a thread runs it (Linux's are negative numbers)
-    cpu0: float = 0.0
     cpu_s: float = 0.0  # when done
-    started: bool = False
     done: bool = False
     counted: bool = False  # its step no longer waits for it (done, or given up)
-    abandoned: bool = False
     error: str = ""
     refused: int = 0  # sampled tokens the matcher refused (none unless a bug)
 
+
+@dataclass(slots=True, eq=False)
+class Chunk:
+    """Rows a thread runs one after another (fewer hand-offs than a row each): ``jobs[at:stop]``."""
+
+    step: StepGrammar
+    jobs: list[Job]
+    stop: int
+    at: int = 0  # the job it runs now (or next)
+    clock: int | None = None  # its thread's CPU clock, once a thread runs it (Linux's are negative numbers)
+    cpu0: float = 0.0  # that clock when the job at ``at`` started
+    abandoned: bool = False  # its job at ``at`` was given up: the thread ends when that call returns
+
     def used(self) -> float:
-        """CPU so far (its thread's clock while it runs)."""
-        if self.done or self.clock is None:
-            return self.cpu_s
+        """CPU of the job at ``at`` so far."""
         try:
             return time.clock_gettime(self.clock) - self.cpu0
         except OSError:  # (its thread just ended)
-            return self.cpu_s
+            return 0.0
 
 
 class MatcherPool:
-    """Threads that run matcher jobs, taken from one queue. A job abandoned past its budget gets a fresh thread in
-    its place (so the queue is always served), and its own thread ends when the call it is in returns."""
+    """Threads that run chunks of matcher jobs, taken from one queue. A job given up past its budget ends its
+    thread's chunk there: the rest of the chunk goes back on the queue and a fresh thread takes the place of the one
+    still in that job's call, which ends when the call returns."""
 
     def __init__(self, threads: int = 2) -> None:
         self._cond = threading.Condition()
-        self._queue: deque[Job] = deque()
+        self._queue: deque[Chunk] = deque()
         self._threads = 0
         self._retiring = 0  # threads that end once their abandoned job returns
-        self.running: dict[int, Job] = {}  # by thread: the job each runs now (what a waiting step looks at)
+        self.running: dict[int, Chunk] = {}  # by thread: the chunk each runs now (what a waiting step looks at)
         self.abandoned = 0  # jobs given up while they ran, since start
         for _ in range(max(1, threads)):
             self._spawn()
@@ -102,8 +111,11 @@ class MatcherPool:
         self._threads += 1
         threading.Thread(target=self._loop, name=f"grammar-match-{self._threads}", daemon=True).start()
 
-    def submit(self, jobs: Sequence[Job]) -> None:
-        self._queue.extend(jobs)
+    def submit(self, jobs: Sequence[Job], step: StepGrammar) -> None:
+        """Jobs in chunks, a few per thread (so that one slow row delays few)."""
+        size = max(1, -(-len(jobs) // (4 * max(1, self.threads))))
+        self._queue.extend(Chunk(step, list(jobs[i:i + size]), min(size, len(jobs) - i))
+                           for i in range(0, len(jobs), size))
         with self._cond:
             self._cond.notify_all()
 
@@ -116,37 +128,56 @@ class MatcherPool:
                     self._cond.wait()
             while True:
                 try:
-                    job = self._queue.popleft()
+                    chunk = self._queue.popleft()
                 except IndexError:
                     break
-                with self._cond:
-                    if job.abandoned:  # (given up before it started)
-                        continue
-                    job.clock, job.cpu0, job.started = clock, time.clock_gettime(clock), True
-                    self.running[ident] = job
-                _run(job)
-                with self._cond:
-                    job.cpu_s = time.clock_gettime(clock) - job.cpu0
-                    job.done = True
-                    del self.running[ident]
-                    retire = job.abandoned and self._retiring > 0
-                    if retire:
-                        self._retiring -= 1
-                        self._threads -= 1
-                job.step.finished(job)
-                if retire:
+                if self._run_chunk(chunk, ident, clock):
                     return
 
-    def abandon(self, job: Job) -> None:
-        """``job`` is past its budget: nobody waits for it; a fresh thread takes its place if it is running."""
+    def _run_chunk(self, chunk: Chunk, ident: int, clock: int) -> bool:
+        """Runs the chunk's jobs; True when this thread must end (its job was given up mid-call)."""
+        cond = self._cond
+        with cond:
+            chunk.clock = clock
+            self.running[ident] = chunk
+        while True:
+            with cond:
+                if chunk.at >= chunk.stop:
+                    del self.running[ident]
+                    return False
+                job = chunk.jobs[chunk.at]
+                chunk.cpu0 = time.clock_gettime(clock)
+            _run(job)
+            with cond:
+                job.cpu_s = time.clock_gettime(clock) - chunk.cpu0
+                job.done = True
+                retire = chunk.abandoned and self._retiring > 0
+                if retire:
+                    self._retiring -= 1
+                    self._threads -= 1
+                    del self.running[ident]
+                else:
+                    chunk.at += 1
+            chunk.step.finished(job)
+            if retire:
+                return True
+
+    def give_up(self, chunk: Chunk, job: Job) -> bool:
+        """``job`` (the one ``chunk`` runs now) is past its budget: nobody waits for it; the chunk's other jobs go
+        back on the queue, a fresh thread takes its thread's place. False if it was done meanwhile."""
         with self._cond:
-            if job.done or job.abandoned:
-                return
-            job.abandoned = True
-            if job.started:
-                self.abandoned += 1
-                self._retiring += 1
-                self._spawn()
+            if job.done or chunk.abandoned or chunk.jobs[chunk.at] is not job:
+                return False
+            chunk.abandoned = True
+            rest = chunk.jobs[chunk.at + 1:chunk.stop]
+            chunk.stop = chunk.at + 1
+            if rest:
+                self._queue.appendleft(Chunk(chunk.step, rest, len(rest)))
+            self.abandoned += 1
+            self._retiring += 1
+            self._spawn()
+            self._cond.notify_all()
+            return True
 
 
 def _run(job: Job) -> None:
@@ -156,10 +187,11 @@ def _run(job: Job) -> None:
         if st.matcher is None:
             st.matcher = new_matcher(st.compiled, st.end_token_ids)
         matcher = st.matcher
+        accept = matcher.accept_token
         for i, token in enumerate(job.tokens):
-            if matcher.is_terminated():
-                break
-            if not matcher.accept_token(token):
+            if not accept(token):
+                if matcher.is_terminated():  # (tokens after its end: the request ended there)
+                    break
                 if i < job.replay:
                     job.error = f"output token {i} ({token}) does not follow its {FIELD}"
                     return
@@ -197,11 +229,11 @@ class StepGrammar:
             tokens, replay = st.pending, st.replay
             st.pending, st.replay = [], 0
             allowance = budget * replay / REPLAY_TOKENS_PER_BUDGET
-            self.jobs[i] = Job(i, st, tokens, replay, budget + allowance, allowance, self)
+            self.jobs[i] = Job(i, st, tokens, replay, budget + allowance, allowance)
             self._scope_left[st.key.scope] = self._scope_left.get(st.key.scope, 0) + 1
         self._left = len(self.jobs)
         if self.jobs:
-            self.pool.submit(list(self.jobs.values()))
+            self.pool.submit(list(self.jobs.values()), self)
         else:
             self._all_done.set()
 
@@ -231,7 +263,7 @@ class StepGrammar:
         rows, masks = [], []
         for i, job in self.jobs.items():
             st = job.state
-            st.cpu_s += job.used()
+            st.cpu_s += job.cpu_s
             if i in failed or job.error:
                 st.failed = failed.get(i) or job.error
                 failed[i] = st.failed
@@ -240,46 +272,51 @@ class StepGrammar:
                 masks.append(st.bitmask)
         return (GrammarMask(rows, torch.cat(masks)) if rows else None), failed
 
-    def _give_up(self, job: Job, failed: dict[int, str], why: str) -> None:
-        failed[job.index] = why
-        self.pool.abandon(job)
-        self.finished(job)
+    def _give_up(self, chunk: Chunk, job: Job, failed: dict[int, str], why: str) -> None:
+        used = chunk.used()
+        if self.pool.give_up(chunk, job):
+            job.cpu_s = used  # (what it used so far: charged, though its call goes on)
+            failed[job.index] = why
+            self.finished(job)
 
     def _budgets(self, failed: dict[int, str]) -> float:
         """Gives up the running jobs past a budget (their rows into ``failed``); returns the least CPU any job still
         running may use before it passes one (it cannot pass one sooner in wall time)."""
         nearest = self.step_budget_s
-        by_scope: dict[str, list[tuple[float, Job]]] = {}
-        for job in list(self.pool.running.values()):
-            if job.step is not self or job.done:
+        by_scope: dict[str, list[tuple[float, Chunk, Job]]] = {}
+        for chunk in list(self.pool.running.values()):
+            if chunk.step is not self or chunk.abandoned or chunk.at >= chunk.stop:
                 continue
-            used = job.used()
+            job = chunk.jobs[chunk.at]
+            used = chunk.used()
+            if job.done:
+                continue
             if used > job.limit_s:
-                self._give_up(job, failed, f"{FIELD}: its grammar's matcher took {used * 1e3:.1f} ms of CPU in one "
-                              f"step; the limit is {job.limit_s * 1e3:g} ms (--grammar-step-budget-ms)")
+                self._give_up(chunk, job, failed, f"{FIELD}: its grammar's matcher took {used * 1e3:.1f} ms of CPU in "
+                              f"one step; the limit is {job.limit_s * 1e3:g} ms (--grammar-step-budget-ms)")
                 continue
             nearest = min(nearest, job.limit_s - used)
-            by_scope.setdefault(job.state.key.scope, []).append((max(0.0, used - job.allowance_s), job))
+            by_scope.setdefault(job.state.key.scope, []).append((max(0.0, used - job.allowance_s), chunk, job))
         threads = max(1, self.pool.threads)
         for scope, left in self._scope_left.items():
             if not left:
                 continue
             running = by_scope.get(scope, [])
-            total = self._scope_cpu.get(scope, 0.0) + sum(u for u, _ in running)
+            total = self._scope_cpu.get(scope, 0.0) + sum(u for u, _, _ in running)
             while running and total > self.tenant_budget_s:
-                cost, job = max(running, key=lambda r: r[0])
-                running.remove((cost, job))
-                self._give_up(job, failed, f"{FIELD}: its tenant's grammar matchers took {total * 1e3:.1f} ms of CPU "
-                              f"in one step; the limit is {self.tenant_budget_s * 1e3:g} ms "
-                              "(--grammar-tenant-step-budget-ms)")
-                total -= cost
+                costliest = max(running, key=lambda r: r[0])
+                running.remove(costliest)
+                self._give_up(costliest[1], costliest[2], failed, f"{FIELD}: its tenant's grammar matchers took "
+                              f"{total * 1e3:.1f} ms of CPU in one step; the limit is "
+                              f"{self.tenant_budget_s * 1e3:g} ms (--grammar-tenant-step-budget-ms)")
+                total -= costliest[0]
             # (its jobs not done spend at most one CPU second a second each, on no more threads than run)
             nearest = min(nearest, max(0.0, self.tenant_budget_s - total) / min(max(1, left), threads))
         return nearest
 
     def cpu_us(self) -> list[tuple[int, int]]:
         """(row index, CPU in microseconds) of each job this step."""
-        return [(i, int(job.used() * 1e6)) for i, job in self.jobs.items()]
+        return [(i, int(job.cpu_s * 1e6)) for i, job in self.jobs.items()]
 
 
 class Matchers:
