@@ -44,6 +44,7 @@ AMBIGUOUS = 'root ::= a{500,}\na ::= "x" | "x" "x" | "xx" | "x" a'
 SLOW_SCHEMA = json.dumps({"type": "object", "properties": {
     f"p{i}": {"type": "string", "pattern": "^[a-z]{3,9}-[0-9]{2,5}(x|y|z){1,4}$"} for i in range(800)}})
 ATTACK_S = 60.0  # an attack still running then is cancelled (--attack-s)
+THREADS = 2  # matcher threads of the 256-row measurement (the executor's --grammar-threads default)
 TENANTS = f"""
 [tenants.attacker]
 keys = ["{hash_key('key-attacker')}"]
