@@ -69,7 +69,7 @@ struct Range {
 
 constexpr int64_t kRunTokens = 32;  // queries of one run a task at most (attend)
 constexpr int64_t kRunScores = 1 << 18;  // and its scores at most (1 MiB: in L2 with the keys' parts)
-constexpr int64_t kCascadeQueries = 8;  // queries a block at most (attend_cascade)
+constexpr int64_t kCascadeQueries = 4;  // queries a block at most (attend_cascade)
 
 // Software prefetch of the next task's K and V rows (all its heads), a few lines at a time from the current
 // task's inner loops: in a decode step the pages come from DRAM (the layer's weights stream through the caches
@@ -254,6 +254,15 @@ inline void values_rows_simd(const float* weights, const float* vh, const int64_
 template <int DIM>
 constexpr int64_t kRunKeys = std::max<int64_t>(kLanes, 8192 / DIM);
 
+// Software prefetch of one head's rows (DIM floats each) at offsets[0, n) from ``base``: the next part's keys, and
+// a cascade's queries' own keys, whose pages are scattered (the hardware prefetchers stop at each page).
+template <int DIM>
+inline void prefetch_rows(const float* base, const int64_t* offsets, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t line = 0; line < DIM * static_cast<int64_t>(sizeof(float)); line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(base + offsets[j]) + line, 0, 1);
+}
+
 template <int DIM, int NR>
 inline void values_part_simd(const float* weights, int64_t stride, const float* vh, const int64_t* v_off,
                              int64_t keys, float* acc_io, bool first) {
@@ -282,6 +291,7 @@ inline void scores_run_simd(const float* q, const float* kh, const int64_t* k_of
   Prefetcher none;
   for (int64_t j0 = 0; j0 < keys; j0 += kRunKeys<DIM>) {
     const int64_t part = std::min(kRunKeys<DIM>, keys - j0);
+    prefetch_rows<DIM>(kh, k_off + j0 + part, std::min(kRunKeys<DIM>, keys - j0 - part));
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
       const float* qr = q + r0 * DIM;
       float* sr = scores + r0 * stride + j0;
@@ -298,6 +308,7 @@ inline void values_run_simd(const float* weights, int64_t stride, const float* v
                             float* acc, int64_t rows, bool first) {
   for (int64_t j0 = 0; j0 < keys; j0 += kRunKeys<DIM>) {
     const int64_t part = std::min(kRunKeys<DIM>, keys - j0);
+    prefetch_rows<DIM>(vh, v_off + j0 + part, std::min(kRunKeys<DIM>, keys - j0 - part));
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock<DIM>) {
       const float* wr = weights + r0 * stride + j0;
       const bool begin = first && j0 == 0;
@@ -930,7 +941,9 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 // shared pages' keys are scored and summed for a block of queries at once (scores_run_simd, values_run_simd: each
 // part of those keys read once for the block's rows) instead of once for every query. A task: one KV head and a
 // block of queries; then each query's own keys after the shared ones, its softmax over all of them, its value sums
-// going on from the shared keys' into its own.
+// going on from the shared keys' into its own. Small blocks (kCascadeQueries) and software prefetch of the keys
+// that come next (their pages are scattered) bring it to the products' cascade (paged_attention_shared, then
+// paged_attention_after: a row's bits not the kernel's) within ~5% a call (bench/shared_prefix_step.py).
 template <int DIM>
 void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& tables, const at::Tensor& q_pos, const at::Tensor& pages, double scale,
@@ -970,7 +983,7 @@ void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
     const pagedkv_cpu::FlushDenormals ftz;
     std::vector<float> qf, scores, denom, acc;
-    std::vector<int64_t> k_own, v_own;
+    std::vector<int64_t> k_own, v_own, own_at;
     for (int64_t task = first; task < last; ++task) {
       const int64_t h = task / blocks, i0 = task % blocks * per_block, count = std::min(per_block, n - i0);
       const int64_t rows = count * group;  // [query][its query heads of KV head h]
@@ -986,29 +999,35 @@ void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       }
       const float* kh = kp + h * k_head;
       const float* vh = vp + h * v_head;
+      // each query's own keys [shared, p] (offsets from head 0's): their K rows fetched while the shared keys are
+      // scored, their V rows while the shared keys' values are summed
+      own_at.assign(1, 0);
+      k_own.clear();
+      v_own.clear();
+      for (int64_t t = 0; t < count; ++t) {
+        const Range mine{shared, pos_p[i0 + t] + 1};
+        const int64_t* table = tp + (i0 + t) * width;
+        for_each_key(table, num_pages, block_size, k_page, k_tok, &mine, 1,
+                     [&](int64_t off, int64_t) { k_own.push_back(off); });
+        for_each_key(table, num_pages, block_size, v_page, v_tok, &mine, 1,
+                     [&](int64_t off, int64_t) { v_own.push_back(off); });
+        own_at.push_back(static_cast<int64_t>(k_own.size()));
+      }
+      prefetch_rows<DIM>(kh, k_own.data(), static_cast<int64_t>(k_own.size()));
       scores_run_simd<DIM>(qf.data(), kh, k_shared.data(), shared, scores.data(), stride, rows);
       for (int64_t t = 0; t < count; ++t) {  // each query's own keys: scores, then its softmax over all of its keys
-        const int64_t visible = pos_p[i0 + t] + 1, own = visible - shared;
-        const Range mine{shared, visible};
-        k_own.resize(own);
-        int64_t at = 0;
-        for_each_key(tp + (i0 + t) * width, num_pages, block_size, k_page, k_tok, &mine, 1,
-                     [&](int64_t off, int64_t) { k_own[at++] = off; });
+        const int64_t visible = pos_p[i0 + t] + 1, own = own_at[t + 1] - own_at[t];
         float* st = scores.data() + t * group * stride;
-        scores_run_simd<DIM>(qf.data() + t * group * DIM, kh, k_own.data(), own, st + shared, stride, group);
+        scores_run_simd<DIM>(qf.data() + t * group * DIM, kh, k_own.data() + own_at[t], own, st + shared, stride,
+                             group);
         float mx;
         for (int64_t g = 0; g < group; ++g) denom[t * group + g] = exp_row(st + g * stride, visible, &mx);
       }
+      prefetch_rows<DIM>(vh, v_own.data(), static_cast<int64_t>(v_own.size()));
       values_run_simd<DIM>(scores.data(), stride, vh, v_shared.data(), shared, acc.data(), rows, true);
       for (int64_t t = 0; t < count; ++t) {
-        const int64_t visible = pos_p[i0 + t] + 1, own = visible - shared;
-        const Range mine{shared, visible};
-        v_own.resize(own);
-        int64_t at = 0;
-        for_each_key(tp + (i0 + t) * width, num_pages, block_size, v_page, v_tok, &mine, 1,
-                     [&](int64_t off, int64_t) { v_own[at++] = off; });
-        values_run_simd<DIM>(scores.data() + t * group * stride + shared, stride, vh, v_own.data(), own,
-                             acc.data() + t * group * DIM, group, false);
+        values_run_simd<DIM>(scores.data() + t * group * stride + shared, stride, vh, v_own.data() + own_at[t],
+                             own_at[t + 1] - own_at[t], acc.data() + t * group * DIM, group, false);
         normalize_rows<DIM>(acc.data() + t * group * DIM, denom.data() + t * group,
                             op + ((i0 + t) * heads + h * group) * DIM, group);
       }
