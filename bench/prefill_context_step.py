@@ -1,4 +1,5 @@
-"""Prefill steps whose chunks have cached context before them, with the context split off and without (issue #28).
+"""Prefill steps whose chunks have cached context before them: SDPA with the context split off and without (issue
+#28), and the CPU kernel (issue #46).
 
 SmolLM2 (or ``--model``) on the executor's own build path, in one process with the real Scheduler planning (as
 bench/shared_prefix_step.py). Two steps, each run ``--runs`` times per mode, the modes alternated run by run:
@@ -11,9 +12,10 @@ bench/shared_prefix_step.py). Two steps, each run ``--runs`` times per mode, the
 
 Modes: ``masked`` is one SDPA per chunk over its whole gathered context with a [q_len, ctx] mask (the path before
 ``split_prefills``; forced by raising ``PREFILL_SPLIT_MIN_TOKENS``), ``split`` the context's whole pages apart
-(shared ones in one call for every chunk), then the chunk's own keys, merged by log-sum-exp: ``split, SDPA`` with
-the pages' part one SDPA call over them gathered (before session 19), ``split`` with it the kernel library's
-``paged_attention_shared`` over the pages where they lie (float32).
+(shared ones in one SDPA call for every chunk), then the chunk's own keys, merged by log-sum-exp (the path of other
+dtypes than float32; before #46 float32's, with the pages' part the kernel library's ``paged_attention_shared``),
+``kernel`` each token attended by the CPU kernel as a decode is, a chunk's tokens in runs that read their keys once
+(float32's path since #46: a token's bits do not depend on the chunk).
 tests/unit/test_attention_cpu_kernel.py holds the split to the reference's results.
 
     .venv/bin/python bench/prefill_context_step.py [--runs 3]
@@ -103,25 +105,25 @@ def main(argv=None) -> int:
 
     cases = {f"{args.batch - 1} chunks of {args.suffix} over a shared {args.prefix}-token prefix": shared,
              f"the 3rd {args.chunk}-token chunk of a {args.prompt}-token prompt": chunked}
-    modes = ("masked", "split, SDPA", "split")
-    in_kernel = torch_backend.shared_in_kernel
+    modes = ("masked", "split", "kernel")
+    in_kernel = torch_backend.prefill_in_kernel
     times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in modes} for c in cases}
     for run in range(len(modes) * args.runs):
         mode = modes[run % len(modes)]
-        torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min if mode.startswith("split") else 1 << 30
-        torch_backend.shared_in_kernel = (lambda kernel, q: False) if mode == "split, SDPA" else in_kernel
+        torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min if mode == "split" else 1 << 30
+        torch_backend.prefill_in_kernel = in_kernel if mode == "kernel" else (lambda kernel, q: False)
         for case, fn in cases.items():
             times[case][mode].append(fn(run))
     torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min
-    torch_backend.shared_in_kernel = in_kernel
+    torch_backend.prefill_in_kernel = in_kernel
     out = {"model": args.model, "threads": args.threads, "load": os.getloadavg()[0], "cases": {}}
     print(f"\n{args.model}, {args.threads} threads, {args.runs} runs a mode, alternated (median ms)\n")
-    print("| step | masked | split, SDPA | split | split / masked |")
+    print("| step | masked | split | kernel | kernel / split |")
     print("|---|---|---|---|---|")
     for case in cases:
-        m, sd, s = (1e3 * statistics.median(times[case][k]) for k in modes)
-        out["cases"][case] = {"masked_ms": m, "split_sdpa_ms": sd, "split_ms": s, "runs": times[case]}
-        print(f"| {case} | {m:.0f} | {sd:.0f} | {s:.0f} | {s / m:.2f}x |")
+        m, sp, k = (1e3 * statistics.median(times[case][mode]) for mode in modes)
+        out["cases"][case] = {"masked_ms": m, "split_ms": sp, "kernel_ms": k, "runs": times[case]}
+        print(f"| {case} | {m:.0f} | {sp:.0f} | {k:.0f} | {k / sp:.2f}x |")
     print(f"\nload {out['load']:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -1,16 +1,18 @@
-"""Decode steps over a shared prompt prefix, with and without the cascade (issue #28).
+"""Decode steps over a shared prompt prefix, with and without the cascade (issues #28, #46).
 
 SmolLM2 (or ``--model``) on the executor's own build path, in one process with the real Scheduler planning (as
 bench/profile_step.py): ``--batch`` requests whose prompts are the same ``--prefix`` tokens followed by
 ``--suffix`` tokens of their own, so prefix caching maps the prefix to the same pages in every table. Once all of
-them decode, ``--steps`` steps run in five modes alternated step by step (one process, the same requests: what the
+them decode, ``--steps`` steps run in six modes alternated step by step (one process, the same requests: what the
 machine does meanwhile hits all alike): the kernel alone, from the Python loop over the layers and from the one C++
 call of executor_svc/model/cpu_decode.cpp; the cascade with its prefix half as one SDPA call over the gathered
-prefix (before session 19); the cascade with it as the kernel library's matrix products (paged_attention_shared),
-from the loop and from the one call. The table gives each mode's median step and the attention alone (every
-``paged_attention`` / ``paged_attention_shared`` / ``paged_attention_after`` call and the cascade's SDPA, timed with
-``perf_counter``; not inside the one call). tests/unit/test_attention_cpu_kernel.py holds the modes to the
-reference's results.
+prefix (before session 19); the cascade as matrix products, its prefix half ``paged_attention_shared`` merged into
+``paged_attention_after`` by log-sum-exp (sessions 19 to #46; from the loop); the cascade as it is served,
+``paged_attention_cascade`` (each row the kernel's bits alone: #46), from the loop and from the one call. The table
+gives each mode's median step and the attention alone (every ``paged_attention`` / ``paged_attention_cascade`` /
+``paged_attention_shared`` / ``paged_attention_after`` call and the cascade's SDPA, timed with ``perf_counter``; not
+inside the one call). tests/unit/test_attention_cpu_kernel.py holds the modes to the reference's results,
+tests/unit/test_attention_rows_exact.py the cascade's rows to the kernel's bits.
 
     .venv/bin/python bench/shared_prefix_step.py [--batch 32] [--prefix 1024] [--suffix 64] [--steps 40]
 """
@@ -74,10 +76,18 @@ def main(argv=None) -> int:
             by_op.setdefault(str(self.fn), []).append(timed[-1])
             return out
 
-    class Kernel:  # torch.ops.pagedkv_cpu with the attention's two ops timed
+    class Kernel:  # torch.ops.pagedkv_cpu with the attention's ops timed
         paged_attention = Timed(ops.paged_attention)
         paged_attention_after = Timed(ops.paged_attention_after)
         paged_attention_shared = Timed(ops.paged_attention_shared)
+        exact_cascade = Timed(ops.paged_attention_cascade)
+        paged_attention_cascade = exact_cascade
+
+        @staticmethod
+        def products(q, k_cache, v_cache, tables, q_pos, pages, scale):  # (the cascade before #46)
+            prior, lse = Kernel.paged_attention_shared(q, k_cache, v_cache, pages, scale)
+            return Kernel.paged_attention_after(q, k_cache, v_cache, tables, q_pos, pages.numel() * k_cache.shape[1],
+                                                prior, lse, scale)
 
         def __getattr__(self, name):
             return getattr(ops, name)
@@ -102,7 +112,8 @@ def main(argv=None) -> int:
         if len(plan.decodes) == args.batch:
             break
     rows = torch_backend.CASCADE_MIN_ROWS
-    modes = ("kernel alone", "kernel alone, one call", "cascade, SDPA prefix", "cascade", "cascade, one call")
+    modes = ("kernel alone", "kernel alone, one call", "cascade, SDPA prefix", "cascade, products", "cascade",
+             "cascade, one call")
     in_kernel = torch_backend.shared_in_kernel
     steps: dict[str, list[float]] = {m: [] for m in modes}
     attention: dict[str, list[float]] = {m: [] for m in modes}
@@ -112,6 +123,8 @@ def main(argv=None) -> int:
         mode = modes[k % len(modes)]
         torch_backend.CASCADE_MIN_ROWS = rows if mode.startswith("cascade") else 1 << 30
         torch_backend.shared_in_kernel = (lambda kernel, q: False) if mode.endswith("SDPA prefix") else in_kernel
+        products = mode.endswith("products")
+        Kernel.paged_attention_cascade = staticmethod(Kernel.products) if products else Kernel.exact_cascade
         # (the one call, executor_svc/model/cpu_decode.cpp, runs the kernel from C++: its attention is not timed)
         model.decode_in_one_call = mode.endswith("one call")
         plan, _ = sched.schedule()
@@ -123,6 +136,7 @@ def main(argv=None) -> int:
         sched.process(result)
     torch_backend.CASCADE_MIN_ROWS = rows
     torch_backend.shared_in_kernel = in_kernel
+    Kernel.paged_attention_cascade = Kernel.exact_cascade
     model.decode_in_one_call = True
     out = {"model": args.model, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
            "threads": args.threads, "load": os.getloadavg()[0], "modes": {}}
