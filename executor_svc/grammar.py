@@ -24,6 +24,7 @@ constraint answers faster) nor make another's refused.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -44,6 +45,7 @@ CACHE_BYTES = 512 << 20  # compiled grammars kept, by xgrammar's own size figure
 HOLD_S = 1800.0  # a checked grammar stays (for the scheduler's queued requests) this long after its last check or use
 REFUSED_S = 600.0  # a constraint refused for a limit is refused at once, in its scope, for this long
 REFUSED_KEPT = 256  # such constraints remembered per scope
+COMPILE_NICE = 10  # compiles (workers, and the thread that compiles again here) yield the cores to the steps
 # NOTE: xgrammar 0.2.9's length-bounded JSON string rule (minLength/maxLength) lets control characters through,
 # which JSON forbids inside strings (its unbounded rule excludes them): the converted grammar is patched.
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
@@ -225,6 +227,7 @@ class GrammarEngine:
             _, pool = self._ready.result()
             compiled, cpu_s = pool.submit(key).result()
             if compiled is None:  # (a worker proved it compiles within the limits: compiled here now, as costly)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)  # (this thread only)
                 started = time.thread_time()
                 compiled = self._local.compile_grammar(build_grammar(key.kind, key.text, key.strict))
                 cpu_s += time.thread_time() - started

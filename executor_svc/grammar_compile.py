@@ -31,7 +31,7 @@ from executor_svc.grammar_worker import read_frame, write_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0  # a worker's start-up (imports, the vocabulary): generous, it is off every request's path
-WALL_SLACK = 3.0  # a compile's wall-clock backstop: its CPU limit x this + 2 s (a worker starved of CPU)
+WALL_SLACK = 10.0  # a compile's wall-clock backstop: its CPU limit x this + 10 s (a worker niced, starved of CPU)
 POLL_S = 0.02  # how often a compile's CPU is looked at
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -107,10 +107,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def _watch(proc: subprocess.Popen, limit: float) -> bool:
     """Waits for the worker's answer to the compile just sent; kills it once the compile has used more than ``limit``
-    of CPU (or, starved of CPU, ``limit`` x WALL_SLACK + 2 s of wall time). Returns whether an answer came."""
+    of CPU (or, starved of CPU, ``limit`` x WALL_SLACK + 10 s of wall time). Returns whether an answer came."""
     started, cpu0 = time.monotonic(), _cpu_seconds(proc.pid)
     while not select.select([proc.stdout], [], [], POLL_S)[0]:
-        if _cpu_seconds(proc.pid) - cpu0 > limit or time.monotonic() - started > limit * WALL_SLACK + 2.0:
+        if _cpu_seconds(proc.pid) - cpu0 > limit or time.monotonic() - started > limit * WALL_SLACK + 10.0:
             proc.kill()
             return False
         if proc.poll() is not None:

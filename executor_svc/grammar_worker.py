@@ -109,7 +109,10 @@ def serve(stdin, stdout) -> None:
 
 
 def main() -> None:
+    from executor_svc.grammar import COMPILE_NICE
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C reaches the whole group: the executor ends this one)
+    os.nice(COMPILE_NICE)  # (compiles yield the cores to the executor's steps: bounded in CPU, not wall time)
     frames = os.fdopen(os.dup(1), "wb")  # (the frames go out on a copy of stdout: whatever a library prints to
     os.dup2(2, 1)                        # stdout goes to stderr instead, and cannot break a frame)
     serve(sys.stdin.buffer, frames)
