@@ -64,8 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="memory one compile may add to its worker process (RLIMIT_AS); past it the constraint is "
                    "refused, as past the timeout (0: no limit; default: %(default)s)")
     p.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
-                   help="compile worker processes (each ~300 MB; replaced when a limit ends one). 0: compile on "
-                   "threads of the executor, which no limit can stop (default: %(default)s)")
+                   help="compile worker processes (each ~300 MB, started at the first compile, at nice 10; replaced "
+                   "when a limit ends one). 0: compile on threads of the executor, which no limit can stop (default: "
+                   "%(default)s)")
     p.add_argument("--grammar-compiles-per-tenant", type=int, default=1, metavar="N",
                    help="one tenant's compiles running at once; the others' take the remaining workers in turn "
                    "(default: %(default)s)")
