@@ -148,7 +148,11 @@ def test_runner_greedy_matches_torch_backend(emu, tmp_path, kv_dtype):
         for rid, (token, logprob) in got[0].items():
             assert got[1][rid][0] == token, f"step {plan.step_id}, request {rid}: tokens differ"
             assert abs(got[1][rid][1] - logprob) < 1e-3
-    assert torch.equal(runners[0].pool.pages[60], runners[1].pool.pages[60])
+    for r in runners:  # the copy is exact on each backend: page 60 holds the bits of "a"'s first page
+        assert torch.equal(r.pool.pages[60], r.pool.pages[tables["a"][0]])
+    # across backends the K/V agree to float32 rounding: since #46 F7 the CPU's float32 prefill runs the decode
+    # kernel's per-row arithmetic, the emulated CUDA prefill its own, so layer 1's keys can differ in the last bits
+    assert torch.allclose(runners[0].pool.pages[60], runners[1].pool.pages[60], rtol=1e-4, atol=1e-4)
     assert sum(len(p.continuing) for p in plans) and runners[1].requests["w"].page_ids[1] == -1
 
 
