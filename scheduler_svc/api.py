@@ -27,6 +27,7 @@ from scheduler_svc.request import Finish, Output, Request, fork
 from scheduler_svc.responses import prompt_message, response
 from scheduler_svc.snapshot import SchedulerSnapshot
 from scheduler_svc.tenancy import Tenant, Unauthenticated
+from scheduler_svc.trusted_hop import Caller, HopRefused, TrustedHops
 from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
@@ -98,15 +99,18 @@ class LiveStream:
     """One open Generate stream: its request, and the key it was opened with (checked again on a reload)."""
 
     req: Request
-    key: bytes  # SHA-256 of the API key (b"" on a single-tenant server)
+    key: bytes  # SHA-256 of the API key (b"" on a single-tenant server, or for a tenant a trusted hop asserted)
     revoked: str = ""  # set when a reload ended the stream: why its key no longer holds
+    asserted: bool = False  # its tenant was asserted by a trusted hop (a reload checks the tenant, not a key)
 
 
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False, queue_bounds: QueueBounds | None = None,
-                 trust_request_templates: bool = False, tool_call_parser: str = "") -> None:
+                 trust_request_templates: bool = False, tool_call_parser: str = "",
+                 hops: TrustedHops | None = None) -> None:
         self.cluster = cluster
+        self.hops = hops if hops is not None else TrustedHops()  # who may name a request's tenant (trusted_hop.py)
         self.tokenizer = tokenizer
         self.limits = limits
         # the tokenizer's work (prompts, chat templates), on its own thread
@@ -119,18 +123,25 @@ class GenerationService(api_grpc.GenerationServicer):
         self.closing = False  # shutting down: no new requests
         self.log_prompts = log_prompts  # prompt text (or ids) in the request_admitted line: off unless asked
 
-    async def _caller(self, context, method: str) -> tuple[Tenant, bytes]:
-        """The caller's tenant and its key's hash; otherwise the call ends UNAUTHENTICATED and the refusal is
-        logged (never the key: the reason says only missing, malformed, multiple, unknown or revoked)."""
+    async def _caller(self, context, method: str) -> Caller:
+        """The caller's tenant (its key's, or the one a trusted hop asserts) and its key's hash; otherwise the call
+        ends UNAUTHENTICATED (a key refused), PERMISSION_DENIED (a tenant named by one that may not) or
+        INVALID_ARGUMENT (a hop's headers that disagree), and the refusal is logged (never the key or a secret: the
+        reason says only missing, malformed, multiple, unknown, revoked, or what the hop did wrong)."""
         try:
-            return self.cluster.tenants.caller(context.invocation_metadata())
+            return self.hops.caller(self.cluster.tenants, context.invocation_metadata())
         except Unauthenticated as err:
             metrics.AUTH_FAILURES.labels(err.reason).inc()
             self.log.warning("auth_failed", peer=context.peer(), method=method, reason=err.reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+        except HopRefused as err:
+            metrics.HOP_REFUSALS.labels(err.reason).inc()
+            self.log.warning("trusted_hop_refused", peer=context.peer(), method=method, reason=err.reason)
+            code = grpc.StatusCode.INVALID_ARGUMENT if err.invalid else grpc.StatusCode.PERMISSION_DENIED
+            await context.abort(code, str(err))
 
     async def _tenant(self, context, method: str) -> Tenant:
-        return (await self._caller(context, method))[0]
+        return (await self._caller(context, method)).tenant
 
     def end_revoked_streams(self) -> int:
         """After a reload of the tenants file: ends every open stream whose key no longer authenticates as its
@@ -140,9 +151,13 @@ class GenerationService(api_grpc.GenerationServicer):
         for (tenant_id, _), stream in self.live.items():
             if stream.revoked:
                 continue
-            if (tenant_id, stream.key) not in problems:
-                problems[tenant_id, stream.key] = tenants.key_problem(tenant_id, stream.key)
-            problem = problems[tenant_id, stream.key]
+            if stream.asserted:  # (no key: the tenant a trusted hop named must still be in the file)
+                gone = tenants.multi and tenant_id not in tenants.by_id
+                problem = f"tenant {tenant_id} no longer in the tenants file" if gone else ""
+            else:
+                if (tenant_id, stream.key) not in problems:
+                    problems[tenant_id, stream.key] = tenants.key_problem(tenant_id, stream.key)
+                problem = problems[tenant_id, stream.key]
             if problem:
                 stream.revoked = f"{problem}: the tenants file was reloaded and this stream ended"
                 stream.req.outbox.put_nowait(Output("", [], [], Finish.ABORT, error=stream.revoked,
@@ -159,9 +174,10 @@ class GenerationService(api_grpc.GenerationServicer):
 
     def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
                        bad_words_ids: list[list[int]] | None = None, tools: ToolUse | None = None,
-                       ) -> tuple[Request, list[tuple[int, list[int]]] | None]:
+                       priority: int | None = None) -> tuple[Request, list[tuple[int, list[int]]] | None]:
         """The request, and with a continuation the forks it resumes (fork index, token ids received); ``tools``:
-        its tool use (a chat with tools), whose constraint it takes."""
+        its tool use (a chat with tools), whose constraint it takes; ``priority``: a trusted hop's (its GIE
+        objective's), instead of the request's own."""
         cluster = self.cluster
         lim = cluster.fit_limits(tenant.id)  # (the largest executor's)
         shape = fit.shape(tenant, len(ids), request.page_budget, lim, self.limits.max_model_len)
@@ -171,7 +187,8 @@ class GenerationService(api_grpc.GenerationServicer):
             limits = replace(limits, max_model_len=shape.max_len, max_len_name=shape.max_len_name)
         check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
-        check_priority(request.priority)
+        priority = request.priority if priority is None else priority
+        check_priority(priority)
         sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
         sampling.bad_words_ids = list(bad_words_ids or [])
         tools = tools or ToolUse()
@@ -200,7 +217,7 @@ class GenerationService(api_grpc.GenerationServicer):
         root = tenant_root(tenant.id) if not window else tenant_root(f"{tenant.id}\x00window:{sink}:{window}")
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
                        detokenizer=detok, n=n, tenant=tenant.id, hash_root=root, client_id=client_id,
-                       priority=request.priority, page_budget=budget, overflow=tenant.overflow,
+                       priority=priority, page_budget=budget, overflow=tenant.overflow,
                        sink_tokens=sink, window_tokens=window), resume
 
     async def _resumed(self, req: Request, resume: list[tuple[int, list[int]]]) -> list[Request]:
@@ -226,7 +243,8 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
-        tenant, key = await self._caller(context, METHODS + "Generate")
+        caller = await self._caller(context, METHODS + "Generate")
+        tenant = caller.tenant
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another "
                                 "scheduler (or this one once it is back)")
@@ -237,7 +255,8 @@ class GenerationService(api_grpc.GenerationServicer):
             ids = await self.prompts.ids(request, tenant.id)
             tools = self.prompts.tool_use(request)
             req, resume = self._build_request(request, tenant, ids,
-                                              await self.prompts.bad_words_ids(request.sampling.bad_words), tools)
+                                              await self.prompts.bad_words_ids(request.sampling.bad_words), tools,
+                                              caller.priority)
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
@@ -285,7 +304,7 @@ class GenerationService(api_grpc.GenerationServicer):
         log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
                  **extra)
         live_key = (tenant.id, req.client_id)
-        stream = self.live[live_key] = LiveStream(req, key)
+        stream = self.live[live_key] = LiveStream(req, caller.key, asserted=caller.asserted)
         for i, seq in enumerate(seqs):
             self.cluster.add_request(seq, count_prompt=i == 0)
         finished = 0

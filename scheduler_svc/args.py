@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv import security, tool_calls
+from pagedkv import security, tool_calls, trusted_hop
 from scheduler_svc import fit
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
@@ -57,6 +57,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="TOML file of tenants: hashed API keys, weights, page quotas, reserved pages, request "
                    "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP: a stream opened "
                    "with a key the reload revokes or removes ends with UNAUTHENTICATED")
+    p.add_argument(trusted_hop.HOP_SECRET_FLAG, default="", metavar="PATH",
+                   help="file holding the trusted-hop secret: a caller presenting it as metadata "
+                   f"'{trusted_hop.HOP_HEADER}: <secret>' (the Dynamo sidecar, a gateway in front of this scheduler) "
+                   f"may name a request's tenant ({trusted_hop.TENANT_HEADER}, or GIE's "
+                   f"{trusted_hop.FAIRNESS_ID_HEADER}) instead of sending its API key, and its GIE objective "
+                   f"({trusted_hop.OBJECTIVE_HEADER}, see --objective); the tenant's quotas, budgets, fairness and "
+                   "prefix-cache namespace apply as with its key. From anyone else those headers are refused "
+                   f"(PERMISSION_DENIED). Default: ${trusted_hop.HOP_SECRET_ENV} (the secret itself); none: no hop "
+                   "is trusted")
+    p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                   help=f"a GIE objective a trusted hop may name ({trusted_hop.OBJECTIVE_HEADER}: NAME) and the "
+                   "priority its requests get (lower is more important, as a request's priority; [-1000, 1000]); "
+                   "repeat for each. An objective not listed is refused with INVALID_ARGUMENT naming it")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
                    help="requests of one tenant that may wait to start (its max_queued_requests in the tenants "
                    "file overrides); past it a new request gets RESOURCE_EXHAUSTED 'queue full: ...' (default "

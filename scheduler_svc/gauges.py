@@ -20,6 +20,7 @@ class Gauges:
     def __init__(self) -> None:
         self._updated_at = 0.0  # of the detailed gauges
         self._tenant_counted: dict[str, tuple[int, int]] = {}  # (budget hits, fair-share preemptions) counted
+        self._cache_config: tuple[str, str] | None = None  # the labels pagedkv_cache_config_info has now
 
     def update(self, engines: Mapping[str, Engine], num_unplaced: int, service: VtcCounters, force: bool) -> None:
         states = {s: 0 for s in State}
@@ -43,7 +44,11 @@ class Gauges:
         metrics.PAGES_USED.set(used)
         metrics.PAGES_FREE.set(sum(s.pool.num_free for s in live))
         metrics.PAGES_CACHED.set(sum(s.pool.num_cached for s in live))
-        metrics.PAGES_CAPACITY.set(sum(s.pool.num_pages for s in live))
+        capacity = sum(s.pool.num_pages for s in live)
+        metrics.PAGES_CAPACITY.set(capacity)
+        metrics.KV_CACHE_USAGE.set(used / capacity if capacity else 0.0)
+        if live:
+            self._set_cache_config(live[0].block_size, capacity)
         metrics.HOST_PAGES_CAPACITY.set(sum(s.host.num_pages for s in live))
         metrics.HOST_PAGES_USED.set(sum(s.host.num_used for s in live))
         metrics.HOST_PAGES_CACHED.set(sum(s.host.num_cached for s in live))
@@ -71,6 +76,15 @@ class Gauges:
                                                           if tenant in s.tenants))
             metrics.TENANT_SERVICE.labels(tenant).set(service.counters.get(tenant, 0.0))
         self._count_tenant_events(everyone)
+
+    def _set_cache_config(self, block_size: int, num_pages: int) -> None:
+        """pagedkv_cache_config_info{block_size, num_gpu_blocks} = 1; the old series dropped when the pages that
+        serve change (an executor joined or left)."""
+        labels = (str(block_size), str(num_pages))
+        if labels != self._cache_config:
+            metrics.CACHE_CONFIG_INFO.clear()
+            metrics.CACHE_CONFIG_INFO.labels(*labels).set(1)
+            self._cache_config = labels
 
     def _count_tenant_events(self, snapshots: list[SchedulerSnapshot]) -> None:
         totals: dict[str, tuple[int, int]] = {}

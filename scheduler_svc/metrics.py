@@ -20,6 +20,12 @@ HOST_PAGES_FREE = Gauge("pagedkv_host_pages_free", "Host-tier pages neither held
 KV_SLOT_UTILIZATION = Gauge("pagedkv_kv_slot_utilization",
                             "Token slots holding KV / token slots of the device pages in use (internal fragmentation "
                             "made visible; a page shared by several requests counts once)")
+# The Gateway API Inference Extension's model-server protocol (llm-d, KServe): KV usage as a fraction, as vLLM's
+# kv_cache_usage_perc, and the pool's shape as an info gauge (the queue and running gauges are the two below)
+KV_CACHE_USAGE = Gauge("pagedkv_kv_cache_usage_perc", "Device KV pages in use / device KV pages (0-1; as vLLM's "
+                       "kv_cache_usage_perc: cached pages no request holds count as free)")
+CACHE_CONFIG_INFO = Gauge("pagedkv_cache_config_info", "The KV cache's shape (always 1): tokens a page holds and the "
+                          "device pages of the executors that serve", ["block_size", "num_gpu_blocks"])
 RUNNING = Gauge("pagedkv_requests_running", "Requests holding pages")
 WAITING = Gauge("pagedkv_requests_waiting", "Requests queued for admission")
 PREEMPTIONS = Counter("pagedkv_preemptions_total", "Requests preempted, by kind (swap or recompute)", ["kind"])
@@ -75,6 +81,9 @@ MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another exec
 UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")
 AUTH_FAILURES = Counter("pagedkv_auth_failures_total", "Public API calls refused as unauthenticated, by reason "
                         "(missing, malformed, multiple, unknown, revoked)", ["reason"])
+HOP_REFUSALS = Counter("pagedkv_trusted_hop_refusals_total", "Public API calls refused for naming a tenant or "
+                       "objective they may not (not_a_hop, no_hop_configured, wrong_secret, unknown_tenant) or badly "
+                       "(multiple, conflict, unknown_objective)", ["reason"])
 UNDECODABLE_REQUESTS = Counter("pagedkv_undecodable_requests_total",
                                "Public API requests that were not a valid protobuf message (or not UTF-8)")
 

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 
-from pagedkv import grpc_common, logs, runtime, security
+from pagedkv import grpc_common, logs, runtime, security, trusted_hop
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
@@ -23,6 +23,7 @@ from scheduler_svc.template_pool import TemplateLimits, TemplatePool
 from scheduler_svc.tenancy import InvalidTenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.trusted_hop import TrustedHops
 from scheduler_svc.validation import (
     MAX_PROMPT_BYTES,
     Limits,
@@ -117,6 +118,8 @@ async def serve(args) -> None:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     link = _executor_link(args, log)
+    hops = TrustedHops(trusted_hop.load_hop_secret(args.trusted_hop_secret_file),
+                       trusted_hop.parse_objectives(args.objective))  # (clear errors before any executor is tried)
     credentials = security.server_credentials(args.tls_cert, args.tls_key)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)
@@ -199,7 +202,7 @@ async def serve(args) -> None:
     service = GenerationService(cluster, tokenizer, limits, info, log, log_prompts=args.log_prompts,
                                 queue_bounds=QueueBounds(args.max_queued_requests, args.max_queued_total),
                                 trust_request_templates=args.trust_request_chat_template,
-                                tool_call_parser=args.tool_call_parser)
+                                tool_call_parser=args.tool_call_parser, hops=hops)
     service.prompts.use_template_pool(templates)
     api_grpc.add_GenerationServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
@@ -217,6 +220,7 @@ async def serve(args) -> None:
     await grpc_common.set_serving(health, [SERVICE], True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
              tls=credentials is not None, executor_tls=bool(link.tls_ca), executor_secret=bool(link.secret),
+             trusted_hop=hops.enabled, objectives=sorted(hops.objectives) or None,
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
              preemption_mode=args.preemption_mode, max_prompt_bytes=prompt_bytes, max_request_bytes=max_request,
