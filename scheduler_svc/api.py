@@ -152,7 +152,7 @@ class GenerationService(api_grpc.GenerationServicer):
             if stream.revoked:
                 continue
             if stream.asserted:  # (no key: the tenant a trusted hop named must still be in the file)
-                gone = tenants.multi and tenant_id not in tenants.by_id
+                gone = tenants.named(tenant_id) is None
                 problem = f"tenant {tenant_id} no longer in the tenants file" if gone else ""
             else:
                 if (tenant_id, stream.key) not in problems:

@@ -302,6 +302,11 @@ class Tenants:
             return f"API key moved from tenant {tenant_id} to another"
         return ""
 
+    def named(self, tenant_id: str) -> Tenant | None:
+        """The tenant a trusted hop names (trusted_hop.py): one in the file (without a file: only ``default``),
+        else None."""
+        return self.by_id.get(tenant_id)
+
     def sees_cluster(self, tenant: Tenant) -> bool:
         """Whether ModelInfo shows this caller the cluster-wide figures: an admin tenant, or the only one."""
         return tenant.admin or not self.multi

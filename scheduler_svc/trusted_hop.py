@@ -80,10 +80,10 @@ class TrustedHops:
             return Caller(t, key, priority=priority)
         tenant_id = named.pop()
         header = TENANT_HEADER if TENANT_HEADER in sent else FAIRNESS_ID_HEADER
-        tenant = tenants.by_id.get(tenant_id)
+        tenant = tenants.named(tenant_id)
         if tenant is None:
-            where = "the tenants file" if tenants.multi else "this single-tenant scheduler (only 'default')"
-            raise HopRefused(f"{header}: tenant {_shown(tenant_id)} is not in {where}", "unknown_tenant")
+            raise HopRefused(f"{header}: tenant {_shown(tenant_id)} is not in the tenants file (a scheduler without "
+                             "one knows only 'default')", "unknown_tenant")
         return Caller(tenant, b"", asserted=True, priority=priority)
 
     def _check_hop(self, sent: dict[str, list[str]]) -> None:
