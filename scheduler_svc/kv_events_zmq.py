@@ -1,0 +1,400 @@
+"""The scheduler's KV events on ZMQ in vLLM's wire format, so llm-d's precise-prefix scorer and Dynamo's ZMQ relay
+read them unchanged (``--kv-events-config``, with vLLM's own keys).
+
+Wire format: vLLM v0.26.0's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``), i.e. after vLLM PR #42892
+(each event a msgpack *map* tagged by a ``"type"`` key; the batch stays a positional array) and PR #45177 (replay
+replies carry the topic frame). Every message on the PUB socket is three frames::
+
+    topic | seq (8 bytes, big-endian) | msgpack [ts, [event, ...], data_parallel_rank]
+
+    {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": p | None, "token_ids": [...],
+     "block_size": n, "lora_id": None, "medium": "GPU" | "CPU", "lora_name": None, "extra_keys": [(salt,) | None, ...]}
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU" | "CPU"}
+    {"type": "AllBlocksCleared"}
+
+Fields appear in vLLM's declaration order; those at their default (``None``: ``group_idx`` and the cache-spec
+fields, which describe vLLM's hybrid KV groups; pagedkv has one) are left out, as msgspec's ``omit_defaults`` does.
+``extra_keys`` has one entry per block, as vLLM's: the tenant's cache salt on the first page of a chain (an event
+with no parent), ``None`` on the others, since the chain carries it (vLLM puts ``cache_salt`` on block 0 only).
+Block hashes are pagedkv's SHA-256 chain cut to a signed 64 bits (``pagedkv.fleet_salt.hash_id``). The sequence
+number is the scheduler's event-log sequence (``KvEventLog``: one batch per step, 0, 1, 2, ... with no gaps).
+
+Replay: a ROUTER socket on ``replay_endpoint``. A request ``[start seq, 8 bytes big-endian]`` (from a REQ or
+DEALER) is answered with each buffered batch from there, ``[topic, seq, payload]``, then the end marker
+``[b"", seq -1 (8 bytes, signed), b""]``. The buffer keeps the last ``buffer_steps`` batches.
+
+The stream carries every tenant's prompt tokens: it is an internal link. A tcp endpoint beyond loopback (``*``
+included) needs CURVE keys (``--kv-events-curve-secret-key-file``, ``--kv-events-curve-clients``); the events name
+no tenant and no key, only salts.
+
+Publishing runs in a thread of its own that owns the sockets; the event loop only hands it batches. It never
+blocks a step: PUB drops at ``hwm`` for a slow subscriber (ZMQ's rule; the replay buffer fills the gap), and a
+full hand-off queue (``max_queue_size``) drops the batch with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from pagedkv import security
+
+CONFIG_FLAG = "--kv-events-config"
+CURVE_SECRET_FLAG = "--kv-events-curve-secret-key-file"
+CURVE_CLIENTS_FLAG = "--kv-events-curve-clients"
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # (vLLM's is tcp://*:5557: every interface, which needs CURVE here)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+DATA_PARALLEL_RANK = 0  # one scheduler is one rank to a fleet router
+MEDIUMS = ("GPU", "CPU")
+MAX_BUFFER_STEPS = 1_000_000
+MAX_HWM = 10_000_000
+MAX_QUEUE_SIZE = 10_000_000
+MAX_TOPIC_BYTES = 1024
+CLOSE_LINGER_MS = 500  # what is still queued gets this long to leave at shutdown
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """``--kv-events-config``, with vLLM's ``KVEventsConfig`` keys and defaults (but ``endpoint``: loopback)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = DEFAULT_ENDPOINT
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+_DEFAULTS = KvEventsConfig()
+_INT_LIMITS = {"buffer_steps": MAX_BUFFER_STEPS, "hwm": MAX_HWM, "max_queue_size": MAX_QUEUE_SIZE}
+_KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
+         "max_queue_size", "topic")
+
+
+def default_topic(model: str, host: str = "") -> str:
+    """``kv@<host>@<served model name>`` (the form llm-d's scorer reads: its pod, then its model)."""
+    return f"kv@{host or socket.gethostname()}@{model}"
+
+
+def parse_config(text: str, topic: str) -> KvEventsConfig:
+    """``--kv-events-config JSON`` checked key by key; ``topic`` is used when the JSON has none. Raises ValueError
+    naming the key and what it must be."""
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{CONFIG_FLAG}: not valid JSON ({err}); give an object such as "
+                         '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\'') from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{CONFIG_FLAG}: must be a JSON object with vLLM's KVEventsConfig keys, got "
+                         f"{type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"{CONFIG_FLAG}: unknown key {unknown[0]!r}; the keys are {', '.join(_KEYS)}")
+    enable = raw.get("enable_kv_cache_events", False)
+    if not isinstance(enable, bool):
+        raise ValueError(f"{CONFIG_FLAG}: enable_kv_cache_events must be true or false, got {enable!r}")
+    publisher = raw.get("publisher")
+    if publisher is None:  # (vLLM: zmq when events are on, else null)
+        publisher = "zmq" if enable else "null"
+    if publisher not in ("zmq", "null"):
+        raise ValueError(f"{CONFIG_FLAG}: publisher must be \"zmq\" or \"null\", got {publisher!r}")
+    values: dict[str, Any] = {"enable_kv_cache_events": enable, "publisher": publisher}
+    for key, limit in _INT_LIMITS.items():
+        value = raw.get(key, getattr(_DEFAULTS, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ValueError(f"{CONFIG_FLAG}: {key} must be an integer in [1, {limit}], got {value!r}")
+        values[key] = value
+    topic = raw.get("topic", topic)
+    if not isinstance(topic, str) or len(topic.encode("utf-8")) > MAX_TOPIC_BYTES:
+        raise ValueError(f"{CONFIG_FLAG}: topic must be a string of at most {MAX_TOPIC_BYTES} bytes, got "
+                         f"{str(topic)[:40]!r}")
+    values["topic"] = topic
+    values["endpoint"] = _checked_endpoint("endpoint", raw.get("endpoint", DEFAULT_ENDPOINT))
+    replay = raw.get("replay_endpoint")
+    values["replay_endpoint"] = None if replay is None else _checked_endpoint("replay_endpoint", replay)
+    if values["replay_endpoint"] is not None and values["replay_endpoint"] == values["endpoint"]:
+        raise ValueError(f"{CONFIG_FLAG}: replay_endpoint must differ from endpoint ({values['endpoint']})")
+    return KvEventsConfig(**values)
+
+
+def _checked_endpoint(key: str, endpoint: object) -> str:
+    if not isinstance(endpoint, str):
+        raise ValueError(f"{CONFIG_FLAG}: {key} must be a string such as {DEFAULT_ENDPOINT!r}, got {endpoint!r}")
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(f"{CONFIG_FLAG}: {key} {endpoint!r} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{CONFIG_FLAG}: {key} {endpoint!r} must be tcp://HOST:PORT with a port in [1, 65535]")
+    return endpoint
+
+
+def is_local(endpoint: str) -> bool:
+    """Whether only this machine can reach ``endpoint``: a loopback tcp address, or ipc/inproc."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return True
+    return security.is_loopback(rest.rpartition(":")[0])
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule, which side listens: a wildcard, ipc and inproc bind, another host is connected to (a
+    subscriber that listens, as llm-d's scorer can). Here a loopback address binds too (the default)."""
+    return "*" in endpoint or "::" in endpoint or not endpoint.startswith("tcp://") or is_local(endpoint)
+
+
+# ---- CURVE ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """The publisher's CURVE keypair and the directory of the client public keys it accepts."""
+
+    public: bytes
+    secret: bytes
+    clients_dir: str
+
+
+def load_curve_keys(secret_file: str, clients_dir: str) -> CurveKeys | None:
+    """The keys from ``--kv-events-curve-secret-key-file`` (a ZMQ certificate with its secret key, as
+    ``zmq.auth.create_certificates`` writes) and ``--kv-events-curve-clients`` (their ``*.key`` public
+    certificates); None when neither is given. Raises ValueError naming the flag."""
+    if not secret_file and not clients_dir:
+        return None
+    if not secret_file or not clients_dir:
+        missing = CURVE_SECRET_FLAG if not secret_file else CURVE_CLIENTS_FLAG
+        raise ValueError(f"{missing} is needed too: CURVE needs the publisher's secret key and the clients' "
+                         "public keys")
+    try:
+        public, secret = zmq.auth.load_certificate(secret_file)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{CURVE_SECRET_FLAG} {secret_file}: cannot read a ZMQ certificate: {err}") from None
+    if not secret:
+        raise ValueError(f"{CURVE_SECRET_FLAG} {secret_file}: holds no secret key (give the .key_secret file)")
+    directory = Path(clients_dir)
+    if not directory.is_dir():
+        raise ValueError(f"{CURVE_CLIENTS_FLAG} {clients_dir}: not a directory")
+    try:
+        allowed = zmq.auth.load_certificates(clients_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{CURVE_CLIENTS_FLAG} {clients_dir}: cannot read its public keys: {err}") from None
+    if not allowed:
+        raise ValueError(f"{CURVE_CLIENTS_FLAG} {clients_dir}: holds no client public key (*.key)")
+    return CurveKeys(public, secret, clients_dir)
+
+
+def check_link(config: KvEventsConfig, keys: CurveKeys | None) -> None:
+    """Refuse an endpoint beyond loopback without CURVE keys: the events carry every tenant's prompt tokens."""
+    if keys is not None:
+        return
+    for key in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(config, key)
+        if endpoint is not None and not is_local(endpoint):
+            raise ValueError(f"{CONFIG_FLAG}: {key} {endpoint} is reachable beyond this machine and the KV events "
+                             f"carry every tenant's prompt tokens: give {CURVE_SECRET_FLAG} and {CURVE_CLIENTS_FLAG} "
+                             f"(CURVE encryption and client keys), or use a loopback address such as "
+                             f"{DEFAULT_ENDPOINT}")
+
+
+# ---- encoding -------------------------------------------------------------------------------------------------
+def _stored(event) -> dict:
+    if event.medium not in MEDIUMS:
+        raise ValueError(f"Stored.medium must be one of {MEDIUMS}, got {event.medium!r}")
+    hashes = list(event.hashes)
+    extra: list[tuple[str] | None] = [None] * len(hashes)
+    if event.salt and event.parent is None and hashes:
+        extra[0] = (event.salt,)  # the first page of a chain carries the salt (vLLM: cache_salt on block 0)
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": event.parent,
+            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
+            "medium": event.medium, "lora_name": None, "extra_keys": extra}
+
+
+def _removed(event) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(event.hashes), "medium": event.medium}
+
+
+def _cleared(event) -> dict:
+    return {"type": "AllBlocksCleared"}
+
+
+_ENCODERS: dict[str, Callable[[Any], dict]] = {"Stored": _stored, "Removed": _removed, "Cleared": _cleared}
+
+
+def encode_batch(batch) -> bytes:
+    """One ``KvEventLog`` batch as vLLM's msgpack ``[ts, [events], data_parallel_rank]``."""
+    events = []
+    for event in batch.events:
+        encoder = _ENCODERS.get(type(event).__name__)
+        if encoder is None:
+            raise TypeError(f"not a KV event: {type(event).__name__}")
+        events.append(encoder(event))
+    return msgpack.packb([float(batch.ts), events, DATA_PARALLEL_RANK], use_bin_type=True)
+
+
+# ---- the publisher --------------------------------------------------------------------------------------------
+class ZmqKvEventPublisher:
+    """PUB (and ROUTER for replay) sockets owned by one thread, fed batches by the event loop with ``offer``."""
+
+    def __init__(self, config: KvEventsConfig, keys: CurveKeys | None, log) -> None:
+        check_link(config, keys)
+        self.config, self._log = config, log
+        self._topic = config.topic.encode("utf-8")
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.dropped = 0  # batches the hand-off queue had no room for
+        self.sent = 0
+        self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._pub = self._replay = None
+        try:
+            if keys is not None:
+                self._auth = ThreadAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=keys.clients_dir)
+            self._pub = self._socket(zmq.PUB, keys)
+            self._pub.set_hwm(config.hwm)
+            self.endpoint = self._attach(self._pub, config.endpoint, "endpoint")
+            self.replay_endpoint = None
+            if config.replay_endpoint is not None:
+                self._replay = self._socket(zmq.ROUTER, keys)
+                self.replay_endpoint = self._attach(self._replay, config.replay_endpoint, "replay_endpoint",
+                                                    bind=True)
+        except BaseException:
+            self._close_sockets(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
+        self._thread.start()
+        log.info("kv_events_publishing", endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
+                 topic=config.topic, curve=keys is not None, buffer_steps=config.buffer_steps, hwm=config.hwm)
+
+    def _socket(self, kind: int, keys: CurveKeys | None) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        if keys is not None:
+            sock.curve_secretkey = keys.secret
+            sock.curve_publickey = keys.public
+            sock.curve_server = True
+        return sock
+
+    def _attach(self, sock: zmq.Socket, endpoint: str, key: str, bind: bool | None = None) -> str:
+        try:
+            if bind if bind is not None else binds(endpoint):
+                sock.bind(endpoint)
+                return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            sock.connect(endpoint)
+            return endpoint
+        except zmq.ZMQError as err:
+            raise ValueError(f"{CONFIG_FLAG}: {key} {endpoint}: {err}") from None
+
+    # -- the event loop's side --
+    def offer(self, seq: int, batch) -> None:
+        """Hand one batch to the thread; never waits. A full queue drops it, with a warning."""
+        try:
+            self._queue.put_nowait((seq, batch))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                self._log.warning("kv_events_queue_full", dropped=self.dropped, seq=seq,
+                                  max_queue_size=self.config.max_queue_size,
+                                  hint="the publisher thread falls behind the scheduler; dropped batches are not "
+                                  "in the replay buffer either: subscribers should resync (AllBlocksCleared)")
+
+    async def pump(self, batches: AsyncIterator) -> None:
+        """Publish every batch of a ``KvEventLog`` subscription until it ends or the task is cancelled."""
+        async for batch in batches:
+            self.offer(batch.seq, batch)
+
+    def close(self) -> None:
+        """Publish what is queued (up to a short linger), then close the sockets."""
+        if self._thread.is_alive():
+            while True:
+                try:
+                    self._queue.put_nowait(None)
+                    break
+                except queue.Full:
+                    self._queue.get_nowait()
+            self._thread.join(timeout=5.0)
+        self._close_sockets(linger=CLOSE_LINGER_MS)
+        self._log.info("kv_events_closed", sent=self.sent, dropped=self.dropped)
+
+    def _close_sockets(self, linger: int) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=linger)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    # -- the thread's side --
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            seq, batch = item
+            try:
+                payload = encode_batch(batch)
+            except (TypeError, ValueError) as err:  # a bug upstream: say so, keep publishing
+                self._log.error("kv_events_unencodable", seq=seq, error=str(err))
+                continue
+            self._buffer.append((seq, payload))
+            try:
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                self.sent += 1
+            except zmq.Again:  # (a connected PUB with no peer yet: it is in the replay buffer)
+                pass
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            self._log.warning("kv_events_bad_replay_request", frames=len(frames),
+                              hint="send the start sequence number as 8 bytes, big-endian (REQ or DEALER)")
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def start(config: KvEventsConfig, keys: CurveKeys | None, log) -> ZmqKvEventPublisher | None:
+    """The publisher ``config`` asks for (None when events are off or the publisher is "null")."""
+    if not config.enabled:
+        return None
+    return ZmqKvEventPublisher(config, keys, log)
+
+
+async def run(publisher: ZmqKvEventPublisher, subscription) -> None:
+    """Publish a ``KvEventLog`` subscription; closes it when cancelled."""
+    try:
+        await publisher.pump(subscription)
+    finally:
+        subscription.close()
+
+
+__all__ = ["CONFIG_FLAG", "CURVE_CLIENTS_FLAG", "CURVE_SECRET_FLAG", "DEFAULT_ENDPOINT", "END_SEQ", "CurveKeys",
+           "KvEventsConfig", "ZmqKvEventPublisher", "binds", "check_link", "default_topic", "encode_batch",
+           "is_local", "load_curve_keys", "parse_config", "run", "start"]
