@@ -26,7 +26,7 @@ from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
 from pagedkv.gateway.openai_requests import Plan, RequestLimits
 from pagedkv.gateway.streaming import Generation
-from pagedkv.gateway.upstream import Upstream, auth_metadata
+from pagedkv.gateway.upstream import Upstream, auth_metadata, gie_metadata
 
 DEFAULT_MAX_STREAMS = 1024
 
@@ -34,15 +34,25 @@ DEFAULT_MAX_STREAMS = 1024
 class Gateway:
     def __init__(self, upstream: Upstream, log, max_body_bytes: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
                  token_text=None, max_prompt_bytes: int = 0,
-                 max_response_bytes: int = response_budget.DEFAULT_MAX_RESPONSE_BYTES) -> None:
+                 max_response_bytes: int = response_budget.DEFAULT_MAX_RESPONSE_BYTES,
+                 gie_hop_secret: str = "") -> None:
         """``max_body_bytes``, ``max_prompt_bytes``: 0 for the scheduler's own limits (RequestLimits.of).
         ``token_text``: how logprobs name tokens (a logprobs.TokenNames loading --tokenizer, or a function of the
-        token id; None: token_id:N). ``max_response_bytes``: the most an answer may take (response_budget.py)."""
+        token id; None: token_id:N). ``max_response_bytes``: the most an answer may take (response_budget.py).
+        ``gie_hop_secret``: with --trust-gie-headers, the scheduler's trusted-hop secret: GIE's fairness id and
+        objective are passed on as this gateway's assertion ('': they are dropped, never read)."""
+        self.gie_hop_secret = gie_hop_secret
         self.upstream, self.log, self.token_text = upstream, log, token_text
         self.max_response_bytes = max_response_bytes
         self.max_body_bytes, self.max_prompt_bytes, self.max_streams = max_body_bytes, max_prompt_bytes, max_streams
         self.limits: RequestLimits | None = None  # once the scheduler's max_model_len is known
         self.active = 0  # streams (prompts x n) being answered
+
+    def metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """The scheduler call's metadata: the caller's key, and with --trust-gie-headers GIE's headers as a
+        trusted hop's assertion (upstream.gie_metadata)."""
+        own = auth_metadata(request)
+        return (*own, *gie_metadata(request, self.gie_hop_secret)) if self.gie_hop_secret else own
 
     async def request_limits(self, metadata) -> RequestLimits:
         if self.limits is None:
@@ -105,7 +115,7 @@ class Gateway:
         header_id = request.headers.get("x-request-id")
         echo: dict[str, str] = {}
         try:
-            metadata = auth_metadata(request)
+            metadata = self.metadata(request)
             limits = await self.request_limits(metadata)
             body = await read_json(request, limits, "messages" if chat else "prompt")
             client_id = requests.client_request_id(header_id, body)
@@ -151,7 +161,7 @@ class Gateway:
         the caller's credentials."""
         endpoint = "detokenize" if detokenize else "tokenize"
         try:
-            metadata = auth_metadata(request)
+            metadata = self.metadata(request)
             limits = await self.request_limits(metadata)
             body = await read_json(request, limits, "tokens" if detokenize else "prompt")
             if detokenize:
@@ -179,7 +189,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            info = await self.upstream.model_info(auth_metadata(request))
+            info = await self.upstream.model_info(self.metadata(request))
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         data = [{"id": name, "object": "model", "created": self.upstream.created, "owned_by": "pagedkv",
@@ -192,17 +202,21 @@ class Gateway:
             return JSONResponse({"status": "ok", "scheduler": status})
         return JSONResponse(ApiError(503, f"the scheduler is not serving ({status})").body(), status_code=503)
 
-    async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": pagedkv.__version__})
-
-    async def live(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": pagedkv.__version__})
+
+
+async def live(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     message = {404: f"{request.url.path}: no such endpoint", 405: f"{request.method} is not allowed on "
                f"{request.url.path}"}.get(status, str(exc.detail))
@@ -216,10 +230,10 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
-        Route("/version", gateway.version, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
-        Route("/health/live", gateway.live, methods=["GET"]),
-        Route("/metrics", gateway.metrics, methods=["GET"]),
+        Route("/health/live", live, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
@@ -228,4 +242,4 @@ def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
         for close in on_shutdown:
             await close()
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)

@@ -117,6 +117,65 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: readable on a terminal, JSON lines otherwise")
     add_tls_server_args(p)  # HTTPS on the HTTP side
     add_tls_client_args(p)  # trust the scheduler's certificate
+    _add_fleet_args(p)
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    from pagedkv import fleet_salt, trusted_hop
+
+    g = p.add_argument_group("fleet (Dynamo, llm-d / GIE)")
+    g.add_argument("--edge-upstream", default="", metavar="URL",
+                   help="edge mode: authenticate and relay /v1/completions, /v1/chat/completions and /v1/models to "
+                   "a fleet router's OpenAI frontend at URL (Dynamo's, which checks no key) instead of a scheduler: "
+                   "the key is checked against --tenants-file, every client header but content-type, accept and "
+                   f"x-request-id is dropped (x-dynamo-meta-*, GIE's, pagedkv's), nvext.cache_salt is set to the "
+                   f"tenant's salt and {fleet_salt.TENANT_META_HEADER} to its signed assertion (both under "
+                   f"{fleet_salt.FLEET_SECRET_FLAG}); answers stream through. --tls-ca verifies an https URL")
+    g.add_argument("--tenants-file", default="", metavar="PATH",
+                   help="with --edge-upstream: the schedulers' tenants file, whose keys the edge checks (reloaded on "
+                   "SIGHUP)")
+    g.add_argument(fleet_salt.FLEET_SECRET_FLAG, default="", metavar="PATH",
+                   help=f"with --edge-upstream: file holding the fleet secret shared with every scheduler and Dynamo "
+                   f"sidecar (default: ${fleet_salt.FLEET_SECRET_ENV}, the secret itself)")
+    g.add_argument("--tenant-assertion-ttl", type=float, default=fleet_salt.DEFAULT_ASSERTION_TTL_S, metavar="S",
+                   help="with --edge-upstream: seconds a request's signed tenant assertion holds (a request Dynamo "
+                   "migrates to another worker later than that is refused by its sidecar; default: %(default)s)")
+    g.add_argument("--trust-gie-headers", action="store_true",
+                   help=f"this gateway's clients are the Gateway API Inference Extension (Envoy and its endpoint "
+                   f"picker): pass {trusted_hop.FAIRNESS_ID_HEADER} (the tenant) and {trusted_hop.OBJECTIVE_HEADER} "
+                   f"(the scheduler's --objective) to the scheduler as a trusted hop ({trusted_hop.HOP_SECRET_FLAG}); "
+                   "the tenant named needs no key. Without it those headers are dropped, never read")
+    g.add_argument(trusted_hop.HOP_SECRET_FLAG, default="", metavar="PATH",
+                   help=f"with --trust-gie-headers: file holding the scheduler's trusted-hop secret (default: "
+                   f"${trusted_hop.HOP_SECRET_ENV}, the secret itself)")
+
+
+def _fleet_app(args, upstream_close, log):
+    """The edge app with --edge-upstream, else None; the trusted-hop secret GIE's headers go with ('' without
+    --trust-gie-headers). ValueError names a flag that is missing or given in the wrong mode."""
+    from pagedkv import fleet_salt, trusted_hop
+    from pagedkv.gateway.edge import Edge, create_edge_app
+
+    if args.edge_upstream:
+        if args.trust_gie_headers:
+            raise ValueError("--trust-gie-headers: not with --edge-upstream (the edge drops GIE's headers: the fleet "
+                             "router behind it routes)")
+        edge = Edge(args.edge_upstream, args.tenants_file, fleet_salt.load_fleet_secret(args.fleet_secret_file), log,
+                    args.tls_ca, args.max_body_bytes, args.max_response_bytes, args.tenant_assertion_ttl)
+        return create_edge_app(edge, on_shutdown=(upstream_close,)), ""
+    for flag, value in (("--tenants-file", args.tenants_file), (fleet_salt.FLEET_SECRET_FLAG, args.fleet_secret_file)):
+        if value:
+            raise ValueError(f"{flag}: only with --edge-upstream (otherwise the scheduler checks keys itself)")
+    if args.trusted_hop_secret_file and not args.trust_gie_headers:
+        raise ValueError(f"{trusted_hop.HOP_SECRET_FLAG}: only with --trust-gie-headers (the gateway asserts a "
+                         "tenant only from GIE's headers)")
+    if not args.trust_gie_headers:
+        return None, ""
+    secret = trusted_hop.load_hop_secret(args.trusted_hop_secret_file)
+    if not secret:
+        raise ValueError(f"--trust-gie-headers needs {trusted_hop.HOP_SECRET_FLAG} (or ${trusted_hop.HOP_SECRET_ENV}):"
+                         " the scheduler accepts GIE's headers only from a trusted hop")
+    return None, secret
 
 
 def _add_response_bytes(p: argparse.ArgumentParser, whose: str = "") -> None:
@@ -222,10 +281,11 @@ async def serve(args) -> None:
     resume = resume_policy(args)
     resume = replace(resume, queue_full_at_start=False) if resume is not None else None  # (as GATEWAY_RESUME)
     upstream = Upstream(args.address, args.tls_ca, args.tls_server_name, tuple(args.served_model_name), resume)
-    token_names = TokenNames(args.tokenizer, log) if args.tokenizer else None  # (loads once the gateway listens)
+    edge_app, gie_hop_secret = _fleet_app(args, upstream.close, log)
+    token_names = TokenNames(args.tokenizer, log) if args.tokenizer and edge_app is None else None
     gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_names, args.max_prompt_bytes,
-                      args.max_response_bytes)
-    app = create_app(gateway, on_shutdown=(upstream.close,))
+                      args.max_response_bytes, gie_hop_secret)  # (loads --tokenizer once the gateway listens)
+    app = edge_app or create_app(gateway, on_shutdown=(upstream.close,))
     protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
@@ -240,8 +300,10 @@ async def serve(args) -> None:
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        log.info("gateway_ready", address=f"{args.host}:{args.port}", tls=tls, scheduler=args.address,
-                 scheduler_tls=bool(args.tls_ca), models=list(args.served_model_name) or None)
+        upstream_of = {"edge_upstream": args.edge_upstream} if args.edge_upstream else {
+            "scheduler": args.address, "scheduler_tls": bool(args.tls_ca), "trust_gie_headers": bool(gie_hop_secret)}
+        log.info("gateway_ready", address=f"{args.host}:{args.port}", tls=tls, **upstream_of,
+                 models=list(args.served_model_name) or None)
 
     ready = asyncio.ensure_future(announce())
     if token_names is not None:

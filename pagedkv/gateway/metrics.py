@@ -35,3 +35,6 @@ DISCONNECTS = Counter("pagedkv_gateway_client_disconnects_total",
 HTTP_BOUNDS = Counter("pagedkv_gateway_http_bounds_total", "Connections the HTTP bounds answered and closed: a "
                       "head over --max-header-bytes, a head or body not in within --header-timeout / --body-timeout",
                       ["reason"], registry=REGISTRY)
+EDGE_STRIPPED = Counter("pagedkv_gateway_edge_stripped_total", "Routing fields clients sent that the edge mode dropped "
+                        "or replaced, by kind (cache_salt: nvext.cache_salt; dynamo_meta: x-dynamo-meta-* headers; "
+                        "trusted_hop: x-pagedkv-* and GIE headers)", ["kind"], registry=REGISTRY)

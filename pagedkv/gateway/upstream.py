@@ -13,8 +13,12 @@ from starlette.requests import Request
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway.errors import ApiError, from_grpc
 from pagedkv.resume_policy import DEFAULT_RESUME, ResumePolicy
+from pagedkv.trusted_hop import FAIRNESS_ID_HEADER, HOP_HEADER, OBJECTIVE_HEADER
 
 MAX_AUTH_HEADER_CHARS = 4096
+MAX_GIE_HEADER_CHARS = 256
+# set by GIE's endpoint picker (through Envoy); passed on only with --trust-gie-headers
+GIE_HEADERS = (FAIRNESS_ID_HEADER, OBJECTIVE_HEADER)
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # where clients send keys; only the first is read
 
 # The upstream streams resume as pagedkv.client's do, except that a full queue before anything was sent is passed on
@@ -95,3 +99,23 @@ def auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
         raise ApiError(401, f"Authorization: must be 'Bearer <key>' in printable ASCII, at most "
                        f"{MAX_AUTH_HEADER_CHARS} characters", code="invalid_api_key")
     return (("authorization", value),)
+
+
+def gie_metadata(request: Request, hop_secret: str) -> tuple[tuple[str, str], ...]:
+    """GIE's fairness id (the tenant) and objective (a priority class), passed to the scheduler as this gateway's
+    trusted-hop assertion (``x-pagedkv-hop`` with ``hop_secret``); nothing when the request has neither. Only a
+    gateway whose clients are the inference gateway (--trust-gie-headers) calls this: otherwise the headers are
+    never read. Each header once, printable ASCII, at most MAX_GIE_HEADER_CHARS: else 400 naming it."""
+    out = []
+    for name in GIE_HEADERS:
+        values = request.headers.getlist(name)
+        if not values:
+            continue
+        if len(values) > 1:
+            raise ApiError(400, f"{name}: sent {len(values)} times; send it once", param=name)
+        value = values[0]
+        if not value or len(value) > MAX_GIE_HEADER_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in value):
+            raise ApiError(400, f"{name}: must be 1 to {MAX_GIE_HEADER_CHARS} printable ASCII characters without "
+                           "spaces", param=name)
+        out.append((name, value))
+    return ((HOP_HEADER, hop_secret), *out) if out else ()
