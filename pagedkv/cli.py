@@ -1,5 +1,5 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | gateway | generate | bench | hash-key | health |
-gen-certs."""
+"""The ``pagedkv`` command: serve | scheduler | executor | gateway | dynamo-worker | generate | bench | hash-key |
+health | gen-certs."""
 
 from __future__ import annotations
 
@@ -163,9 +163,24 @@ def _finish_name(value: int) -> str:
     return FINISH_NAMES.get(value) or str(value)
 
 
+def _dynamo_worker(args) -> int:
+    try:
+        from pagedkv.dynamo_worker import main as dynamo_worker
+    except ImportError as err:
+        print(f"error: pagedkv dynamo-worker needs NVIDIA Dynamo (pagedkv[dynamo]: make install-dynamo): {err}",
+              file=sys.stderr, flush=True)
+        return 1
+    try:
+        return dynamo_worker(args)
+    except (ValueError, FileNotFoundError, OSError) as err:  # a bad --model, an unreadable secret file
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
 # ---- main --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from executor_svc import args as executor_args
+    from pagedkv import dynamo_args
     from pagedkv.resume_policy import add_resume_args
     from pagedkv.security import add_tls_client_args
     from pagedkv.serve_args import add_args as add_serve_args
@@ -223,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.gateway.cli import add_args as add_gateway_args
 
     add_gateway_args(p)
+    p = sub.add_parser("dynamo-worker", help="a sidecar that makes a running scheduler an NVIDIA Dynamo backend "
+                       "(needs pagedkv[dynamo]: make install-dynamo)", description=dynamo_args.DESCRIPTION)
+    dynamo_args.add_args(p)
     p = sub.add_parser("gen-certs", help="write a CA, a server certificate and key (and an executor secret) for TLS")
     from pagedkv.certs import add_args as add_certs_args
 
@@ -254,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
+    if args.command == "dynamo-worker":
+        return _dynamo_worker(args)
     if args.command == "gateway":
         from pagedkv.gateway.cli import main as gateway
 
