@@ -1,6 +1,6 @@
 # make serve   - install into .venv (first time) and serve the built-in smollm2-135m-instruct on 127.0.0.1:50051
 #                (MODEL=tiny-llama for the random test model, MODEL=/path/to/hf-dir for a checkpoint)
-# make test    - install into .venv (first time) and run the test suite
+# make test    - install into .venv (first time; NVIDIA Dynamo too: make install-dynamo) and run the test suite
 # make test-fast - the unit tier only (pytest -m unit: no process, no socket, <= 60 s): run it on every edit
 #                  (tiers and folders: tests/README.md)
 # make test-unit - the same as test-fast
@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: install serve test test-fast test-unit lint bench proto clean
+.PHONY: install install-dynamo serve test test-fast test-unit lint bench proto clean
 
 install: $(VENV)/.installed
 
@@ -28,10 +28,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $@
 
+# NVIDIA Dynamo, for `pagedkv dynamo-worker` and tests/e2e/test_dynamo_fleet.py: ai-dynamo and ai-dynamo-runtime go in
+# with --no-deps: ai-dynamo requires aisimulate, a stub sdist whose install downloads its wheel from pypi.nvidia.com
+# (not a package registry these machines reach), and only Dynamo's planner, profiler and simulator use it, never its
+# frontend, KV router or dynamo.common.backend. Their other dependencies are pyproject.toml's dynamo extra (pydantic
+# <= 2.13.5: the runtime's bound; every other package here takes it). They share .venv: pip check then misses only
+# aisimulate (and xgrammar's triton). ~80 MB of wheels, ~310 MB installed.
+install-dynamo: $(VENV)/.installed-dynamo
+
+$(VENV)/.installed-dynamo: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev,dynamo]'
+	$(PY) -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+	touch $@
+
 serve: install
 	$(VENV)/bin/pagedkv serve --model $(MODEL) $(ARGS)
 
-test: install
+test: install install-dynamo
 	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 test-fast: install
