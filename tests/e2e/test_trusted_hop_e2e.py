@@ -41,7 +41,8 @@ NUM_PAGES = 256
 
 class Stack:
     def __init__(self, tmp) -> None:
-        (tmp / "tenants.toml").write_text(TENANTS)
+        self.tenants_path = tmp / "tenants.toml"
+        self.tenants_path.write_text(TENANTS)
         (tmp / "hop.secret").write_text(HOP_SECRET)
         self.procs: list[procs.Proc] = []
         self.executor = self._start(lambda: procs.executor("--num-pages", str(NUM_PAGES)))
@@ -171,6 +172,37 @@ def test_the_gateway_passes_gie_headers_as_a_trusted_hop(stack):
     # a client's own x-pagedkv-tenant is not passed on: its key decides
     code, err = stack.post("/v1/completions", body, {TENANT_HEADER: "beta"})
     assert code == 401, err
+
+
+def test_a_reload_ends_a_hop_stream_only_when_its_tenant_goes(stack):
+    """A stream a hop opened for beta carries no key: a reload that keeps beta lets it run on (a key check would
+    have ended it), one that removes beta ends it."""
+    sched, hold = stack.scheduler, {"max_tokens": 1500, "ignore_eos": True}
+    without_beta = TENANTS.split("[tenants.beta]")[0]
+
+    async def scenario():
+        async with Client(sched.address, metadata=hop_metadata(HOP_SECRET, "beta"), resume=None) as c:
+            stream = c.generate([1, 52, 7], **hold)
+            await anext(stream)
+            sched.signal(signal.SIGHUP)  # (the same file)
+            assert await asyncio.to_thread(procs.wait_for, lambda: sched.log().count("tenants_reloaded") >= 1, 60)
+            still = await anext(stream)
+            stack.tenants_path.write_text(without_beta)
+            sched.signal(signal.SIGHUP)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream:
+                    pass
+            return still, err.value
+    try:
+        still, err = run(scenario())
+    finally:
+        stack.tenants_path.write_text(TENANTS)
+        sched.signal(signal.SIGHUP)
+    assert still.token_ids
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    assert err.details() == "tenant beta no longer in the tenants file: the tenants file was reloaded and this " \
+        "stream ended"
+    assert procs.wait_for(lambda: sched.log().count("tenants_reloaded") >= 3, 60)
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
