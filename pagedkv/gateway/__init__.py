@@ -27,5 +27,12 @@ The modules, in the order a request meets them:
 - ``upstream``: the scheduler's channel, the caller's credentials as metadata;
 - ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by
   ``openai_responses``); ``errors``: ApiError and the gRPC status mapping; ``metrics``: the gateway's series;
-- ``cli``: ``pagedkv gateway`` (flags, uvicorn), the ``serve --http-port`` child and ``health --http``.
+- ``cli``: ``pagedkv gateway`` (flags, uvicorn), the ``serve --http-port`` child and ``health --http``;
+- ``edge``: the edge mode (``--edge-upstream URL``): no scheduler; keys checked against ``--tenants-file``, the
+  request relayed to a fleet frontend (Dynamo's) with the tenant's cache salt and signed assertion, the answer
+  streamed back.
+
+With ``--trust-gie-headers`` (and the scheduler's trusted-hop secret) GIE's ``x-gateway-inference-fairness-id`` and
+``x-gateway-inference-objective`` go to the scheduler as a trusted hop's assertion (pagedkv/trusted_hop.py);
+without it they are never read.
 """
