@@ -161,7 +161,8 @@ def _fleet_app(args, upstream_close, log):
             raise ValueError("--trust-gie-headers: not with --edge-upstream (the edge drops GIE's headers: the fleet "
                              "router behind it routes)")
         edge = Edge(args.edge_upstream, args.tenants_file, fleet_salt.load_fleet_secret(args.fleet_secret_file), log,
-                    args.tls_ca, args.max_body_bytes, args.max_response_bytes, args.tenant_assertion_ttl)
+                    args.tls_ca, args.max_body_bytes, args.max_response_bytes, args.tenant_assertion_ttl,
+                    args.max_streams)
         return create_edge_app(edge, on_shutdown=(upstream_close,)), ""
     for flag, value in (("--tenants-file", args.tenants_file), (fleet_salt.FLEET_SECRET_FLAG, args.fleet_secret_file)):
         if value:

@@ -14,8 +14,9 @@ For ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models
 4. relays the answer as it comes (SSE chunk by chunk, nothing held whole), the upstream's status and error body
    unchanged; an upstream that cannot be reached is 502, one that stops answering 504.
 
-The request body is bounded (``--max-body-bytes``, default EDGE_MAX_BODY_BYTES) and so is the answer relayed
-(``--max-response-bytes``: past it the relay ends; an SSE stream gets an error event first).
+The request body is bounded (``--max-body-bytes``, default EDGE_MAX_BODY_BYTES), and so are the answer relayed
+(``--max-response-bytes``: past it the relay ends; an SSE stream gets an error event first) and the answers relayed
+at once (``--max-streams``: past it 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -34,12 +34,12 @@ import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedkv import fleet_salt
 from pagedkv.gateway import app as gateway_app
-from pagedkv.gateway.errors import ApiError
+from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import EDGE_STRIPPED, LATENCY, REQUESTS
 from pagedkv.gateway.upstream import auth_metadata
@@ -87,7 +87,7 @@ def load_tenants(path: str) -> Tenants:
 class Edge:
     def __init__(self, upstream: str, tenants_file: str, secret: bytes, log, tls_ca: str = "",
                  max_body_bytes: int = 0, max_response_bytes: int = 0,
-                 assertion_ttl: float = fleet_salt.DEFAULT_ASSERTION_TTL_S) -> None:
+                 assertion_ttl: float = fleet_salt.DEFAULT_ASSERTION_TTL_S, max_streams: int = 1024) -> None:
         if not tenants_file:
             raise ValueError("--edge-upstream needs --tenants-file: the edge checks every API key itself (the "
                              "fleet frontend behind it checks none)")
@@ -102,6 +102,7 @@ class Edge:
         self.limits = EdgeLimits(max_body_bytes or EDGE_MAX_BODY_BYTES)
         self.max_response_bytes = max_response_bytes or (1 << 62)
         self.assertion_ttl = assertion_ttl
+        self.max_streams, self.active = max_streams, 0  # answers being relayed (--max-streams bounds them)
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         # NOTE: no proxies from the environment (trust_env=False): the tenant's assertion goes to --edge-upstream only.
@@ -169,24 +170,35 @@ class Edge:
     async def models(self, request: Request) -> Response:
         return await self.relay(request, "models", "/v1/models", "")
 
+    def check_streams(self) -> None:
+        if self.active >= self.max_streams:
+            raise ApiError(429, f"this gateway is relaying {self.active} answers, its limit (--max-streams); retry "
+                           "later", code="too_many_requests", retry_after=RETRY_AFTER_S)
+
     async def relay(self, request: Request, endpoint: str, path: str, param: str) -> Response:
         started = time.perf_counter()
         try:
             tenant = self.tenant(request)
             content = self.body(await read_json(request, self.limits, param), tenant) if param else None
             headers = self.headers(request, tenant)
+            self.check_streams()
             upstream = self.client.build_request("POST" if param else "GET", self.base + path, headers=headers,
                                                  content=content)
-            answer = await self._send(upstream)
+            self.active += 1  # (until _finished)
+            try:
+                answer = await self._send(upstream)
+            except BaseException:
+                self.active -= 1
+                raise
         except ApiError as err:
             REQUESTS.labels(endpoint, str(err.status)).inc()
             self.log.info("request_refused", endpoint=endpoint, status=err.status, error=err.message)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
-        relayed = {k: v for k, v in answer.headers.items() if k in RELAYED_HEADERS}
+        relayed = [(k, v) for k, v in answer.headers.items() if k in RELAYED_HEADERS]
         if answer.status_code >= 400:  # an error: small, read whole (bounded) and passed on as it is
             body = await self._read_bounded(answer, MAX_ERROR_BODY_BYTES)
             self._finished(endpoint, answer.status_code, started, tenant)
-            return Response(body, status_code=answer.status_code, headers=relayed)
+            return Response(body, status_code=answer.status_code, headers=dict(relayed))
         declared = answer.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_response_bytes:
             await answer.aclose()
@@ -194,9 +206,7 @@ class Edge:
                            f"{self.max_response_bytes} (--max-response-bytes)")
             self._finished(endpoint, 502, started, tenant)
             return JSONResponse(err.body(), status_code=502)
-        sse = answer.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._chunks(answer, sse, endpoint, started, tenant),
-                                 status_code=answer.status_code, headers=relayed)
+        return Relay(self, answer, relayed, endpoint, started, tenant)
 
     async def _send(self, upstream: httpx.Request) -> httpx.Response:
         try:
@@ -219,35 +229,8 @@ class Edge:
             await answer.aclose()
         return bytes(body)
 
-    async def _chunks(self, answer: httpx.Response, sse: bool, endpoint: str, started: float,
-                      tenant: Tenant) -> AsyncIterator[bytes]:
-        """The answer's bytes as they come, up to --max-response-bytes; the upstream closed when the client goes
-        (the generator is cancelled) or the answer ends."""
-        sent, status = 0, answer.status_code
-        try:
-            async for chunk in answer.aiter_raw():
-                sent += len(chunk)
-                if sent > self.max_response_bytes:
-                    status = 502
-                    self.log.warning("edge_answer_cut", endpoint=endpoint, tenant=tenant.id,
-                                     max_response_bytes=self.max_response_bytes)
-                    if sse:
-                        error = ApiError(502, f"the answer passed this gateway's --max-response-bytes "
-                                         f"({self.max_response_bytes}); it was cut here")
-                        yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-                    return
-                yield chunk
-        except httpx.HTTPError as err:
-            status = 502
-            self.log.warning("edge_upstream_broke", endpoint=endpoint, tenant=tenant.id, error=type(err).__name__)
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            await answer.aclose()
-            self._finished(endpoint, status, started, tenant)
-
     def _finished(self, endpoint: str, status: int, started: float, tenant: Tenant) -> None:
+        self.active -= 1
         elapsed = time.perf_counter() - started
         REQUESTS.labels(endpoint, str(status)).inc()
         LATENCY.labels(endpoint).observe(elapsed)
@@ -266,6 +249,74 @@ class Edge:
             return JSONResponse({"status": "ok", "upstream": status})
         return JSONResponse(ApiError(503, f"the edge upstream ({self.base}/health) is not serving ({status})").body(),
                             status_code=503)
+
+
+class Relay(Response):
+    """An upstream answer relayed inside the ASGI call, so that it sees the client go: its bytes sent as they come
+    (each waits for the client to take the one before: nothing piles up here), at most --max-response-bytes (past
+    it the relay ends; an SSE stream gets an error event first); the upstream's answer closed however it ends."""
+
+    def __init__(self, edge: Edge, answer: httpx.Response, headers: list[tuple[str, str]], endpoint: str,
+                 started: float, tenant: Tenant) -> None:
+        self.edge, self.answer, self.endpoint, self.started, self.tenant = edge, answer, endpoint, started, tenant
+        self.status_code = answer.status_code
+        self.raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self.sse = answer.headers.get("content-type", "").startswith("text/event-stream")
+        self.background = None
+        self.ended = False
+
+    async def _end(self, status: int) -> None:
+        """The upstream closed and the relay counted, once (before the client has the last byte: a client's next
+        request finds its stream free)."""
+        if not self.ended:
+            self.ended = True
+            await self.answer.aclose()
+            self.edge._finished(self.endpoint, status, self.started, self.tenant)
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(client_gone())
+        work = asyncio.ensure_future(self._pump(send))
+        status = self.status_code
+        try:
+            await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                status = 499
+                work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        finally:
+            watcher.cancel()
+            work.cancel()  # (this call itself cancelled: the server is stopping)
+            await self._end(status)
+
+    async def _pump(self, send) -> None:
+        """Sends the answer; counted 502 when it was cut (its bound, or the upstream broke off)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw})
+        edge, sent, cut = self.edge, 0, None
+        try:
+            async for chunk in self.answer.aiter_raw():
+                sent += len(chunk)
+                if sent > edge.max_response_bytes:
+                    cut = 502
+                    edge.log.warning("edge_answer_cut", endpoint=self.endpoint, tenant=self.tenant.id,
+                                     max_response_bytes=edge.max_response_bytes)
+                    if self.sse:
+                        error = ApiError(502, f"the answer passed this gateway's --max-response-bytes "
+                                         f"({edge.max_response_bytes}); it was cut here")
+                        await send({"type": "http.response.body", "more_body": True,
+                                    "body": b"data: " + json.dumps(error.body()).encode() + b"\n\n"})
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as err:
+            cut = 502
+            edge.log.warning("edge_upstream_broke", endpoint=self.endpoint, tenant=self.tenant.id,
+                             error=type(err).__name__)
+        await self._end(cut or self.status_code)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def create_edge_app(edge: Edge, on_shutdown=()) -> Starlette:

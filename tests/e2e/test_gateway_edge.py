@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -97,7 +98,7 @@ def edge(tmp_path_factory):
     (tmp / "fleet.secret").write_text(FLEET_SECRET)
     frontend = FakeFrontend()
     gateway = procs.Proc("gateway", "--edge-upstream", frontend.url, "--tenants-file", str(tmp / "tenants.toml"),
-                         "--fleet-secret-file", str(tmp / "fleet.secret"))
+                         "--fleet-secret-file", str(tmp / "fleet.secret"), "--max-streams", "1")
     client = httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60)
     yield frontend, client, gateway
     client.close()
@@ -146,18 +147,44 @@ def test_client_routing_hints_are_replaced_by_the_tenants(edge):
     assert r.status_code == 400 and r.json()["error"]["param"] == "nvext"
 
 
+STREAM = {"model": "tiny", "prompt": "hi", "stream": True}
+
+
 def test_a_stream_passes_through_as_it_comes(edge):
     frontend, client, _ = edge
     frontend.release.clear()
-    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True},
-                       headers={"authorization": f"Bearer {KEY_A}"}) as r:
+    with client.stream("POST", "/v1/completions", json=STREAM, headers={"authorization": f"Bearer {KEY_A}"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
         first = next(line for line in lines if line)
         assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "first"  # before the rest exists
+        over = client.post("/v1/completions", json=STREAM, headers={"authorization": f"Bearer {KEY_A}"})
+        assert over.status_code == 429 and "--max-streams" in over.json()["error"]["message"]  # (1 relayed now)
         frontend.release.set()
         rest = [line for line in lines if line]
     assert rest == ['data: {"choices":[{"index":0,"text":"second"}]}', "data: [DONE]"]
+
+
+def _disconnects(client: httpx.Client) -> float:
+    text = client.get("/metrics").text
+    m = re.search(r'^pagedkv_gateway_requests_total\{endpoint="completions",status="499"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_gone_mid_stream_ends_the_relay(edge):
+    frontend, client, _ = edge
+    frontend.release.clear()
+    before = _disconnects(client)
+    with client.stream("POST", "/v1/completions", json=STREAM, headers={"authorization": f"Bearer {KEY_A}"}) as r:
+        assert next(line for line in r.iter_lines() if line).startswith("data: ")
+    # (closed with the rest not yet sent: the edge sees the client go, closes the upstream and frees the stream)
+    try:
+        assert procs.wait_for(lambda: _disconnects(client) == before + 1, 30)
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                        headers={"authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 200, r.text  # (--max-streams 1: the gone stream no longer counts)
+    finally:
+        frontend.release.set()
 
 
 def test_upstream_errors_and_health_are_relayed(edge):
