@@ -298,6 +298,8 @@ class GenerationService(api_grpc.GenerationServicer):
                                     f"request_id: {err.args[0]!r} is already in use by a live request")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
+        if caller.asserted or caller.priority is not None:  # (who vouched for the tenant, or set the priority)
+            extra["trusted_hop"] = {"tenant": caller.asserted, "priority": req.priority}
         if resume is not None:
             extra["resumed"] = {index: len(ids) for index, ids in resume}  # fork -> tokens the client had
             metrics.RESUMED_REQUESTS.inc()

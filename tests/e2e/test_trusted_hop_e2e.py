@@ -163,6 +163,8 @@ def test_the_gateway_passes_gie_headers_as_a_trusted_hop(stack):
     code, hit = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "beta", OBJECTIVE_HEADER: "interactive"})
     assert code == 200, hit  # (no key: the fairness id names the tenant)
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    assert procs.wait_for(lambda: stack.scheduler.saw("request_admitted", tenant="beta", trusted_hop={
+        "tenant": True, "priority": -10}), 30), "the objective's priority was not the request's"
     code, miss = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "alpha"})
     assert code == 200 and miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, miss
     code, err = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "beta", OBJECTIVE_HEADER: "gold"})
