@@ -332,16 +332,15 @@ class KVManager:
     def publish(self, req: Request) -> None:
         """After the executor confirmed a step: make the request's newly full pages findable (those the
         confirmed tokens filled; a plan still in flight may be filling the next)."""
-        if not self._caching:
-            return
         full = min(req.num_confirmed // self._bs, len(req.page_table))
-        if full <= req.num_published:
+        if not self._caching or full <= req.num_published:
             return
         extend_chain(req.page_hashes, req.hash_root, req.all_token_ids, self._bs, full)
+        events = self._pool.events  # (a page findable for the first time is described to the KV event log)
         for j in range(req.num_published, full):
             h = req.page_hashes[j]
-            if req.page_table[j] != DROPPED_PAGE:
-                self._pool.publish(req.page_table[j], h)
+            if req.page_table[j] != DROPPED_PAGE and self._pool.publish(req.page_table[j], h) and events is not None:
+                events.describe(req, j)
             if self._inflight.get(h) is req:
                 del self._inflight[h]
         req.num_published = full

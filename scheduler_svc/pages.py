@@ -7,7 +7,8 @@ an LRU with O(1) removal from the middle (a cache hit on a free page takes it ou
 
 Policy code asks ``can_allocate``/``allocate``, ``lookup``/``share``, ``publish`` and ``free``; it never
 touches the queue, the refcounts or the hash maps. The same class accounts for the device tier and the
-host tier (swap space); ``on_evict`` lets the owner copy a cached page elsewhere before it is reused.
+host tier (swap space); ``on_evict`` lets the owner copy a cached page elsewhere before it is reused. With
+``events`` (the process's KvEventLog) every change of what is findable is reported to it, as ``medium``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,21 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from pagedkv.wire import DROPPED_PAGE
+from scheduler_svc.kv_events import DEVICE_MEDIUM, HOST_MEDIUM, KvEventLog
 
 
 def held(table: list[int]):
     """The pages a page table holds (entries of dropped pages left out)."""
     return (p for p in table if p != DROPPED_PAGE)
+
+
+def tier_pools(num_pages: int, block_size: int, num_host_pages: int, events: KvEventLog | None = None,
+               ) -> tuple[PagePool, PagePool | None]:
+    """One executor's pools: its device pages and its host pages (None: no swap space), both reporting to
+    ``events``."""
+    host = (PagePool(num_host_pages, block_size, min_pages=0, events=events, medium=HOST_MEDIUM)
+            if num_host_pages else None)
+    return PagePool(num_pages, block_size, events=events), host
 
 
 class OutOfPages(Exception):
@@ -29,10 +40,13 @@ class OutOfPages(Exception):
 
 class PagePool:
     def __init__(self, num_pages: int, block_size: int, min_pages: int = 1,
-                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+                 on_evict: Callable[[int, bytes], None] | None = None, events: KvEventLog | None = None,
+                 medium: str = DEVICE_MEDIUM) -> None:
         if num_pages < min_pages:
             raise ValueError(f"num_pages must be >= {min_pages}, got {num_pages}")
         self._on_evict = on_evict  # called with (page, hash) when a cached free page is handed out again
+        self._events = events  # (None: no one listens; the hot paths check only that)
+        self._medium = medium
         self._num_pages = num_pages
         self._block_size = block_size
         self._refcounts = [0] * num_pages
@@ -67,6 +81,15 @@ class PagePool:
     def free_queue(self) -> OrderedDict[int, None]:
         """The free pages, next out first."""
         return self._free_queue
+
+    @property
+    def events(self) -> KvEventLog | None:
+        """The KV event log this pool reports to (None: KV events are off)."""
+        return self._events
+
+    @property
+    def medium(self) -> str:
+        return self._medium
 
     def owner_of(self, page: int) -> str | None:
         """The tenant a used page counts against (None: free)."""
@@ -106,6 +129,8 @@ class PagePool:
             old = self._hash_of_page.pop(page, None)
             if old is not None:
                 del self._page_of_hash[old]
+                if self._events is not None:
+                    self._events.removed(old, self._medium)
                 if self._on_evict is not None:
                     self._on_evict(page, old)
             self._refcounts[page] = 1
@@ -153,6 +178,8 @@ class PagePool:
             return False
         self._page_of_hash[page_hash] = page
         self._hash_of_page[page] = page_hash
+        if self._events is not None:
+            self._events.stored(page_hash, self._medium)
         return True
 
     def unpublish(self, pages: Iterable[int]) -> None:
@@ -161,9 +188,13 @@ class PagePool:
             h = self._hash_of_page.pop(p, None)
             if h is not None:
                 del self._page_of_hash[h]
+                if self._events is not None:
+                    self._events.removed(h, self._medium)
 
     def forget_hashes(self) -> None:
         """Nothing is findable any more (the executor that held the contents is gone)."""
+        if self._events is not None:
+            self._events.forgot(list(self._page_of_hash), self._medium)
         self._hash_of_page.clear()
         self._page_of_hash.clear()
 

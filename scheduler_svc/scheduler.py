@@ -20,7 +20,7 @@ from scheduler_svc.admission import Admit, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
-from scheduler_svc.pages import PagePool
+from scheduler_svc.pages import PagePool, tier_pools
 from scheduler_svc.plan_view import PlanView, count, plans_ahead, uncount
 from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy
 from scheduler_svc.queues import RequestQueues
@@ -75,8 +75,9 @@ class Scheduler:
                 self._policy = PreemptionPolicy(self.config.preemption, costs)
             return self
         self.limits.leave()
-        host = PagePool(num_host_pages, block_size, min_pages=0) if num_host_pages else None
-        planner = Scheduler(PagePool(num_pages, block_size), self.config, self._eos_token_ids, host,
+        self.kv.forget_cached()  # (these pools go: nothing they held is findable any more)
+        pool, host = tier_pools(num_pages, block_size, num_host_pages, self._pool.events)
+        planner = Scheduler(pool, self.config, self._eos_token_ids, host,
                             costs or self._policy.costs, None, self.ledger, self.counters, self.limits.stats_by_tenant)
         planner.step_id = self.step_id
         return planner
@@ -140,9 +141,8 @@ class Scheduler:
         """The next step (None: nothing to send) and the messages of requests ended since the last. ``resend``: plan
         nothing (the wire resends a rejected plan's page operations), only the ids to forget."""
         outputs = [(r, self.finish(r, Finish.ABORT)) for r in list(self.queues.requests.values()) if r.aborted]
-        if self._deferred:
-            outputs += self._deferred
-            self._deferred = []
+        outputs += self._deferred
+        self._deferred.clear()
         if resend:
             self.step_id += 1
             return Step(self.step_id, [], PageOps(), self.queues.take_forget(), resend=True), outputs
