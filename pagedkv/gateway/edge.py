@@ -294,29 +294,48 @@ class Relay(Response):
             await self._end(status)
 
     async def _pump(self, send) -> None:
-        """Sends the answer; counted 502 when it was cut (its bound, or the upstream broke off)."""
+        """Sends the answer; counted 502 when it was cut (its bound, or the upstream broke off). An SSE answer goes
+        event by event (what of an event has come waits for its end, within the bound), so a cut falls between two
+        events and its error event reads as one."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw})
-        edge, sent, cut = self.edge, 0, None
+        edge, sent, cut, pending = self.edge, 0, None, bytearray()
         try:
             async for chunk in self.answer.aiter_raw():
-                sent += len(chunk)
-                if sent > edge.max_response_bytes:
+                pending += chunk
+                ready = sse_events_end(pending) if self.sse else len(pending)
+                if sent + (ready or len(pending)) > edge.max_response_bytes:
                     cut = 502
-                    edge.log.warning("edge_answer_cut", endpoint=self.endpoint, tenant=self.tenant.id,
-                                     max_response_bytes=edge.max_response_bytes)
-                    if self.sse:
-                        error = ApiError(502, f"the answer passed this gateway's --max-response-bytes "
-                                         f"({edge.max_response_bytes}); it was cut here")
-                        await send({"type": "http.response.body", "more_body": True,
-                                    "body": b"data: " + json.dumps(error.body()).encode() + b"\n\n"})
+                    await self._cut(send)
                     break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if ready:
+                    sent += ready
+                    await send({"type": "http.response.body", "body": bytes(pending[:ready]), "more_body": True})
+                    del pending[:ready]
+            else:
+                if pending:  # (an SSE answer's last bytes, without the blank line that ends an event)
+                    await send({"type": "http.response.body", "body": bytes(pending), "more_body": True})
         except httpx.HTTPError as err:
             cut = 502
             edge.log.warning("edge_upstream_broke", endpoint=self.endpoint, tenant=self.tenant.id,
                              error=type(err).__name__)
         await self._end(cut or self.status_code)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _cut(self, send) -> None:
+        edge = self.edge
+        edge.log.warning("edge_answer_cut", endpoint=self.endpoint, tenant=self.tenant.id,
+                         max_response_bytes=edge.max_response_bytes)
+        if self.sse:
+            error = ApiError(502, f"the answer passed this gateway's --max-response-bytes ({edge.max_response_bytes})"
+                             "; it was cut here")
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(error.body()).encode() + b"\n\n"})
+
+
+def sse_events_end(data: bytearray) -> int:
+    """How many of ``data``'s bytes are whole SSE events (up to the last blank line, LF or CRLF); 0: none."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def create_edge_app(edge: Edge, on_shutdown=()) -> Starlette:

@@ -23,6 +23,7 @@ from tests.support import procs
 
 pytestmark = pytest.mark.e2e
 
+MAX_RESPONSE_BYTES = 64 << 10  # the edge's --max-response-bytes (its least)
 FLEET_SECRET = "fleet-secret-for-the-edge-test-0123"
 KEY_A, KEY_B = "key-edge-alpha", "key-edge-beta"
 TENANTS = f"""
@@ -68,6 +69,17 @@ class FakeFrontend:
                 frontend.received.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                 if body.get("model") == "missing":
                     return self._answer(404, {"error": {"message": "model missing not found", "code": 404}})
+                if body.get("prompt") == "big" and not body.get("stream"):
+                    return self._answer(200, {"choices": [{"text": "x" * 2 * MAX_RESPONSE_BYTES}]})
+                if body.get("prompt") == "big":  # an SSE stream twice the edge's bound
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("connection", "close")
+                    self.end_headers()
+                    for _ in range(2 * MAX_RESPONSE_BYTES // 1024):
+                        self.wfile.write(b'data: {"choices":[{"text":"' + b"y" * 990 + b'"}]}\n\n')
+                    self.close_connection = True
+                    return
                 if not body.get("stream"):
                     return self._answer(200, {"id": "cmpl-1", "object": "text_completion",
                                               "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]})
@@ -98,7 +110,8 @@ def edge(tmp_path_factory):
     (tmp / "fleet.secret").write_text(FLEET_SECRET)
     frontend = FakeFrontend()
     gateway = procs.Proc("gateway", "--edge-upstream", frontend.url, "--tenants-file", str(tmp / "tenants.toml"),
-                         "--fleet-secret-file", str(tmp / "fleet.secret"), "--max-streams", "1")
+                         "--fleet-secret-file", str(tmp / "fleet.secret"), "--max-streams", "1",
+                         "--max-response-bytes", str(MAX_RESPONSE_BYTES))
     client = httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60)
     yield frontend, client, gateway
     client.close()
@@ -163,6 +176,19 @@ def test_a_stream_passes_through_as_it_comes(edge):
         frontend.release.set()
         rest = [line for line in lines if line]
     assert rest == ['data: {"choices":[{"index":0,"text":"second"}]}', "data: [DONE]"]
+
+
+def test_an_answer_past_max_response_bytes_is_cut(edge):
+    _, client, _ = edge
+    auth = {"authorization": f"Bearer {KEY_A}"}
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "big"}, headers=auth)
+    assert r.status_code == 502 and "--max-response-bytes" in r.json()["error"]["message"]
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "big", "stream": True},
+                       headers=auth) as r:
+        body = r.read()
+    assert MAX_RESPONSE_BYTES - 1024 < len(body) < MAX_RESPONSE_BYTES + 1024
+    last = body.rstrip().rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"data: ") and "it was cut here" in json.loads(last[6:])["error"]["message"]
 
 
 def _disconnects(client: httpx.Client) -> float:
