@@ -25,6 +25,8 @@ def test_generated_stubs_are_current(tmp_path: Path):
 def test_services_are_versioned():
     from pagedkv.api.v1 import api_pb2
     from pagedkv.executor.v1 import executor_pb2
+    from pagedkv.kvevents.v1 import kv_events_pb2
 
     assert api_pb2.DESCRIPTOR.package == "pagedkv.api.v1"
     assert executor_pb2.DESCRIPTOR.package == "pagedkv.executor.v1"
+    assert kv_events_pb2.DESCRIPTOR.package == "pagedkv.kvevents.v1"
