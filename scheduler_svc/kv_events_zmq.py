@@ -29,18 +29,21 @@ no tenant and no key, only salts.
 
 Publishing runs in a thread of its own that owns the sockets; the event loop only hands it batches. It never
 blocks a step: PUB drops at ``hwm`` for a slow subscriber (ZMQ's rule; the replay buffer fills the gap), and a
-full hand-off queue (``max_queue_size``) drops the batch with a warning.
+full hand-off queue (``max_queue_size``) drops the batch with a warning; once there is room again, one batch
+(numbered as the last one it stands for) clears and restates every page findable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import socket
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,15 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from pagedkv import security
+from scheduler_svc.kv_events import (
+    Batch,
+    Cleared,
+    KvEventLog,
+    Removed,
+    Stored,
+    SubscriberLagged,
+    Subscription,
+)
 
 CONFIG_FLAG = "--kv-events-config"
 CURVE_SECRET_FLAG = "--kv-events-curve-secret-key-file"
@@ -62,6 +74,7 @@ MAX_BUFFER_STEPS = 1_000_000
 MAX_HWM = 10_000_000
 MAX_QUEUE_SIZE = 10_000_000
 MAX_TOPIC_BYTES = 1024
+ROOM_POLL_S = 0.05
 CLOSE_LINGER_MS = 500  # what is still queued gets this long to leave at shutdown
 
 
@@ -77,11 +90,15 @@ class KvEventsConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
-    topic: str = ""
+    topic: str | None = None  # None: not given, kv@<host>@<served model name> (``with_default_topic``)
 
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def with_default_topic(self, model: str, host: str = "") -> KvEventsConfig:
+        """This config, its topic ``kv@<host>@<model>`` unless the JSON gave one (vLLM's default is '')."""
+        return self if self.topic is not None else replace(self, topic=default_topic(model, host))
 
 
 _DEFAULTS = KvEventsConfig()
@@ -95,9 +112,8 @@ def default_topic(model: str, host: str = "") -> str:
     return f"kv@{host or socket.gethostname()}@{model}"
 
 
-def parse_config(text: str, topic: str) -> KvEventsConfig:
-    """``--kv-events-config JSON`` checked key by key; ``topic`` is used when the JSON has none. Raises ValueError
-    naming the key and what it must be."""
+def parse_config(text: str) -> KvEventsConfig:
+    """``--kv-events-config JSON`` checked key by key. Raises ValueError naming the key and what it must be."""
     try:
         raw = json.loads(text)
     except ValueError as err:
@@ -123,8 +139,8 @@ def parse_config(text: str, topic: str) -> KvEventsConfig:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
             raise ValueError(f"{CONFIG_FLAG}: {key} must be an integer in [1, {limit}], got {value!r}")
         values[key] = value
-    topic = raw.get("topic", topic)
-    if not isinstance(topic, str) or len(topic.encode("utf-8")) > MAX_TOPIC_BYTES:
+    topic = raw.get("topic")
+    if topic is not None and (not isinstance(topic, str) or len(topic.encode("utf-8")) > MAX_TOPIC_BYTES):
         raise ValueError(f"{CONFIG_FLAG}: topic must be a string of at most {MAX_TOPIC_BYTES} bytes, got "
                          f"{str(topic)[:40]!r}")
     values["topic"] = topic
@@ -215,7 +231,7 @@ def check_link(config: KvEventsConfig, keys: CurveKeys | None) -> None:
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------
-def _stored(event) -> dict:
+def _stored(event: Stored) -> dict:
     if event.medium not in MEDIUMS:
         raise ValueError(f"Stored.medium must be one of {MEDIUMS}, got {event.medium!r}")
     hashes = list(event.hashes)
@@ -227,22 +243,22 @@ def _stored(event) -> dict:
             "medium": event.medium, "lora_name": None, "extra_keys": extra}
 
 
-def _removed(event) -> dict:
+def _removed(event: Removed) -> dict:
     return {"type": "BlockRemoved", "block_hashes": list(event.hashes), "medium": event.medium}
 
 
-def _cleared(event) -> dict:
+def _cleared(event: Cleared) -> dict:
     return {"type": "AllBlocksCleared"}
 
 
-_ENCODERS: dict[str, Callable[[Any], dict]] = {"Stored": _stored, "Removed": _removed, "Cleared": _cleared}
+_ENCODERS: dict[type, Callable[[Any], dict]] = {Stored: _stored, Removed: _removed, Cleared: _cleared}
 
 
-def encode_batch(batch) -> bytes:
+def encode_batch(batch: Batch) -> bytes:
     """One ``KvEventLog`` batch as vLLM's msgpack ``[ts, [events], data_parallel_rank]``."""
     events = []
     for event in batch.events:
-        encoder = _ENCODERS.get(type(event).__name__)
+        encoder = _ENCODERS.get(type(event))
         if encoder is None:
             raise TypeError(f"not a KV event: {type(event).__name__}")
         events.append(encoder(event))
@@ -255,6 +271,8 @@ class ZmqKvEventPublisher:
 
     def __init__(self, config: KvEventsConfig, keys: CurveKeys | None, log) -> None:
         check_link(config, keys)
+        if config.topic is None:
+            raise ValueError("the KV events' topic is not resolved: call with_default_topic first")
         self.config, self._log = config, log
         self._topic = config.topic.encode("utf-8")
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
@@ -304,22 +322,24 @@ class ZmqKvEventPublisher:
             raise ValueError(f"{CONFIG_FLAG}: {key} {endpoint}: {err}") from None
 
     # -- the event loop's side --
-    def offer(self, seq: int, batch) -> None:
-        """Hand one batch to the thread; never waits. A full queue drops it, with a warning."""
+    def offer(self, seq: int, batch: Batch) -> bool:
+        """Hand one batch to the thread; never waits. False: the queue was full and the batch is dropped."""
         try:
             self._queue.put_nowait((seq, batch))
+            return True
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 self._log.warning("kv_events_queue_full", dropped=self.dropped, seq=seq,
                                   max_queue_size=self.config.max_queue_size,
-                                  hint="the publisher thread falls behind the scheduler; dropped batches are not "
-                                  "in the replay buffer either: subscribers should resync (AllBlocksCleared)")
+                                  hint="the publisher thread falls behind the scheduler: once it catches up, one "
+                                  "batch restates every page")
+            return False
 
-    async def pump(self, batches: AsyncIterator) -> None:
-        """Publish every batch of a ``KvEventLog`` subscription until it ends or the task is cancelled."""
-        async for batch in batches:
-            self.offer(batch.seq, batch)
+    async def until_room(self) -> None:
+        """Until the hand-off queue is at most half full (without holding the loop)."""
+        while self._queue.qsize() > self.config.max_queue_size // 2:
+            await asyncio.sleep(ROOM_POLL_S)
 
     def close(self) -> None:
         """Publish what is queued (up to a short linger), then close the sockets."""
@@ -380,6 +400,20 @@ class ZmqKvEventPublisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
+def from_args(args) -> tuple[KvEventsConfig, CurveKeys | None] | None:
+    """The scheduler's ``--kv-events-*`` flags, checked at start-up before anything else runs (None: events off).
+    Raises ValueError naming the flag or the config key."""
+    keys = load_curve_keys(args.kv_events_curve_secret_key_file, args.kv_events_curve_clients)
+    config = parse_config(args.kv_events_config) if args.kv_events_config else None
+    if config is None or not config.enabled:
+        if keys is not None:
+            raise ValueError(f"{CURVE_SECRET_FLAG} and {CURVE_CLIENTS_FLAG} protect the KV events, which are off: "
+                             f"give {CONFIG_FLAG} '{{\"enable_kv_cache_events\": true}}' too, or leave them out")
+        return None
+    check_link(config, keys)
+    return config, keys
+
+
 def start(config: KvEventsConfig, keys: CurveKeys | None, log) -> ZmqKvEventPublisher | None:
     """The publisher ``config`` asks for (None when events are off or the publisher is "null")."""
     if not config.enabled:
@@ -387,14 +421,45 @@ def start(config: KvEventsConfig, keys: CurveKeys | None, log) -> ZmqKvEventPubl
     return ZmqKvEventPublisher(config, keys, log)
 
 
-async def run(publisher: ZmqKvEventPublisher, subscription) -> None:
-    """Publish a ``KvEventLog`` subscription; closes it when cancelled."""
+async def run(publisher: ZmqKvEventPublisher, events: KvEventLog, log) -> None:
+    """Publish every batch of ``events``, from its first (the Cleared a process starts with), until cancelled. When
+    a batch is lost (the publisher's queue was full, or this task fell out of the log's buffer), publishing starts
+    again, once there is room, from a snapshot: one batch that clears and restates every page findable."""
+    subscription = _catch_up(publisher, events, 0)
     try:
-        await publisher.pump(subscription)
+        while True:
+            try:
+                async for batch in subscription:
+                    if not publisher.offer(batch.seq, batch):
+                        raise _Dropped(f"batch {batch.seq} found the publisher's queue full")
+                return
+            except (SubscriberLagged, _Dropped) as err:
+                subscription.close()
+                await publisher.until_room()
+                subscription = _catch_up(publisher, events, None)
+                log.warning("kv_events_resynced", seq=events.last_seq, error=str(err),
+                            hint="subscribers see a gap, then a batch that clears and restates every page")
     finally:
         subscription.close()
 
 
+class _Dropped(Exception):
+    pass
+
+
+def _catch_up(publisher: ZmqKvEventPublisher, events: KvEventLog, from_seq: int | None) -> Subscription:
+    """Offers the log's batches from ``from_seq`` on, or (None, or no longer buffered) a snapshot as one batch
+    [AllBlocksCleared, BlockStored, ...] numbered as the last batch it stands for; then subscribes after them."""
+    backlog = None if from_seq is None else events.replay(from_seq)
+    if backlog is None:
+        seq, stored = events.snapshot()  # (flushes first: exactly the state after batch seq)
+        publisher.offer(seq, Batch(seq, time.time(), (Cleared(), *stored)))
+    else:
+        for batch in backlog:
+            publisher.offer(batch.seq, batch)
+    return events.subscribe()  # (from the next batch: nothing was cut in between, there was no await)
+
+
 __all__ = ["CONFIG_FLAG", "CURVE_CLIENTS_FLAG", "CURVE_SECRET_FLAG", "DEFAULT_ENDPOINT", "END_SEQ", "CurveKeys",
-           "KvEventsConfig", "ZmqKvEventPublisher", "binds", "check_link", "default_topic", "encode_batch",
+           "KvEventsConfig", "ZmqKvEventPublisher", "binds", "check_link", "default_topic", "encode_batch", "from_args",
            "is_local", "load_curve_keys", "parse_config", "run", "start"]
