@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv import security, tool_calls, trusted_hop
+from pagedkv import fleet_salt, security, tool_calls, trusted_hop
 from scheduler_svc import fit
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
@@ -70,6 +70,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"a GIE objective a trusted hop may name ({trusted_hop.OBJECTIVE_HEADER}: NAME) and the "
                    "priority its requests get (lower is more important, as a request's priority; [-1000, 1000]); "
                    "repeat for each. An objective not listed is refused with INVALID_ARGUMENT naming it")
+    p.add_argument(fleet_salt.FLEET_SECRET_FLAG, default="", metavar="PATH",
+                   help="file holding the fleet secret (at least 16 bytes) the scheduler and the edge gateway share: "
+                   "each tenant's KV events carry a salt derived from it (HMAC of the tenant), the one the edge sets "
+                   "as Dynamo's nvext.cache_salt, so a fleet router keeps tenants apart and none can guess another's "
+                   f"salt. Needed for KV events with a tenants file. Default: ${fleet_salt.FLEET_SECRET_ENV} (the "
+                   "secret itself)")
+    p.add_argument("--kv-events-rpc", action="store_true",
+                   help="serve the KV event stream (pages stored, removed, cleared; the union over the executors) "
+                   "as the gRPC service pagedkv.kvevents.v1.KvEvents on this port, for pagedkv dynamo-worker: only "
+                   "the executor secret's or the trusted hop's bearer, or an admin tenant, may watch it (it carries "
+                   "every tenant's prompt tokens)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
                    help="requests of one tenant that may wait to start (its max_queued_requests in the tenants "
                    "file overrides); past it a new request gets RESOURCE_EXHAUSTED 'queue full: ...' (default "

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 
-from pagedkv import grpc_common, logs, runtime, security, trusted_hop
+from pagedkv import fleet_salt, grpc_common, logs, runtime, security, trusted_hop
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
@@ -15,7 +15,9 @@ from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
 from scheduler_svc.cluster import Cluster, resolve
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
-from scheduler_svc.pages import PagePool
+from scheduler_svc.kv_events import KvEventLog, missing_secret_problem
+from scheduler_svc.kv_events_rpc import InternalCallers, add_kv_events
+from scheduler_svc.pages import tier_pools
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -118,8 +120,9 @@ async def serve(args) -> None:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     link = _executor_link(args, log)
-    hops = TrustedHops(trusted_hop.load_hop_secret(args.trusted_hop_secret_file),
-                       trusted_hop.parse_objectives(args.objective))  # (clear errors before any executor is tried)
+    hop_secret = trusted_hop.load_hop_secret(args.trusted_hop_secret_file)
+    hops = TrustedHops(hop_secret, trusted_hop.parse_objectives(args.objective))  # (errors before executors are tried)
+    fleet_secret = fleet_salt.load_fleet_secret(args.fleet_secret_file)
     credentials = security.server_credentials(args.tls_cert, args.tls_key)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)
@@ -156,9 +159,12 @@ async def serve(args) -> None:
     else:
         log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
 
+    if args.kv_events_rpc and missing_secret_problem(tenants.multi, fleet_secret):
+        raise ValueError(missing_secret_problem(tenants.multi, fleet_secret))
+    events = KvEventLog(describe.block_size, salt_secret=fleet_secret) if args.kv_events_rpc else None
+
     def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
-        pool = PagePool(d.num_device_pages, d.block_size)
-        host = PagePool(d.num_host_pages, d.block_size, min_pages=0) if d.num_host_pages else None
+        pool, host = tier_pools(d.num_device_pages, d.block_size, d.num_host_pages, events)
         return Scheduler(pool, config, list(d.eos_token_ids), host, PreemptionCosts.of(d), ledger=ledger)
 
     # NOTE: the cluster owns the tenants: their limits hold for the sum over its executors (tenant_ledger.py)
@@ -205,7 +211,11 @@ async def serve(args) -> None:
                                 tool_call_parser=args.tool_call_parser, hops=hops)
     service.prompts.use_template_pool(templates)
     api_grpc.add_GenerationServicer_to_server(service, server)
-    health = grpc_common.add_health_and_reflection(server, [SERVICE])
+    services = [SERVICE]
+    if events is not None:
+        services.append(add_kv_events(server, events, InternalCallers(lambda: cluster.tenants, link.secret, hop_secret),
+                                      log))
+    health = grpc_common.add_health_and_reflection(server, services)
     port = grpc_common.bind(server, args.host, args.port, credentials)
     security.warn_if_exposed(log, "scheduler", args.host, port, tls=credentials is not None)
     if args.metrics_port:
@@ -217,7 +227,7 @@ async def serve(args) -> None:
     # median 2.08 -> 1.62 ms (threshold) (bench/NOTES.md).
     runtime.settle_gc()
     await server.start()
-    await grpc_common.set_serving(health, [SERVICE], True)
+    await grpc_common.set_serving(health, services, True)
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
              tls=credentials is not None, executor_tls=bool(link.tls_ca), executor_secret=bool(link.secret),
              trusted_hop=hops.enabled, objectives=sorted(hops.objectives) or None,
@@ -256,7 +266,7 @@ async def serve(args) -> None:
     await stop.wait()
     # Graceful shutdown: refuse new work, let in-flight streams finish, then end what is left with an error.
     service.closing = True
-    await grpc_common.set_serving(health, [SERVICE], False)
+    await grpc_common.set_serving(health, services, False)
     log.info("scheduler_draining", live_streams=len(service.live), shutdown_timeout_s=args.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop now
         loop.add_signal_handler(sig, service.live.clear)
