@@ -1,0 +1,348 @@
+"""Two pagedkv schedulers behind NVIDIA Dynamo's real frontend and KV router (#47's "done when"), all real processes
+on loopback: ``python -m dynamo.frontend --router-mode kv`` (file discovery, TCP request plane, ZMQ events), two
+``pagedkv serve --model tiny-llama``, each with a ``pagedkv dynamo-worker`` sidecar, and the edge gateway
+(``pagedkv gateway --edge-upstream``) that signs tenants in front of the frontend. No etcd, no NATS.
+
+Which worker served a request, and how much of its prompt the router believed that worker held, come from
+Dynamo's own answer (``nvext.extra_fields: ["worker_id", "timing"]``: ``worker_id.decode_worker_id`` and
+``timing.kv_hit_rate``); how much pagedkv served from its cache, from ``usage.prompt_tokens_details.cached_tokens``.
+
+Skipped only when Dynamo is not importable (``make install-dynamo``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (make install-dynamo)")
+
+from pagedkv.cli import free_port  # noqa: E402
+from pagedkv.local_server import ROOT, LocalServer  # noqa: E402
+from scheduler_svc.tenancy import hash_key  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+OPS_KEY, ALPHA_KEY, BETA_KEY, TIGHT_KEY = "key-fleet-ops", "key-fleet-alpha", "key-fleet-beta", "key-fleet-tight"
+TENANTS = f"""
+[tenants.ops]
+keys = ["{hash_key(OPS_KEY)}"]
+admin = true
+
+[tenants.alpha]
+keys = ["{hash_key(ALPHA_KEY)}"]
+
+[tenants.beta]
+keys = ["{hash_key(BETA_KEY)}"]
+
+[tenants.tight]
+keys = ["{hash_key(TIGHT_KEY)}"]
+max_concurrent_requests = 1
+max_queued_requests = 1
+"""
+HOP_SECRET = "hop-secret-for-the-fleet-test-0123456789"
+FLEET_SECRET = "fleet-secret-for-the-fleet-test-0123456789"
+NUM_PAGES = 48  # per scheduler, 16 tokens each: a handful of prompts evict the oldest pages (test_evictions...)
+MODEL = "tiny-llama"
+EXTRA = {"extra_fields": ["worker_id", "timing"]}
+
+
+def dynamo_env(kv_dir: Path) -> dict[str, str]:
+    """The environment every Dynamo process gets: file discovery in ``kv_dir``, TCP requests, ZMQ events, few
+    threads (this machine has 2 cores), no hub."""
+    return {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(kv_dir), "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq", "TOKIO_WORKER_THREADS": "2", "DYN_COMPUTE_THREADS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+class Process:
+    """A process in a session of its own, its output kept (JSON lines parsed too)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                     env=env, start_new_session=True)
+        self.lines: deque[str] = deque(maxlen=3000)
+        self.events: list[dict] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError:
+                    pass
+
+    def event(self, name: str) -> dict | None:
+        return next((e for e in list(self.events) if e.get("event") == name), None)
+
+    def log(self) -> str:
+        return f"---- {self.name}\n" + "\n".join(list(self.lines)[-150:])
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        (tmp / "tenants.toml").write_text(TENANTS)
+        (tmp / "hop.secret").write_text(HOP_SECRET)
+        (tmp / "fleet.secret").write_text(FLEET_SECRET)
+        self.kv_dir = tmp / "discovery"
+        env = dynamo_env(self.kv_dir)
+        self.processes: list[Process] = []
+        self.servers: list[LocalServer] = []
+        self.http_port = free_port()
+        self.processes.append(Process("frontend", [
+            sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+            "--router-mode", "kv", "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+            "--namespace", "dynamo", "--migration-limit", "3"], env))
+        serve_args = ("--model", MODEL, "--threads", "1", "--num-pages", str(NUM_PAGES), "--max-model-len", "512",
+                      "--tenants-file", str(tmp / "tenants.toml"), "--trusted-hop-secret-file", str(tmp / "hop.secret"),
+                      "--kv-events-rpc", "--fleet-secret-file", str(tmp / "fleet.secret"))
+        with ThreadPoolExecutor(2) as pool:
+            self.servers = list(pool.map(lambda _: LocalServer(*serve_args, timeout=300), range(2)))
+        self.workers = [Process(f"dynamo-worker {i}", [
+            sys.executable, "-m", "pagedkv", "dynamo-worker", "--model", MODEL, "--address", s.address,
+            "--api-key", OPS_KEY, "--trusted-hop-secret-file", str(tmp / "hop.secret"),
+            "--fleet-secret-file", str(tmp / "fleet.secret"), "--discovery-backend", "file", "--event-plane", "zmq",
+            "--log-format", "json"], env) for i, s in enumerate(self.servers)]
+        self.processes += self.workers
+        self.gateway = Process("edge gateway", [
+            sys.executable, "-m", "pagedkv", "gateway", "--port", str(gateway_port := free_port()), "--log-format",
+            "json", "--edge-upstream", f"http://127.0.0.1:{self.http_port}", "--tenants-file",
+            str(tmp / "tenants.toml"), "--fleet-secret-file", str(tmp / "fleet.secret")], env)
+        self.processes.append(self.gateway)
+        self.frontend = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=120)
+        self.edge = httpx.Client(base_url=f"http://127.0.0.1:{gateway_port}", timeout=120)
+        if not wait_until(self._registered, timeout=240, interval=0.5):
+            raise RuntimeError("the fleet did not come up:\n" + self.logs())
+        # worker id (Dynamo's) -> the scheduler behind it
+        self.server_of = {w.event("dynamo_worker_start")["worker_id"]: s for w, s in zip(self.workers, self.servers)}
+
+    def _registered(self) -> bool:
+        for p in self.processes:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n" + self.logs())
+        if not all(w.event("dynamo_worker_start") for w in self.workers):
+            return False
+        mdc = self.kv_dir / "v1" / "mdc"
+        if not mdc.is_dir() or len(list(mdc.iterdir())) < 2:
+            return False
+        try:
+            models = self.frontend.get("/v1/models").json()["data"]
+            edge = self.edge.get("/health").status_code
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return [m["id"] for m in models] == [MODEL] and edge == 200
+
+    def logs(self) -> str:
+        return "\n".join(p.log() for p in self.processes) + "\n".join(s.log()[-3000:] for s in self.servers)
+
+    def complete(self, prompt: str, via: str = "frontend", key: str = "", **body) -> dict:
+        client = self.edge if via == "edge" else self.frontend
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        r = client.post("/v1/completions", headers=headers, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "nvext": EXTRA, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def close(self) -> None:
+        self.frontend.close()
+        self.edge.close()
+        codes = {p.name: p.stop() for p in reversed(self.processes)}
+        for s in self.servers:
+            s.stop()
+        return codes
+
+
+def worker_of(answer: dict) -> int:
+    return answer["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def router_hit(answer: dict) -> float:
+    return answer["nvext"]["timing"]["kv_hit_rate"]
+
+
+def document(i: int, words: int = 20) -> str:
+    """A prompt of ~100 tokens (tiny-llama's tokenizer is bytes) whose first page differs from every other's."""
+    return f"{i:03d} document {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(words))
+
+
+@pytest.fixture(scope="module")
+def fleet(model_cache, tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    yield f
+    codes = f.close()
+    assert all(code is not None for code in codes.values()), codes
+
+
+def test_repeats_go_to_the_scheduler_that_holds_them(fleet):
+    prompts = [document(i) for i in range(6)]
+    first = [fleet.complete(p, via="edge", key=ALPHA_KEY) for p in prompts]
+    again = [fleet.complete(p, via="edge", key=ALPHA_KEY) for p in prompts]
+    same = sum(worker_of(a) == worker_of(b) for a, b in zip(first, again))
+    hits = sum(cached(b) > 0 for b in again)
+    assert same >= 0.9 * len(prompts) and hits >= 0.9 * len(prompts), (
+        [(worker_of(a), worker_of(b), cached(b), router_hit(b)) for a, b in zip(first, again)], fleet.logs())
+    # the router knew: it expected the repeat's prefix on its worker (from the scheduler's KV events)
+    assert all(router_hit(b) > 0 for b in again), [router_hit(b) for b in again]
+    assert all(cached(a) == 0 for a in first)
+
+
+def test_another_tenants_identical_prompt_gets_no_cached_tokens(fleet):
+    prompt = document(40)
+    alpha = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
+    alpha_again = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
+    beta = fleet.complete(prompt, via="edge", key=BETA_KEY)
+    assert cached(alpha) == 0 and cached(alpha_again) > 0, (alpha, alpha_again)  # the same tenant hits...
+    assert router_hit(alpha_again) > 0, alpha_again
+    assert cached(beta) == 0, beta  # ...the other does not, in pagedkv
+    assert router_hit(beta) == 0, beta  # nor in the router: alpha's pages carry alpha's salt
+
+
+def test_evictions_reach_the_router(fleet):
+    prompt = document(80)
+    holder = worker_of(fleet.complete(prompt, via="edge", key=ALPHA_KEY))
+    repeat = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
+    assert worker_of(repeat) == holder and router_hit(repeat) > 0 and cached(repeat) > 0, repeat
+    # fill the holder's pages with other prompts, straight to its scheduler (NUM_PAGES pages, 7 a prompt)
+    server = fleet.server_of[holder]
+
+    async def fill() -> None:
+        from pagedkv.client import Client
+
+        async with Client(server.address, api_key=OPS_KEY) as client:
+            for i in range(100, 100 + 2 * NUM_PAGES // 6):
+                await client.complete(document(i), max_tokens=2, temperature=0)
+
+    import asyncio
+
+    asyncio.run(fill())
+    after = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
+    assert router_hit(after) == 0 and cached(after) == 0, (after, fleet.logs())
+
+
+def test_a_scheduler_killed_under_a_seeded_stream_leaves_the_text_identical(fleet):
+    body = {"model": MODEL, "prompt": document(200), "max_tokens": 300, "temperature": 0.8, "seed": 1234,
+            "ignore_eos": True}
+    reference = fleet.frontend.post("/v1/completions", json=body)
+    assert reference.status_code == 200, reference.text
+    want = reference.json()["choices"][0]["text"]
+
+    text, chunks, killed = [], 0, None
+    with fleet.frontend.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                text.append(choice.get("text") or "")
+            chunks += 1
+            if chunks == 40 and killed is None:
+                killed = kill_the_busy_scheduler(fleet)
+    assert killed is not None
+    assert "".join(text) == want, fleet.logs()
+    # its sidecar left Dynamo's discovery while the scheduler was away, and came back once it served again
+    worker = fleet.workers[killed]
+    assert wait_until(lambda: [e["event"] for e in worker.events if e.get("event", "").startswith(
+        "dynamo_worker_") and e["event"] != "dynamo_worker_start"][-2:] == ["dynamo_worker_unready",
+                                                                         "dynamo_worker_ready"], timeout=60), \
+        worker.log()
+
+
+def kill_the_busy_scheduler(fleet) -> int:
+    """SIGKILLs the scheduler child of the serve whose scheduler runs a request now (serve restarts it); returns
+    that serve's index."""
+    import asyncio
+
+    from pagedkv.client import Client
+
+    async def running() -> list[int]:
+        out = []
+        for s in fleet.servers:
+            async with Client(s.address, api_key=OPS_KEY) as c:
+                out.append((await c.model_info()).num_running)
+        return out
+
+    counts = asyncio.run(running())
+    busy = [s for s, n in zip(fleet.servers, counts) if n]
+    assert len(busy) == 1, counts
+    pid = busy[0].scheduler_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    return fleet.servers.index(busy[0])
+
+
+def test_a_full_queue_sends_the_request_to_the_other_worker(fleet):
+    """The scheduler's RESOURCE_EXHAUSTED "queue full" comes back to Dynamo as Disconnected, which its frontend
+    (--migration-limit 3) migrates: the request is served by the other worker, not failed. Tenant tight may run one
+    request and queue one per scheduler; both are taken on one scheduler, the holder of the prompt's pages."""
+    import asyncio
+
+    from pagedkv.client import Client
+
+    prompt = document(300)
+    holder = worker_of(fleet.complete(prompt, via="edge", key=TIGHT_KEY))
+    server = fleet.server_of[holder]
+    sidecar = fleet.workers[fleet.servers.index(server)]
+    other_server = next(s for w, s in fleet.server_of.items() if w != holder)
+
+    def refused() -> bool:
+        return any(e.get("event") == "dynamo_request_failed" and e.get("code") == "RESOURCE_EXHAUSTED"
+                   for e in list(sidecar.events))
+
+    async def computed(address: str) -> int:
+        async with Client(address, api_key=OPS_KEY) as ops:
+            return (await ops.model_info()).num_computed_tokens
+
+    async def scenario() -> tuple[list[dict], int]:
+        async with Client(server.address, api_key=TIGHT_KEY) as tight, Client(server.address, api_key=OPS_KEY) as ops:
+            long = dict(max_tokens=400, ignore_eos=True, temperature=0)
+            held = [asyncio.create_task(tight.complete(prompt, **long)) for _ in range(2)]  # one runs, one waits
+            while (info := await ops.model_info()).num_waiting < 1 or info.num_running < 1:
+                assert not any(t.done() for t in held), [t.result() for t in held if t.done()]
+                await asyncio.sleep(0.02)
+            before = await computed(other_server.address)
+            answers = []
+            for _ in range(3):  # until the holder's worker was chosen (the router weighs its pages against its load)
+                answers.append(await asyncio.to_thread(fleet.complete, prompt, via="edge", key=TIGHT_KEY))
+                if refused():
+                    break
+            served_elsewhere = await computed(other_server.address) - before
+            assert not any(t.done() for t in held), "the held requests ended before the check"
+            for t in held:
+                await t
+            return answers, served_elsewhere
+
+    answers, served_elsewhere = asyncio.run(scenario())
+    assert refused(), sidecar.log()
+    # (nvext.worker_id names the worker first chosen; the other scheduler's computed tokens show who served it)
+    assert all(a["choices"][0]["finish_reason"] == "length" for a in answers)
+    assert served_elsewhere >= answers[-1]["usage"]["prompt_tokens"], (served_elsewhere, answers[-1])
