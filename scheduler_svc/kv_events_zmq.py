@@ -447,6 +447,27 @@ class _Dropped(Exception):
     pass
 
 
+class Publishing:
+    """A publisher and the task that feeds it the scheduler's KvEventLog."""
+
+    def __init__(self, publisher: ZmqKvEventPublisher, events: KvEventLog, log) -> None:
+        self.publisher = publisher
+        self._task = asyncio.get_running_loop().create_task(run(publisher, events, log))
+
+    async def stop(self) -> None:
+        """The events noted so far published, then the task and the sockets closed."""
+        await asyncio.sleep(0)  # (the batch the last callback noted is cut in the next one)
+        await asyncio.sleep(0)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.publisher.close)  # (its thread sends what is queued: not on the loop)
+
+
+def start_publishing(config: KvEventsConfig, keys: CurveKeys | None, events: KvEventLog, log) -> Publishing:
+    """Bind (or connect) the sockets now and publish ``events`` from the event loop's next turn on."""
+    return Publishing(ZmqKvEventPublisher(config, keys, log), events, log)
+
+
 def _catch_up(publisher: ZmqKvEventPublisher, events: KvEventLog, from_seq: int | None) -> Subscription:
     """Offers the log's batches from ``from_seq`` on, or (None, or no longer buffered) a snapshot as one batch
     [AllBlocksCleared, BlockStored, ...] numbered as the last batch it stands for; then subscribes after them."""
@@ -462,4 +483,4 @@ def _catch_up(publisher: ZmqKvEventPublisher, events: KvEventLog, from_seq: int 
 
 __all__ = ["CONFIG_FLAG", "CURVE_CLIENTS_FLAG", "CURVE_SECRET_FLAG", "DEFAULT_ENDPOINT", "END_SEQ", "CurveKeys",
            "KvEventsConfig", "ZmqKvEventPublisher", "binds", "check_link", "default_topic", "encode_batch", "from_args",
-           "is_local", "load_curve_keys", "parse_config", "run", "start"]
+           "is_local", "load_curve_keys", "parse_config", "run", "start", "start_publishing"]

@@ -10,7 +10,7 @@ from pagedkv import fleet_salt, grpc_common, logs, runtime, security, trusted_ho
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
-from scheduler_svc import metrics
+from scheduler_svc import kv_events_zmq, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
 from scheduler_svc.cluster import Cluster, resolve
@@ -123,6 +123,7 @@ async def serve(args) -> None:
     hop_secret = trusted_hop.load_hop_secret(args.trusted_hop_secret_file)
     hops = TrustedHops(hop_secret, trusted_hop.parse_objectives(args.objective))  # (errors before executors are tried)
     fleet_secret = fleet_salt.load_fleet_secret(args.fleet_secret_file)
+    kv_zmq = kv_events_zmq.from_args(args)  # (--kv-events-config and its CURVE keys, before executors are tried)
     credentials = security.server_credentials(args.tls_cert, args.tls_key)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)
@@ -159,9 +160,10 @@ async def serve(args) -> None:
     else:
         log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
 
-    if args.kv_events_rpc and missing_secret_problem(tenants.multi, fleet_secret):
+    wants_events = args.kv_events_rpc or kv_zmq is not None
+    if wants_events and missing_secret_problem(tenants.multi, fleet_secret):
         raise ValueError(missing_secret_problem(tenants.multi, fleet_secret))
-    events = KvEventLog(describe.block_size, salt_secret=fleet_secret) if args.kv_events_rpc else None
+    events = KvEventLog(describe.block_size, salt_secret=fleet_secret) if wants_events else None
 
     def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
         pool, host = tier_pools(d.num_device_pages, d.block_size, d.num_host_pages, events)
@@ -190,6 +192,9 @@ async def serve(args) -> None:
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
                     sampling_defaults=defaults, max_logprobs=args.max_logprobs)
     names = list(dict.fromkeys(args.served_model_name)) or [describe.model]  # (in order, each once)
+    publishing = None
+    if kv_zmq is not None:  # (its sockets bound now: a port in use stops the start)
+        publishing = kv_events_zmq.start_publishing(kv_zmq[0].with_default_topic(names[0]), kv_zmq[1], events, log)
     info = dict(model=names[0], served_model_names=names, max_model_len=max_len, block_size=describe.block_size,
                 vocab_size=describe.vocab_size, dtype=describe.dtype, attention_backend=describe.attention_backend,
                 kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
@@ -278,5 +283,7 @@ async def serve(args) -> None:
     await cluster.stop()
     cluster.fail_all("the scheduler shut down before this request finished")
     await server.stop(grace=2.0)
+    if publishing is not None:
+        await publishing.stop()  # (after the cluster: its last events go out)
     await service.prompts.close()  # (the chat template workers)
     log.info("scheduler_stopped", unfinished_streams=left)

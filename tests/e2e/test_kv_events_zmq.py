@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -15,11 +17,15 @@ import pytest
 import structlog
 import zmq
 import zmq.auth
+from zmq.utils import monitor as zmq_monitor
 
 from pagedkv import fleet_salt
 from pagedkv.cli import free_port
+from pagedkv.client import Client
+from pagedkv.local_server import ROOT
 from scheduler_svc import kv_events_zmq as kz
 from scheduler_svc.kv_events import Batch, KvEventLog, Removed, Stored
+from scheduler_svc.tenancy import hash_key
 from tests.support import vllm_kv_events as vllm
 
 pytestmark = pytest.mark.e2e
@@ -317,6 +323,72 @@ def test_lagged_subscription_restarts_from_a_snapshot(ctx) -> None:
     assert after.events[0].block_hashes == [ids[5]] and after.events[0].parent_block_hash == ids[4]
 
 
+# ---- a real scheduler and executor -------------------------------------------------------------------------------
+def wait_connected(sub: zmq.Socket) -> None:
+    """Until ``sub``'s connection is up (a PUB drops what it sends before)."""
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        assert monitor.poll(10_000), "the subscriber never connected"
+        assert zmq_monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+
+
+def stored_until(sub: zmq.Socket, pages: int) -> list[vllm.BlockStored]:
+    """The BlockStored events ``sub`` receives until they hold ``pages`` pages (in sequence order)."""
+    stored: list[vllm.BlockStored] = []
+    last_seq = None
+    while sum(len(e.block_hashes) for e in stored) < pages:
+        seq, got = receive(sub)
+        assert last_seq is None or seq == last_seq + 1, f"a gap: {last_seq} then {seq}"
+        last_seq = seq
+        stored += [e for e in got.events if isinstance(e, vllm.BlockStored)]
+    return stored
+
+
+def test_scheduler_publishes_a_prompts_full_pages(ctx, start_server, tmp_path) -> None:
+    """pagedkv serve --kv-events-config: a vLLM subscriber sees BlockStored for a prompt's full pages with their
+    token ids, chained to the pages before them across requests, and the tenant's salt, never its name or key."""
+    endpoint, replay_endpoint = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+           "replay_endpoint": replay_endpoint, "topic": TOPIC}
+    secret = "f" * 32
+    (tmp_path / "fleet.secret").write_text(secret)
+    (tmp_path / "tenants.toml").write_text(f'[tenants.acme]\nkeys = ["{hash_key("key-acme")}"]\n')
+    server = start_server("--kv-events-config", json.dumps(cfg), "--num-pages", "64", "--tenants-file",
+                          str(tmp_path / "tenants.toml"), "--fleet-secret-file", str(tmp_path / "fleet.secret"))
+    sub = subscriber(ctx, endpoint)
+    wait_connected(sub)
+    prompt = [3 + (i * 7) % 250 for i in range(56)]  # 3 full pages of 16 tokens and 8 more
+
+    async def complete(tokens: list[int]) -> None:
+        async with Client(server.address, api_key="key-acme") as client:
+            await client.complete(tokens, max_tokens=1, ignore_eos=True)
+
+    asyncio.run(complete(prompt[:40]))
+    first = stored_until(sub, 2)
+    hashes = [h for e in first for h in e.block_hashes]
+    assert len(set(hashes)) == 2 and all(-(2**63) <= h < 2**63 for h in hashes)
+    assert first[0].parent_block_hash is None and [t for e in first for t in e.token_ids] == prompt[:32]
+    assert all(e.block_size == 16 and e.medium == "GPU" for e in first)
+    salt = fleet_salt.cache_salt(secret.encode(), "acme")
+    assert [k for e in first for k in e.extra_keys] == [(salt,), None]  # on the chain's first page only
+    asyncio.run(complete(prompt))  # the same first 2 pages (a hit), then a third
+    (third,) = stored_until(sub, 1)
+    assert third.parent_block_hash == hashes[-1] and third.token_ids == prompt[32:48]
+    assert third.extra_keys == [None]
+    # replay from 0: the same batches, the first the Cleared a scheduler starts with
+    *batches, end = replay(ctx, replay_endpoint, 0)
+    assert end == [b"", kz.END_SEQ, b""]
+    decoded = [vllm.decoder().decode(payload) for _, _, payload in batches]
+    assert isinstance(decoded[0].events[0], vllm.AllBlocksCleared)
+    assert [h for b in decoded for e in b.events if isinstance(e, vllm.BlockStored) for h in e.block_hashes] == \
+        [*hashes, *third.block_hashes]
+    wire = b"".join(payload for _, _, payload in batches)
+    assert b"acme" not in wire and b"key-acme" not in wire and secret.encode() not in wire
+
+
 def test_full_queue_drops_then_restates_every_page(ctx, monkeypatch) -> None:
     """A publisher thread that falls behind: the batch its full queue cannot take is dropped, and once it has
     caught up one batch clears and restates every page findable; nothing waited on the loop meanwhile."""
@@ -359,3 +431,17 @@ def test_full_queue_drops_then_restates_every_page(ctx, monkeypatch) -> None:
     snapshot = batches[-1][1].events
     assert isinstance(snapshot[0], vllm.AllBlocksCleared)
     assert [e.block_hashes[0] for e in snapshot[1:]] == ids[:4]
+
+
+@pytest.mark.parametrize(("config_text", "names"), [
+    ('{"enable_kv_cache_events": true,', "--kv-events-config: not valid JSON"),
+    ('{"enable_kv_cache_events": true, "endpont": "tcp://127.0.0.1:5557"}', "unknown key 'endpont'"),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}',
+     "endpoint tcp://*:5557 is reachable beyond this machine"),
+])
+def test_scheduler_refuses_to_start(config_text, names) -> None:
+    """A bad --kv-events-config stops the scheduler at once (before any executor is tried), naming the key."""
+    done = subprocess.run([sys.executable, "-m", "pagedkv", "scheduler", "--executor", f"127.0.0.1:{free_port()}",
+                           "--connect-timeout", "60", "--kv-events-config", config_text],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and names in done.stderr + done.stdout
