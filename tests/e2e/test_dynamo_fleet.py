@@ -346,3 +346,22 @@ def test_a_full_queue_sends_the_request_to_the_other_worker(fleet):
     # (nvext.worker_id names the worker first chosen; the other scheduler's computed tokens show who served it)
     assert all(a["choices"][0]["finish_reason"] == "length" for a in answers)
     assert served_elsewhere >= answers[-1]["usage"]["prompt_tokens"], (served_elsewhere, answers[-1])
+
+
+def test_a_client_that_goes_away_aborts_the_request_in_pagedkv(fleet):
+    body = {"model": MODEL, "prompt": document(400), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    chunks, request_id = 0, ""
+    with fleet.frontend.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                request_id = json.loads(line.removeprefix("data: "))["id"].removeprefix("cmpl-")  # Dynamo's context id
+            if chunks == 5:
+                break  # (closing the response closes the connection: the client is gone)
+
+    def cancelled() -> bool:  # the scheduler's log: the stream went away before its last message
+        return any("request_cancelled" in line and f"request_id={request_id}" in line
+                   for s in fleet.servers for line in s.log().splitlines())
+
+    assert wait_until(cancelled, timeout=60), fleet.logs()
