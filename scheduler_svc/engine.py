@@ -142,6 +142,8 @@ class Engine:
         while not self.stopping:
             if self._state in (State.CONNECTING, State.DOWN):
                 if self._removed:
+                    if self._stream is not None:  # (a lost executor's pages stayed findable for its return: no more)
+                        deliver(self._stream.drained())
                     return
                 await self._connect()
                 continue

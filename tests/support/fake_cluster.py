@@ -15,7 +15,8 @@ from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.executor_client import ExecutorUnavailable
-from scheduler_svc.pages import PagePool
+from scheduler_svc.kv_events import KvEventLog
+from scheduler_svc.pages import tier_pools
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from tests.support.fake_executor import FakeExecutor
 
@@ -132,11 +133,13 @@ def install_fake_clients(monkeypatch) -> dict[str, Box]:
     return FakeClient.boxes
 
 
-def new_cluster(**kw) -> cluster_mod.Cluster:
+def new_cluster(events: KvEventLog | None = None, **kw) -> cluster_mod.Cluster:
+    """A Cluster of the executors at the Boxes' addresses (``events``: its pools report to that KV event log)."""
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)
 
     def make_scheduler(d, ledger) -> Scheduler:
-        return Scheduler(PagePool(d.num_device_pages, d.block_size), config, list(d.eos_token_ids), ledger=ledger)
+        pool, _ = tier_pools(d.num_device_pages, d.block_size, 0, events)
+        return Scheduler(pool, config, list(d.eos_token_ids), ledger=ledger)
     reference = pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
                                     max_position_embeddings=4096)
     kw.setdefault("step_timeout", 5)

@@ -11,6 +11,7 @@ import pytest
 
 from pagedkv.fleet_salt import cache_salt, hash_id
 from pagedkv.trusted_hop import HOP_HEADER
+from scheduler_svc import engine as engine_mod
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.kv_events import (
     Cleared,
@@ -23,10 +24,12 @@ from scheduler_svc.kv_events import (
 from scheduler_svc.kv_events_rpc import InternalCallers, encode
 from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.pages import tier_pools
-from scheduler_svc.prefix_cache import tenant_root
+from scheduler_svc.prefix_cache import page_hash, tenant_root
 from scheduler_svc.request import Request, Sampling
 from scheduler_svc.tenancy import Tenant, Tenants, hash_key
-from tests.support.fake_executor import NullTokenizer
+from tests.support.fake_cluster import BS as CLUSTER_BS
+from tests.support.fake_cluster import Box, collect, until, up_cluster
+from tests.support.fake_executor import NullTokenizer, make_request
 
 pytestmark = pytest.mark.unit
 
@@ -166,3 +169,66 @@ def test_who_may_watch():
         code, why = callers.refusal(metadata)
         assert code == grpc.StatusCode.UNAUTHENTICATED and "KvEvents.Watch" in why, metadata
     assert InternalCallers(lambda: Tenants()).refusal(()) is None, "one trust domain (no tenants file): its caller"
+
+
+def test_an_executor_removed_while_down_takes_its_own_pages_out_of_the_stream(boxes):
+    """Engines and a Cluster over stand-in executors: an executor whose Run stream was lost keeps its pages findable
+    for its return; once it is no longer configured they go, those only it held Removed, those another executor
+    holds too still announced."""
+    prompt = list(range(3, 3 + 2 * CLUSTER_BS + 8))  # 2 full pages
+    nudge_prompt = prompt[:CLUSTER_BS] + list(range(100, 100 + CLUSTER_BS + 4))  # shares page 0 only
+
+    async def scenario():
+        log = KvEventLog(CLUSTER_BS)
+        boxes.update({"a:1": Box(64), "b:1": Box(64)})
+        c = await up_cluster({"a:1", "b:1"}, events=log)
+        first = make_request(1, 0, 4, prompt=prompt)
+        c.add_request(first)
+        assert (await collect(first))[1] is None
+        holder = next(a for a, e in c.engines.items() if e.scheduler.kv.pool.num_cached)
+        other = next(a for a in c.engines if a != holder)
+        boxes[holder].alive = False
+        nudge = make_request(2, 0, 4, prompt=nudge_prompt)  # placed on the holder (a prefix hit): moves on
+        c.add_request(nudge)
+        assert (await collect(nudge))[1] is None
+        await until(lambda: c.engines[holder].state is engine_mod.State.DOWN)
+        kept = log.findable()
+        c.set_addresses({other})
+        await until(lambda: c.engines[holder].stopped)
+        c.set_addresses({other})  # (drops the stopped engine)
+        log.flush()
+        left = findable(c.engines[other].scheduler.kv.pool)
+        await c.stop()
+        return kept, left, log
+
+    kept, left, log = asyncio.run(scenario())
+    ids = [hash_id(h) for h in chain_of(prompt)]
+    assert {(ids[0], "GPU"), (ids[1], "GPU")} <= kept, "a lost executor's pages stay findable for its return"
+    assert log.findable() == left and (ids[0], "GPU") in left and (ids[1], "GPU") not in left
+    assert replayed(log) == left
+
+
+def chain_of(tokens: list[int]) -> list[bytes]:
+    out, parent = [], tenant_root("default")
+    for i in range(len(tokens) // CLUSTER_BS):
+        parent = page_hash(parent, tokens[i * CLUSTER_BS:(i + 1) * CLUSTER_BS])
+        out.append(parent)
+    return out
+
+
+def findable(pool) -> set[tuple[int, str]]:
+    return {(hash_id(h), pool.medium) for p in range(pool.num_pages) if (h := pool.hash_of(p)) is not None}
+
+
+def replayed(log: KvEventLog) -> set[tuple[int, str]]:
+    """What a consumer that read every batch from the first believes is findable."""
+    state: set[tuple[int, str]] = set()
+    for batch in log.replay(0):
+        for ev in batch.events:
+            if isinstance(ev, Cleared):
+                state.clear()
+            elif isinstance(ev, Stored):
+                state.update((h, ev.medium) for h in ev.hashes)
+            else:
+                state.difference_update((h, ev.medium) for h in ev.hashes)
+    return state
