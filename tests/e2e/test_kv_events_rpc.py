@@ -192,6 +192,18 @@ def test_only_an_internal_caller_may_watch(stack):
     assert isinstance(internal, kv.EventBatch) and internal.snapshot
 
 
+def test_health_and_reflection_list_the_service(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    _, _, scheduler = stack
+    service = kv.DESCRIPTOR.services_by_name["KvEvents"].full_name
+    with grpc.insecure_channel(scheduler.address) as channel:
+        assert service in ProtoReflectionDescriptorDatabase(channel).get_services()
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_tenants_events_without_a_fleet_secret_do_not_start(stack):
     tmp, executor, _ = stack
     p = procs.Proc("scheduler", "--executor", executor.address, "--tenants-file", str(tmp / "tenants.toml"),
