@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pagedkv import fleet_salt, security, tool_calls, trusted_hop
-from scheduler_svc import fit, kv_events_zmq
+from scheduler_svc import fit, kv_events_config
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
 from scheduler_svc.policy import Mode
@@ -161,18 +161,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_events_args(p: argparse.ArgumentParser) -> None:
     """The KV event stream for fleet routers (Dynamo, llm-d), in vLLM's format and with vLLM's config keys."""
-    p.add_argument(kv_events_zmq.CONFIG_FLAG, default="", metavar="JSON",
+    p.add_argument(kv_events_config.CONFIG_FLAG, default="", metavar="JSON",
                    help="publish the scheduler's KV events (pages stored, removed, cleared) on ZMQ in vLLM's wire "
                    "format, with vLLM's KVEventsConfig keys: enable_kv_cache_events, publisher (zmq, null), "
-                   f"endpoint (default {kv_events_zmq.DEFAULT_ENDPOINT}), replay_endpoint, buffer_steps, hwm, "
+                   f"endpoint (default {kv_events_config.DEFAULT_ENDPOINT}), replay_endpoint, buffer_steps, hwm, "
                    "max_queue_size, topic (default kv@<host>@<served model name>); e.g. "
                    "'{\"enable_kv_cache_events\": true, \"replay_endpoint\": \"tcp://127.0.0.1:5558\"}'. The "
                    "events carry every tenant's prompt tokens: an endpoint beyond loopback needs CURVE keys")
-    p.add_argument(kv_events_zmq.CURVE_SECRET_FLAG, default="", metavar="PATH",
+    p.add_argument(kv_events_config.CURVE_SECRET_FLAG, default="", metavar="PATH",
                    help="the KV event publisher's CURVE keypair, a ZMQ certificate with its secret key "
                    "(zmq.auth.create_certificates writes NAME.key_secret): events are encrypted and only "
-                   f"subscribers whose public key is in {kv_events_zmq.CURVE_CLIENTS_FLAG} are let in")
-    p.add_argument(kv_events_zmq.CURVE_CLIENTS_FLAG, default="", metavar="DIR",
+                   f"subscribers whose public key is in {kv_events_config.CURVE_CLIENTS_FLAG} are let in")
+    p.add_argument(kv_events_config.CURVE_CLIENTS_FLAG, default="", metavar="DIR",
                    help="directory of the public keys (ZMQ certificates, *.key) of the subscribers allowed to "
                    "read the KV events")
 

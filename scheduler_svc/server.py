@@ -10,7 +10,7 @@ from pagedkv import fleet_salt, grpc_common, logs, runtime, security, trusted_ho
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
-from scheduler_svc import kv_events_zmq, metrics
+from scheduler_svc import kv_events_config, kv_events_zmq, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
 from scheduler_svc.cluster import Cluster, resolve
@@ -123,7 +123,7 @@ async def serve(args) -> None:
     hop_secret = trusted_hop.load_hop_secret(args.trusted_hop_secret_file)
     hops = TrustedHops(hop_secret, trusted_hop.parse_objectives(args.objective))  # (errors before executors are tried)
     fleet_secret = fleet_salt.load_fleet_secret(args.fleet_secret_file)
-    kv_zmq = kv_events_zmq.from_args(args)  # (--kv-events-config and its CURVE keys, before executors are tried)
+    kv_zmq = kv_events_config.from_args(args)  # (--kv-events-config and its CURVE keys, before executors are tried)
     credentials = security.server_credentials(args.tls_cert, args.tls_key)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()  # SIGTERM/SIGINT, also while starting (e.g. waiting for executors)

@@ -23,6 +23,7 @@ from pagedkv import fleet_salt
 from pagedkv.cli import free_port
 from pagedkv.client import Client
 from pagedkv.local_server import ROOT
+from scheduler_svc import kv_events_config as kc
 from scheduler_svc import kv_events_zmq as kz
 from scheduler_svc.kv_events import Batch, KvEventLog, Removed, Stored
 from scheduler_svc.tenancy import hash_key
@@ -41,10 +42,10 @@ def batch(seq: int) -> Batch:
                                      Removed((seq - 1,), "GPU")))
 
 
-def config(**overrides) -> kz.KvEventsConfig:
+def config(**overrides) -> kc.KvEventsConfig:
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}",
            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}", **overrides}
-    return kz.parse_config(json.dumps(cfg)).with_default_topic("tiny-llama", "test-host")
+    return kc.parse_config(json.dumps(cfg)).with_default_topic("tiny-llama", "test-host")
 
 
 def local(endpoint: str) -> str:
@@ -193,7 +194,7 @@ def test_curve_admits_only_allowed_client_keys(ctx, tmp_path) -> None:
     _, server_secret = zmq.auth.create_certificates(tmp_path / "server", "server")
     _, allowed_secret = zmq.auth.create_certificates(tmp_path / "clients", "allowed")
     _, stranger_secret = zmq.auth.create_certificates(tmp_path / "strangers", "stranger")
-    keys = kz.load_curve_keys(server_secret, str(tmp_path / "clients"))
+    keys = kc.load_curve_keys(server_secret, str(tmp_path / "clients"))
     # every interface: refused without keys (tests/unit), allowed with them
     cfg = config(endpoint=f"tcp://*:{free_port()}", replay_endpoint=f"tcp://*:{free_port()}")
     pub = kz.start(cfg, keys, LOG)

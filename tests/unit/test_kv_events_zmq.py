@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq.auth
 
+from scheduler_svc import kv_events_config as kc
 from scheduler_svc import kv_events_zmq as kz
 from scheduler_svc.kv_events import Batch, Cleared, Removed, Stored
 from tests.support import vllm_kv_events as vllm
@@ -78,8 +79,8 @@ def test_unknown_event_and_medium_refused() -> None:
 
 
 # ---- --kv-events-config --------------------------------------------------------------------------------------
-def parse(obj) -> kz.KvEventsConfig:
-    return kz.parse_config(obj if isinstance(obj, str) else json.dumps(obj))
+def parse(obj) -> kc.KvEventsConfig:
+    return kc.parse_config(obj if isinstance(obj, str) else json.dumps(obj))
 
 
 def test_vllm_keys_and_defaults() -> None:
@@ -128,9 +129,9 @@ def test_beyond_loopback_needs_curve(endpoint) -> None:
     for key in ("endpoint", "replay_endpoint"):
         cfg = parse({"enable_kv_cache_events": True, key: endpoint})
         with pytest.raises(ValueError) as err:
-            kz.check_link(cfg, None)
+            kc.check_link(cfg, None)
         message = str(err.value)
-        assert f"{key} {endpoint}" in message and kz.CURVE_SECRET_FLAG in message and kz.CURVE_CLIENTS_FLAG in message
+        assert f"{key} {endpoint}" in message and kc.CURVE_SECRET_FLAG in message and kc.CURVE_CLIENTS_FLAG in message
         with pytest.raises(ValueError, match=re.escape(f"{key} {endpoint}")):
             kz.start(cfg, None, log=None)  # (refused before any socket)
 
@@ -138,12 +139,12 @@ def test_beyond_loopback_needs_curve(endpoint) -> None:
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://localhost:5557", "tcp://[::1]:5557",
                                       "ipc:///tmp/kv-events", "inproc://kv-events"])
 def test_local_endpoints_need_no_keys(endpoint) -> None:
-    kz.check_link(parse({"enable_kv_cache_events": True, "endpoint": endpoint}), None)
+    kc.check_link(parse({"enable_kv_cache_events": True, "endpoint": endpoint}), None)
 
 
 def test_bind_or_connect_as_vllm() -> None:
-    assert kz.binds("tcp://*:5557") and kz.binds("tcp://127.0.0.1:5557") and kz.binds("ipc:///tmp/x")
-    assert not kz.binds("tcp://10.1.2.3:5557")  # (vLLM: another host is connected to, e.g. llm-d's scorer)
+    assert kc.binds("tcp://*:5557") and kc.binds("tcp://127.0.0.1:5557") and kc.binds("ipc:///tmp/x")
+    assert not kc.binds("tcp://10.1.2.3:5557")  # (vLLM: another host is connected to, e.g. llm-d's scorer)
 
 
 def test_curve_key_flags(tmp_path) -> None:
@@ -152,22 +153,22 @@ def test_curve_key_flags(tmp_path) -> None:
     clients.mkdir()
     public_file, secret_file = zmq.auth.create_certificates(server_dir, "server")
     zmq.auth.create_certificates(clients, "client")
-    keys = kz.load_curve_keys(secret_file, str(clients))
+    keys = kc.load_curve_keys(secret_file, str(clients))
     assert keys is not None and len(keys.public) == len(keys.secret) == 40
-    assert kz.load_curve_keys("", "") is None
-    with pytest.raises(ValueError, match=f"^{kz.CURVE_CLIENTS_FLAG} is needed too"):
-        kz.load_curve_keys(secret_file, "")
-    with pytest.raises(ValueError, match=f"^{kz.CURVE_SECRET_FLAG} is needed too"):
-        kz.load_curve_keys("", str(clients))
+    assert kc.load_curve_keys("", "") is None
+    with pytest.raises(ValueError, match=f"^{kc.CURVE_CLIENTS_FLAG} is needed too"):
+        kc.load_curve_keys(secret_file, "")
+    with pytest.raises(ValueError, match=f"^{kc.CURVE_SECRET_FLAG} is needed too"):
+        kc.load_curve_keys("", str(clients))
     with pytest.raises(ValueError, match="holds no secret key"):
-        kz.load_curve_keys(public_file, str(clients))
-    with pytest.raises(ValueError, match=f"{kz.CURVE_SECRET_FLAG} .*cannot read"):
-        kz.load_curve_keys(str(tmp_path / "missing"), str(clients))
+        kc.load_curve_keys(public_file, str(clients))
+    with pytest.raises(ValueError, match=f"{kc.CURVE_SECRET_FLAG} .*cannot read"):
+        kc.load_curve_keys(str(tmp_path / "missing"), str(clients))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=f"{kz.CURVE_CLIENTS_FLAG} .*holds no client public key"):
-        kz.load_curve_keys(secret_file, str(tmp_path / "empty"))
-    with pytest.raises(ValueError, match=f"{kz.CURVE_CLIENTS_FLAG} .*not a directory"):
-        kz.load_curve_keys(secret_file, str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match=f"{kc.CURVE_CLIENTS_FLAG} .*holds no client public key"):
+        kc.load_curve_keys(secret_file, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=f"{kc.CURVE_CLIENTS_FLAG} .*not a directory"):
+        kc.load_curve_keys(secret_file, str(tmp_path / "absent"))
 
 
 def flags(config: str = "", secret: str = "", clients: str = "") -> argparse.Namespace:
@@ -176,17 +177,17 @@ def flags(config: str = "", secret: str = "", clients: str = "") -> argparse.Nam
 
 
 def test_flags_checked_at_start_up(tmp_path) -> None:
-    assert kz.from_args(flags()) is None
-    assert kz.from_args(flags('{"enable_kv_cache_events": false}')) is None
-    config, keys = kz.from_args(flags('{"enable_kv_cache_events": true}'))
+    assert kc.from_args(flags()) is None
+    assert kc.from_args(flags('{"enable_kv_cache_events": false}')) is None
+    config, keys = kc.from_args(flags('{"enable_kv_cache_events": true}'))
     assert config.enabled and keys is None
     with pytest.raises(ValueError, match=re.escape("endpoint tcp://*:5557 is reachable beyond this machine")):
-        kz.from_args(flags('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
+        kc.from_args(flags('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
     (tmp_path / "clients").mkdir()
     _, secret = zmq.auth.create_certificates(tmp_path, "server")
     zmq.auth.create_certificates(tmp_path / "clients", "client")
-    config, keys = kz.from_args(flags('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}', secret,
+    config, keys = kc.from_args(flags('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}', secret,
                                       str(tmp_path / "clients")))
     assert keys is not None and config.endpoint == "tcp://*:5557"
     with pytest.raises(ValueError, match="protect the KV events, which are off"):
-        kz.from_args(flags("", secret, str(tmp_path / "clients")))
+        kc.from_args(flags("", secret, str(tmp_path / "clients")))
