@@ -9,10 +9,11 @@ names, field order, types, defaults and msgspec options as in
 The event structs' fields were read from vllm-project/vllm at commit 0181ea3173e53eea8cf04a86891488e3dc89bb34
 (``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
 group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window; ``BlockRemoved``: block_hashes, medium, group_idx).
-Since vLLM PR #42892 (in v0.24 and later) the events are tagged *maps* (``tag=True`` without ``array_like``: the
-class name under ``"type"``), while ``EventBatch`` stays a positional array (``array_like=True``), as a v0.26.0
-capture shows (volcano-sh/kthena#1535: ``[ts, [{"type": "BlockStored", ...}], 0]``) and Dynamo's and llm-d's
-decoders expect. ``ExternalBlockHash`` is vLLM's ``bytes | int`` (``vllm/v1/core/kv_cache_utils.py``).
+Since vLLM PR #42892 (merged 2026-06-09, in v0.26.0) the events are tagged *maps* (``tag=True`` without
+``array_like``: the class name under ``"type"``), while ``EventBatch`` stays a positional array
+(``array_like=True``), as a v0.26.0 capture shows (volcano-sh/kthena#1535: ``[ts, [{"type": "BlockStored", ...}],
+0]``) and Dynamo's and llm-d's decoders expect. ``ExternalBlockHash`` is vLLM's ``bytes | int``
+(``vllm/v1/core/kv_cache_utils.py``).
 """
 
 from __future__ import annotations
