@@ -13,7 +13,9 @@ Since vLLM PR #42892 (merged 2026-06-09, in v0.26.0) the events are tagged *maps
 ``array_like``: the class name under ``"type"``), while ``EventBatch`` stays a positional array
 (``array_like=True``), as a v0.26.0 capture shows (volcano-sh/kthena#1535: ``[ts, [{"type": "BlockStored", ...}],
 0]``) and Dynamo's and llm-d's decoders expect. ``ExternalBlockHash`` is vLLM's ``bytes | int``
-(``vllm/v1/core/kv_cache_utils.py``).
+(``vllm/v1/core/kv_cache_utils.py``). NOTE: the stored copy at that commit declares ``EventBatch`` without
+``array_like`` (a map); the release, Dynamo 1.6.1's guard test (``EventBatch`` fields ts, events,
+data_parallel_rank, positional) and every consumer above read an array, so the array is what is matched here.
 """
 
 from __future__ import annotations
