@@ -4,10 +4,9 @@ The scheduler's stream is the union over its pools, per medium (GPU: device page
 (hash, medium) is stored when the first pool holds it findable and removed when the last drops it. Dynamo's direct
 publisher API knows no media and no "cleared", so ``KvRelay`` keeps what it told the router (hash -> media) and
 says, per hash: stored when it becomes findable on any medium, removed when it is findable on none. A Cleared is a
-removal of every hash it announced. A snapshot batch (the stream's first after a (re)connect that could not be
-replayed, e.g. after the scheduler restarted) replaces the whole view: hashes it no longer holds are removed, new
-ones stored, so the router ends up with exactly the scheduler's findable pages. On reconnect the stream asks the
-scheduler to resume after the last batch it applied.
+removal of every hash it announced. A snapshot batch (the stream's first, on every (re)connect) replaces the whole
+view: hashes the scheduler no longer holds are removed, new ones stored, so the router ends up with exactly the
+scheduler's findable pages, whether the scheduler restarted meanwhile or not.
 
 Each Stored carries its tenant's salt (``cache_salt``: Dynamo's router namespace, the one the edge gateway sets as
 ``nvext.cache_salt``), the page tokens and the parent page's id, as Dynamo's router wants them.
@@ -160,8 +159,8 @@ def events_of(batch: Any) -> list[Event]:
 
 async def watch_events(channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], relay: KvRelay,
                        log: Any, backoff_s: float = 0.5, max_backoff_s: float = 5.0) -> None:
-    """Relays the scheduler's Watch stream until cancelled: reconnects after a break (resuming after the last
-    batch applied), with a backoff while the scheduler is away."""
+    """Relays the scheduler's Watch stream until cancelled: reconnects after a break (from a snapshot), with a
+    backoff while the scheduler is away."""
     try:
         from pagedkv.kvevents.v1 import kv_events_pb2 as kv
         from pagedkv.kvevents.v1 import kv_events_pb2_grpc as kv_grpc
@@ -171,7 +170,12 @@ async def watch_events(channel: grpc.aio.Channel, metadata: Sequence[tuple[str, 
     stub = kv_grpc.KvEventsStub(channel)
     delay = backoff_s
     while True:
-        request = kv.WatchRequest(from_seq=(relay.seq or 0) + 1, has_from_seq=relay.seq is not None)
+        # NOTE: every (re)connect starts from a snapshot, never from relay.seq + 1: batch numbers are per scheduler
+        # process and carry no epoch, so after a restart the new process's batch seq + 1 (its seq having passed the
+        # old one's) would be replayed without its first batches (its Cleared among them), and the router would keep
+        # the dead process's pages. The snapshot is diffed against what the router was told (KvRelay._resync), so
+        # the router sees only what changed.
+        request = kv.WatchRequest(has_from_seq=False)
         try:
             async for batch in stub.Watch(request, metadata=metadata):
                 relay.apply_batch(batch.seq, events_of(batch), batch.snapshot, batch.block_size)

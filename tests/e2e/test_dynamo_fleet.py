@@ -176,6 +176,14 @@ class Fleet:
         return codes
 
 
+def router_event_errors(fleet) -> list[str]:
+    """KV events Dynamo's router could not apply (a removed page it did not know, a stored page whose parent it did
+    not know), from its /metrics: a relay that kept its view equal to the scheduler's has none."""
+    text = fleet.frontend.get("/metrics").text
+    return [line for line in text.splitlines() if line.startswith("dynamo_component_kv_cache_events_applied")
+            and 'status="ok"' not in line and not line.endswith(" 0")]
+
+
 def worker_of(answer: dict) -> int:
     return answer["nvext"]["worker_id"]["decode_worker_id"]
 
@@ -245,6 +253,7 @@ def test_evictions_reach_the_router(fleet):
     asyncio.run(fill())
     after = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
     assert router_hit(after) == 0 and cached(after) == 0, (after, fleet.logs())
+    assert router_event_errors(fleet) == []
 
 
 def test_a_scheduler_killed_under_a_seeded_stream_leaves_the_text_identical(fleet):
@@ -275,6 +284,9 @@ def test_a_scheduler_killed_under_a_seeded_stream_leaves_the_text_identical(flee
         "dynamo_worker_") and e["event"] != "dynamo_worker_start"][-2:] == ["dynamo_worker_unready",
                                                                          "dynamo_worker_ready"], timeout=60), \
         worker.log()
+    # the restarted scheduler's events (from a snapshot: Cleared, then its pages) left the router a consistent view
+    after = [fleet.complete(document(i), via="edge", key=ALPHA_KEY) for i in range(500, 503)]
+    assert all(cached(a) == 0 for a in after) and router_event_errors(fleet) == []
 
 
 def kill_the_busy_scheduler(fleet) -> int:
