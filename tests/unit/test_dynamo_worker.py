@@ -278,3 +278,36 @@ def test_a_snapshot_replaces_the_view():
     r.apply_batch(0, [StoredPages((11,), None, (1, 2), "GPU", ""), StoredPages((31,), None, (7, 7), "CPU", "s")], True)
     assert pub.held == {11, 31} and set(r.held) == {11, 31} and r.seq == 0
     assert ("removed", (12, 21)) in pub.calls and pub.calls[-1] == ("stored", (31,), None, (7, 7), (2,), "s")
+
+
+def test_the_page_load_is_pushed_when_it_changes():
+    infos = [api.ModelInfoResponse(cluster_view=True, num_pages=100, num_used_pages=used) for used in (0, 0, 7, 7, 9)]
+
+    class Client:
+        async def model_info(self):
+            if not infos:
+                engine.client = None  # ends the loop
+                return api.ModelInfoResponse(cluster_view=True, num_pages=100, num_used_pages=9)
+            return infos.pop(0)
+
+    class Snapshots:
+        def __init__(self) -> None:
+            self.pushed = []
+
+        def publish(self, rank, snap) -> None:
+            self.pushed.append((rank, snap.kv_used_blocks, snap.kv_total_blocks, snap.gpu_cache_usage))
+
+    engine = PagedkvEngine(argparse.Namespace(load_interval=0), Path("/nonexistent"))
+    engine.client, engine._snapshots = Client(), Snapshots()
+    asyncio.run(engine._push_load())
+    assert engine._snapshots.pushed == [(0, 0, 100, 0.0), (0, 7, 100, 0.07), (0, 9, 100, 0.09)]
+
+
+def test_no_load_is_pushed_without_the_cluster_view():
+    class Client:
+        async def model_info(self):
+            return api.ModelInfoResponse(cluster_view=False, num_pages=100)
+
+    engine = PagedkvEngine(argparse.Namespace(load_interval=0), Path("/nonexistent"))
+    engine.client, engine._snapshots = Client(), None  # (a push would fail on None)
+    asyncio.run(asyncio.wait_for(engine._push_load(), 10))
