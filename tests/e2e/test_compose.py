@@ -95,8 +95,8 @@ def test_compose_file_is_valid(docker_compose, profiles, files):
         assert {tuple(s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"])
                 for s in executors.values()} == {("0",), ("1",)}
     _check_stop_order(services)
-    for name, svc in services.items():
-        if svc.get("image", "").startswith("pagedkv:") and name != "certs":
+    for name, svc in services.items():  # (the fleet profile's: tests/e2e/test_compose_fleet.py)
+        if svc.get("image", "").startswith("pagedkv:") and name != "certs" and "fleet" not in svc.get("profiles", []):
             assert "pagedkv" in svc["healthcheck"]["test"] and "health" in svc["healthcheck"]["test"], name
             assert _flag(svc["healthcheck"]["test"], "--tls-ca") == f"{CERTS}/ca.pem", name
             assert any(":/models" in str(v) or "'/models'" in str(v) for v in svc["volumes"]), name
