@@ -90,6 +90,7 @@ def test_the_services_agree(fleet):
     discovery = front["environment"]["DYN_FILE_KV"]
     assert f"fleet-discovery:{discovery}:rw" in front["volumes"]
     assert "ports" not in front  # it checks no key: only the edge reaches it, inside the compose network
+    assert not any(":/models" in v for v in front["volumes"])
     # the edge: relays to the frontend's port, checks keys against the schedulers' tenants file
     assert edge.edge_upstream == f"http://dynamo-frontend:{_flag(front_cmd, '--http-port')}"
     for sched_name, sidecar_name in PAIRS:
@@ -104,6 +105,9 @@ def test_the_services_agree(fleet):
         hosts = _flag(fleet["certs"]["command"], "--hosts").split(",")
         assert sched.tls_cert and sidecar.tls_ca and sidecar.tls_server_name in hosts
         assert sidecar.model == sched.model
+        # its model's files reach the frontend from its system port (no shared models volume), where its health is
+        system = env["DYN_SYSTEM_PORT"]
+        assert f"http://127.0.0.1:{system}/health" in " ".join(fleet[sidecar_name]["healthcheck"]["test"])
         assert fleet[sidecar_name]["depends_on"][sched_name]["condition"] == "service_healthy"
         # the scheduler serves its KV events; the tenant the edge signs is checked with the fleet secret and
         # asserted with the scheduler's hop secret

@@ -54,15 +54,17 @@ HOP_SECRET = "hop-secret-for-the-fleet-test-0123456789"
 FLEET_SECRET = "fleet-secret-for-the-fleet-test-0123456789"
 NUM_PAGES = 48  # per scheduler, 16 tokens each: a handful of prompts evict the oldest pages (test_evictions...)
 MODEL = "tiny-llama"
+LOOPBACK = "127.0.0.1"
 EXTRA = {"extra_fields": ["worker_id", "timing"]}
 
 
 def dynamo_env(kv_dir: Path) -> dict[str, str]:
-    """The environment every Dynamo process gets: file discovery in ``kv_dir``, TCP requests, ZMQ events, few
-    threads (this machine has 2 cores), no hub."""
+    """The environment every Dynamo process gets: file discovery in ``kv_dir``, TCP requests, ZMQ events, all on
+    loopback (Dynamo's default is the host's address), few threads (this machine has 2 cores), no hub."""
     return {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(kv_dir), "DYN_REQUEST_PLANE": "tcp",
             "DYN_EVENT_PLANE": "zmq", "TOKIO_WORKER_THREADS": "2", "DYN_COMPUTE_THREADS": "1",
-            "HF_HUB_OFFLINE": "1"}
+            "HF_HUB_OFFLINE": "1", "DYN_TCP_RPC_HOST": LOOPBACK, "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+            "DYN_EVENT_PLANE_HOST": LOOPBACK}
 
 
 class Process:
