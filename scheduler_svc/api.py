@@ -125,9 +125,8 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def _caller(self, context, method: str) -> Caller:
         """The caller's tenant (its key's, or the one a trusted hop asserts) and its key's hash; otherwise the call
-        ends UNAUTHENTICATED (a key refused), PERMISSION_DENIED (a tenant named by one that may not) or
-        INVALID_ARGUMENT (a hop's headers that disagree), and the refusal is logged (never the key or a secret: the
-        reason says only missing, malformed, multiple, unknown, revoked, or what the hop did wrong)."""
+        ends UNAUTHENTICATED (a key refused), PERMISSION_DENIED (a tenant named by one that may not) or INVALID_ARGUMENT
+        (a hop's headers disagree), logged (never a key or secret: only the reason, e.g. missing, revoked)."""
         try:
             return self.hops.caller(self.cluster.tenants, context.invocation_metadata())
         except Unauthenticated as err:
@@ -152,8 +151,7 @@ class GenerationService(api_grpc.GenerationServicer):
             if stream.revoked:
                 continue
             if stream.asserted:  # (no key: the tenant a trusted hop named must still be in the file)
-                gone = tenants.named(tenant_id) is None
-                problem = f"tenant {tenant_id} no longer in the tenants file" if gone else ""
+                problem = "" if tenants.named(tenant_id) else f"tenant {tenant_id} no longer in the tenants file"
             else:
                 if (tenant_id, stream.key) not in problems:
                     problems[tenant_id, stream.key] = tenants.key_problem(tenant_id, stream.key)
