@@ -164,10 +164,17 @@ def _sampling(options: Mapping[str, Any], stop: Mapping[str, Any], output: Mappi
     if length_penalty is not None and _float(so, "length_penalty", length_penalty) != 1.0:
         raise Refused(f"{so}.length_penalty", "applies to beam search only, which pagedkv does not do")
     n = 1 if options.get("n") is None else _int(so, "n", options["n"], 1)
+    if n > 1:
+        # NOTE: measured on 1.6.1 (/v1/completions and /v1/chat/completions, n = 2, with and without migration):
+        # the frontend ends the response at the first chunk of any choice that carries a finish_reason; the
+        # other choice lost its last token and was reported "stop" whatever ended it. pagedkv's forks (n > 1 on the
+        # gRPC API) would map one to one; what Dynamo makes of them would not be exact.
+        raise Refused(f"{so}.n", f"n = {n}: Dynamo's frontend (1.6.1) ends a response when its first choice "
+                      "finishes, so the other choices would lose their last tokens and their finish reasons; send "
+                      "n requests, each with its own seed")
     best_of = options.get("best_of")
-    if best_of is not None and _int(so, "best_of", best_of, 1) != n:
-        raise Refused(f"{so}.best_of", f"best_of {best_of} != n {n}: pagedkv returns every fork it samples")
-    s.n = n
+    if best_of is not None and _int(so, "best_of", best_of, 1) != 1:
+        raise Refused(f"{so}.best_of", f"best_of {best_of} != n 1: pagedkv returns every sample it draws")
     for key in ("temperature", "top_p", "repetition_penalty", "min_p"):
         if options.get(key) is not None:
             setattr(s, key, _float(so, key, options[key]))
@@ -271,3 +278,4 @@ def chunk_of(msg: api.GenerateResponse, want_logprobs: bool, decode) -> dict[str
                                      "total_tokens": u.prompt_tokens + u.completion_tokens,
                                      "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
     return chunk
+

@@ -50,7 +50,13 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.dynamo_args import add_args
 from pagedkv.dynamo_kv_relay import KvRelay, watch_events
-from pagedkv.dynamo_request import TENANT_METADATA_KEY, Refused, chunk_of, generate_request, prompt_logprobs_of
+from pagedkv.dynamo_request import (
+    TENANT_METADATA_KEY,
+    Refused,
+    chunk_of,
+    generate_request,
+    prompt_logprobs_of,
+)
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from pagedkv.resume_policy import DEFAULT_RESUME
 
@@ -286,11 +292,13 @@ class PagedkvEngine(LLMEngine):
             event.set()
 
     def _decode(self, token_id: int) -> str | None:
+        """A top-logprob token's text (Dynamo's chunks carry it); None for a model without tokenizer.json."""
         if self._tokenizer is None:
             from tokenizers import Tokenizer
 
-            self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+            path = self.model_dir / "tokenizer.json"
+            self._tokenizer = Tokenizer.from_file(str(path)) if path.is_file() else False
+        return self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else None
 
     async def generate(self, request: dict, context: Context) -> AsyncIterator[dict]:
         assert self.client is not None and self.tenancy is not None

@@ -379,3 +379,9 @@ def test_a_client_that_goes_away_aborts_the_request_in_pagedkv(fleet):
                    for s in fleet.servers for line in s.log().splitlines())
 
     assert wait_until(cancelled, timeout=60), fleet.logs()
+
+
+def test_what_cannot_map_is_refused_naming_it(fleet):
+    for extra, field in (({"n": 2}, "sampling_options.n"), ({"best_of": 3}, "sampling_options.best_of")):
+        r = fleet.frontend.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and field in r.json()["message"], r.text
