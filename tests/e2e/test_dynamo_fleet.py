@@ -385,3 +385,7 @@ def test_what_cannot_map_is_refused_naming_it(fleet):
     for extra, field in (({"n": 2}, "sampling_options.n"), ({"best_of": 3}, "sampling_options.best_of")):
         r = fleet.frontend.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
         assert r.status_code == 400 and field in r.json()["message"], r.text
+    # a tenant assertion a client forged (the frontend passes x-dynamo-meta-* on to the worker): the MAC fails
+    forged = {"x-dynamo-meta-pagedkv-tenant": "alpha.9999999999." + "0" * 64}
+    r = fleet.frontend.post("/v1/completions", headers=forged, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 400 and "x-dynamo-meta-pagedkv-tenant: bad MAC" in r.json()["message"], r.text
