@@ -164,6 +164,11 @@ def _finish_name(value: int) -> str:
 
 
 def _dynamo_worker(args) -> int:
+    from pagedkv import logs
+
+    json_logs = logs.wants_json(args.log_format)
+    if json_logs or (json_logs is None and not sys.stderr.isatty()):
+        os.environ.setdefault("DYN_LOGGING_JSONL", "1")  # Dynamo's own lines as JSON too (read at its import)
     try:
         from pagedkv.dynamo_worker import main as dynamo_worker
     except ImportError as err:
