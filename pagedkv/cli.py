@@ -177,7 +177,7 @@ def _dynamo_worker(args) -> int:
         return 1
     try:
         return dynamo_worker(args)
-    except (ValueError, FileNotFoundError, OSError) as err:  # a bad --model, an unreadable secret file
+    except (ValueError, OSError) as err:  # a bad --model, an unreadable secret file, a scheduler that never served
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
 

@@ -128,6 +128,7 @@ class PagedkvEngine(LLMEngine):
         self.model_dir = model_dir
         self.client: Client | None = None
         self.tenancy: Tenancy | None = None
+        self.info = api.ModelInfoResponse()
         self.block_size = 0
         self.num_pages = 0
         self._aborted: dict[str, asyncio.Event] = {}
@@ -144,7 +145,15 @@ class PagedkvEngine(LLMEngine):
     async def from_args(cls, argv: list[str] | None = None) -> tuple[PagedkvEngine, WorkerConfig]:
         p = argparse.ArgumentParser(prog="pagedkv dynamo-worker")
         add_args(p)
-        return cls.from_namespace(p.parse_args(argv))
+        return await cls.connected(p.parse_args(argv))
+
+    @classmethod
+    async def connected(cls, args: argparse.Namespace) -> tuple[PagedkvEngine, WorkerConfig]:
+        """The engine, connected to its scheduler, and Dynamo's WorkerConfig (the served name the scheduler's)."""
+        engine, config = cls.from_namespace(args)
+        await engine.connect()
+        config.served_model_name = engine.served_model_name
+        return engine, config
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> tuple[PagedkvEngine, WorkerConfig]:
@@ -165,9 +174,10 @@ class PagedkvEngine(LLMEngine):
                               event_plane=args.event_plane, enable_kv_routing=not args.no_kv_events)
         return engine, config
 
-    async def start(self, worker_id: int) -> EngineConfig:
+    async def connect(self) -> None:
+        """Reads the secrets and waits for the scheduler (its ModelInfo): before Dynamo's worker starts, so a bad
+        flag or a scheduler that never serves ends the command with one line."""
         args = self.args
-        self._loop = asyncio.get_running_loop()
         hop_secret = trusted_hop.load_hop_secret(getattr(args, "trusted_hop_secret_file", ""))
         fleet_secret = fleet_salt.load_fleet_secret(getattr(args, "fleet_secret_file", ""))
         if fleet_secret and not hop_secret:
@@ -177,15 +187,30 @@ class PagedkvEngine(LLMEngine):
         self.tenancy = Tenancy(auth, fleet_secret, hop_secret, args.require_tenant)
         self.client = Client(args.address, metadata=auth, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
                              resume=SIDECAR_RESUME)
-        await self.client.wait_ready(args.connect_timeout)
-        info = await self.client.model_info()
-        self.block_size, self.num_pages = info.block_size, info.num_pages
-        names = list(info.served_model_names) or [info.model]
-        served = args.served_model_name or names[0]
-        log.info("dynamo_worker_start", address=args.address, model_dir=str(self.model_dir), served=served,
+        try:
+            await self.client.wait_ready(args.connect_timeout)
+            self.info = await self.client.model_info()
+        except (TimeoutError, grpc.aio.AioRpcError) as err:
+            await self.cleanup()
+            said = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            raise ConnectionError(f"scheduler {args.address}: {said}") from None
+        self.block_size, self.num_pages = self.info.block_size, self.info.num_pages
+
+    @property
+    def served_model_name(self) -> str:
+        names = list(self.info.served_model_names) or [self.info.model]
+        return self.args.served_model_name or names[0]
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        self._loop = asyncio.get_running_loop()
+        if self.client is None:
+            await self.connect()
+        info, served = self.info, self.served_model_name
+        log.info("dynamo_worker_start", address=self.args.address, model_dir=str(self.model_dir), served=served,
                  block_size=info.block_size, num_pages=info.num_pages, max_model_len=info.max_model_len,
                  worker_id=worker_id)
         self._tasks.append(asyncio.create_task(self._watch_health()))
+        names = list(info.served_model_names) or [info.model]
         return EngineConfig(model=str(self.model_dir), served_model_name=served,
                             model_aliases=[n for n in names if n != served],
                             llm=LlmRegistration(context_length=info.max_model_len,
@@ -351,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
     logs.configure("dynamo-worker", json=logs.wants_json(args.log_format))
 
     async def factory(_argv):
-        return PagedkvEngine.from_namespace(args)
+        return await PagedkvEngine.connected(args)
 
     run(PagedkvEngine, engine_factory=factory)
     return 0
