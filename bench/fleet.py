@@ -73,6 +73,7 @@ class Config(Machine):
     hop_max_tokens: int = 64
     seed: int = 0
     arms: list[str] = field(default_factory=lambda: list(ARMS))
+    frontend_args: list[str] = field(default_factory=list)  # more flags for Dynamo's frontend (both Dynamo arms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class Answer:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    worker: int | None = None  # Dynamo's worker (nvext.worker_id), on Dynamo's paths
     error: str = ""
 
 
@@ -131,7 +133,7 @@ async def send_http(http: httpx.AsyncClient, url: str, key: str, model: str, pro
     """A streamed /v1/completions (an edge, Dynamo's frontend or a pagedkv gateway); times from ``t0``."""
     out = Answer(index)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "nvext": {"extra_fields": ["worker_id"]}}
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
@@ -150,6 +152,9 @@ async def send_http(http: httpx.AsyncClient, url: str, key: str, model: str, pro
                     if out.ttft_s != out.ttft_s:
                         out.ttft_s = now
                     out.end_s = now
+                worker = ((event.get("nvext") or {}).get("worker_id") or {}).get("decode_worker_id")
+                if worker is not None:
+                    out.worker = worker
                 usage = event.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -197,6 +202,22 @@ async def run_load(jobs: list[Job], send) -> tuple[list[Answer], float, dict[str
     return list(answers), last - start, watch.stop()
 
 
+def affinity(jobs: list[Job], answers: list[Answer]) -> float:
+    """Of the requests whose system prompt came before (in arrival order), the share Dynamo sent to the worker
+    that served that prompt's previous request (NaN where no worker was reported: not a Dynamo path)."""
+    last: dict[tuple[str, int], int] = {}
+    same = repeats = 0
+    for job, answer in zip(jobs, answers, strict=True):
+        if answer.worker is None:
+            continue
+        key = (job.tenant, job.system)
+        if key in last:
+            repeats += 1
+            same += last[key] == answer.worker
+        last[key] = answer.worker
+    return same / repeats if repeats else float("nan")
+
+
 def summarize(arm: str, jobs: list[Job], answers: list[Answer], wall: float, cpu: dict[str, float]) -> dict[str, Any]:
     ok = [a for a in answers if not a.error]
     ttfts = [a.ttft_s for a in ok if a.ttft_s == a.ttft_s]
@@ -208,7 +229,7 @@ def summarize(arm: str, jobs: list[Job], answers: list[Answer], wall: float, cpu
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "output_tokens": sum(a.completion_tokens for a in ok),
             "output_tok_s": sum(a.completion_tokens for a in ok) / wall if wall > 0 else float("nan"),
-            "wall_s": wall, "cpu": cpu}
+            "wall_s": wall, "same_worker_repeats": affinity(jobs, answers), "cpu": cpu}
 
 
 async def warm(send_one, tenants: list[str]) -> None:
@@ -228,8 +249,8 @@ async def dynamo_arm(cfg: Config, arm: str, jobs: list[Job]) -> dict[str, Any]:
     mode = "kv" if arm == "dynamo-kv" else "round-robin"
     hop = arm == "dynamo-kv" and cfg.hop_requests > 0
     fleet = Fleet(FleetConfig(model=cfg.model, schedulers=2, router_mode=mode, tenants=cfg.tenants,
-                              serve_args=serve_args(cfg, cfg.num_pages)[2:], scheduler_http=hop,
-                              require_tenant=not hop))
+                              serve_args=serve_args(cfg, cfg.num_pages)[2:], frontend_args=cfg.frontend_args,
+                              scheduler_http=hop, require_tenant=not hop))
     await asyncio.to_thread(fleet.start)
     try:
         limits = httpx.Limits(max_connections=cfg.requests + 16, max_keepalive_connections=cfg.requests + 16)
@@ -343,12 +364,15 @@ def print_report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
         p99 = f"{r['ttft_p99_s'] * 1e3:.0f}"
         if arm == "dynamo-kv" and rr:
             p99 += f" ({r['ttft_p99_s'] / rr:.2f}x dynamo-rr: {v['ttft']})"
+        same = r.get("same_worker_repeats", float("nan"))
         rows.append([arm, hit, f"{r['ttft_p50_s'] * 1e3:.0f}", p99, f"{r['output_tok_s']:.1f}",
-                     f"{r['errors']}/{r['requests']}", f"{r['cpu'].get('foreign_share', float('nan')):.2f}"])
+                     "-" if same != same else f"{same:.2f}", f"{r['errors']}/{r['requests']}",
+                     f"{r['cpu'].get('foreign_share', float('nan')):.2f}"])
     print(f"\n{cfg.model}: {cfg.requests} requests, Poisson {cfg.rate}/s, {cfg.tenants} tenants x "
           f"{cfg.prompts_per_tenant} system prompts of {cfg.system_tokens} tokens, {cfg.max_tokens} output tokens; "
           f"{cfg.num_pages} pages a scheduler (single: {2 * cfg.num_pages}), no host tier")
-    print_table(["arm", "cached/prompt", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "errors", "foreign CPU"], rows)
+    print_table(["arm", "cached/prompt", "TTFT p50 ms", "TTFT p99 ms", "out tok/s", "repeat same worker", "errors",
+                 "foreign CPU"], rows)
     hop = results.get("dynamo-kv", {}).get("hop")
     if hop:
         print(f"\nthe Dynamo hop at batch 1 (medians of {hop['direct-gateway']['n']} requests each, "
@@ -414,6 +438,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, Path, float]:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--rate", type=float, default=d.rate, help="requests per second (Poisson)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
+    p.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
+                   help="one more flag for Dynamo's frontend, e.g. --frontend-arg=--router-kv-overlap-score-credit=2")
     p.add_argument("--quick", action="store_true", help="smoke run: 24 requests, 2 tenants x 2 prompts, 3 hop rounds")
     p.add_argument("--out", default="", help="JSON path (default: bench/results/fleet[_MODEL][_quick].json)")
     a = p.parse_args(argv)
@@ -423,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, Path, float]:
     cfg = Config(model=a.model, requests=a.requests, tenants=a.tenants, prompts_per_tenant=a.prompts_per_tenant,
                  system_tokens=a.system_tokens, max_tokens=a.max_tokens, rate=a.rate, num_pages=a.num_pages,
                  threads=a.threads, hop_requests=a.hop_requests, hop_max_tokens=a.hop_max_tokens, seed=a.seed,
-                 arms=arms)
+                 arms=arms, frontend_args=a.frontend_arg)
     if a.quick:
         cfg.requests, cfg.tenants, cfg.prompts_per_tenant, cfg.hop_requests = 24, 2, 2, 3
     name = "fleet" + ("" if cfg.model == "tiny-llama" else "_" + Path(cfg.model).name.split("-")[0]) + \
