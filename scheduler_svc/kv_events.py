@@ -93,13 +93,18 @@ def missing_secret_problem(multi_tenant: bool, secret: bytes) -> str:
 
 
 class KvEventLog:
-    def __init__(self, block_size: int, buffer_batches: int = 10000, salt_secret: bytes = b"") -> None:
+    def __init__(self, block_size: int, buffer_batches: int = 10000, salt_secret: bytes = b"",
+                 default_window: tuple[int, int] = (0, 0)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if buffer_batches < 1:
             raise ValueError(f"buffer_batches must be >= 1, got {buffer_batches}")
         self._bs = block_size
         self._secret = salt_secret
+        # NOTE: the (sink, window) every request gets unless it or its tenant asks for another (the server's window,
+        # the model's own: fit.attention_window). Its pages take the tenant's plain salt, the one the edge gateway
+        # sets: otherwise no request on a model with its own sliding window (Mistral, Gemma 2) would ever match.
+        self._default_window = default_window
         self._salts: dict[tuple[str, tuple[int, int] | None], str] = {}
         self._holders: dict[tuple[bytes, str], int] = {}  # (hash, medium) -> pools holding it findable (>= 1)
         self._pages: dict[bytes, _Page] = {}  # every hash findable somewhere (and, until a flush, some that were)
@@ -146,7 +151,8 @@ class KvEventLog:
             tokens = prompt[lo:hi]
         else:
             tokens = prompt[lo:] + req.output_ids[max(0, lo - len(prompt)):hi - len(prompt)]
-        window = (req.sink_tokens, req.window_tokens) if req.window_tokens else None
+        window = (req.sink_tokens, req.window_tokens)
+        window = window if req.window_tokens and window != self._default_window else None
         self._pages[h] = _Page(hash_id(h), hash_id(req.page_hashes[j - 1]) if j else None, tuple(tokens),
                                self.salt(req.tenant, window), j)
 

@@ -10,7 +10,7 @@ from pagedkv import fleet_salt, grpc_common, logs, runtime, security, trusted_ho
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
-from scheduler_svc import kv_events_config, kv_events_zmq, metrics
+from scheduler_svc import fit, kv_events_config, kv_events_zmq, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
 from scheduler_svc.cluster import Cluster, resolve
@@ -22,7 +22,7 @@ from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.template_pool import TemplateLimits, TemplatePool
-from scheduler_svc.tenancy import InvalidTenant, Tenants
+from scheduler_svc.tenancy import DEFAULT_TENANT, InvalidTenant, Tenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.trusted_hop import TrustedHops
@@ -163,7 +163,10 @@ async def serve(args) -> None:
     wants_events = args.kv_events_rpc or kv_zmq is not None
     if wants_events and missing_secret_problem(tenants.multi, fleet_secret):
         raise ValueError(missing_secret_problem(tenants.multi, fleet_secret))
-    events = KvEventLog(describe.block_size, salt_secret=fleet_secret) if wants_events else None
+    default_window = fit.attention_window(Tenant(DEFAULT_TENANT), args.sliding_window, args.sink_tokens, 0,
+                                          describe.block_size, model_window(args, describe))
+    events = KvEventLog(describe.block_size, salt_secret=fleet_secret,
+                        default_window=default_window) if wants_events else None
 
     def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
         pool, host = tier_pools(d.num_device_pages, d.block_size, d.num_host_pages, events)

@@ -232,3 +232,17 @@ def replayed(log: KvEventLog) -> set[tuple[int, str]]:
             else:
                 state.difference_update((h, ev.medium) for h in ev.hashes)
     return state
+
+
+def test_the_default_window_takes_the_tenants_plain_salt():
+    """Every request on a model with its own sliding window is windowed: its pages take the tenant's plain salt (the
+    one the edge gateway sets in nvext.cache_salt), and only a window a request or its tenant chose gets its own."""
+    log = KvEventLog(BS, salt_secret=SECRET, default_window=(0, 8))
+    kv = KVManager(tier_pools(16, BS, 0, log)[0])
+    salts = {}
+    for name, window in {"model's": (0, 8), "chosen": (2, 8)}.items():
+        published(log, kv, request([1, 2, 3, 4, 5], "t1", window))
+        log.flush()
+        salts[name] = {e.salt for e in log.batch_at(log.last_seq).events if isinstance(e, Stored)}
+    assert salts["model's"] == {cache_salt(SECRET, "t1")}
+    assert salts["chosen"] == {cache_salt(SECRET, "t1", (2, 8))}
