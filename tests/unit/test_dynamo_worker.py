@@ -311,3 +311,30 @@ def test_no_load_is_pushed_without_the_cluster_view():
     engine = PagedkvEngine(argparse.Namespace(load_interval=0), Path("/nonexistent"))
     engine.client, engine._snapshots = Client(), None  # (a push would fail on None)
     asyncio.run(asyncio.wait_for(engine._push_load(), 10))
+
+
+def worker_args(model: Path, **kw) -> argparse.Namespace:
+    from pagedkv.dynamo_args import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(["--model", str(model), "--discovery-backend", "file",
+                         *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", v)]])
+
+
+def test_a_model_without_a_chat_template_registers_for_completions_only(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    engine, config = PagedkvEngine.from_namespace(worker_args(tmp_path))
+    try:
+        assert config.endpoint_types == "completions" and config.model_name == str(tmp_path.resolve())
+        template = Path(config.custom_jinja_template).read_text()
+        assert "raise_exception" in template and "--chat-template" in template  # chat answers why, if reached
+    finally:
+        asyncio.run(engine.cleanup())
+    assert not Path(config.custom_jinja_template).exists()  # cleanup removes it
+    (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    _, config = PagedkvEngine.from_namespace(worker_args(tmp_path, chat_template=str(tmp_path / "chat.jinja")))
+    assert config.endpoint_types == "chat,completions" and config.custom_jinja_template == str(tmp_path / "chat.jinja")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    _, config = PagedkvEngine.from_namespace(worker_args(tmp_path))
+    assert config.endpoint_types == "chat,completions" and config.custom_jinja_template is None
