@@ -46,7 +46,8 @@ def test_nulls_leave_the_models_defaults():
     assert list(req.token_ids.ids) == [1, 5, 6, 7] and req.request_id == "r1"
     for field in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "min_p", "prompt_logprobs"):
         assert not s.HasField(field), field
-    assert max(1, s.n) == 1 and s.max_tokens == 0 and not s.logprobs and not s.ignore_eos and not s.HasField("constraint")
+    assert max(1, s.n) == 1 and s.max_tokens == 0 and not s.logprobs and not s.ignore_eos
+    assert not s.HasField("constraint")
     assert list(s.stop_token_ids) == [2]  # EOS among the hidden stop ids
     assert req.priority == 0
 
