@@ -18,7 +18,6 @@ from typing import Any
 
 from pagedkv.api.v1 import api_pb2 as api
 
-TENANT_METADATA_KEY = "pagedkv-tenant"  # context.metadata key: the edge gateway's x-dynamo-meta-pagedkv-tenant
 PRIORITY_LIMIT = 1000  # GenerateRequest.priority's range is [-1000, 1000]
 
 # (section, field) Dynamo may send that pagedkv reads; anything else that is set is refused.

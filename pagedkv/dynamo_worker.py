@@ -51,7 +51,6 @@ from pagedkv.client import Client
 from pagedkv.dynamo_args import add_args
 from pagedkv.dynamo_kv_relay import KvRelay, watch_events
 from pagedkv.dynamo_request import (
-    TENANT_METADATA_KEY,
     Refused,
     chunk_of,
     generate_request,
@@ -106,7 +105,7 @@ class Tenancy:
         self.require_tenant = require_tenant
 
     def metadata(self, context_metadata: Any) -> tuple[tuple[str, str], ...]:
-        token = context_metadata.get(TENANT_METADATA_KEY) if context_metadata is not None else None
+        token = context_metadata.get(fleet_salt.TENANT_META_KEY) if context_metadata is not None else None
         if token is None:
             if self.require_tenant:
                 raise InvalidArgument(f"{fleet_salt.TENANT_META_HEADER}: missing; this worker serves only requests "
