@@ -14,9 +14,10 @@
   routing after the first; WorkerUnavailable, Unknown, Cancelled and HttpError 503/429 are not migrated (3/6, HTTP
   500 or their code).
 - Unready: while the scheduler is not SERVING (draining at shutdown, restarting) the worker unregisters its endpoint
-  instance from Dynamo's discovery, and registers it again once the scheduler serves. A stream the scheduler ends
-  with UNAVAILABLE after the client gave up resuming is raised as ``EngineShutdown`` (migrated; the router takes
-  the worker out).
+  instance from Dynamo's discovery, and registers it again once the scheduler serves; a request that reaches it
+  meanwhile is raised as ``Disconnected`` at once (migrated), not held until the scheduler is back. A stream the
+  scheduler ends with UNAVAILABLE after the client gave up resuming is raised as ``EngineShutdown`` (migrated; the
+  router takes the worker out).
 - KV events: the scheduler's ``KvEvents/Watch`` stream relayed to Dynamo's ``KvEventPublisher`` (``KvRelay``);
   page load pushed as ``ComponentSnapshot`` when it changes.
 - Tenants: an assertion the edge gateway signed (``context.metadata['pagedkv-tenant']``) is checked with the fleet
@@ -128,6 +129,7 @@ class PagedkvEngine(LLMEngine):
         self.client: Client | None = None
         self.tenancy: Tenancy | None = None
         self.info = api.ModelInfoResponse()
+        self.serving = True  # the scheduler's health as last checked (_watch_health)
         self.block_size = 0
         self.num_pages = 0
         self._aborted: dict[str, asyncio.Event] = {}
@@ -297,6 +299,7 @@ class PagedkvEngine(LLMEngine):
                 serving = r.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 serving = False
+            self.serving = serving
             if serving != registered and self._endpoint is not None:
                 try:
                     if serving:
@@ -332,6 +335,8 @@ class PagedkvEngine(LLMEngine):
         except Refused as err:
             raise InvalidArgument(str(err)) from None
         metadata = self.tenancy.metadata(context.metadata)
+        if not self.serving:  # draining or restarting: Dynamo's frontend tries another worker at once (migration)
+            raise Disconnected(f"pagedkv scheduler {self.args.address} is not serving (draining or restarting)")
         want_logprobs = req.sampling.logprobs
         stopped = asyncio.ensure_future(context.async_killed_or_stopped())
         aborted = self._aborted.setdefault(request_id, asyncio.Event())

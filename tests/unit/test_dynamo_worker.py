@@ -338,3 +338,16 @@ def test_a_model_without_a_chat_template_registers_for_completions_only(tmp_path
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     _, config = PagedkvEngine.from_namespace(worker_args(tmp_path))
     assert config.endpoint_types == "chat,completions" and config.custom_jinja_template is None
+
+
+def test_a_request_while_the_scheduler_is_not_serving_goes_back_to_dynamo_at_once():
+    async def main():
+        client = FakeClient([api.GenerateResponse(finish_reason=api.FINISH_REASON_LENGTH)])
+        engine = engine_with(client)
+        engine.args = argparse.Namespace(address="127.0.0.1:1")
+        engine.serving = False
+        with pytest.raises(Disconnected, match="not serving"):
+            await collect(engine, REQUEST, FakeContext())
+        return client
+
+    assert asyncio.run(main()).requests == []
