@@ -16,7 +16,8 @@ through pagedkv's client (a stream its scheduler breaks, killed or restarted, is
 scheduler's KV events to Dynamo's KV router (with each tenant's salt) and pushes its page load. A request field
 pagedkv cannot honour is refused (HTTP 400) naming it. A full scheduler queue is answered with Dynamo's
 Disconnected, which its frontend migrates to another worker (--migration-limit >= 1); while the scheduler is not
-SERVING (draining, restarting) this worker is taken out of Dynamo's discovery and put back when it serves again.
+SERVING (draining, restarting) this worker is taken out of Dynamo's discovery (a request that reaches it meanwhile
+goes back to Dynamo, which tries another worker) and put back when it serves again.
 A request the edge gateway signed a tenant for (header x-dynamo-meta-pagedkv-tenant) runs as that tenant: the
 signature is checked with the fleet secret and the tenant asserted to the scheduler as a trusted hop."""
 
