@@ -13,7 +13,8 @@ backend API; install it with `make install-dynamo`). It registers the scheduler'
 (block size, pages and the longest length from the scheduler's ModelInfo; the tokenizer, config and chat template
 from --model's directory, which Dynamo's frontend reads), takes Dynamo's pre-tokenized requests and streams them
 through pagedkv's client (a stream its scheduler breaks, killed or restarted, is resumed exactly), relays the
-scheduler's KV events to Dynamo's KV router (with each tenant's salt) and pushes its page load. A request field
+scheduler's KV events (its --kv-events-rpc stream) to Dynamo's KV router, with each tenant's salt, and pushes its
+page load. A request field
 pagedkv cannot honour is refused (HTTP 400) naming it. A full scheduler queue is answered with Dynamo's
 Disconnected, which its frontend migrates to another worker (--migration-limit >= 1); while the scheduler is not
 SERVING (draining, restarting) this worker is taken out of Dynamo's discovery (a request that reaches it meanwhile

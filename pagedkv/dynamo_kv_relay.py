@@ -181,8 +181,11 @@ async def watch_events(channel: grpc.aio.Channel, metadata: Sequence[tuple[str, 
                 relay.apply_batch(batch.seq, events_of(batch), batch.snapshot, batch.block_size)
                 delay = backoff_s
         except grpc.aio.AioRpcError as err:
-            if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
-                              grpc.StatusCode.UNAUTHENTICATED):
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.error("kv_events_unavailable", details=err.details(), hint="start the scheduler (or pagedkv "
+                          "serve) with --kv-events-rpc; until then Dynamo's router has no KV events from it")
+                return
+            if err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 log.error("kv_events_refused", code=err.code().name, details=err.details(),
                           hint="the worker's --trusted-hop-secret-file or an admin --api-key must be the scheduler's")
                 return
