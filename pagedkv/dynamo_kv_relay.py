@@ -21,6 +21,9 @@ from typing import Any
 
 import grpc
 
+from pagedkv.kvevents.v1 import kv_events_pb2 as kv
+from pagedkv.kvevents.v1 import kv_events_pb2_grpc as kv_grpc
+
 
 @dataclass(frozen=True, slots=True)
 class StoredPages:
@@ -161,12 +164,6 @@ async def watch_events(channel: grpc.aio.Channel, metadata: Sequence[tuple[str, 
                        log: Any, backoff_s: float = 0.5, max_backoff_s: float = 5.0) -> None:
     """Relays the scheduler's Watch stream until cancelled: reconnects after a break (from a snapshot), with a
     backoff while the scheduler is away."""
-    try:
-        from pagedkv.kvevents.v1 import kv_events_pb2 as kv
-        from pagedkv.kvevents.v1 import kv_events_pb2_grpc as kv_grpc
-    except ImportError:
-        log.warning("kv_events_unavailable", reason="this pagedkv has no KvEvents service; no KV events relayed")
-        return
     stub = kv_grpc.KvEventsStub(channel)
     delay = backoff_s
     while True:
