@@ -10,6 +10,8 @@ router. Arms (each on fresh processes, from empty caches):
 
 - ``dynamo-kv``: the edge gateway -> Dynamo's frontend ``--router-mode kv`` -> a sidecar -> one of two schedulers
   (deploy/fleet_local.py), each ``--num-pages`` pages;
+- ``dynamo-kv-tuned`` (with ``--frontend-arg``): the same with those router settings, e.g.
+  ``--router-prefill-load-scale 4`` (a prefix hit outweighs more of the other worker's lighter load);
 - ``dynamo-rr``: the same with ``--router-mode round-robin``;
 - ``client-rr``: pagedkv.client straight to the two schedulers (gRPC round robin over ``a,b``; one client per
   tenant), each ``--num-pages`` pages;
@@ -18,15 +20,19 @@ router. Arms (each on fresh processes, from empty caches):
 
 No host tier anywhere (``--swap-space 0``): the capacity each arm has is the pages it is given. Per arm: cached ÷
 prompt tokens (pagedkv's usage), TTFT p50/p99 (from each request's own send), output tok/s (all output tokens ÷
-from the first send to the last answer). The hop: in the dynamo-kv fleet before its load, ``--hop-requests``
-sequential requests (batch 1, distinct short prompts, ``--hop-max-tokens`` tokens), alternating through the edge and
-Dynamo, through Dynamo's frontend alone, and straight to a scheduler's own gateway (``pagedkv serve --http-port``);
-TTFT and TPOT medians, and their ratios to the direct gateway's.
+from the first send to the last answer), and on Dynamo's paths the share of repeats sent to the worker that
+served the same system prompt's previous request (``nvext.worker_id``: routing, as against eviction).
+
+The hop: in the dynamo-kv fleet before its load, ``--hop-requests`` sequential requests (batch 1, distinct short
+prompts, ``--hop-max-tokens`` tokens), alternating through the edge and Dynamo, through Dynamo's frontend alone,
+and straight to a scheduler's own gateway (``pagedkv serve --http-port``); TTFT and TPOT medians, and their ratios
+to the direct gateway's.
 
 Targets (DESIGN.md): dynamo-kv's hit ratio >= 0.9 x single's; its TTFT p99 <= dynamo-rr's; the hop <= 1.1x on TPOT.
 
     python bench/fleet.py --model tiny-llama                      # -> bench/results/fleet.json, fleet.png
-    python bench/fleet.py --model smollm2-135m-instruct --requests 128 --rate 1
+    python bench/fleet.py --model smollm2-135m-instruct --requests 128 --rate 0.5
+    python bench/fleet.py --frontend-arg=--router-prefill-load-scale=4    # and a tuned KV router beside
     python bench/fleet.py --quick                                 # smoke run
 """
 
@@ -53,7 +59,8 @@ from fleet_local import OPS_TENANT, Fleet, FleetConfig, write_secrets  # noqa: E
 from pagedkv.client import Client  # noqa: E402
 from pagedkv.models import resolve_model  # noqa: E402
 
-ARMS = ("dynamo-kv", "dynamo-rr", "client-rr", "single")
+ARMS = ("dynamo-kv", "dynamo-kv-tuned", "dynamo-rr", "client-rr", "single")
+DEFAULT_ARMS = ("dynamo-kv", "dynamo-rr", "client-rr", "single")  # (-tuned as well with --frontend-arg)
 WORDS = ("river stone cloud garden lamp market winter signal copper harbor violet engine paper forest tower "
          "summer bridge candle orbit meadow silver thunder basket mirror canyon lantern velvet anchor").split()
 
@@ -72,8 +79,8 @@ class Config(Machine):
     hop_requests: int = 12
     hop_max_tokens: int = 64
     seed: int = 0
-    arms: list[str] = field(default_factory=lambda: list(ARMS))
-    frontend_args: list[str] = field(default_factory=list)  # more flags for Dynamo's frontend (both Dynamo arms)
+    arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS))
+    frontend_args: list[str] = field(default_factory=list)  # Dynamo's router settings of the dynamo-kv-tuned arm
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,10 +253,11 @@ def serve_args(cfg: Config, pages: int) -> list[str]:
 
 
 async def dynamo_arm(cfg: Config, arm: str, jobs: list[Job]) -> dict[str, Any]:
-    mode = "kv" if arm == "dynamo-kv" else "round-robin"
+    mode = "kv" if arm.startswith("dynamo-kv") else "round-robin"
     hop = arm == "dynamo-kv" and cfg.hop_requests > 0
     fleet = Fleet(FleetConfig(model=cfg.model, schedulers=2, router_mode=mode, tenants=cfg.tenants,
-                              serve_args=serve_args(cfg, cfg.num_pages)[2:], frontend_args=cfg.frontend_args,
+                              serve_args=serve_args(cfg, cfg.num_pages)[2:],
+                              frontend_args=cfg.frontend_args if arm == "dynamo-kv-tuned" else [],
                               scheduler_http=hop, require_tenant=not hop))
     await asyncio.to_thread(fleet.start)
     try:
@@ -340,9 +348,10 @@ async def pagedkv_arm(cfg: Config, arm: str, jobs: list[Job]) -> dict[str, Any]:
 
 
 # ---- report ------------------------------------------------------------------------------------------------
-def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, str]:
+def verdicts(results: dict[str, dict[str, Any]], arm: str = "dynamo-kv") -> dict[str, str]:
+    """The targets, for ``arm`` (Dynamo's KV routing with its defaults, or -tuned)."""
     out: dict[str, str] = {}
-    kv, single, rr = results.get("dynamo-kv"), results.get("single"), results.get("dynamo-rr")
+    kv, single, rr = results.get(arm), results.get("single"), results.get("dynamo-rr")
     if kv and single:
         out["hit"] = "PASS" if kv["hit_ratio"] >= 0.9 * single["hit_ratio"] else "MISS"
     if kv and rr:
@@ -353,16 +362,16 @@ def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def print_report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
-    v = verdicts(results)
     single = results.get("single", {}).get("hit_ratio")
     rr = results.get("dynamo-rr", {}).get("ttft_p99_s")
     rows = []
     for arm, r in results.items():
+        v = verdicts(results, arm)
         hit = f"{r['hit_ratio']:.3f}"
-        if arm == "dynamo-kv" and single:
+        if arm.startswith("dynamo-kv") and single:
             hit += f" ({r['hit_ratio'] / single:.2f}x single, target >= 0.9: {v['hit']})"
         p99 = f"{r['ttft_p99_s'] * 1e3:.0f}"
-        if arm == "dynamo-kv" and rr:
+        if arm.startswith("dynamo-kv") and rr:
             p99 += f" ({r['ttft_p99_s'] / rr:.2f}x dynamo-rr: {v['ttft']})"
         same = r.get("same_worker_repeats", float("nan"))
         rows.append([arm, hit, f"{r['ttft_p50_s'] * 1e3:.0f}", p99, f"{r['output_tok_s']:.1f}",
@@ -381,7 +390,7 @@ def print_report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
         for name, h in hop.items():
             ratio = "" if name == "direct-gateway" else f"{h['ttft_ratio']:.2f}x / {h['tpot_ratio']:.2f}x"
             if name == "edge+dynamo":
-                ratio += f" (TPOT target <= 1.1x: {v['hop']})"
+                ratio += f" (TPOT target <= 1.1x: {verdicts(results)['hop']})"
             rows.append([name, f"{h['ttft_p50_s'] * 1e3:.1f}", f"{h['tpot_p50_s'] * 1e3:.2f}", ratio])
         print_table(["path", "TTFT ms", "TPOT ms", "TTFT / TPOT vs direct"], rows)
 
@@ -422,7 +431,8 @@ async def main_async(cfg: Config, out: Path, idle_wait: float) -> dict[str, Any]
         r = results[arm]
         print(f"   hit {r['hit_ratio']:.3f}, TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, "
               f"{r['output_tok_s']:.1f} tok/s, errors {r['errors']} {r['first_errors']}", flush=True)
-    report = {"config": asdict(cfg), "results": results, "verdicts": verdicts(results)}
+    report = {"config": asdict(cfg), "results": results,
+              "verdicts": {arm: verdicts(results, arm) for arm in results if arm.startswith("dynamo-kv")}}
     print_report(results, cfg)
     write_report(out, report)
     plot(results, out.with_suffix(".png"))
@@ -437,13 +447,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, Path, float]:
                  "hop_requests", "hop_max_tokens", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--rate", type=float, default=d.rate, help="requests per second (Poisson)")
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
+    p.add_argument("--arms", default="", help="comma-separated, of " + ", ".join(ARMS) + " (default: "
+                   + ", ".join(DEFAULT_ARMS) + ", and dynamo-kv-tuned after dynamo-kv with --frontend-arg)")
     p.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
-                   help="one more flag for Dynamo's frontend, e.g. --frontend-arg=--router-kv-overlap-score-credit=2")
+                   help="a flag for the dynamo-kv-tuned arm's frontend (repeat), e.g. "
+                   "--frontend-arg=--router-prefill-load-scale=4")
     p.add_argument("--quick", action="store_true", help="smoke run: 24 requests, 2 tenants x 2 prompts, 3 hop rounds")
     p.add_argument("--out", default="", help="JSON path (default: bench/results/fleet[_MODEL][_quick].json)")
     a = p.parse_args(argv)
-    arms = [x for x in a.arms.split(",") if x]
+    arms = [x for x in a.arms.split(",") if x] or [
+        x for x in ARMS if x in DEFAULT_ARMS or (x == "dynamo-kv-tuned" and a.frontend_arg)]
     if unknown := [x for x in arms if x not in ARMS]:
         p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     cfg = Config(model=a.model, requests=a.requests, tenants=a.tenants, prompts_per_tenant=a.prompts_per_tenant,
