@@ -187,6 +187,25 @@ def router_event_errors(fleet) -> list[str]:
             and 'status="ok"' not in line and not line.endswith(" 0")]
 
 
+def router_events_applied(fleet) -> float:
+    text = fleet.frontend.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dynamo_component_kv_cache_events_applied"))
+
+
+def wait_for_the_router(fleet) -> None:
+    """Until Dynamo's router applied every KV event sent so far (its count of applied events stays put): events
+    reach it asynchronously, and on a loaded machine the last removals of a fill can still be on their way."""
+    last = [-1.0]
+
+    def settled() -> bool:
+        now, before = router_events_applied(fleet), last[0]
+        last[0] = now
+        return now == before
+
+    assert wait_until(settled, timeout=60, interval=1.0)
+
+
 def worker_of(answer: dict) -> int:
     return answer["nvext"]["worker_id"]["decode_worker_id"]
 
@@ -215,6 +234,7 @@ def fleet(model_cache, tmp_path_factory):
 def test_repeats_go_to_the_scheduler_that_holds_them(fleet):
     prompts = [document(i) for i in range(6)]
     first = [fleet.complete(p, via="edge", key=ALPHA_KEY) for p in prompts]
+    wait_for_the_router(fleet)
     again = [fleet.complete(p, via="edge", key=ALPHA_KEY) for p in prompts]
     same = sum(worker_of(a) == worker_of(b) for a, b in zip(first, again))
     hits = sum(cached(b) > 0 for b in again)
@@ -228,6 +248,7 @@ def test_repeats_go_to_the_scheduler_that_holds_them(fleet):
 def test_another_tenants_identical_prompt_gets_no_cached_tokens(fleet):
     prompt = document(40)
     alpha = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
+    wait_for_the_router(fleet)
     alpha_again = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
     beta = fleet.complete(prompt, via="edge", key=BETA_KEY)
     assert cached(alpha) == 0 and cached(alpha_again) > 0, (alpha, alpha_again)  # the same tenant hits...
@@ -239,6 +260,7 @@ def test_another_tenants_identical_prompt_gets_no_cached_tokens(fleet):
 def test_evictions_reach_the_router(fleet):
     prompt = document(80)
     holder = worker_of(fleet.complete(prompt, via="edge", key=ALPHA_KEY))
+    wait_for_the_router(fleet)
     repeat = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
     assert worker_of(repeat) == holder and router_hit(repeat) > 0 and cached(repeat) > 0, repeat
     # fill the holder's pages with other prompts, straight to its scheduler (NUM_PAGES pages, 7 a prompt)
@@ -254,19 +276,20 @@ def test_evictions_reach_the_router(fleet):
     import asyncio
 
     asyncio.run(fill())
+    wait_for_the_router(fleet)
     after = fleet.complete(prompt, via="edge", key=ALPHA_KEY)
     assert router_hit(after) == 0 and cached(after) == 0, (after, fleet.logs())
     assert router_event_errors(fleet) == []
 
 
 def test_a_scheduler_killed_under_a_seeded_stream_leaves_the_text_identical(fleet):
-    body = {"model": MODEL, "prompt": document(200), "max_tokens": 300, "temperature": 0.8, "seed": 1234,
+    body = {"model": MODEL, "prompt": document(200), "max_tokens": 400, "temperature": 0.8, "seed": 1234,
             "ignore_eos": True}
     reference = fleet.frontend.post("/v1/completions", json=body)
     assert reference.status_code == 200, reference.text
     want = reference.json()["choices"][0]["text"]
 
-    text, chunks, killed = [], 0, None
+    text, killed = [], None
     with fleet.frontend.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -276,8 +299,7 @@ def test_a_scheduler_killed_under_a_seeded_stream_leaves_the_text_identical(flee
             assert "error" not in event, event
             for choice in event.get("choices", []):
                 text.append(choice.get("text") or "")
-            chunks += 1
-            if chunks == 40 and killed is None:
+            if killed is None:  # at the first chunk: the request runs on its scheduler for another ~390 tokens
                 killed = kill_the_busy_scheduler(fleet)
     assert killed is not None
     assert "".join(text) == want, fleet.logs()
@@ -318,49 +340,75 @@ def kill_the_busy_scheduler(fleet) -> int:
 def test_a_full_queue_sends_the_request_to_the_other_worker(fleet):
     """The scheduler's RESOURCE_EXHAUSTED "queue full" comes back to Dynamo as Disconnected, which its frontend
     (--migration-limit 3) migrates: the request is served by the other worker, not failed. Tenant tight may run one
-    request and queue one per scheduler; both are taken on one scheduler, the holder of the prompt's pages."""
+    request and queue one per scheduler; both are taken on the first scheduler. A second frontend, in round-robin
+    mode, sends two requests of tight's: one of them, at least, goes to the full scheduler first (the KV router would
+    weigh pages against load, and pinning a worker pins its migrations too)."""
     import asyncio
 
     from pagedkv.client import Client
+    from pagedkv.fleet_salt import TENANT_META_HEADER, make_assertion
 
-    prompt = document(300)
-    holder = worker_of(fleet.complete(prompt, via="edge", key=TIGHT_KEY))
-    server = fleet.server_of[holder]
-    sidecar = fleet.workers[fleet.servers.index(server)]
-    other_server = next(s for w, s in fleet.server_of.items() if w != holder)
+    full, other = fleet.servers
+    sidecar = fleet.workers[0]
+    port = free_port()
+    rr = Process("round-robin frontend", [
+        sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(port), "--router-mode",
+        "round-robin", "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+        "--namespace", "dynamo", "--migration-limit", "3"], dynamo_env(fleet.kv_dir))
+    frontend = httpx.Client(base_url=f"http://{LOOPBACK}:{port}", timeout=120)
 
-    def refused() -> bool:
-        return any(e.get("event") == "dynamo_request_failed" and e.get("code") == "RESOURCE_EXHAUSTED"
+    def serving() -> bool:
+        try:
+            return [m["id"] for m in frontend.get("/v1/models").json()["data"]] == [MODEL]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def refusals() -> int:
+        return sum(e.get("event") == "dynamo_request_failed" and e.get("code") == "RESOURCE_EXHAUSTED"
                    for e in list(sidecar.events))
+
+    def as_tight(i: int) -> dict:
+        signed = {TENANT_META_HEADER: make_assertion(FLEET_SECRET.encode(), "tight")}  # (as the edge would)
+        r = frontend.post("/v1/completions", headers=signed,
+                          json={"model": MODEL, "prompt": document(700 + i), "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
 
     async def computed(address: str) -> int:
         async with Client(address, api_key=OPS_KEY) as ops:
             return (await ops.model_info()).num_computed_tokens
 
     async def scenario() -> tuple[list[dict], int]:
-        async with Client(server.address, api_key=TIGHT_KEY) as tight, Client(server.address, api_key=OPS_KEY) as ops:
+        async with Client(full.address, api_key=TIGHT_KEY) as tight, Client(full.address, api_key=OPS_KEY) as ops:
             long = dict(max_tokens=400, ignore_eos=True, temperature=0)
-            held = [asyncio.create_task(tight.complete(prompt, **long)) for _ in range(2)]  # one runs, one waits
+            held = [asyncio.create_task(tight.complete(document(699), **long)) for _ in range(2)]  # runs, waits
             while (info := await ops.model_info()).num_waiting < 1 or info.num_running < 1:
                 assert not any(t.done() for t in held), [t.result() for t in held if t.done()]
                 await asyncio.sleep(0.02)
-            before = await computed(other_server.address)
-            answers = []
-            for _ in range(5):  # until the holder's worker was chosen (the router weighs its pages against its load)
-                answers.append(await asyncio.to_thread(fleet.complete, prompt, via="edge", key=TIGHT_KEY))
-                if refused():
-                    break
-            served_elsewhere = await computed(other_server.address) - before
-            assert not any(t.done() for t in held), "the held requests ended before the check"
+            before = await computed(other.address)
+            executor = full.child_pid("executor")
+            os.kill(executor, signal.SIGSTOP)  # the held requests stay held, however long the frontend takes
+            try:
+                answers = [await asyncio.to_thread(as_tight, i) for i in range(2)]
+            finally:
+                os.kill(executor, signal.SIGCONT)
+            served_elsewhere = await computed(other.address) - before
             for t in held:
                 await t
             return answers, served_elsewhere
 
-    answers, served_elsewhere = asyncio.run(scenario())
-    assert refused(), sidecar.log()
-    # (nvext.worker_id names the worker first chosen; the other scheduler's computed tokens show who served it)
-    assert all(a["choices"][0]["finish_reason"] == "length" for a in answers)
-    assert served_elsewhere >= answers[-1]["usage"]["prompt_tokens"], (served_elsewhere, answers[-1])
+    try:
+        assert wait_until(serving, timeout=120, interval=0.5), rr.log()
+        before = refusals()
+        answers, served_elsewhere = asyncio.run(scenario())
+    finally:
+        frontend.close()
+        code = rr.stop()
+    assert refusals() > before, sidecar.log()
+    assert all(a["choices"][0]["finish_reason"] == "length" for a in answers), answers
+    # both were served by the other scheduler (nvext.worker_id would name the worker first chosen)
+    assert served_elsewhere >= sum(a["usage"]["prompt_tokens"] for a in answers), (served_elsewhere, answers)
+    assert code == 0
 
 
 def test_a_client_that_goes_away_aborts_the_request_in_pagedkv(fleet):
