@@ -114,6 +114,14 @@ class Fleet:
         env = dynamo_env(self.kv_dir)
         self.processes: list[Process] = []
         self.servers: list[LocalServer] = []
+        self.frontend = self.edge = None
+        try:
+            self._start(tmp, env)
+        except BaseException:
+            self.close()  # (what started does not outlive a fleet that did not come up)
+            raise
+
+    def _start(self, tmp: Path, env: dict[str, str]) -> None:
         self.http_port = free_port()
         self.processes.append(Process("frontend", [
             sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
@@ -123,7 +131,11 @@ class Fleet:
                       "--tenants-file", str(tmp / "tenants.toml"), "--trusted-hop-secret-file", str(tmp / "hop.secret"),
                       "--kv-events-rpc", "--fleet-secret-file", str(tmp / "fleet.secret"))
         with ThreadPoolExecutor(2) as pool:
-            self.servers = list(pool.map(lambda _: LocalServer(*serve_args, timeout=300), range(2)))
+            starts = [pool.submit(LocalServer, *serve_args, timeout=300) for _ in range(2)]
+            self.servers = [f.result() for f in starts if f.exception() is None]
+            for f in starts:
+                if f.exception() is not None:
+                    raise f.exception()
         self.workers = [Process(f"dynamo-worker {i}", [
             sys.executable, "-m", "pagedkv", "dynamo-worker", "--model", MODEL, "--address", s.address,
             "--api-key", OPS_KEY, "--trusted-hop-secret-file", str(tmp / "hop.secret"),
@@ -171,8 +183,9 @@ class Fleet:
 
     def close(self) -> dict[str, int | None]:
         """Stops everything (SIGTERM, the schedulers Ctrl-C); the Dynamo processes' and the edge's exit codes."""
-        self.frontend.close()
-        self.edge.close()
+        for client in (self.frontend, self.edge):
+            if client is not None:
+                client.close()
         codes = {p.name: p.stop() for p in reversed(self.processes)}
         for s in self.servers:
             s.stop()
