@@ -47,6 +47,11 @@ from pagedkv.cli import free_port  # noqa: E402
 from scheduler_svc.tenancy import hash_key  # noqa: E402
 
 PLAIN_CHAT_TEMPLATE = ROOT / "deploy" / "chat-template-plain.jinja"
+# Dynamo's KV router with a prefill term 4x its default: a prefix hit then outweighs about three running requests on
+# the holder, and repeats stay with it (bench/fleet.py, bench/NOTES.md session 21: hits 0.93-0.97x one scheduler's
+# against 0.77-0.79x with Dynamo's defaults, on tiny-llama and SmolLM2). The compose profile and k8s component
+# run the same.
+ROUTER_ARGS = ["--router-prefill-load-scale", "4"]
 OPS_TENANT = "ops"
 
 
@@ -82,7 +87,7 @@ class FleetConfig:
     router_mode: str = "kv"  # Dynamo's --router-mode: kv, round-robin, ...
     tenants: int = 4  # generated tenants tenant-0 .. tenant-(N-1), besides ops
     serve_args: list[str] = field(default_factory=lambda: ["--threads", "1"])  # more flags for every pagedkv serve
-    frontend_args: list[str] = field(default_factory=list)  # more flags for Dynamo's frontend
+    frontend_args: list[str] = field(default_factory=lambda: list(ROUTER_ARGS))  # more flags for Dynamo's frontend
     chat_template: str = ""  # for a model without one (default: deploy/chat-template-plain.jinja)
     edge_port: int = 0  # 0: a free one
     scheduler_http: bool = False  # also serve each scheduler's own gateway (pagedkv serve --http-port)
@@ -295,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one more argument for every pagedkv serve, e.g. --serve-arg=--num-pages=512 (repeat; "
                    "default: --threads 1)")
     p.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for Dynamo's frontend (repeat)")
+                   help="one more argument for Dynamo's frontend (repeat; default: "
+                   f"{' '.join(ROUTER_ARGS)}, see bench/NOTES.md session 21)")
     p.add_argument("--chat-template", default="", metavar="PATH",
                    help="chat template for a model without one (default: deploy/chat-template-plain.jinja)")
     p.add_argument("--no-require-tenant", action="store_true",
@@ -326,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = FleetConfig(model=args.model, schedulers=args.schedulers, router_mode=args.router_mode,
                          tenants=args.tenants, serve_args=args.serve_arg or ["--threads", "1"],
-                         frontend_args=args.frontend_arg, chat_template=args.chat_template, edge_port=args.edge_port,
+                         frontend_args=args.frontend_arg or list(ROUTER_ARGS),
+                         chat_template=args.chat_template, edge_port=args.edge_port,
                          require_tenant=not args.no_require_tenant, workdir=args.workdir)
     fleet = Fleet(config)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as Ctrl-C: KeyboardInterrupt, then stop()

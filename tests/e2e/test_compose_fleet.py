@@ -74,6 +74,11 @@ def test_the_frontend_command_parses_in_dynamos_own_parser(fleet):
     FrontendArgGroup().add_arguments(p)
     args = p.parse_args([str(c) for c in svc["command"]])  # strict: Dynamo's own main ignores unknown flags
     assert args.router_mode == "kv" and args.migration_limit >= 1
+    # the router settings bench/fleet.py measured, as deploy/fleet_local.py runs them
+    sys.path.insert(0, str(procs.ROOT / "deploy"))
+    from fleet_local import ROUTER_ARGS
+
+    assert ROUTER_ARGS == ["--router-prefill-load-scale", "4"] and args.prefill_load_scale == 4.0
     with pytest.raises(SystemExit):
         p.parse_args(["--router-mod", "kv"])  # (the parser does refuse a misspelt or shortened flag)
 

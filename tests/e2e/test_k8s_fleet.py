@@ -105,6 +105,7 @@ def test_flags_ports_and_names_agree(docs, secret_docs):
     assert sidecar.event_plane == front.event_plane == "zmq"
     assert sidecar.namespace == front.namespace
     assert front.router_mode == "kv" and front.migration_limit >= 1
+    assert front.prefill_load_scale == 4.0  # as deploy/fleet_local.py's ROUTER_ARGS (bench/NOTES.md, session 21)
     # the sidecar's probes are on Dynamo's system port
     system = int(env_of(sidecar_c)["DYN_SYSTEM_PORT"])
     assert port_of(sidecar_c, "dynamo-system") == system
