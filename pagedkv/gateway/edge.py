@@ -304,6 +304,11 @@ class Relay(Response):
                 pending += chunk
                 ready = sse_events_end(pending) if self.sse else len(pending)
                 if sent + (ready or len(pending)) > edge.max_response_bytes:
+                    # the whole events that still fit go first (a chunk may carry many: read late, under load)
+                    room = edge.max_response_bytes - sent
+                    fits = sse_events_end(pending[:room]) if self.sse else room
+                    if fits > 0:
+                        await send({"type": "http.response.body", "body": bytes(pending[:fits]), "more_body": True})
                     cut = 502
                     await self._cut(send)
                     break
