@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import time
-from pathlib import Path
+
+from pagedkv.security import read_secret
 
 FLEET_SECRET_ENV = "PAGEDKV_FLEET_SECRET"
 FLEET_SECRET_FLAG = "--fleet-secret-file"
@@ -37,16 +37,9 @@ DEFAULT_TENANT = "default"  # (= scheduler_svc.tenancy.DEFAULT_TENANT: every cal
 def load_fleet_secret(path: str) -> bytes:
     """The secret from ``--fleet-secret-file PATH``, else ``$PAGEDKV_FLEET_SECRET``, else b'' (none). Raises
     ValueError naming the file or the variable when it is unreadable, blank or shorter than 16 bytes."""
-    if path:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{FLEET_SECRET_FLAG} {path}: cannot read it: {err}") from err
-        where = f"{FLEET_SECRET_FLAG} {path}"
-    else:
-        text, where = os.environ.get(FLEET_SECRET_ENV, ""), f"${FLEET_SECRET_ENV}"
-        if not text:
-            return b""
+    text, where = read_secret(path, FLEET_SECRET_FLAG, FLEET_SECRET_ENV)
+    if not where:
+        return b""
     secret = text.strip().encode("utf-8")
     if len(secret) < 16:
         raise ValueError(f"{where}: the fleet secret must hold at least 16 bytes (e.g. "

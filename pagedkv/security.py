@@ -41,17 +41,23 @@ def _checked_secret(text: str, where: str) -> str:
     return secret
 
 
+def read_secret(path: str, flag: str, env: str) -> tuple[str, str]:
+    """A secret's raw text and where it came from: the file ``flag PATH`` names, else ``$env``; ('', '') when
+    neither is set. Raises ValueError naming the file when it cannot be read."""
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8"), f"{flag} {path}"
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{flag} {path}: cannot read it: {err}") from err
+    text = os.environ.get(env, "")
+    return (text, f"${env}") if text else ("", "")
+
+
 def load_executor_secret(path: str) -> str:
     """The secret from ``--executor-secret-file PATH``, else from ``$PAGEDKV_EXECUTOR_SECRET`` (unset or empty:
     none), else ''. Raises ValueError naming the file (or the variable) when it is unreadable or blank."""
-    if path:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{SECRET_FILE_FLAG} {path}: cannot read it: {err}") from err
-        return _checked_secret(text, f"{SECRET_FILE_FLAG} {path}")
-    value = os.environ.get(EXECUTOR_SECRET_ENV, "")
-    return _checked_secret(value, f"${EXECUTOR_SECRET_ENV}") if value else ""
+    text, where = read_secret(path, SECRET_FILE_FLAG, EXECUTOR_SECRET_ENV)
+    return _checked_secret(text, where) if where else ""
 
 
 def bearer_metadata(secret: str) -> tuple[tuple[str, str], ...]:

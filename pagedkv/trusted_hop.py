@@ -18,8 +18,7 @@ them, the gateway and the sidecar send them.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from pagedkv.security import read_secret
 
 HOP_HEADER = "x-pagedkv-hop"
 TENANT_HEADER = "x-pagedkv-tenant"
@@ -36,16 +35,9 @@ def load_hop_secret(path: str) -> str:
     """The secret from ``--trusted-hop-secret-file PATH``, else ``$PAGEDKV_TRUSTED_HOP_SECRET``, else '' (no hop
     is trusted). Raises ValueError naming the file or the variable when it is unreadable, shorter than 16
     characters, or not printable ASCII without spaces (it travels as gRPC metadata)."""
-    if path:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{HOP_SECRET_FLAG} {path}: cannot read it: {err}") from err
-        where = f"{HOP_SECRET_FLAG} {path}"
-    else:
-        text, where = os.environ.get(HOP_SECRET_ENV, ""), f"${HOP_SECRET_ENV}"
-        if not text:
-            return ""
+    text, where = read_secret(path, HOP_SECRET_FLAG, HOP_SECRET_ENV)
+    if not where:
+        return ""
     secret = text.strip()
     if len(secret) < MIN_SECRET_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in secret):
         raise ValueError(f"{where}: the trusted-hop secret must be at least {MIN_SECRET_CHARS} printable ASCII "
