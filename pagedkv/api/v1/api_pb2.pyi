@@ -184,7 +184,7 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation", "truncate_prompt_tokens")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "request_id", "priority", "page_budget", "continuation", "truncate_prompt_tokens", "retain_kv")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class GenerateRequest(_message.Message):
     PAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_KV_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -203,7 +204,28 @@ class GenerateRequest(_message.Message):
     page_budget: int
     continuation: Continuation
     truncate_prompt_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    retain_kv: RetainKv
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., page_budget: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., truncate_prompt_tokens: _Optional[int] = ..., retain_kv: _Optional[_Union[RetainKv, _Mapping]] = ...) -> None: ...
+
+class RetainKv(_message.Message):
+    __slots__ = ("key", "ttl_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    ttl_s: int
+    def __init__(self, key: _Optional[str] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvResponse(_message.Message):
+    __slots__ = ("pages_released",)
+    PAGES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    pages_released: int
+    def __init__(self, pages_released: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("forks", "prompt_received")

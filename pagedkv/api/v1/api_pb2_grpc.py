@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/pagedkv.api.v1.Generation/ReleaseKv',
+                request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -87,6 +92,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKv(self, request, context):
+        """Ends the retention of the KV a request kept with GenerateRequest.retain_kv under `key`, for the caller's
+        tenant (another tenant's key is NOT_FOUND): its pages are zeroed and freed. The gateway calls it on
+        DELETE /v1/responses/{id}.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.FromString,
                     response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Generation:
             '/pagedkv.api.v1.Generation/Detokenize',
             pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeRequest.SerializeToString,
             pagedkv_dot_api_dot_v1_dot_api__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.api.v1.Generation/ReleaseKv',
+            pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.SerializeToString,
+            pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
