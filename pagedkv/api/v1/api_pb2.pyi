@@ -432,7 +432,7 @@ class ExecutorInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_placed: _Optional[int] = ..., num_migrated_out: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("id", "weight", "page_quota", "reserved_pages", "max_concurrent_requests", "page_budget", "overflow", "used_pages", "peak_used_pages", "num_running", "num_waiting", "num_swapped", "service", "budget_hits", "fair_share_preemptions", "fair_share_pages", "sliding_window", "sink_tokens", "max_queued_requests", "structured_outputs", "max_constraint_bytes", "max_constrained_requests", "grammar_cpu_seconds")
+    __slots__ = ("id", "weight", "page_quota", "reserved_pages", "max_concurrent_requests", "page_budget", "overflow", "used_pages", "peak_used_pages", "num_running", "num_waiting", "num_swapped", "service", "budget_hits", "fair_share_preemptions", "fair_share_pages", "sliding_window", "sink_tokens", "max_queued_requests", "structured_outputs", "max_constraint_bytes", "max_constrained_requests", "grammar_cpu_seconds", "retained_pages", "max_retained_pages")
     ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PAGE_QUOTA_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,8 @@ class TenantInfo(_message.Message):
     MAX_CONSTRAINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     id: str
     weight: float
     page_quota: int
@@ -479,7 +481,9 @@ class TenantInfo(_message.Message):
     max_constraint_bytes: int
     max_constrained_requests: int
     grammar_cpu_seconds: float
-    def __init__(self, id: _Optional[str] = ..., weight: _Optional[float] = ..., page_quota: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., page_budget: _Optional[int] = ..., overflow: _Optional[str] = ..., used_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., service: _Optional[float] = ..., budget_hits: _Optional[int] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., sliding_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., structured_outputs: _Optional[bool] = ..., max_constraint_bytes: _Optional[int] = ..., max_constrained_requests: _Optional[int] = ..., grammar_cpu_seconds: _Optional[float] = ...) -> None: ...
+    retained_pages: int
+    max_retained_pages: int
+    def __init__(self, id: _Optional[str] = ..., weight: _Optional[float] = ..., page_quota: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., page_budget: _Optional[int] = ..., overflow: _Optional[str] = ..., used_pages: _Optional[int] = ..., peak_used_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., service: _Optional[float] = ..., budget_hits: _Optional[int] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., sliding_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., structured_outputs: _Optional[bool] = ..., max_constraint_bytes: _Optional[int] = ..., max_constrained_requests: _Optional[int] = ..., grammar_cpu_seconds: _Optional[float] = ..., retained_pages: _Optional[int] = ..., max_retained_pages: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens", "chat")

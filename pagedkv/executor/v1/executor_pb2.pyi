@@ -206,14 +206,16 @@ class PageCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class PageOps(_message.Message):
-    __slots__ = ("swap_out", "swap_in", "copy")
+    __slots__ = ("swap_out", "swap_in", "copy", "zero")
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    ZERO_FIELD_NUMBER: _ClassVar[int]
     swap_out: _containers.RepeatedCompositeFieldContainer[PageCopy]
     swap_in: _containers.RepeatedCompositeFieldContainer[PageCopy]
     copy: _containers.RepeatedCompositeFieldContainer[PageCopy]
-    def __init__(self, swap_out: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ...) -> None: ...
+    zero: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, swap_out: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., zero: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "continuing", "forget", "page_ops", "decodes")
