@@ -1,10 +1,13 @@
-"""What every pagedkv gRPC server has: health checking, reflection, generous message sizes."""
+"""What every pagedkv gRPC server has: health checking, reflection (v1 and v1alpha), generous message sizes."""
 
 from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha_pb2
+
+from pagedkv.reflection.v1 import reflection_pb2 as reflection_v1_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
 # The public API's refusal of a request because a queue bound was reached (RESOURCE_EXHAUSTED): its message
@@ -64,12 +67,24 @@ def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, interceptors=()) -> g
     return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
+# gRPC reflection under both names: v1alpha (grpcio-reflection's) and v1, which tools now ask for first.
+# grpcio-reflection ships only v1alpha; v1's messages are the same field for field (proto/pagedkv/reflection/v1),
+# so v1 is served by v1alpha's servicer, its bytes read and written as v1alpha's messages.
+REFLECTION_V1_SERVICE = reflection_v1_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name
+
+
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE]
+    reflector = reflection.aio.ReflectionServicer(names)
+    reflection.enable_server_reflection(names, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            reflector.ServerReflectionInfo,
+            request_deserializer=reflection_v1alpha_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_v1alpha_pb2.ServerReflectionResponse.SerializeToString),
+    }),))
     return servicer
 
 
