@@ -28,7 +28,8 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the checkout
 MAX_LINES = 400
 MAX_PLANNER_METHODS = 25
-GENERATED = ("pagedkv/api/", "pagedkv/executor/", "pagedkv/kvevents/")  # protobuf stubs (pagedkv.proto_gen writes them)
+# protobuf stubs (pagedkv.proto_gen writes them)
+GENERATED = ("pagedkv/api/", "pagedkv/executor/", "pagedkv/kvevents/", "pagedkv/reflection/")
 RECORD_BASES = {"Enum", "IntEnum", "NamedTuple", "Protocol", "Exception", "TypedDict"}
 
 
