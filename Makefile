@@ -1,6 +1,7 @@
-# make serve   - install into .venv (first time) and serve the built-in smollm2-135m-instruct on 127.0.0.1:50051
+# make serve   - install the runtime into .venv (first time: no test tools) and serve the built-in
+#                smollm2-135m-instruct on 127.0.0.1:50051
 #                (MODEL=tiny-llama for the random test model, MODEL=/path/to/hf-dir for a checkpoint)
-# make test    - install into .venv (first time; NVIDIA Dynamo too: make install-dynamo) and run the test suite
+# make test    - add the test tools to .venv (first time; NVIDIA Dynamo too: make install-dynamo) and run the test suite
 # make test-fast - the unit tier only (pytest -m unit: no process, no socket, <= 60 s): run it on every edit
 #                  (tiers and folders: tests/README.md)
 # make test-unit - the same as test-fast
@@ -11,9 +12,14 @@ PY := $(VENV)/bin/python
 ARGS ?=
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: install install-dynamo serve test test-fast test-unit lint bench proto clean
+.PHONY: install install-dev install-dynamo serve test test-fast test-unit lint bench proto clean
 
+# Two stamps, one venv: .installed is the runtime (pyproject.toml's dependencies: what `pagedkv serve` imports),
+# .installed-dev adds the dev extra (pytest, hypothesis, ruff, the client libraries the tests drive) to the same
+# venv, so `make test` after `make serve` installs only what is missing.
 install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
 
 # torch is pinned to the CPU build that this project's machines carry; an unpinned torch pulls a CUDA build.
 # xgrammar (structured outputs, executor_svc/grammar.py) goes in with --no-deps: its wheel requires triton (~1 GB,
@@ -24,8 +30,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 # NVIDIA Dynamo, for `pagedkv dynamo-worker` and tests/e2e/test_dynamo_fleet.py: ai-dynamo and ai-dynamo-runtime go in
@@ -36,7 +46,7 @@ $(VENV)/.installed: pyproject.toml
 # aisimulate (and xgrammar's triton). ~80 MB of wheels, ~310 MB installed.
 install-dynamo: $(VENV)/.installed-dynamo
 
-$(VENV)/.installed-dynamo: $(VENV)/.installed
+$(VENV)/.installed-dynamo: $(VENV)/.installed-dev
 	$(PY) -m pip install -q -e '.[dev,dynamo]'
 	$(PY) -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 	touch $@
@@ -44,21 +54,21 @@ $(VENV)/.installed-dynamo: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/pagedkv serve --model $(MODEL) $(ARGS)
 
-test: install install-dynamo
+test: install-dev install-dynamo
 	$(PY) -m pytest -q --durations=30 $(ARGS)
 
-test-fast: install
+test-fast: install-dev
 	$(PY) -m pytest -q -m unit $(ARGS)
 
 test-unit: test-fast
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) bench/e2e_vs_hf.py $(ARGS)
 
-proto: install
+proto: install-dev
 	$(PY) -m pagedkv.proto_gen
 
 clean:

@@ -28,18 +28,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-pages", type=int, help="number of device KV pages")
+    size.add_argument("--num-pages", type=int, help="number of device KV pages (default: what --kv-cache-gb holds)")
     size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB (default: 1 on CPU, "
                       "--gpu-memory-utilization of free memory after weights on CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA without --num-pages/--kv-cache-gb: KV pages take the device memory free after "
-                   "the weights less (1 - this) of the device's total")
+                   "the weights less (1 - this) of the device's total; a fraction in (0, 1]")
     swap = p.add_mutually_exclusive_group()
     swap.add_argument("--swap-space", type=float, metavar="GiB",
                       help="host (pinned) memory for swapped-out and spilled KV pages; 0 turns the host tier "
                       "off (default: as much as the device KV, capped to half the available host memory; "
                       f"at most {MAX_SWAP_RATIO:g}x the device KV)")
-    swap.add_argument("--num-host-pages", type=int, help="size of the host tier in pages instead of GiB")
+    swap.add_argument("--num-host-pages", type=int,
+                      help="size of the host tier in pages instead of GiB (default: what --swap-space holds)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32/bf16/fp16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",

@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
     p.add_argument("--system", default="", help="with --chat: a system message before the prompt")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for repeatable sampled output (default: none: a fresh draw each time)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=os.environ.get("PAGEDKV_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--http", default="", metavar="URL",
                    help="check an HTTP endpoint instead (pagedkv gateway: https://HOST:PORT/health): exit 0 on 200")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     add_tls_client_args(p)
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, "
                        "/v1/models; SSE streaming) of a running scheduler")
@@ -250,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv.certs import add_args as add_certs_args
 
     add_certs_args(p)
-    return parser
+    from pagedkv.help_format import apply as apply_help_format
+
+    return apply_help_format(parser)  # every option's default stated; serve's common options first
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,13 +93,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (prompts and lengths do not depend on "
                    "the rate or the tenant mix); request i samples with seed + i")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT SLO for goodput, in ms (default: none; with neither SLO goodput is not computed)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="TPOT SLO for goodput, in ms (default: none)")
     p.add_argument("--metrics-url", default="",
                    help="scheduler's Prometheus endpoint (pagedkv scheduler --metrics-port), e.g. "
                         "http://127.0.0.1:9400/metrics: KV gauges are sampled during the run")
     p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between scrapes (default 0.5)")
-    p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON report here (default: none: stdout only)")
     p.add_argument("--plots", type=Path, default=None, metavar="PREFIX",
                    help="write PREFIX_latency_cdf.png (and PREFIX_kv.png); default: --out without .json")
     p.add_argument("--no-plots", action="store_true")
