@@ -44,8 +44,14 @@ even a SIGKILLed one (Linux: parent-death signal)."""
 
 
 def serve(args) -> int:
+    from pagedkv.port_check import PortUnavailable, check_ports
     from pagedkv.serve_args import child_commands
 
+    try:  # before any child starts: a port taken fails serve at once, naming who holds it
+        check_ports(serve_ports(args))
+    except PortUnavailable as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     # (not a port the scheduler, its metrics or the gateway will take: they start at the same time)
     taken = {args.port, getattr(args, "http_port", 0)}
     if getattr(args, "metrics_port", 0):
@@ -55,11 +61,22 @@ def serve(args) -> int:
     return _supervise(args, exec_port, exec_cmd, sched_cmd)
 
 
+def serve_ports(args) -> list[tuple[str, str, int]]:
+    """(flag, host, port) of each port serve's children will bind (0: one they choose)."""
+    metrics_host = getattr(args, "metrics_host", "") or args.host
+    metrics = getattr(args, "metrics_port", 0)
+    return [("--port", args.host, args.port), ("--http-port", args.host, getattr(args, "http_port", 0)),
+            ("--metrics-port", metrics_host, metrics), ("--metrics-port (+1, the executor's)", metrics_host,
+                                                        metrics + 1 if metrics else 0),
+            ("--executor-port", EXECUTOR_HOST, args.executor_port)]
+
+
 def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) -> int:
     """Runs the two children under pagedkv.supervisor (signals, restarts, ordered shutdown)."""
     from pagedkv import logs
     from pagedkv.gateway.cli import serve_child_command
-    from pagedkv.supervisor import ChildSpec, HealthProbe, ListeningProbe, Supervisor, executor_secret_file
+    from pagedkv.serve_probes import HealthProbe, ListeningProbe, executor_secret_file
+    from pagedkv.supervisor import ChildSpec, Supervisor
 
     log = logs.configure("serve", json=logs.wants_json(args.log_format))
     env = dict(os.environ)
@@ -73,9 +90,9 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
         probes = HealthProbe(exec_address), (ListeningProbe if args.tls_cert else HealthProbe)(sched_address)
         children = [
             ChildSpec("executor", exec_cmd, probes[0], ready_timeout=600, close=probes[0].close,
-                      stop_timeout=EXECUTOR_DRAIN_TIMEOUT + STOP_MARGIN),
+                      stop_timeout=EXECUTOR_DRAIN_TIMEOUT + STOP_MARGIN, ports=(exec_port,)),
             ChildSpec("scheduler", sched_cmd, probes[1], ready_timeout=300, close=probes[1].close,
-                      stop_timeout=args.shutdown_timeout + STOP_MARGIN),
+                      stop_timeout=args.shutdown_timeout + STOP_MARGIN, ports=(args.port,)),
         ]
         try:
             gateway = serve_child_command(args)  # --http-port: the OpenAI-compatible HTTP front, stopped first
@@ -84,7 +101,7 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
             return 2
         if gateway:
             http = ListeningProbe(f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.http_port}")
-            children.append(ChildSpec("gateway", gateway, http, ready_timeout=60,
+            children.append(ChildSpec("gateway", gateway, http, ready_timeout=60, ports=(args.http_port,),
                                       stop_timeout=args.shutdown_timeout + STOP_MARGIN))
         supervisor = Supervisor(children, log, reload="scheduler", env=env, start_together=True)
         return supervisor.run(lambda: print(

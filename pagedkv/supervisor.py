@@ -9,10 +9,14 @@ them in reverse order.
 - Children never outlive the supervisor: on Linux each gets ``PR_SET_PDEATHSIG`` (SIGTERM), so even a
   SIGKILLed supervisor takes them down (gracefully: the scheduler drains, the executor detaches). Every child
   is forked from the main thread, because the death signal fires when the *thread* that forked exits.
-- Each child runs in a process group of its own: a terminal's Ctrl-C reaches only the supervisor, which stops
-  the children in order (reaching all three at once, it would make the executor drain while the scheduler
-  still finishes streams). Children start with SIGHUP ignored until they install a handler of their own, so
-  a SIGHUP forwarded while one is starting cannot kill it.
+- Each child runs in a session of its own (``setsid``): a terminal's Ctrl-C reaches only the supervisor, which
+  stops the children in order (reaching all three at once, it would make the executor drain while the scheduler
+  still finishes streams). Everything a child starts stays in its session (pip, the kernel build's ninja and the
+  cc1plus that ninja puts in process groups of their own), so once the child is gone -- stopped, crashed,
+  killed -- whatever it left in its session is ended too (``proc_tree.stop_session``). Children start with SIGHUP
+  ignored until they install a handler of their own, so a SIGHUP forwarded while one is starting cannot kill it.
+- Ready means ``ready()`` and, for each of the child's ``ports``, a listener on it held by the child's session
+  (not a stranger's that happens to answer on that port).
 - SIGHUP: forwarded to the ``reload`` child (the scheduler re-reads its tenants file, re-resolves executors);
   the supervisor keeps running.
 - A child that exits on its own is restarted after a backoff: ``backoff_start`` seconds, doubling to
@@ -30,15 +34,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from pagedkv import proc_tree
+from pagedkv.port_check import listens_in
+from pagedkv.serve_probes import HealthProbe, ListeningProbe, executor_secret_file
+
+__all__ = ["ChildSpec", "HealthProbe", "ListeningProbe", "StartError", "Supervisor", "executor_secret_file"]
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL = 0.1  # seconds between looks at the children
@@ -57,14 +64,15 @@ class ChildSpec:
     ready_timeout: float  # seconds the first start may take
     stop_timeout: float  # seconds from SIGTERM to SIGKILL: the child's own graceful drain plus a margin
     close: Callable[[], None] = field(default=lambda: None)  # releases what ``ready`` holds
+    ports: tuple[int, ...] = ()  # TCP ports the child listens on once ready (its session must hold them)
 
 
 def _child_setup(parent: int) -> Callable[[], None]:
-    """Runs in the forked child before exec: own process group, SIGHUP ignored, death signal on Linux."""
+    """Runs in the forked child before exec: own session, SIGHUP ignored, death signal on Linux."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
     def setup() -> None:
-        os.setpgid(0, 0)
+        os.setsid()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited through exec, until the child handles it
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
@@ -106,6 +114,18 @@ class Child:
                                      preexec_fn=_child_setup(os.getpid()))
         self.started_at = time.monotonic()
         self.restart_at = None
+
+    def is_ready(self) -> bool:
+        """``ready()``, and each of its ports held by this child's session."""
+        if self.proc is None or not self.spec.ready():
+            return False
+        session = {self.proc.pid, *proc_tree.session_members(self.proc.pid)}
+        return all(listens_in(port, session) for port in self.spec.ports)
+
+    def end_leftovers(self, log) -> None:
+        """Once the child is gone: whatever it left running in its session (a compiler, pip) is ended."""
+        if self.proc is not None and (left := proc_tree.stop_session(self.proc.pid)):
+            log.warning("child_leftovers_stopped", child=self.name, session=self.proc.pid, pids=left)
 
     def signal(self, sig: int) -> None:
         if self.running():
@@ -185,7 +205,7 @@ class Supervisor:
             self.log.info("child_started", child=child.name, pid=child.proc.pid)
             deadline = time.monotonic() + child.spec.ready_timeout
             try:
-                while not child.spec.ready():
+                while not child.is_ready():
                     if self.stopping:
                         return False
                     if child.proc.poll() is not None:
@@ -235,7 +255,7 @@ class Supervisor:
                 deadline[child.name] = child.started_at + child.spec.ready_timeout
                 self.log.info("child_restarted", child=child.name, pid=child.proc.pid, restarts=child.restarts)
             return False
-        if child.spec.ready():
+        if child.is_ready():
             child.spec.close()
             self.log.info("child_ready", child=child.name, pid=child.proc.pid, seconds=round(now - child.started_at, 2))
             return True
@@ -246,6 +266,7 @@ class Supervisor:
             self.log.warning("child_exited", child=child.name, pid=child.proc.pid,
                              status=describe_exit(child.proc.returncode),
                              restart_when=" and ".join(c.name for c in ahead) + " ready")
+            child.end_leftovers(self.log)
             child.proc = None
         elif now > deadline[child.name]:
             raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
@@ -266,7 +287,7 @@ class Supervisor:
             time.sleep(POLL)
 
     def _look_after(self, child: Child, now: float) -> None:
-        if child.awaiting_ready and child.proc is not None and child.proc.poll() is None and child.spec.ready():
+        if child.awaiting_ready and child.proc is not None and child.proc.poll() is None and child.is_ready():
             child.awaiting_ready = False
             child.spec.close()
             self.log.info("child_ready", child=child.name, pid=child.proc.pid, restarts=child.restarts,
@@ -281,6 +302,7 @@ class Supervisor:
             self.log.error("child_exited", child=child.name, pid=child.proc.pid,
                            status=describe_exit(child.proc.returncode), up_for_s=round(up_for, 1),
                            restart_in_s=round(delay, 2), restarts=child.restarts)
+            child.end_leftovers(self.log)
             child.proc = None
         if child.proc is None and child.restart_at is not None and now >= child.restart_at:
             child.restarts += 1
@@ -297,6 +319,7 @@ class Supervisor:
             child.restart_at = None
             if child.proc is not None:
                 clean = self._stop(child) and clean
+                child.end_leftovers(self.log)
         return clean
 
     def _stop(self, child: Child) -> bool:
@@ -327,64 +350,3 @@ class Supervisor:
         self.log.info("child_stopped", child=child.name, pid=proc.pid, status=describe_exit(proc.returncode),
                       seconds=round(time.monotonic() - signalled, 1))
         return proc.returncode in (0, -signal.SIGTERM)  # -SIGTERM: it was still starting (no handler yet)
-
-
-@contextlib.contextmanager
-def executor_secret_file() -> Iterator[str]:
-    """A fresh secret for this run in a 0600 file inside a private (0700) temporary directory, removed at
-    exit. (A SIGKILLed ``serve`` leaves the directory behind; the secret in it is never used again.)"""
-    folder = tempfile.mkdtemp(prefix="pagedkv-serve-")
-    try:
-        path = os.path.join(folder, "executor-secret")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        yield path
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-class ListeningProbe:
-    """``probe()`` is True once something accepts TCP connections at ``address`` (HOST:PORT)."""
-
-    def __init__(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        self.target = (host.strip("[]"), int(port))
-
-    def __call__(self) -> bool:
-        import socket
-
-        try:
-            with socket.create_connection(self.target, timeout=1.0):
-                return True
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        pass
-
-
-class HealthProbe:
-    """``probe()`` is True once the grpc health service at ``address`` answers SERVING."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = None
-
-    def __call__(self) -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        if self.channel is None:  # reconnect quickly: a server that is still loading is not yet listening
-            self.channel = grpc.insecure_channel(self.address, options=[
-                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)])
-        try:
-            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
