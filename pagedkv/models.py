@@ -22,7 +22,8 @@ from pathlib import Path
 
 BUILTIN_MODELS = {"tiny-llama", "smollm2-135m-instruct"}
 TINY_LLAMA_VERSION = "v1"
-REGISTRY_MODEL_VERSION = "v1"  # of the conversion: a new one builds a new directory (the wheel is kept)
+REGISTRY_MODEL_VERSION = "v2"  # of the conversion: a new one builds a new directory (the wheel is kept); v2: the
+# built-in SmolLM2's chat template renders tools (pagedkv/chat_templates.py)
 
 
 class ModelCacheError(OSError):

@@ -11,7 +11,8 @@ message, ``api.Prompt.tool_call_format``; the gateway reads the output with it):
 - ``hermes``, ``llama3_json``, ``mistral`` (tool_choice auto): the model writes freely and the family's markup is
   parsed (``<tool_call>{"name", "arguments"}</tool_call>``; ``{"name", "parameters"}`` objects separated by ``;``,
   optionally after ``<|python_tag|>``; ``[TOOL_CALLS][{"name", "arguments"}, ...]``). The parser is the scheduler's
-  --tool-call-parser, else the one the chat template's markup names (``detect_parser``).
+  --tool-call-parser: a name, ``none`` (tool_choice auto refused), or ``auto`` (the default): the one the chat
+  template's markup names (``detect_parser``; ``server_parser`` says which at start-up).
 
 ``extract(fmt, text, final)`` reads an output so far. It is *monotone*: as ``text`` grows, the content and each call's
 arguments only grow and calls are only appended, so a stream sends the difference (``ToolCallStream``) and its pieces
@@ -28,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 
 PARSERS = ("hermes", "llama3_json", "mistral")  # tool_choice auto's
+AUTO, NONE = "auto", "none"  # --tool-call-parser's: found from the chat template; no parser (auto refused)
+PARSER_CHOICES = (AUTO, NONE, *PARSERS)
 FORMATS = ("named", "required", *PARSERS)
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function's name (OpenAI's rule, with '.' and ':' as vLLM takes)
 
@@ -47,6 +50,33 @@ def detect_parser(template: str | None) -> str | None:
     if PYTHON_TAG in template or ("ipython" in template and '"parameters"' in template):
         return "llama3_json"
     return None
+
+
+def server_parser(flag: str, template) -> tuple[str | None, str]:
+    """(the parser tool_choice auto gets with the model's own template, where that came from) for
+    --tool-call-parser ``flag`` and the model's chat template(s) (a string, a dict by name, or None)."""
+    if flag == NONE:
+        return None, "--tool-call-parser none"
+    if flag != AUTO:
+        return flag, "--tool-call-parser"
+    if isinstance(template, dict):
+        template = template.get("default")
+    found = detect_parser(template)
+    if found is not None:
+        return found, "the chat template's markup"
+    return None, "the chat template writes no tool-call markup" if template else "the model has no chat template"
+
+
+def auto_refusal(field: str, flag: str) -> str:
+    """Why tool_choice auto (the default with tools) is refused, and the fixes: --tool-call-parser ``flag``."""
+    if flag == NONE:
+        why = "this server was started with --tool-call-parser none"
+    else:
+        why = (f"--tool-call-parser {AUTO} found no parser: the chat template writes no tool-call markup this server "
+               f"reads (hermes {HERMES_START}, llama3_json {PYTHON_TAG}, mistral {MISTRAL_TAG})")
+    return (f"{field}: auto (the default with tools) needs a tool-call parser, and {why}; start the scheduler (or "
+            f"pagedkv serve) with --tool-call-parser {'|'.join(PARSERS)}, the format the model was trained to "
+            "write, or send tool_choice required or a named function (the grammar then writes the calls) or none")
 
 
 def required_schema(tools: list[tuple[str, dict]], parallel: bool = True) -> dict:

@@ -121,12 +121,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-memory", type=int, default=TemplateLimits().memory_bytes >> 20, metavar="MIB",
                    help="address space of a chat template worker in MiB (RLIMIT_AS); a render that needs more gets "
                    "INVALID_ARGUMENT naming this flag (default %(default)s)")
-    p.add_argument("--tool-call-parser", default="", choices=("", *tool_calls.PARSERS), metavar="PARSER",
-                   help="how a chat request with tools and tool_choice auto has its output read into tool calls: "
-                   f"{', '.join(tool_calls.PARSERS)} (Hermes/Qwen <tool_call>{{...}}</tool_call>; Llama 3.x JSON "
-                   "{\"name\", \"parameters\"} after <|python_tag|>; Mistral [TOOL_CALLS][...]); default: the one "
-                   "the chat template's markup names, and tool_choice auto is refused when it names none "
-                   "(required and named choices are written by the grammar and need no parser)")
+    p.add_argument("--tool-call-parser", default=tool_calls.AUTO, choices=tool_calls.PARSER_CHOICES,
+                   metavar="PARSER",
+                   help="how a chat request with tools and tool_choice auto (the default with tools) has its output "
+                   f"read into tool calls: {', '.join(tool_calls.PARSERS)} (Hermes/Qwen <tool_call>{{...}}</tool_call>;"
+                   " Llama 3.x JSON {\"name\", \"parameters\"} after <|python_tag|>; Mistral [TOOL_CALLS][...]); "
+                   "auto: the one the chat template's markup names (said at start-up: the tool_call_parser log "
+                   "line), tool_choice auto refused with 400 naming this flag when it names none; none: tool_choice "
+                   "auto refused. Required, named and none choices need no parser (the grammar writes the calls) "
+                   "(default %(default)s)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the executor")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")

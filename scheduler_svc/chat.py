@@ -243,7 +243,8 @@ def template_source(model_templates, requested: str) -> str | None:
 def tool_use(chat: api.Chat, field: str, model_templates=None, parser: str = "") -> ToolUse:
     """The request's ToolUse (check_chat has checked its tools): none without tools or with tool_choice none; a
     named or required choice constrains the output, strict (the named tool's parameters; required_schema); auto reads it
-    with ``parser`` (--tool-call-parser), else the one the template's markup names, and is refused without one."""
+    with ``parser`` (--tool-call-parser: a name; auto or '': the one the template's markup names) and is refused
+    without one (none, or no markup)."""
     if not chat.tools:
         return ToolUse()
     choice = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
@@ -260,13 +261,10 @@ def tool_use(chat: api.Chat, field: str, model_templates=None, parser: str = "")
     if mode == "required":
         schema = tool_calls.required_schema(list(schemas.items()), parallel)
         return ToolUse("required", api.Constraint(json_schema=json.dumps(schema, ensure_ascii=False), strict=True))
-    fmt = parser or tool_calls.detect_parser(template_source(model_templates, chat.chat_template))
-    if fmt is None:
-        raise InvalidRequest(f"{field}.tool_choice: auto (the default with tools) needs a tool-call parser, and the "
-                             "chat template writes no tool-call markup this server reads (hermes <tool_call>, "
-                             "llama3_json <|python_tag|>, mistral [TOOL_CALLS]); start the scheduler with "
-                             "--tool-call-parser, or send tool_choice required or a named function (the grammar "
-                             "then writes the calls)")
+    fmt = parser if parser not in ("", tool_calls.AUTO) else tool_calls.detect_parser(
+        template_source(model_templates, chat.chat_template))
+    if fmt is None or fmt == tool_calls.NONE:
+        raise InvalidRequest(tool_calls.auto_refusal(f"{field}.tool_choice", parser or tool_calls.AUTO))
     return ToolUse(fmt)
 
 

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 
-from pagedkv import fleet_salt, grpc_common, logs, runtime, security, trusted_hop
+from pagedkv import fleet_salt, grpc_common, logs, runtime, security, tool_calls, trusted_hop
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.grpc_guard import DecodeGuard
@@ -236,6 +236,9 @@ async def serve(args) -> None:
     runtime.settle_gc()
     await server.start()
     await grpc_common.set_serving(health, services, True)
+    parser, source = tool_calls.server_parser(args.tool_call_parser, getattr(tokenizer, "chat_template", None))
+    log.info("tool_call_parser", parser=parser or tool_calls.NONE, source=source, flag=args.tool_call_parser,
+             tool_choice_auto="read with " + parser if parser else "refused: 400 naming --tool-call-parser")
     log.info("scheduler_ready", address=f"{args.host}:{port}", executors=sorted(addresses), pid=os.getpid(),
              tls=credentials is not None, executor_tls=bool(link.tls_ca), executor_secret=bool(link.secret),
              trusted_hop=hops.enabled, objectives=sorted(hops.objectives) or None,
