@@ -223,8 +223,9 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(ApiError(status, message).body(), status_code=status, headers=exc.headers)
 
 
-def create_app(gateway: Gateway, on_shutdown=()) -> Starlette:
-    routes = [
+def create_app(gateway: Gateway, on_shutdown=(), extra_routes=()) -> Starlette:
+    """``extra_routes``: more of the API (the Responses API's: responses_routes.py)."""
+    routes = [*extra_routes,
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),

@@ -19,6 +19,14 @@ from pagedkv.gateway.guards import (
 )
 from pagedkv.gateway.logprobs import TokenNames
 from pagedkv.gateway.response_budget import DEFAULT_MAX_RESPONSE_BYTES, MIN_MAX_RESPONSE_BYTES
+from pagedkv.gateway.responses_routes import Responses
+from pagedkv.gateway.responses_store import (
+    ResponsesStore,
+    add_responses_args,
+    check_responses_args,
+    responses_child_args,
+    responses_dir,
+)
 from pagedkv.gateway.upstream import Upstream
 from pagedkv.resume_policy import add_resume_args, resume_policy
 from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
@@ -117,6 +125,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: readable on a terminal, JSON lines otherwise")
     add_tls_server_args(p)  # HTTPS on the HTTP side
     add_tls_client_args(p)  # trust the scheduler's certificate
+    add_responses_args(p)
     _add_fleet_args(p)
 
 
@@ -223,6 +232,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "--tls-cert it serves HTTPS with the same certificate and verifies the scheduler with "
                    "$PAGEDKV_TLS_CA (the CA that signed --tls-cert)")
     _add_response_bytes(p, "with --http-port, the gateway's: ")
+    add_responses_args(p, "with --http-port, the gateway's: ")
 
 
 def serve_child_command(args) -> list[str] | None:
@@ -244,6 +254,7 @@ def serve_child_command(args) -> list[str] | None:
         raise ValueError(f"--max-response-bytes {response_bytes}: at least {MIN_MAX_RESPONSE_BYTES}")
     if response_bytes != DEFAULT_MAX_RESPONSE_BYTES:
         cmd += ["--max-response-bytes", str(response_bytes)]
+    cmd += responses_child_args(args)
     if args.tls_cert:
         ca = os.environ.get("PAGEDKV_TLS_CA", "")
         if not ca:
@@ -264,6 +275,7 @@ def check_bounds(args) -> None:
         raise ValueError(f"--max-response-bytes {args.max_response_bytes}: at least {MIN_MAX_RESPONSE_BYTES}")
     if args.max_streams < 1:
         raise ValueError(f"--max-streams {args.max_streams}: at least 1")
+    check_responses_args(args)
     for flag, seconds in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not seconds > 0:
             raise ValueError(f"{flag} {seconds}: must be > 0")
@@ -286,7 +298,16 @@ async def serve(args) -> None:
     token_names = TokenNames(args.tokenizer, log) if args.tokenizer and edge_app is None else None
     gateway = Gateway(upstream, log, args.max_body_bytes, args.max_streams, token_names, args.max_prompt_bytes,
                       args.max_response_bytes, gie_hop_secret)  # (loads --tokenizer once the gateway listens)
-    app = edge_app or create_app(gateway, on_shutdown=(upstream.close,))
+    store = None if edge_app else ResponsesStore(responses_dir(args.responses_dir), args.responses_max_count,
+                                                 args.responses_max_bytes, log)
+    responses = () if store is None else Responses(gateway, store, args.responses_kv_ttl).routes()
+
+    async def close() -> None:
+        await upstream.close()
+        if store is not None:
+            await asyncio.to_thread(store.close)  # (the files still being written)
+
+    app = edge_app or create_app(gateway, on_shutdown=(close,), extra_routes=responses)
     protocol = bounded_protocol(log, args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, http=protocol, lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,

@@ -146,14 +146,18 @@ class Generation(Response):
                 for i, item in first:
                     if item is not None:
                         self._add(i, item)
-                _, chunks = await json_pieces.encoded(lambda: answers.response_body(
-                    self.plan, self.rid, answers.now(), self.model, self.choices, self.prompts, lazy=True), self.bound)
+                _, chunks = await json_pieces.encoded(self._answer, self.bound)
                 await self._send_chunks(send, 200, chunks)
         finally:
             await events.aclose()
             await merged.aclose()  # (closing the wrapper leaves the merged streams open)
             for call in calls:
                 await call.aclose()  # (a call still open is cancelled)
+
+    def _answer(self) -> dict:
+        """The non-streamed answer, once every call has ended (a subclass answers in another shape)."""
+        return answers.response_body(self.plan, self.rid, answers.now(), self.model, self.choices, self.prompts,
+                                     lazy=True)
 
     async def _noted(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         """The events, each call's word on its prompt (GenerateResponse.prompt, on its first message and with the
