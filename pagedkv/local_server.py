@@ -25,11 +25,15 @@ class LocalServer:
     """Starts ``pagedkv serve --port <free> *args`` and waits for its ready line; keeps its output, and the JSON
     log events of its children when ``*args`` asks for ``--log-format json``."""
 
-    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, timeout: float = 180.0, command: tuple[str, ...] = (),
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+        """``command``: the pagedkv to run (default: this interpreter's ``-m pagedkv``; an installed wheel's
+        ``bin/pagedkv``), in ``cwd`` (default: the checkout) with ``env`` (default: this process's)."""
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pagedkv", "serve", "--port", str(self.port), "--log-format", "console", *args]
+        cmd = [*(command or (sys.executable, "-m", "pagedkv")), "serve", "--port", str(self.port),
+               "--log-format", "console", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=cwd or ROOT, env=env, start_new_session=True)
         self.lines: deque[str] = deque(maxlen=400)
         self.events: list[dict] = []
         self.ready = threading.Event()  # set on the ready line, or when the output ends

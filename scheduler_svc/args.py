@@ -54,8 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-in-max-wait", type=int, default=64,
                    help="steps a swapped-out request yields to new prefills before it goes ahead of them")
     p.add_argument("--tenants-file", default="",
-                   help="TOML file of tenants: hashed API keys, weights, page quotas, reserved pages, request "
-                   "limits, page budgets (default: single-tenant, no keys). Reloaded on SIGHUP: a stream opened "
+                   help="TOML file of tenants (format: docs/tenants.md): hashed API keys, weights, page quotas, "
+                   "reserved pages, request limits, page budgets (default: single-tenant, no keys). Reloaded on "
+                   "SIGHUP: a stream opened "
                    "with a key the reload revokes or removes ends with UNAUTHENTICATED")
     p.add_argument(trusted_hop.HOP_SECRET_FLAG, default="", metavar="PATH",
                    help="file holding the trusted-hop secret: a caller presenting it as metadata "

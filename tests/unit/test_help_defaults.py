@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 # A dest with one of these words takes a quantity with a unit: its help must name the unit.
 UNIT_DEST = re.compile(r"timeout|seconds|interval|bytes|_gb$|_mb$|_ms$|mib|memory|space|wait|delay|budget")
-UNIT_WORD = re.compile(r"\b(?:s|ms|seconds?|milliseconds|bytes|KiB|MiB|GiB|MB|GB|pages|tokens|steps|fraction)\b")
+UNIT_WORD = re.compile(r"\b(?:s|ms|seconds?|milliseconds|bytes|KiB|MiB|GiB|MB|GB|pages|tokens|steps|fraction)\b", re.I)
 
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser]]:
