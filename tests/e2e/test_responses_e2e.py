@@ -1,10 +1,10 @@
 """The Responses API through real processes on loopback: ``pagedkv serve --http-port`` serving the built-in real
-model (SmolLM2, whose template marks tool calls as Hermes does) with a tenants file, driven by the ``openai`` SDK
-(create, stream, retrieve, delete, previous_response_id, text.format, a function tool round trip) and by
-openai-agents' default loop (``Agent`` + ``Runner.run`` on its default OpenAIResponsesModel, with and without a
-function tool). A follow-up by previous_response_id gets the previous turn's prompt pages from the cache; another
-tenant's response is 404; a ``pagedkv gateway`` restarted on the same --responses-dir still has what it stored (and
-one with --responses-dir memory does not)."""
+model (SmolLM2, whose template marks tool calls as Hermes does) with a tenants file and the default flags, driven by
+the ``openai`` SDK (create, stream, retrieve, delete, previous_response_id, text.format, a function tool round trip)
+and by openai-agents' default loop (``Agent`` + ``Runner.run`` and ``run_streamed`` on its default
+OpenAIResponsesModel, with and without a function tool). A follow-up by previous_response_id gets the previous turn's
+prompt pages from the cache; another tenant's response is 404; a ``pagedkv gateway`` restarted on the same
+--responses-dir still has what it stored (and one with --responses-dir memory does not)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def server(smollm2_dir, tmp_path_factory):
     tenants = tmp_path_factory.mktemp("responses") / "tenants.toml"
     tenants.write_text(TENANTS)
     s = Http("--model", MODEL, "--max-model-len", "1024", "--num-pages", "256", "--block-size", str(BLOCK),
-             "--tenants-file", str(tenants), "--tool-call-parser", "hermes")
+             "--tenants-file", str(tenants))  # (the defaults: --tool-call-parser auto finds SmolLM2's hermes)
     yield s
     s.stop()
 
@@ -179,14 +179,19 @@ def test_openai_agents_default_loop_completes(server):
                    model_settings=ModelSettings(temperature=0.0, tool_choice="required"))
 
     async def run() -> list:  # (one event loop: the SDK's client keeps its connections on it)
-        return [await Runner.run(plain, "What is the capital of France?", max_turns=2),
+        streamed = Runner.run_streamed(plain, "What is the capital of France?", max_turns=2)
+        deltas = [e.data.delta async for e in streamed.stream_events()
+                  if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
+        assert "".join(deltas) == streamed.final_output
+        return [await Runner.run(plain, "What is the capital of France?", max_turns=2), streamed,
                 await Runner.run(with_tool, "Say hello.", max_turns=4),
                 await Runner.run(forced, "What is the weather in Paris?", max_turns=4)]
 
     results = asyncio.run(run())
     assert all(isinstance(r.final_output, str) and r.final_output.strip() for r in results)
+    assert results[0].final_output == results[1].final_output  # (greedy: streamed or not, one answer)
     assert asked  # (the forced agent's tool ran, and its answer came after the tool's output)
-    kinds = [item.type for item in results[2].new_items]
+    kinds = [item.type for item in results[3].new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
 
 
