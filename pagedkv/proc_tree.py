@@ -86,6 +86,30 @@ def stop_session(sid: int, grace: float = 2.0) -> list[int]:
     return left
 
 
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def remove_stale(folder: Path, prefix: str) -> list[Path]:
+    """Removes the temporary folders ``<prefix>...-<pid>-<random>`` in ``folder`` whose process is gone (one
+    SIGKILLed mid-build had no chance to remove its own). Returns what it removed."""
+    import shutil
+
+    removed = []
+    try:
+        entries = list(folder.iterdir()) if folder.is_dir() else []
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry.name.split("-")
+        if entry.is_dir() and entry.name.startswith(prefix) and len(parts) >= 3 and parts[-2].isdigit() \
+                and not alive(int(parts[-2])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 class StartInterrupted(BaseException):  # noqa: N818 - as KeyboardInterrupt: not an Exception, nothing catches it
     """SIGINT/SIGTERM arrived while a service was starting; its descendants were already signalled."""
 

@@ -23,6 +23,9 @@ from typing import Any
 import structlog
 import torch
 
+from pagedkv import start_phases
+from pagedkv.proc_tree import remove_stale
+
 log = structlog.get_logger("executor_svc.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
@@ -35,6 +38,7 @@ HEADERS = (Path(__file__).with_name("cpu_math.h"), Path(__file__).with_name("cpu
 # NOTE: -fno-trapping-math -fno-math-errno (as torch itself is built): without them GCC vectorizes no loop with a
 # clamp or floor in it (the exp of the softmax and of SiLU ran one lane at a time on AVX2). Results are unchanged.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+PROGRESS_EVERY = 10.0  # seconds between the build's progress lines
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" and "reason", once tried
 
@@ -102,13 +106,15 @@ def _build() -> tuple[Any | None, str | None]:
     name = build_name()
     target = cache_dir() / f"{name}.so"
     start = time.perf_counter()
-    built = False
+    built = not target.is_file()
     try:
-        if target.is_file():
-            torch.ops.load_library(str(target))
+        if built:
+            with start_phases.phase("kernel_build", f"compiling the CPU kernels ({len(SOURCES)} files, once per "
+                                    "torch version and CPU)", log, files=len(SOURCES), cache=str(target.parent)):
+                _compile(name, target)
         else:
-            _compile(name, target)
-            built = True
+            with start_phases.phase("kernel_load", "loading the CPU kernels built earlier", log):
+                torch.ops.load_library(str(target))
         module = torch.ops.pagedkv_cpu  # registered by the library's TORCH_LIBRARY block
     except Exception as exc:  # a failed build must not stop the executor: the gather path serves
         errors = [ln for ln in str(exc).splitlines() if "error" in ln.lower()] or [f"{type(exc).__name__}: {exc}"]
@@ -126,11 +132,25 @@ def _compile(name: str, target: Path) -> None:
     from torch.utils import cpp_extension
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
+    remove_stale(target.parent, "pagedkv_attention_cpu_")  # the build folders of processes SIGKILLed mid-build
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-{os.getpid()}-", dir=target.parent))
+    done = threading.Event()
+    threading.Thread(target=_progress, args=(work, done), daemon=True, name="kernel-build-progress").start()
     try:
         cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work), extra_cflags=CFLAGS,
                            extra_include_paths=[str(SOURCE.parent)],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         os.replace(work / f"{name}.so", target)
     finally:
+        done.set()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _progress(work: Path, done: threading.Event) -> None:
+    """While the build runs: a line every PROGRESS_EVERY seconds with the elapsed time and the files compiled."""
+    expected, _ = start_phases.expected("kernel_build")
+    start = time.perf_counter()
+    while not done.wait(PROGRESS_EVERY):
+        compiled = len(list(work.glob("*.o")))
+        log.info("kernel_build_progress", elapsed_s=round(time.perf_counter() - start), expected_s=expected,
+                 files_compiled=f"{compiled}/{len(SOURCES)}")
