@@ -115,8 +115,13 @@ async def _generate(args) -> int:
     import grpc
 
     from pagedkv.client import Client
+    from pagedkv.port_check import unreachable
     from pagedkv.resume_policy import resume_policy
 
+    if why := unreachable(args.address):  # at once, not after the resume policy's wait for a server
+        print(f"error: no server at {args.address} ({why}); start one with `pagedkv serve`, or pass --address "
+              "HOST:PORT", file=sys.stderr, flush=True)
+        return 1
     async with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca,
                       tls_server_name=args.tls_server_name, resume=resume_policy(args)) as client:
         try:

@@ -113,3 +113,34 @@ def check_ports(wanted: list[tuple[str, str, int]]) -> None:
     for flag, host, port in wanted:
         if port:
             check_port(flag, host, port)
+
+
+def tcp_targets(address: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs behind a client's --address: HOST:PORT, a comma-separated list, ipv4:/ipv6: lists,
+    dns:///NAME:PORT (each a name to resolve)."""
+    rest = address.split(":///", 1)[1] if ":///" in address else address
+    if rest.startswith(("ipv4:", "ipv6:")):
+        rest = rest.split(":", 1)[1]
+    targets = []
+    for part in rest.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if port.isdigit():
+            targets.append((host.strip("[]") or "127.0.0.1", int(port)))
+    return targets
+
+
+def unreachable(address: str, timeout: float = 1.5) -> str | None:
+    """None when something accepts a TCP connection at one of ``address``'s targets within ``timeout`` seconds in
+    all; else why not (``connection refused``, ``timed out``...), for a one-line error."""
+    targets = tcp_targets(address)
+    if not targets:
+        return None  # (a target form this does not know: grpc will say)
+    why = ""
+    each = timeout / len(targets)
+    for host, port in targets:
+        try:
+            with socket.create_connection((host, port), timeout=each):
+                return None
+        except OSError as err:
+            why = err.strerror or str(err) or type(err).__name__
+    return why.lower()
