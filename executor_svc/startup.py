@@ -23,6 +23,7 @@ from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
 from executor_svc.runner import ModelRunner
+from executor_svc.threads import torch_threads
 from pagedkv import start_phases
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.models import resolve_model
@@ -152,8 +153,9 @@ def build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
 
 def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     kept_memory = keep_freed_memory()  # before the first big allocation
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = torch_threads(args.threads)
+    if threads:
+        torch.set_num_threads(threads)
     device = _device(args.device)
     dtype = parse_dtype(args.dtype)
     kv = parse_kv_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)  # before loading: refuse 4-bit early

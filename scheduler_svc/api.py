@@ -301,8 +301,8 @@ class GenerationService(api_grpc.GenerationServicer):
         if resume is not None:
             extra["resumed"] = {index: len(ids) for index, ids in resume}  # fork -> tokens the client had
             metrics.RESUMED_REQUESTS.inc()
-        log.info("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, n=req.n,
-                 **extra)
+        log.debug("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens,
+                  n=req.n, **extra)
         live_key = (tenant.id, req.client_id)
         stream = self.live[live_key] = LiveStream(req, caller.key, asserted=caller.asserted)
         for i, seq in enumerate(seqs):
@@ -335,10 +335,10 @@ class GenerationService(api_grpc.GenerationServicer):
                 if out.finish is not None:
                     finished += 1
                     seq = req if resume is None else next((f for f in seqs if f.index == out.index), req)
-                    log.info("request_finished", index=out.index, reason=out.finish.value,
-                             completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                             preemptions=seq.num_preemptions, queued_at_step=seq.queued_at_step,
-                             admitted_at_step=seq.admitted_at_step, ttft_s=round(first_token_s, 4))
+                    log.debug("request_finished", index=out.index, reason=out.finish.value,
+                              completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+                              preemptions=seq.num_preemptions, queued_at_step=seq.queued_at_step,
+                              admitted_at_step=seq.admitted_at_step, ttft_s=round(first_token_s, 4))
                 yield msg
             metrics.E2E_SECONDS.labels(req.tenant).observe(time.perf_counter() - received)
         finally:
@@ -346,7 +346,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 del self.live[live_key]
             if finished < forks:  # the client went away (or we are shutting down): free its pages
                 self.cluster.abort(req.group)
-                log.info("request_cancelled", forks_finished=finished)
+                log.debug("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
         """The model's facts and the pools' sizes for everyone; the caller's own figures in ``tenant``; the

@@ -4,15 +4,16 @@ executor's description."""
 from __future__ import annotations
 
 import argparse
+import os
 
-from pagedkv import fleet_salt, security, tool_calls, trusted_hop
+from pagedkv import fleet_salt, logs, security, tool_calls, trusted_hop
 from scheduler_svc import fit, kv_events_config
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
 from scheduler_svc.policy import Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
 from scheduler_svc.template_pool import TemplateLimits
-from scheduler_svc.tenancy import MAX_INT
+from scheduler_svc.tenancy import API_KEY_ENV, MAX_INT
 from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS, MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 MAX_MODEL_NAME_CHARS = 256
@@ -58,6 +59,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "reserved pages, request limits, page budgets (default: single-tenant, no keys). Reloaded on "
                    "SIGHUP: a stream opened "
                    "with a key the reload revokes or removes ends with UNAUTHENTICATED")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""), metavar="KEY",
+                   help="one API key every caller must send (gRPC 'authorization: Bearer KEY' metadata, HTTP "
+                   "'Authorization: Bearer KEY' through the gateway), as vLLM's --api-key, for a server without a "
+                   f"tenants file; refused together with --tenants-file (default: ${API_KEY_ENV}; none: no key asked)")
     p.add_argument(trusted_hop.HOP_SECRET_FLAG, default="", metavar="PATH",
                    help="file holding the trusted-hop secret: a caller presenting it as metadata "
                    f"'{trusted_hop.HOP_HEADER}: <secret>' (the Dynamo sidecar, a gateway in front of this scheduler) "
@@ -106,6 +111,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "served_model_names and so in the gateway's /v1/models, and a request naming another model gets "
                    "404 model_not_found there (default: the executor's --model as given: a built-in name, or the "
                    "directory)")
+    p.add_argument("--chat-template", default="", metavar="FILE|TEMPLATE",
+                   help="the chat template for chat requests, as vLLM's: a Jinja file, or the template itself; for "
+                   "a checkpoint without one, or instead of its own. Checked at start-up: a missing file or a "
+                   "template that does not compile stops it (default: the checkpoint's, from its "
+                   "tokenizer_config.json or chat_template.jinja)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (a Jinja template: code, run in the sandbox "
                    "transformers uses, in a worker process bounded by --chat-template-timeout and "
@@ -159,6 +169,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "default: logs carry request ids, tenants and token counts, never prompt text")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise (services, containers)")
+    logs.add_log_level_arg(p)
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="every SECONDS, one INFO line of the scheduler's stats, as vLLM's: prompt and generation "
+                   "tok/s, requests running, waiting and swapped, KV cache usage %%, prefix cache hit rate; only "
+                   "after activity (0: off; default %(default)s)")
     add_kv_events_args(p)
     add_tls_args(p)
 

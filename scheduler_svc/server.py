@@ -13,6 +13,7 @@ from pagedkv.grpc_guard import DecodeGuard
 from scheduler_svc import fit, kv_events_config, kv_events_zmq, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
+from scheduler_svc.chat_template_arg import load_chat_template, use_chat_template
 from scheduler_svc.cluster import Cluster, resolve
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink, ExecutorUnavailable
 from scheduler_svc.kv_events import KvEventLog, missing_secret_problem
@@ -21,6 +22,7 @@ from scheduler_svc.pages import tier_pools
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.stats_log import log_stats
 from scheduler_svc.template_pool import TemplateLimits, TemplatePool
 from scheduler_svc.tenancy import DEFAULT_TENANT, InvalidTenant, Tenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
@@ -112,13 +114,18 @@ async def _first_executor(addresses: set[str], timeout: float, step_timeout: flo
 
 
 async def serve(args) -> None:
-    log = logs.configure("scheduler", json=logs.wants_json(args.log_format))
+    log = logs.configure("scheduler", json=logs.wants_json(args.log_format), level=args.log_level)
     preemption = PreemptionConfig(mode=Mode(args.preemption_mode), hot_steps=args.hot_steps,
                                   cold_steps=args.cold_steps, swap_in_max_wait=args.swap_in_max_wait)
     for name in ("drain_timeout", "unplaced_timeout", "shutdown_timeout", "resolve_interval", "step_timeout",
                  "connect_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.log_stats_interval < 0:
+        raise ValueError(f"--log-stats-interval must be >= 0 (0: off), got {args.log_stats_interval}")
+    if args.api_key and args.tenants_file:  # (Tenants.from_flags says why, before any executor is tried)
+        Tenants.from_flags(args.tenants_file, args.api_key, 0)
+    chat_template = load_chat_template(args.chat_template)  # (a missing file or a bad template: stop now)
     link = _executor_link(args, log)
     hop_secret = trusted_hop.load_hop_secret(args.trusted_hop_secret_file)
     hops = TrustedHops(hop_secret, trusted_hop.parse_objectives(args.objective))  # (errors before executors are tried)
@@ -141,6 +148,7 @@ async def serve(args) -> None:
     templates = TemplatePool(TemplateLimits(args.chat_template_timeout, args.chat_template_workers,
                                             args.chat_template_memory << 20), log)  # (workers start when used)
     tokenizer = load_tokenizer(args.tokenizer or describe.model_path, log)  # tokenizers alone where that suffices
+    use_chat_template(tokenizer, chat_template, log)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
@@ -151,14 +159,15 @@ async def serve(args) -> None:
     # and come back, and cuts a count that does not fit them (tenant_ledger.py, Tenants.resolve).
     expected_pages = describe.num_device_pages * max(1, len(addresses))
     try:
-        tenants = Tenants.load(args.tenants_file, expected_pages) if args.tenants_file else Tenants()
+        tenants = Tenants.from_flags(args.tenants_file, args.api_key, expected_pages)
     except InvalidTenant as err:
         raise ValueError(str(err)) from err
     if tenants.multi:
         log.info("tenants_loaded", path=args.tenants_file, tenants=sorted(tenants.by_id), fairness=args.fairness,
                  pages=expected_pages, executors=len(addresses))
     else:
-        log.info("single_tenant", hint="no --tenants-file: every caller is tenant 'default', no API key asked")
+        log.info("single_tenant", api_key=tenants.keyed, hint="no --tenants-file: every caller is tenant 'default', "
+                 + ("who must send --api-key's key" if tenants.keyed else "no API key asked"))
 
     wants_events = args.kv_events_rpc or kv_zmq is not None
     if wants_events and missing_secret_problem(tenants.multi, fleet_secret):
@@ -274,6 +283,8 @@ async def serve(args) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     watcher = loop.create_task(membership())
+    stats = loop.create_task(log_stats(args.log_stats_interval, log, cluster.update_gauges)) \
+        if args.log_stats_interval else None
     await stop.wait()
     # Graceful shutdown: refuse new work, let in-flight streams finish, then end what is left with an error.
     service.closing = True
@@ -286,6 +297,8 @@ async def serve(args) -> None:
         await asyncio.sleep(0.05)
     left = len(service.live)
     watcher.cancel()
+    if stats is not None:
+        stats.cancel()
     await cluster.stop()
     cluster.fail_all("the scheduler shut down before this request finished")
     await server.stop(grace=2.0)

@@ -33,9 +33,11 @@ a count that no longer fits is cut to them (``Tenants.resolve``).
 Keys are stored as ``sha256:<hex>`` of the key (``pagedkv hash-key KEY`` prints it) and compared in
 constant time. Clients send ``authorization: Bearer <key>``, once: a call with two ``authorization`` entries
 is refused, whatever they hold. Without a tenants file the server is single-tenant: every caller is
-``default`` and no key is asked for. The tenant decides the prefix cache's namespace
-(``prefix_cache.tenant_root``): a client never chooses it. A reload (SIGHUP) that revokes a key, or drops it,
-ends the streams opened with it (``UNAUTHENTICATED``; ``key_problem`` says which keys no longer hold).
+``default`` and no key is asked for, unless ``--api-key`` (or ``$PAGEDKV_API_KEY``) gives the one key every caller
+must send (as vLLM's ``--api-key``); that key and a tenants file are refused together. The tenant decides the
+prefix cache's namespace (``prefix_cache.tenant_root``): a client never chooses it. A reload (SIGHUP) that
+revokes a key, or drops it, ends the streams opened with it (``UNAUTHENTICATED``; ``key_problem`` says which keys
+no longer hold).
 
 What a tenant sees (``ModelInfo``): the model's facts (model, max_model_len, block size, vocabulary, dtypes,
 backend, prefix caching, pool sizes) and its own figures (``tenant``: settings, pages held, requests, budget
@@ -59,6 +61,7 @@ from pathlib import Path
 import tomllib
 
 DEFAULT_TENANT = "default"
+API_KEY_ENV = "PAGEDKV_API_KEY"  # --api-key's default (and the clients': pagedkv generate, bench, dynamo-worker)
 MAX_INT = 1 << 24  # bound for counts in the tenants file (they travel as int32)
 OVERFLOW_POLICIES = ("window", "stop")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -185,13 +188,25 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
 class Tenants:
     """The tenant registry. ``authenticate`` maps a call's metadata to a Tenant."""
 
-    def __init__(self, tenants: list[Tenant] | None = None, path: Path | None = None) -> None:
+    def __init__(self, tenants: list[Tenant] | None = None, path: Path | None = None, api_key: str = "") -> None:
+        """``tenants`` from a file; none: single-tenant, every caller ``default``, who must send ``api_key`` when
+        one is given (--api-key)."""
         self.path = path
         self.raw: dict | None = None  # the parsed file (fractions are resolved again when the pools change)
         self.multi = tenants is not None
-        self.by_id = {t.id: t for t in tenants} if tenants is not None else {DEFAULT_TENANT: Tenant(DEFAULT_TENANT)}
+        single = Tenant(DEFAULT_TENANT, key_hashes=(bytes.fromhex(hash_key(api_key)[7:]),) if api_key else ())
+        self.by_id = {t.id: t for t in tenants} if tenants is not None else {DEFAULT_TENANT: single}
+        self.keyed = self.multi or bool(api_key)  # a call must send a key
         total_reserved = sum(t.reserved_pages for t in self.by_id.values())
         self.total_reserved = total_reserved
+
+    @classmethod
+    def from_flags(cls, tenants_file: str, api_key: str, num_pages: int) -> Tenants:
+        """--tenants-file's tenants, or the single tenant with --api-key's key (or none); both: InvalidTenant."""
+        if tenants_file and api_key:
+            raise InvalidTenant(f"--api-key (or ${API_KEY_ENV}) and --tenants-file {tenants_file}: give one; with a "
+                                "tenants file each tenant's keys are in it (pagedkv hash-key KEY)")
+        return cls.load(tenants_file, num_pages) if tenants_file else cls(api_key=api_key)
 
     @classmethod
     def load(cls, path: str | Path, num_pages: int) -> Tenants:
@@ -257,7 +272,7 @@ class Tenants:
     def caller(self, metadata) -> tuple[Tenant, bytes]:
         """The calling tenant and the SHA-256 of the key it sent (b"" on a single-tenant server): what
         ``key_problem`` checks again after a reload. Raises Unauthenticated."""
-        if not self.multi:
+        if not self.keyed:
             return self.by_id[DEFAULT_TENANT], b""
         values = [value for key, value in metadata or () if key == "authorization"]
         if len(values) > 1:

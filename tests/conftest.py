@@ -23,6 +23,10 @@ settings.register_profile("ci", deadline=None, derandomize=True, database=None,
 settings.register_profile("long", deadline=None)
 settings.load_profile("long" if os.environ.get("PAGEDKV_ADVERSARIAL", "") == "long" else "ci")
 
+# The servers tests start log each request (DEBUG since #48: INFO has the periodic stats line instead), which many
+# tests read; a test of the INFO level passes --log-level itself.
+os.environ.setdefault("PAGEDKV_LOG_LEVEL", "debug")
+
 # Tiers (tests/README.md): every test module sets its own with `pytestmark` (unit, e2e or gpu; slow may be added)
 # and sits in its tier's folder (tests/unit/, tests/e2e/, tests/gpu/; tests/adversarial/ holds unit and e2e).
 # Collection stops on a module that does not; a unit test that starts a process or opens a socket fails.

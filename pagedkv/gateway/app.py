@@ -94,10 +94,10 @@ class Gateway:
         elapsed = time.perf_counter() - gen.started
         REQUESTS.labels(gen.endpoint, str(status)).inc()
         LATENCY.labels(gen.endpoint).observe(elapsed)
-        self.log.info("request_finished", request_id=gen.rid, endpoint=gen.endpoint, status=status,
-                      stream=gen.plan.stream, n=gen.plan.n, prompts=len(gen.plan.requests), user=gen.plan.user or None,
-                      completion_tokens=sum(c.completion_tokens for c in gen.choices), seconds=round(elapsed, 4),
-                      client_disconnected=gen.disconnected)
+        self.log.debug("request_finished", request_id=gen.rid, endpoint=gen.endpoint, status=status,
+                       stream=gen.plan.stream, n=gen.plan.n, prompts=len(gen.plan.requests), user=gen.plan.user or None,
+                       completion_tokens=sum(c.completion_tokens for c in gen.choices), seconds=round(elapsed, 4),
+                       client_disconnected=gen.disconnected)
 
     def log_fields(self, plan: Plan, rid: str) -> None:
         """Unknown fields: a warning (and IGNORED_FIELDS_HEADER in the answer); fields ignored by design: debug."""

@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import replace
 
+from pagedkv import logs
 from pagedkv.gateway.app import DEFAULT_MAX_STREAMS, Gateway, create_app
 from pagedkv.gateway.guards import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -123,6 +124,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_resume_args(p, note=" (A full queue before anything was sent is the HTTP client's 429 with Retry-After.)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
                    help="auto: readable on a terminal, JSON lines otherwise")
+    logs.add_log_level_arg(p)
     add_tls_server_args(p)  # HTTPS on the HTTP side
     add_tls_client_args(p)  # trust the scheduler's certificate
     add_responses_args(p)
@@ -244,6 +246,8 @@ def serve_child_command(args) -> list[str] | None:
     cmd = [sys.executable, "-m", "pagedkv", "gateway", "--address", f"{host}:{args.port}", "--host", args.host,
            "--port", str(args.http_port), "--shutdown-timeout", str(args.shutdown_timeout),
            "--log-format", args.log_format]
+    if getattr(args, "log_level", ""):  # (serve's, for all its children)
+        cmd += ["--log-level", args.log_level]
     tokenizer = getattr(args, "tokenizer", "") or getattr(args, "model", "")
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
@@ -284,10 +288,9 @@ def check_bounds(args) -> None:
 async def serve(args) -> None:
     import uvicorn
 
-    from pagedkv import logs
     from pagedkv.security import server_credentials, warn_if_exposed
 
-    log = logs.configure("gateway", json=logs.wants_json(args.log_format))
+    log = logs.configure("gateway", json=logs.wants_json(args.log_format), level=args.log_level)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # gateway_ready / gateway_stopped say it
     tls = server_credentials(args.tls_cert, args.tls_key) is not None  # checks the pair now (clear errors)
     check_bounds(args)

@@ -234,8 +234,8 @@ class Edge:
         elapsed = time.perf_counter() - started
         REQUESTS.labels(endpoint, str(status)).inc()
         LATENCY.labels(endpoint).observe(elapsed)
-        self.log.info("request_finished", endpoint=endpoint, status=status, tenant=tenant.id,
-                      seconds=round(elapsed, 4))
+        self.log.debug("request_finished", endpoint=endpoint, status=status, tenant=tenant.id,
+                       seconds=round(elapsed, 4))
 
     async def health(self, request: Request) -> Response:
         """200 while the upstream's /health answers 200, else 503 (a fleet frontend that is down or draining)."""

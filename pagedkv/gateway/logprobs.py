@@ -147,9 +147,11 @@ def load_token_names(path: str) -> tuple[TokenText, int]:
     of the vocabulary, escapes counted: response_budget.py bounds answers with it)."""
     from transformers import AutoTokenizer
 
+    from pagedkv.hub_models import is_repo_id
     from pagedkv.models import BUILTIN_MODELS, resolve_model
 
-    directory = resolve_model(path) if path in BUILTIN_MODELS else Path(path)
+    hub = is_repo_id(path) and not Path(path).exists()  # ORG/NAME: the hub's cache, as the executor's --model
+    directory = resolve_model(path) if path in BUILTIN_MODELS or hub else Path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as err:

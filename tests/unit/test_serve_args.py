@@ -5,12 +5,14 @@ value, in that child's command line. Parsed only; nothing is started."""
 from __future__ import annotations
 
 import argparse
+import os
+from unittest import mock
 
 import pytest
 
 from executor_svc import args as executor_args
 from pagedkv.cli import build_parser
-from pagedkv.serve_args import SET_BY_SERVE, _ServiceFlags, child_commands
+from pagedkv.serve_args import BY_ENV, SET_BY_SERVE, _ServiceFlags, child_commands, child_env
 from pagedkv.serve_args import add_args as add_serve_args
 from scheduler_svc import args as scheduler_args
 
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.unit
 EXEC_PORT = 5999
 ADD_ARGS = {"scheduler": scheduler_args.add_args, "executor": executor_args.add_args}
 FOLLOWS = {"--cuda-graph-max-batch": "--max-num-seqs"}  # serve's default for the first is the second's value
+OTHER_VALUES = {"--threads": "3"}  # flags of a type of their own: a value other than the default
 
 
 def service_parser(service: str) -> argparse.ArgumentParser:
@@ -34,6 +37,8 @@ def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def other_value(action: argparse.Action) -> list[str]:
     """Command-line words that give ``action`` a value other than its default."""
     flag = action.option_strings[0]
+    if flag in OTHER_VALUES:
+        return [flag, OTHER_VALUES[flag]]
     if isinstance(action, argparse.BooleanOptionalAction):
         return ["--no-" + flag[2:] if action.default else flag]
     if action.nargs == 0:  # store_true
@@ -48,12 +53,17 @@ def other_value(action: argparse.Action) -> list[str]:
 
 
 def children(serve_argv: list[str]) -> tuple[argparse.Namespace, dict[str, argparse.Namespace]]:
+    """serve's parsed flags, and each child's from its command line and the environment serve gives it (BY_ENV:
+    secrets, which the command line never shows)."""
     args = build_parser().parse_args(["serve", *serve_argv])
     exec_cmd, sched_cmd = child_commands(args, args.forwarded, EXEC_PORT)
+    env = child_env(args, args.forwarded)
     parsed = {}
     for service, cmd in (("executor", exec_cmd), ("scheduler", sched_cmd)):
         assert cmd[1:4] == ["-m", "pagedkv", service]
-        parsed[service] = service_parser(service).parse_args(cmd[4:])
+        assert not any(v and v in " ".join(cmd) for v in env.values()), "a secret on a command line"
+        with mock.patch.dict(os.environ, env):
+            parsed[service] = service_parser(service).parse_args(cmd[4:])
     return args, parsed
 
 
@@ -90,6 +100,12 @@ def test_each_forwarded_flag_reaches_the_child_with_its_value(service, flag):
         if (other_service, other_flag) != (service, flag) and other_flag != flag and other_flag not in FOLLOWS:
             other = flags(service_parser(other_service))[other_flag]
             assert getattr(parsed[other_service], other.dest) == other.default, (other_service, other_flag)
+
+
+def test_api_key_goes_to_the_scheduler_in_its_environment():
+    assert BY_ENV == {"--api-key": "PAGEDKV_API_KEY"}
+    args, parsed = children(["--api-key", "k-123"])
+    assert parsed["scheduler"].api_key == "k-123" and child_env(args, args.forwarded) == {"PAGEDKV_API_KEY": "k-123"}
 
 
 def test_serve_sets_ports_addresses_and_the_secret_itself():
