@@ -275,3 +275,36 @@ def test_a_refusal_names_the_responses_field():
     assert status == 400 and json.loads(out)["error"]["param"] == "input"
     assert _call(app, "/v1/responses", {"model": "m", "input": "x", "previous_response_id": "resp_x"})[0] == 404
     assert _call(app, "/v1/responses", {"model": "m", "input": "x"}, key="bad")[0] == 401
+
+
+# ---- flags -----------------------------------------------------------------------------------------------------
+def test_the_flags_have_defaults_are_checked_and_reach_serves_gateway_child():
+    import argparse
+
+    from pagedkv.gateway.responses_store import (
+        add_responses_args,
+        check_responses_args,
+        responses_child_args,
+        responses_dir,
+    )
+
+    p = argparse.ArgumentParser()
+    add_responses_args(p)
+    args = p.parse_args([])
+    assert (args.responses_kv_ttl, args.responses_max_count, args.responses_max_bytes) == (600, 1000, 64 << 20)
+    assert responses_child_args(args) == [] and responses_dir("memory") is None
+    assert responses_dir("").name == "responses"  # (under the cache directory)
+    args = p.parse_args(["--responses-kv-ttl", "0", "--responses-dir", "memory"])
+    assert responses_child_args(args) == ["--responses-dir", "memory", "--responses-kv-ttl", "0"]
+    for bad_args, flag in ((["--responses-kv-ttl", "-1"], "--responses-kv-ttl -1"),
+                           (["--responses-max-count", "0"], "--responses-max-count 0")):
+        with pytest.raises(ValueError, match=flag):
+            check_responses_args(p.parse_args(bad_args))
+
+
+def test_kv_ttl_zero_asks_no_retention_and_delete_calls_no_release():
+    up = TenantUpstream([_first("a", ids=[1], finish=api.FINISH_REASON_STOP, prompt=3, completion=1)])
+    app, _ = _app(up, ttl=0)
+    body = json.loads(_call(app, "/v1/responses", {"model": "m", "input": "x"})[2])
+    assert body["store"] and not up.requests[0].HasField("retain_kv")
+    assert _call(app, f"/v1/responses/{body['id']}", method="DELETE")[0] == 200 and up.released == []
