@@ -24,6 +24,7 @@ from pagedkv.gateway import tokenize as tokens
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
+from pagedkv.gateway.not_served import no_such_endpoint, pooling_routes
 from pagedkv.gateway.openai_requests import Plan, RequestLimits
 from pagedkv.gateway.streaming import Generation
 from pagedkv.gateway.upstream import Upstream, auth_metadata, gie_metadata
@@ -177,6 +178,7 @@ class Gateway:
                 error = from_grpc(err.code(), err.details() or "", chat=not detokenize and req.HasField("chat"))
                 if detokenize and error.param == "prompt":  # (the scheduler's token_ids)
                     error.param = "tokens"
+                    error.message = error.message.replace("token_ids", "tokens", 1)
                 raise error from None
         except ApiError as err:
             REQUESTS.labels(endpoint, str(err.status)).inc()
@@ -218,8 +220,9 @@ async def metrics(request: Request) -> Response:
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
-    message = {404: f"{request.url.path}: no such endpoint", 405: f"{request.method} is not allowed on "
-               f"{request.url.path}"}.get(status, str(exc.detail))
+    if status == 404:
+        return JSONResponse(no_such_endpoint(request).body(), status_code=404, headers=exc.headers)
+    message = {405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))
     return JSONResponse(ApiError(status, message).body(), status_code=status, headers=exc.headers)
 
 
@@ -235,6 +238,7 @@ def create_app(gateway: Gateway, on_shutdown=(), extra_routes=()) -> Starlette:
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *pooling_routes(),  # (400: a generation model; not a bare 404)
     ]
 
     @contextlib.asynccontextmanager

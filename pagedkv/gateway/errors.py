@@ -1,6 +1,7 @@
 """The gateway's errors in OpenAI's form: ``ApiError`` (an OpenAI error body with its HTTP status), and the
 scheduler's gRPC refusals mapped to them (``from_grpc``; a prompt too long for the context in the words OpenAI
-uses, which litellm and LangChain recognise: ``context_length_exceeded``)."""
+uses, which litellm and LangChain recognise: ``context_length_exceeded``), the fields they name in the OpenAI
+request's names (grpc_fields.py), never the scheduler's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 
 import grpc
 
+from pagedkv.gateway import grpc_fields
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 
 
@@ -60,10 +62,11 @@ _OUTPUT_TOO_LONG = re.compile(r"^sampling\.max_tokens: prompt \((\d+)\) \+ max_t
 
 
 def _context_length(details: str, chat: bool) -> ApiError | None:
+    said = grpc_fields.openai_text(details, chat)
     if m := _PROMPT_TOO_LONG.match(details):
-        return context_length_exceeded(int(m.group(2)), int(m.group(1)), None, chat, details)
+        return context_length_exceeded(int(m.group(2)), int(m.group(1)), None, chat, said)
     if m := _OUTPUT_TOO_LONG.match(details):
-        return context_length_exceeded(int(m.group(3)), int(m.group(1)), int(m.group(2)), chat, details)
+        return context_length_exceeded(int(m.group(3)), int(m.group(1)), int(m.group(2)), chat, said)
     return None
 
 
@@ -78,26 +81,18 @@ GRPC_STATUS = {
 RETRY_AFTER_S = 1  # a 429's Retry-After: queue and stream limits clear as requests start and end
 # gRPC's own words when a message is over a channel's size limit (received by the scheduler, or sent by us)
 _TOO_LARGE = re.compile(r"message larger than max \((\d+) vs\. (\d+)\)")
-# The scheduler's field names (before ':' in its messages) -> OpenAI's
-_PROTO_PARAMS = {"prompt": "prompt", "text": "prompt", "token_ids": "prompt", "chat": "messages",
-                 "request_id": "x-request-id"}
+# The scheduler's top-level fields outside grpc_fields.PATHS (its own names are OpenAI's) -> OpenAI's
+_PROTO_PARAMS = {"request_id": "x-request-id", "token_ids": "prompt"}  # (Detokenize's: app.py names it tokens)
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
-# A chat request's own fields (the scheduler's prompt.chat.<name>), named as they are in OpenAI's body
-_CHAT_PARAMS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                "tool_choice", "parallel_tool_calls")
 
 
 def param_of(details: str, chat: bool) -> str | None:
     m = _FIELD.match(details or "")
     if not m:
         return None
-    name = m.group(1).split("[")[0]
-    head = name.split(".")[0]
-    if head == "sampling":
-        return name.split(".")[1] if "." in name else None
-    if head in ("prompt", "text", "token_ids", "chat"):
-        own = [part for part in name.split(".") if part in _CHAT_PARAMS]  # (prompt.chat.chat_template_kwargs)
-        return own[0] if own else "messages" if chat else "prompt"
+    head = m.group(1).split("[")[0].split(".")[0]
+    if grpc_fields.PATH.match(details):
+        return grpc_fields.param(details, chat)
     return _PROTO_PARAMS.get(head, head)
 
 
@@ -106,8 +101,8 @@ def prompt_too_long(details: str, chat: bool) -> ApiError:
     check_text_bytes, chat.check_chat_size) in OpenAI's terms: 400, code prompt_too_long, ``param`` the field the
     refusal names: tools where the tools drive it (too many, or their text took the chat over), else messages
     (a chat) or prompt."""
-    return ApiError(400, details, param=param_of(details, chat) or ("messages" if chat else "prompt"),
-                    code="prompt_too_long")
+    return ApiError(400, grpc_fields.openai_text(details, chat),
+                    param=param_of(details, chat) or ("messages" if chat else "prompt"), code="prompt_too_long")
 
 
 def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiError:
@@ -125,9 +120,11 @@ def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiErr
                             f"takes at most {too_large.group(2)} (its --max-prompt-bytes of text or a full context "
                             "of token ids, plus a resume's token ids and 64 KiB)", param=field,
                             code="request_too_large")
-        return ApiError(400, details or code.name, code="resource_exhausted")
+        return ApiError(400, grpc_fields.openai_text(details, chat) or code.name, param=param_of(details, chat),
+                        code="resource_exhausted")
     if code == grpc.StatusCode.INVALID_ARGUMENT and (err := _context_length(details or "", chat)):
         return err
     status, err_code = GRPC_STATUS.get(code, (500, None))
     param = param_of(details, chat) if status == 400 else None
-    return ApiError(status, details or code.name, param=param, code=err_code or code.name.lower())
+    return ApiError(status, grpc_fields.openai_text(details, chat) or code.name, param=param,
+                    code=err_code or code.name.lower())

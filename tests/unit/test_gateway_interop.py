@@ -108,6 +108,7 @@ def test_the_schedulers_refusals_of_tokenize_and_detokenize_name_the_field():
     up = TokenUpstream(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: id 5000 outside the vocabulary"))
     status, _, answer, _ = post("/detokenize", {"tokens": [5000]}, up)
     assert status == 400 and answer["error"]["param"] == "tokens" and "5000" in answer["error"]["message"]
+    assert answer["error"]["message"].startswith("tokens: id 5000")  # (vLLM's field, not Detokenize's token_ids)
     up = TokenUpstream(rpc_error(grpc.StatusCode.UNAUTHENTICATED, "unknown API key"))
     assert post("/detokenize", {"tokens": [1]}, up)[0] == 401
 
