@@ -62,9 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT_GRAPH_MAX_BATCH}, the scheduler's default; under pagedkv serve, its --max-num-seqs)")
     p.add_argument("--threads", type=threads_arg, default=AUTO, metavar="N|auto",
                    help="torch CPU threads. auto: half the CPUs this process may use, at least 1 (1 on 2 cores), "
-                   "because one thread more than the free cores slows every step: on 2 cores with one busy process "
-                   "beside the server, 2 threads decoded ~3x slower than 1, and no faster when idle "
-                   "(bench/threads.py, bench/NOTES.md). 0: torch's default, one per core (default: %(default)s)")
+                   "because a thread more than the free cores slows every step: on a shared 2-core machine 2 threads "
+                   "decoded 3-5x slower than 1, with or without a busy process beside the server (bench/threads.py, "
+                   "bench/NOTES.md). 0: torch's default, one per core (default: %(default)s)")
     p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
                    help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
                    "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "

@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
-                   help="API key of a tenant (servers with a tenants file; default: $PAGEDKV_API_KEY)")
+                   help="the server's API key: its --api-key, or a tenant's key from its tenants file (default: "
+                   "$PAGEDKV_API_KEY)")
     add_resume_args(p)
     add_tls_client_args(p)
     p = sub.add_parser("bench", help="load generator: synthetic requests against a running server, latency and "
