@@ -90,6 +90,11 @@ class DevicePagePool:
         earlier session's KV."""
         self.pages.zero_()
 
+    def zero_pages(self, page_ids: list[int]) -> None:
+        """Zeroes these pages (all layers, scales included): a retained conversation's KV whose retention ended."""
+        if page_ids:
+            self.pages[torch.tensor(page_ids, dtype=torch.long, device=self.pages.device)] = 0
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy-on-write: whole pages, all layers at once. The copier kernel runs the copies in parallel, so
         it gets only independent pairs (no page both read and written, no page written twice); anything

@@ -150,6 +150,11 @@ class RequestMirror:
             for c in copies:
                 if not (0 <= c.src < src_n and 0 <= c.dst < dst_n):
                     raise PlanError(f"page_ops.{name}: {c.src} -> {c.dst} outside [0, {src_n}) -> [0, {dst_n})", [])
+        if ops.zero:
+            bad = [p for p in ops.zero if not 0 <= p < self.num_pages]
+            if bad or len(set(ops.zero)) != len(ops.zero):
+                raise PlanError(f"page_ops.zero: page ids must be in [0, {self.num_pages}) and each listed once, got "
+                                f"{bad or sorted(ops.zero)}", [])
 
     def _new_state(self, new: pb.NewRequest) -> RequestState:
         """A NewRequest checked field by field (nothing of the runner changes)."""

@@ -102,8 +102,14 @@ class ModelRunner:
             self.host_written.update(c.dst for c in ops.swap_out)
         if scheduled or ops.swap_in or ops.copy:
             self.device_written = True
-        if self.mover is not None:  # order: swap-out, swap-in, copy-on-write, then the forward
-            self.mover.run([(c.src, c.dst) for c in ops.swap_out], [(c.src, c.dst) for c in ops.swap_in])
+        swap_out = [(c.src, c.dst) for c in ops.swap_out]
+        if ops.zero:  # order: swap-out, zero, swap-in, copy-on-write, then the forward
+            if self.mover is not None:
+                self.mover.run(swap_out, [])
+                swap_out = []
+            self.pool.zero_pages(list(ops.zero))
+        if self.mover is not None:
+            self.mover.run(swap_out, [(c.src, c.dst) for c in ops.swap_in])
         if plan.page_ops.copy:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
         t2 = time.perf_counter()

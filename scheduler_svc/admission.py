@@ -4,7 +4,8 @@
 Order: swapped requests that waited too long first (nothing else is admitted until they fit); then new and
 recompute-preempted requests in fair order (VTC across tenants; one whose shared prefix another request is
 computing waits); then the other swapped requests, in swap-out order (TTFT first). A step that preempted
-admits nothing, except new requests of tenants below their reserved minimum.
+admits nothing, except new requests of tenants below their reserved minimum. When pages are short for one of them,
+the oldest retention of KV that would free some ends first (``Reclaim``; the tenant's own when its quota is short).
 
 ``admissions`` reads the planner's state through a ``PlanView`` and yields decisions, one at a time; the planner
 applies each before the next is decided (as mini-sglang's PrefillAdder and vLLM's SchedulerOutput do), so each
@@ -46,6 +47,13 @@ class Trim:
 
 
 @dataclass(slots=True)
+class Reclaim:
+    """Pages are short: end this retention of KV first (retention.py; before anything running is preempted)."""
+
+    key: tuple[str, str]
+
+
+@dataclass(slots=True)
 class Refuse:
     """A swapped request can never come back here (e.g. its tenant's quota was lowered): it ends with error."""
 
@@ -53,7 +61,7 @@ class Refuse:
     error: str
 
 
-Decision = Admit | SwapIn | Trim | Refuse
+Decision = Admit | SwapIn | Trim | Reclaim | Refuse
 _Decisions = Generator[Decision, None, None]
 
 
@@ -109,8 +117,13 @@ def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator
     if need > capacity:  # it can never come back (e.g. a quota lowered by reload)
         yield Refuse(req, f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")
         return None
-    if not limits.can_take(req.tenant, need, view.slack()):
-        return None if view.ledger.over_quota(view.ledger.tenants.get(req.tenant), need) else 0
+    while not limits.can_take(req.tenant, need, view.slack()):
+        over = view.ledger.over_quota(view.ledger.tenants.get(req.tenant), need)
+        key = view.retained.reclaimable(req.tenant if over else None)
+        if key is None:
+            return None if over else 0
+        yield Reclaim(key)
+        need = kv.pages_to_swap_in(req, n)
     yield SwapIn(req, n)
     return n
 
@@ -144,6 +157,11 @@ def _admit_waiting(view: PlanView, budget: int, seats: int,
         need = kv.pages_to_admit(hits, n)
         slack = view.slack()
         if not limits.can_take(req.tenant, need, slack):
+            over = ledger.over_quota(ledger.tenants.get(req.tenant), need)
+            key = view.retained.reclaimable(req.tenant if over else None, [p for p, on_host in hits if not on_host])
+            if key is not None:  # retained pages first (not those it would hit); then it is looked at again
+                yield Reclaim(key)
+                continue
             if ledger.over_quota(ledger.tenants.get(req.tenant), need) or kv.pool.can_allocate(need + slack):
                 skip_tenants.add(req.tenant)  # its quota, or other tenants' reserves: others may go
                 continue

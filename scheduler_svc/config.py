@@ -19,3 +19,4 @@ class SchedulerConfig:
     sink_tokens: int = 0
     model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    kv_retention_max_share: float = 0.5  # of a tenant's quota (of the pool without one) its retained KV may hold

@@ -7,16 +7,15 @@ The facade between scheduling policy and the page pool. Token regions of a reque
 
 (num_computed counts the tokens of plans still in flight: ``Request.num_confirmed`` are those confirmed.)
 
-Pages [0, hits) are shared with the cache; a page becomes findable (published) only once the
-executor confirmed the step that filled it. Full pages of the prompt that a running request is
-still computing are "in flight": another request that needs them waits instead of computing them too.
+Pages [0, hits) are shared with the cache; a page becomes findable (published) only once the executor confirmed the
+step that filled it. Full pages of the prompt that a running request is still computing are "in flight": another
+request that needs them waits instead of computing them too.
 
-The host tier (optional) is a second PagePool of the same page size. It holds the pages of swapped-out
-requests (``req.host_table``) and, in its free LRU, prefix-cache pages spilled there when the device
-evicted them. Both are found by the same hashes, so a hit may come from either tier (tenant roots keep
-tenants apart in both). Every page movement is recorded in ``ops`` for the next plan (step.PageOps). Host pages
-read by a swap-in stay held until the plan that reads them is confirmed (``ops.host_release``), so no swap-out of
-the same plan can reuse them.
+The host tier (optional) is a second PagePool of the same page size. It holds the pages of swapped-out requests
+(``req.host_table``) and, in its free LRU, prefix-cache pages spilled there when the device evicted them. Both are
+found by the same hashes, so a hit may come from either tier (tenant roots keep tenants apart in both). Every page
+movement is recorded in ``ops`` for the next plan (step.PageOps). Host pages read by a swap-in stay held until the
+plan that reads them is confirmed (``ops.host_release``), so no swap-out of the same plan can reuse them.
 """
 
 from __future__ import annotations
@@ -352,9 +351,7 @@ class KVManager:
         if req.host_table:
             self._host.free(held(reversed(req.host_table)))
             req.host_table = []
-        req.page_table = []
-        req.num_computed = 0
-        req.num_published = 0
+        req.page_table, req.num_computed, req.num_published = [], 0, 0
         for h in req.registered:
             if self._inflight.get(h) is req:
                 del self._inflight[h]
@@ -381,11 +378,12 @@ class KVManager:
         if self._host is not None:
             self._host.unpublish(host)
 
-    def check_integrity(self, running: list[Request], swapped: Iterable[Request], pending: list[PageOps]) -> None:
+    def check_integrity(self, running: list[Request], swapped: Iterable[Request], pending: list[PageOps],
+                        retained: list[list[int]]) -> None:
         """Both tiers: every page's refcount equals the tables holding it (``pending``: page operations not yet
-        confirmed, whose swap-ins hold host pages); page budgets hold; in-flight prefix claims are running
-        requests'; a swapped request's host table covers what it computed."""
-        self._pool.check_integrity(list(held(r.page_table)) for r in running)
+        confirmed, whose swap-ins hold host pages; ``retained``: the retentions' pages); page budgets hold; in-flight
+        prefix claims are running requests'; a swapped request's host table covers what it computed."""
+        self._pool.check_integrity([*(list(held(r.page_table)) for r in running), *retained])
         for r in running:
             if r.page_budget:
                 pages = sum(1 for _ in held(r.page_table))

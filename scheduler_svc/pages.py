@@ -191,6 +191,15 @@ class PagePool:
                 if self._events is not None:
                     self._events.removed(h, self._medium)
 
+    def zeroed(self, pages: Iterable[int]) -> None:
+        """Free pages whose contents are being zeroed (a KV retention ended): not findable any more, and first out
+        of the free queue (they hold nothing worth keeping)."""
+        pages = list(pages)
+        self.unpublish(pages)
+        for p in reversed(pages):
+            assert self._refcounts[p] == 0, f"page {p} zeroed while held"
+            self._free_queue.move_to_end(p, last=False)
+
     def forget_hashes(self) -> None:
         """Nothing is findable any more (the executor that held the contents is gone)."""
         if self._events is not None:

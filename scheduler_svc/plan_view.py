@@ -13,6 +13,7 @@ from scheduler_svc.outputs import OutputProcessor
 from scheduler_svc.policy import PreemptionPolicy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import Request
+from scheduler_svc.retention import KvRetention
 from scheduler_svc.step import Scheduled
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tenant_limits import TenantLimits
@@ -23,6 +24,7 @@ class PlanView:
     config: SchedulerConfig
     queues: RequestQueues
     kv: KVManager
+    retained: KvRetention  # (its ``reclaimable``: admission's Reclaim decisions)
     limits: TenantLimits  # this executor's tenant rules
     ledger: TenantLedger  # the scheduler-wide sums (quotas, fair shares, seats)
     policy: PreemptionPolicy

@@ -26,6 +26,15 @@ class Finish(enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True, slots=True)
+class Retain:
+    """GenerateRequest.retain_kv, checked: when the request ends (stop or length), its KV stays findable by its tenant
+    under ``key`` for ``ttl_s`` seconds (retention.py)."""
+
+    key: str
+    ttl_s: int
+
+
 @dataclass(slots=True)
 class Sampling:
     max_tokens: int
@@ -201,6 +210,7 @@ class Request:
     # The prompt's log-probabilities, gathered as its steps compute them (outputs.py) until complete (sampling's
     # prompt_logprobs; one sequence of the request gathers them: a fork parent, or the first of resumed forks).
     prompt_logprobs: PromptLogprobs | None = None
+    retain: Retain | None = None  # keep its KV when it ends (fork 0's only)
 
     # ---- progress (the planner: scheduler.py; status only in queues.py, its transitions) -------------
     status: Status = Status.WAITING
@@ -299,7 +309,8 @@ def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, outpu
                    max_len=parent.max_len, page_limit=parent.page_limit,
                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
                    num_cached_tokens=parent.num_cached_tokens if index == 0 else 0,
-                   output_ids=list(output_ids), num_resumed=len(output_ids))
+                   output_ids=list(output_ids), num_resumed=len(output_ids),
+                   retain=parent.retain if index == 0 else None)
 
 
 def forks(parent: Request) -> list[Request]:

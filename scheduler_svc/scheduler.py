@@ -16,7 +16,7 @@ and ``fair_share.py`` decide over a read-only ``PlanView``, and the planner appl
 from __future__ import annotations
 
 from scheduler_svc import fair_share, fit
-from scheduler_svc.admission import Admit, Refuse, SwapIn, admissions
+from scheduler_svc.admission import Admit, Reclaim, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
@@ -26,6 +26,8 @@ from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.report import snapshot_of
 from scheduler_svc.request import Finish, Output, Request, Status, forks
+from scheduler_svc.retention import KvRetention
+from scheduler_svc.scheduler_lifecycle import ExecutorLifecycle
 from scheduler_svc.snapshot import Counters, SchedulerSnapshot
 from scheduler_svc.step import InFlight, PageOps, Scheduled, Step
 from scheduler_svc.tenancy import Tenants
@@ -37,7 +39,7 @@ __all__ = ["Outputs", "Scheduler", "SchedulerConfig"]
 Outputs = list[tuple[Request, Output]]
 
 
-class Scheduler:
+class Scheduler(ExecutorLifecycle):
     """One executor's planner. Its parts (``queues``, ``kv``, ``limits``, ``ledger``, ``counters``, ``config``) are
     attributes for tests to inspect; the rest of the service calls its methods and reads its ``snapshot``."""
 
@@ -52,6 +54,7 @@ class Scheduler:
         self._eos_token_ids = list(eos_token_ids)
         self.counters = counters if counters is not None else Counters()  # cumulative ("since start")
         self.kv = KVManager(pool, config.enable_prefix_caching, host_pool, self.counters)
+        self.retained = KvRetention(pool, self.kv.host, lambda pages: self.kv.ops.zero.extend(pages))  # retention.py
         self._policy = PreemptionPolicy(config.preemption, costs or PreemptionCosts(page_bytes=0))
         self._outputs = OutputProcessor(set(eos_token_ids), pool.block_size)
         self.ledger = ledger if ledger is not None else TenantLedger(tenants)
@@ -70,6 +73,7 @@ class Scheduler:
         if (num_pages, block_size, num_host_pages) == (self._pool.num_pages, self._pool.block_size,
                                                        self.kv.host.num_pages if self.kv.host else 0):
             if not kept:
+                self.retained.clear()
                 self.kv.forget_cached()
             if costs is not None:
                 self._policy = PreemptionPolicy(self.config.preemption, costs)
@@ -141,6 +145,7 @@ class Scheduler:
         """The next step (None: nothing to send) and the messages of requests ended since the last. ``resend``: plan
         nothing (the wire resends a rejected plan's page operations), only the ids to forget."""
         outputs = [(r, self.finish(r, Finish.ABORT)) for r in list(self.queues.requests.values()) if r.aborted]
+        self.retained.expire()  # (their pages are zeroed by the plan below)
         outputs += self._deferred
         self._deferred.clear()
         if resend:
@@ -161,9 +166,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         now = self.step_id + 1
-        view = PlanView(self.config, self.queues, self.kv, self.limits, self.ledger, self._policy,
+        view = PlanView(self.config, self.queues, self.kv, self.retained, self.limits, self.ledger, self._policy,
                         self._watermark_pages, now)
-        for victim in fair_share.victims_for_head(view):
+        while (victims := fair_share.victims_for_head(view)) and (key := self.retained.reclaimable()) is not None:
+            self.retained.end(*key)  # retained pages go before any running request
+        for victim in victims:
             self._preempt(victim, now)  # (admission goes on this step)
             self.limits.stats(victim.tenant).fair_share_preemptions += 1
         preempted = 0
@@ -201,6 +208,9 @@ class Scheduler:
     def _admit(self, view: PlanView, budget: int, scheduled: list[Scheduled], only_reserved: bool = False) -> None:
         """Applies admission's decisions (admission.py), each before the next is decided."""
         for d in admissions(view, budget, only_reserved):
+            if d.__class__ is Reclaim:
+                self.retained.end(*d.key)
+                continue
             req = d.req
             if d.__class__ is Admit:
                 self.queues.admit(req)
@@ -229,10 +239,11 @@ class Scheduler:
         tenant = ledger.tenants.get(req.tenant)
         preempted = 0
         while not self.limits.can_take(req.tenant, need := self.kv.pages_to_grow(req, n)):
-            if ledger.over_quota(tenant, need):  # its own tenant's requests make room
-                candidates = [r for r in unscheduled if r.tenant == req.tenant]
-            else:
-                candidates = unscheduled
+            own = ledger.over_quota(tenant, need)  # its own tenant's retained KV, then requests make room
+            if (key := self.retained.reclaimable(req.tenant if own else None)) is not None:
+                self.retained.end(*key)  # retained pages go before any running request
+                continue
+            candidates = [r for r in unscheduled if r.tenant == req.tenant] if own else unscheduled
             if over_share is None:
                 over_share = ledger.over_share()
             victim = self._policy.pick_victim(candidates, now, req, over_share)
@@ -318,52 +329,14 @@ class Scheduler:
         self.kv.release(parent)
 
     def finish(self, req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
-        """Ends a request: pages back to the pool at once, the executor told to forget it."""
-        if self.queues.finish(req, finish) in (Status.RUNNING, Status.SWAPPED):
+        """Ends a request: pages back to the pool at once (those it asked to retain held on: retention.py), the
+        executor told to forget it."""
+        was = self.queues.finish(req, finish)
+        if req.retain is not None and not error:
+            self.retained.keep(req, finish, self.limits.max_retained(req.tenant, self.config.kv_retention_max_share))
+        if was in (Status.RUNNING, Status.SWAPPED):
             self.kv.release(req)
         return self._outputs.final(req, finish, stop_reason, error)
-
-    # ---- the executor's lifecycle --------------------------------------------------------------
-    def detach(self, req: Request) -> None:
-        """Takes a live request away, to be placed on another executor (its KV recomputed there): its pages here are
-        freed and the executor told to forget it. Only between steps (never while a plan holding it is in flight)."""
-        assert not req.in_flight, f"{req.request_id}: detached while a plan in flight computes for it"
-        self.queues.detach(req)
-        self.kv.release(req)
-        req.num_pages_sent = -1
-        req.dropped_pending = []
-        req.num_migrations += 1
-
-    def evacuate(self, unanswered: list[InFlight], unconfirmed: list[PageOps], keep_cache: bool = False,
-                 error: str = "") -> tuple[list[Request], Outputs]:
-        """The executor is gone (or drained), and its pages with it; the plans ``unanswered`` never will be
-        (``unconfirmed``: their page operations, and a rejected plan's). Its live requests come back to be placed
-        elsewhere, oldest first (their samplers continue: draws are numbered by output position), aborted ones end;
-        with ``error`` every live request ends with it. All pages return; the prefix cache forgets every page, unless
-        ``keep_cache``: only the Run stream was lost, and the same process may come back with its pages (those that
-        unconfirmed page operations were filling are forgotten: whether those ran is unknown)."""
-        unsure = [*unconfirmed, self.kv.ops] if keep_cache else None
-        for sent in unanswered:
-            uncount(sent.scheduled)
-        for ops in [*unconfirmed, self.kv.take_ops()]:
-            self.kv.confirm(ops)  # drops the host references they held
-        live = self.live_requests()
-        if error:
-            ended, moved = [(r, self.finish(r, Finish.ABORT, error=error)) for r in live], []
-        else:
-            ended = [(r, self.finish(r, Finish.ABORT)) for r in live if r.aborted]
-            moved = sorted((r for r in live if not r.aborted), key=lambda r: r.arrival)
-            for req in moved:
-                self.detach(req)
-        ended += self._deferred
-        self._deferred = []
-        self.kv.take_ops()
-        self.queues.reset_forget()
-        if unsure is None:
-            self.kv.forget_cached()
-        else:
-            self.kv.unpublish_written(unsure)
-        return moved, ended
 
     def set_tenants(self, tenants: Tenants | None = None) -> Outputs:
         """New tenant settings (a reload; None: the ledger's, already replaced): live requests get their limits
@@ -396,5 +369,6 @@ class Scheduler:
     def check_integrity(self, unconfirmed: list[PageOps]) -> None:
         """Every page's refcount equals the tables (and pending swap-ins: ``unconfirmed``, the wire's) holding it, in
         both tiers; each request is where its status says. (The wire checks the in-flight counts.)"""
-        self.kv.check_integrity(self.queues.running, self.queues.swapped, [*unconfirmed, self.kv.ops])
+        self.kv.check_integrity(self.queues.running, self.queues.swapped, [*unconfirmed, self.kv.ops],
+                                self.retained.checked_tables())
         self.queues.check_integrity()

@@ -12,15 +12,17 @@ Scheduled = tuple[Request, int, bool]  # (request, tokens it computes, whether t
 
 @dataclass(slots=True)
 class PageOps:
-    """A plan's page operations; the executor runs swap-outs, then swap-ins, then copies, then the forward."""
+    """A plan's page operations; the executor runs swap-outs, then zeroes, then swap-ins, then copies, then the
+    forward."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device), copy-on-write
     host_release: list[int] = field(default_factory=list)  # host references to drop once the plan ran
+    zero: list[int] = field(default_factory=list)  # device pages a retention ended with (retention.py)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy or self.host_release)
+        return bool(self.swap_out or self.swap_in or self.copy or self.host_release or self.zero)
 
 
 @dataclass(slots=True)

@@ -223,6 +223,7 @@ def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
         assert not {d for _, d in ops.swap_in} & {s for s, _ in ops.copy}, "swap-in over a copy source"
     for src, dst in ops.swap_out:
         plan.page_ops.swap_out.add(src=src, dst=dst)
+    plan.page_ops.zero.extend(ops.zero)
     for src, dst in ops.swap_in:
         plan.page_ops.swap_in.add(src=src, dst=dst)
     for src, dst in ops.copy:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.pages import PagePool
 from scheduler_svc.queues import RequestQueues
+from scheduler_svc.retention import max_retained_pages
 from scheduler_svc.tenant_ledger import TenantLedger
 
 
@@ -97,6 +98,10 @@ class TenantLimits:
         if ledger.over_quota(ledger.tenants.get(tenant_id), need):
             return False
         return self._pool.can_allocate(need + slack + ledger.reserved_for_others(tenant_id, self._pool))
+
+    def max_retained(self, tenant_id: str, share: float) -> int:
+        """Pages the tenant's retained KV may hold here: ``share`` of its quota (of the pool without one)."""
+        return max_retained_pages(share, self._ledger.tenants.get(tenant_id).page_quota, self._pool.num_pages)
 
     def at_seat_limit(self, tenant_id: str, n: int, seats: int | None = None) -> bool:
         """Whether n more sequences would take the tenant past max_concurrent_requests (``seats``: those it runs

@@ -29,7 +29,7 @@ from scheduler_svc.fit import FitError, check_n, shape
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import tenant_root
-from scheduler_svc.request import Finish, Request, Sampling, Status
+from scheduler_svc.request import Finish, Request, Retain, Sampling, Status
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.adversarial_profiles import LONG, profile
@@ -82,6 +82,8 @@ class PageAccounting(RuleBasedStateMachine):
         host = PagePool(host_pages, BS, min_pages=0) if host_pages else None
         tenants = Tenants(list(TENANTS)) if multi else Tenants()
         self.s = driven(PagePool(pages, BS), cfg, [2], host_pool=host, costs=CHEAP_SWAP, tenants=tenants)
+        self.now = 0.0  # the retentions' clock (seconds)
+        self.s.retained.clock = lambda: self.now
         self.ex = FakeExecutor(BS)
         self.pending: deque[pb.StepPlan] = deque()  # sent, not yet answered (oldest first)
         self.depth = 2 if overlap else 1  # plans in flight at most (async scheduling: the next before the last result)
@@ -123,8 +125,9 @@ class PageAccounting(RuleBasedStateMachine):
     @rule(tenant=st.sampled_from([t.id for t in TENANTS]), prefix=st.sampled_from([None, 0, 1, 2]),
           own=st.lists(st.integers(3, 250), min_size=0, max_size=36), max_tokens=st.integers(1, 30),
           n=st.sampled_from([1, 1, 1, 2, 3]), asked_budget=st.sampled_from([0, 0, 3, 4, 6]),
-          priority=st.integers(0, 2))
-    def admit(self, tenant, prefix, own, max_tokens, n, asked_budget, priority):
+          priority=st.integers(0, 2), retain=st.sampled_from([None, None, "k0", "k1", "k2"]),
+          ttl=st.integers(1, 20))
+    def admit(self, tenant, prefix, own, max_tokens, n, asked_budget, priority, retain, ttl):
         s = self.s
         t = s.tenants.get(tenant if s.tenants.multi else "default")
         prompt = (PREFIXES[prefix] if prefix is not None else []) + own
@@ -146,7 +149,7 @@ class PageAccounting(RuleBasedStateMachine):
         req = Request(request_id=rid, prompt_ids=prompt, sampling=Sampling(max_tokens=max_tokens), arrival=self.next_id,
                       detokenizer=IncrementalDetokenizer(NullTokenizer(), prompt, [], False), n=n, tenant=t.id,
                       hash_root=root, priority=priority, page_budget=budget, overflow=t.overflow, sink_tokens=sink,
-                      window_tokens=window)
+                      window_tokens=window, retain=Retain(retain, ttl) if retain else None)
         self.next_id += 1
         self.groups[rid] = req
         s.add(req)
@@ -224,6 +227,25 @@ class PageAccounting(RuleBasedStateMachine):
                 self.above_limit[r.request_id] = pages
         self.events["reloads"] += 1
 
+    @rule(seconds=st.integers(0, 10))
+    def clock_ticks(self, seconds: int) -> None:
+        """Time passes: retentions past their TTL end at the next plan (their pages zeroed by it)."""
+        self.now += seconds
+
+    @precondition(lambda self: self.s is not None and len(self.s.retained))
+    @rule(data=st.data())
+    def release_kv(self, data) -> None:
+        """ReleaseKv of a retention (possibly while a plan is in flight); another tenant's key is not found."""
+        retained = self.s.retained
+        tenant, key = data.draw(st.sampled_from(sorted((r.tenant, r.key) for r in retained)))
+        assert retained.end(tenant + "-other", key) is None
+        freed = retained.end(tenant, key)
+        assert freed is not None and retained.get(tenant, key) is None
+        self.events["released"] += 1
+
+    def _retained_pages(self) -> int:
+        return sum(self.s.retained.pages_by_tenant.values())
+
     def _held(self):
         s = self.s
         yield from ((r, sum(1 for p in r.page_table if p >= 0)) for r in s.running)
@@ -257,7 +279,8 @@ class PageAccounting(RuleBasedStateMachine):
         self.pending.clear()
         self._deliver(ended)
         s.check_integrity()
-        assert s.pool.num_used == 0 and not s.requests, "pages or requests left on a failed executor"
+        assert s.pool.num_used == self._retained_pages() and not s.requests, "pages or requests left on an executor"
+        assert keep or not s.retained, "retained pages of a dead executor are still held"
         if s.host is not None:
             assert s.host.num_used == 0, "host pages left on a failed executor"
         old, self.ex = self.ex, FakeExecutor(BS)
@@ -271,6 +294,7 @@ class PageAccounting(RuleBasedStateMachine):
 
     def _note(self, plan: pb.StepPlan) -> None:
         ops = plan.page_ops
+        self.events["zeroed"] += len(ops.zero)
         self.events["swap_out"] += len(ops.swap_out)
         self.events["swap_in"] += len(ops.swap_in)
         self.events["copies"] += len(ops.copy)
@@ -293,6 +317,9 @@ class PageAccounting(RuleBasedStateMachine):
             assert used + cached_free + plain_free == pool.num_pages
             assert used == pool.num_used and sum(pool.used_by.values()) == used
             assert min(pool.refcounts) >= 0
+        if not s.tenants.multi:  # (a reload may lower a tenant's cap below what it holds: only go down then)
+            cap = s.limits.max_retained("default", s.config.kv_retention_max_share)
+            assert self._retained_pages() <= cap, f"{self._retained_pages()} retained pages, cap {cap}"
         for t in s.tenants:
             if t.page_quota:
                 used, cap = s.pool.used_by[t.id], max(t.page_quota, self.above_quota.get(t.id, 0))
@@ -327,6 +354,13 @@ class PageAccounting(RuleBasedStateMachine):
         while self.pending:
             self.complete()
         assert not s.has_work, f"not drained after {DRAIN_STEPS} steps: {self._describe()}"
+        s.check_integrity()
+        assert s.pool.num_used == self._retained_pages(), "pages held beyond the retentions after the drain"
+        self.now += 10**6  # every retention expires: its pages are zeroed by the next plan, and freed
+        self.run_steps(2)
+        while self.pending:
+            self.complete()
+        assert not s.retained and not s.has_work
         s.check_integrity()
         assert s.pool.num_used == 0, f"{s.pool.num_used} device pages leaked"
         assert s.host is None or s.host.num_used == 0, f"{s.host.num_used} host pages leaked"

@@ -74,7 +74,7 @@ def samples(plan: pb.StepPlan, result: pb.StepResult) -> list[tuple[str, int, fl
 
 class FakeExecutor:
     """fake_result plus a model of page contents: every KV slot holds a fingerprint of the tokens up to
-    its position. Page operations run in the executor's order (swap-out, swap-in, copy); each scheduled
+    its position. Page operations run in the executor's order (swap-out, zero, swap-in, copy); each scheduled
     request must find its earlier positions in its pages, exactly as a real forward would read them.
     A page moved before its contents were written, or overwritten too early, fails here."""
 
@@ -88,6 +88,7 @@ class FakeExecutor:
         self.tokens: dict[str, list[int]] = {}
         self.windows: dict[str, tuple[int, int]] = {}  # (sink, window) tokens
         self.pages_moved = 0
+        self.pages_zeroed = 0
 
     @staticmethod
     def _fingerprints(tokens: list[int]) -> list[int]:
@@ -111,6 +112,10 @@ class FakeExecutor:
         ops = plan.page_ops
         for c in ops.swap_out:
             self.host[c.dst] = list(self.device.get(c.src, [None] * self.bs))
+        for p in ops.zero:  # (a retention's page: no request the executor knows may still hold it)
+            assert not any(p in t for t in self.tables.values()), f"step {plan.step_id}: page {p} zeroed while held"
+            self.device[p] = [None] * self.bs
+        self.pages_zeroed += len(ops.zero)
         for c in ops.swap_in:
             self.device[c.dst] = list(self.host.get(c.src, [None] * self.bs))
         for c in ops.copy:
