@@ -308,3 +308,14 @@ def test_kv_ttl_zero_asks_no_retention_and_delete_calls_no_release():
     body = json.loads(_call(app, "/v1/responses", {"model": "m", "input": "x"})[2])
     assert body["store"] and not up.requests[0].HasField("retain_kv")
     assert _call(app, f"/v1/responses/{body['id']}", method="DELETE")[0] == 200 and up.released == []
+
+
+def test_an_error_mid_stream_is_an_error_event_and_response_failed_and_nothing_is_stored():
+    up = TenantUpstream([_first("Hel", ids=[1]), rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "sampling.constraint: "
+                                                           "the grammar did not compile")])
+    app, responses = _app(up)
+    events = _events(_call(app, "/v1/responses", {"model": "m", "input": "x", "stream": True})[2])
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2]["message"].startswith("text.format: ") and events[-2]["param"] == "text.format"  # (its name here)
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and responses.store.get("alice", failed["id"]) is None
