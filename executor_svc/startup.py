@@ -19,6 +19,7 @@ from executor_svc.grammar import GrammarEngine
 from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
+from executor_svc.memory_fit import check_kv_fits, kv_flag, weights_bytes
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.pages import DevicePagePool, GiB, HostPagePool, page_bytes, pages_for_budget
@@ -172,6 +173,8 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     graphs_off = _graphs_off_reason(args, device, model, kv)
     num_pages = _num_pages(args, cfg, dtype, device, kv)
+    check_kv_fits(kv_flag(args), (num_pages + 1) * page_bytes(cfg, args.block_size, dtype, kv), device,
+                  weights_bytes(model), available_host_memory())  # before allocating (+1: the scratch page)
     pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
     host_pool = HostPagePool(pool, _num_host_pages(args, num_pages, pool.page_bytes, log))

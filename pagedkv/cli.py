@@ -336,14 +336,26 @@ def main(argv: list[str] | None = None) -> int:
     except StartInterrupted as err:  # its temporary folders are gone; it ends by the signal, as it would have
         err.die()
     except (ValueError, FileNotFoundError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+        return _service_failed(err)
     except Exception as err:  # noqa: BLE001 - start-up failures of other kinds
         from pagedkv.model_fetch import ModelFetchError
         from scheduler_svc.executor_client import ExecutorUnavailable
 
         if isinstance(err, (ExecutorUnavailable, ModelFetchError)):
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            return 1
+            return _service_failed(err)
         raise
     return 0
+
+
+def _service_failed(err: BaseException) -> int:
+    """One line on stderr; under ``pagedkv serve`` also in the file it named, for its own last line."""
+    from pagedkv.supervisor import START_ERROR_FILE_ENV
+
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    if os.environ.get(START_ERROR_FILE_ENV):
+        try:
+            with open(os.environ[START_ERROR_FILE_ENV], "w") as f:
+                f.write(f"{err}\n")
+        except OSError:
+            pass
+    return 1

@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,11 +47,13 @@ from pagedkv import proc_tree
 from pagedkv.port_check import listens_in
 from pagedkv.serve_probes import HealthProbe, ListeningProbe, executor_secret_file
 
-__all__ = ["ChildSpec", "HealthProbe", "ListeningProbe", "StartError", "Supervisor", "executor_secret_file"]
+__all__ = ["START_ERROR_FILE_ENV", "ChildSpec", "HealthProbe", "ListeningProbe", "StartError", "Supervisor",
+           "executor_secret_file"]
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL = 0.1  # seconds between looks at the children
 NOW_GRACE = 5.0  # seconds children get after a second stop signal before SIGKILL
+START_ERROR_FILE_ENV = "PAGEDKV_START_ERROR_FILE"  # a child writes its one-line start-up error there
 
 
 class StartError(RuntimeError):
@@ -101,6 +105,7 @@ class Child:
         self.backoff = backoff_start
         self.restart_at: float | None = None  # a restart is due then (the child exited on its own)
         self.awaiting_ready = False  # restarted, and not ready yet
+        self.error_file = ""  # where the child writes its one-line start-up error (START_ERROR_FILE_ENV)
 
     @property
     def name(self) -> str:
@@ -110,10 +115,25 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.spec.cmd, stdin=subprocess.DEVNULL, env=self.env,
+        env = self.env
+        if self.error_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.error_file)
+            env = {**env, START_ERROR_FILE_ENV: self.error_file}
+        self.proc = subprocess.Popen(self.spec.cmd, stdin=subprocess.DEVNULL, env=env,
                                      preexec_fn=_child_setup(os.getpid()))
         self.started_at = time.monotonic()
         self.restart_at = None
+
+    def start_failure(self) -> str:
+        """Why the start failed, for serve's last line: the child's own one-line error when it wrote one."""
+        assert self.proc is not None
+        said = ""
+        if self.error_file:
+            with contextlib.suppress(OSError, IndexError), open(self.error_file) as f:
+                said = f.read().strip().splitlines()[0]
+        return f"{self.name} {describe_exit(self.proc.returncode)} during start-up" + (
+            f": {said}" if said else " (see its log above)")
 
     def is_ready(self) -> bool:
         """``ready()``, and each of its ports held by this child's session."""
@@ -156,6 +176,9 @@ class Supervisor:
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
         ok = False
+        errors = tempfile.mkdtemp(prefix="pagedkv-serve-errors-")
+        for child in self.children:
+            child.error_file = os.path.join(errors, f"{child.name}.error")
         try:
             if self._start_all():
                 on_ready()
@@ -166,6 +189,7 @@ class Supervisor:
             print(f"error: {err}", file=sys.stderr, flush=True)
         finally:
             clean = self._shutdown()
+            shutil.rmtree(errors, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return 0 if ok and clean else 1
@@ -209,8 +233,7 @@ class Supervisor:
                     if self.stopping:
                         return False
                     if child.proc.poll() is not None:
-                        raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
-                                         "(see its log above)")
+                        raise StartError(child.start_failure())
                     if time.monotonic() > deadline:
                         raise StartError(f"{child.name} not ready after {child.spec.ready_timeout:.0f}s")
                     for started in self.children[:i]:  # one that crashed meanwhile is restarted as usual
@@ -261,8 +284,7 @@ class Supervisor:
             return True
         if child.proc.poll() is not None:
             if not ahead:
-                raise StartError(f"{child.name} {describe_exit(child.proc.returncode)} during start-up "
-                                 "(see its log above)")
+                raise StartError(child.start_failure())
             self.log.warning("child_exited", child=child.name, pid=child.proc.pid,
                              status=describe_exit(child.proc.returncode),
                              restart_when=" and ".join(c.name for c in ahead) + " ready")

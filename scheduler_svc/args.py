@@ -256,7 +256,9 @@ def check_args(args, describe, log) -> int:
     if pages_needed > describe.num_device_pages:
         raise ValueError(
             f"--max-model-len {max_len} needs {pages_needed} pages of {describe.block_size} tokens but the "
-            f"executor has {describe.num_device_pages}; lower --max-model-len or give the executor more pages")
+            f"executor has {describe.num_device_pages} (at most --max-model-len "
+            f"{describe.num_device_pages * describe.block_size} fits); lower --max-model-len or give the executor "
+            "more pages (--num-pages, --kv-cache-gb)")
     return max_len
 
 
