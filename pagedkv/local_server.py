@@ -100,20 +100,19 @@ class LocalServer:
                    for e in list(self.events))
 
     def stop(self) -> int:
-        """Ctrl-C, as a user would; SIGKILL to serve and its children (each in a process group of its own) if it
-        does not stop within 30 s."""
+        """Ctrl-C, as a user would; SIGKILL to serve and everything in its children's sessions (each child has one
+        of its own) if it does not stop within 30 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                from pagedkv.proc_tree import session_members, signal_all
+
                 children = self.child_pids()
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 for pid in children:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+                    signal_all(session_members(pid), signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
 
