@@ -283,14 +283,15 @@ class Client:
                       continue_final_message: bool = False, truncate_prompt_tokens: int = 0,
                       constraint: api.Constraint | None = None, tools: Sequence[Mapping[str, Any]] = (),
                       tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                      ) -> api.GenerateRequest:
+                      retain_kv: tuple[str, int] | None = None) -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
         ``chat_template``; chat_of says what a message may hold).
         temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
         generation_config.json, else OpenAI's and vLLM's: temperature 1, sampled; ModelInfo's sampling_defaults
         shows them); temperature 0 is greedy. The logits controls, top_logprobs, prompt_logprobs (None: none) and
         echo: api.proto's SamplingParams; ``constraint``: structured outputs (api.proto's Constraint); ``tools``,
-        ``tool_choice`` and ``parallel_tool_calls``: a chat's tools (chat_request.chat_of)."""
+        ``tool_choice`` and ``parallel_tool_calls``: a chat's tools (chat_request.chat_of); ``retain_kv``: (key, ttl_s),
+        keep the request's KV findable for the tenant's follow-ups (api.proto's RetainKv; ``release_kv`` ends it)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
@@ -307,6 +308,8 @@ class Client:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
                                   page_budget=page_budget, truncate_prompt_tokens=truncate_prompt_tokens)
+        if retain_kv is not None:
+            req.retain_kv.key, req.retain_kv.ttl_s = retain_kv
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt (text or token ids) or messages, not both")
         if messages is not None:
@@ -347,6 +350,10 @@ class Client:
         async for msg in self.generate(prompt, n=n, **params):
             accumulate(outs[msg.index], msg)
         return outs
+
+    async def release_kv(self, key: str) -> int:
+        """Ends the retention of a request's KV (``retain_kv``): the pages it gave back. NOT_FOUND: none under key."""
+        return (await self.stub.ReleaseKv(api.ReleaseKvRequest(key=key), metadata=self.metadata)).pages_released
 
     async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
         return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)

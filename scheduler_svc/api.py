@@ -16,16 +16,16 @@ from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import (
     check_constrained_requests,
     check_constraint,
-    constraint_bytes,
 )
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.logprobs import PromptLogprobs
+from scheduler_svc.model_info import add_cluster_counts, tenant_info
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.prompts import Prompts
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
 from scheduler_svc.request import Finish, Output, Request, fork
 from scheduler_svc.responses import prompt_message, response
-from scheduler_svc.snapshot import SchedulerSnapshot
+from scheduler_svc.retention_api import ReleaseKvRpc, check_retain_kv
 from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.trusted_hop import Caller, HopRefused, TrustedHops
 from scheduler_svc.validation import (
@@ -41,59 +41,6 @@ from scheduler_svc.validation import (
 METHODS = "/pagedkv.api.v1.Generation/"  # the full gRPC method names, as logs and interceptors give them
 
 
-def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int], max_queued: int,
-                cross_tenant: bool) -> api.TenantInfo:
-    """A tenant's settings and, added up over the executors, its usage: what it holds and runs over those that
-    serve (indices in ``live``: up or draining, the tenant ledger's members), its counts since start over all.
-    ``cross_tenant``: also the figures that depend on other tenants' activity (its fair share of pages now, its
-    requests preempted to give others theirs), for a caller who may see the cluster; left 0 otherwise, so that
-    nothing shows one tenant what another does."""
-    info = api.TenantInfo(
-        id=tenant.id, weight=tenant.weight, page_quota=tenant.page_quota, reserved_pages=tenant.reserved_pages,
-        max_concurrent_requests=tenant.max_concurrent_requests, page_budget=tenant.page_budget,
-        overflow=tenant.overflow, sliding_window=tenant.sliding_window, sink_tokens=tenant.sink_tokens,
-        max_queued_requests=max_queued, structured_outputs=tenant.structured_outputs,
-        max_constraint_bytes=constraint_bytes(tenant),
-        max_constrained_requests=tenant.max_constrained_requests)
-    for i, snap in enumerate(snapshots):
-        u = snap.tenants.get(tenant.id)
-        if u is None:
-            continue
-        if i in live:
-            info.used_pages += u.used_pages
-            info.num_running += u.num_running
-            info.num_waiting += u.num_waiting
-            info.num_swapped += u.num_swapped
-            if cross_tenant:
-                info.fair_share_pages += u.fair_share_pages
-        info.peak_used_pages += u.peak_used_pages
-        info.service = max(info.service, u.service)  # (one ledger-wide figure: each executor has the same)
-        info.grammar_cpu_seconds = max(info.grammar_cpu_seconds, u.grammar_cpu_s)  # (likewise)
-        info.budget_hits += u.budget_hits
-        if cross_tenant:
-            info.fair_share_preemptions += u.fair_share_preemptions
-    return info
-
-
-def add_cluster_counts(info: api.ModelInfoResponse, snapshots: list[SchedulerSnapshot], live: set[int]) -> None:
-    """Adds every executor's counts to ``info`` (free and cached pages: those up or draining)."""
-    for i, snap in enumerate(snapshots):
-        pool = dict(num_free_pages=snap.pool.num_free, num_cached_pages=snap.pool.num_cached) if i in live else {}
-        c = snap.counters
-        add = dict(
-            **pool, num_used_pages=snap.pool.num_used,
-            num_running=snap.num_running, num_waiting=snap.num_waiting, num_preemptions=c.preemptions,
-            peak_used_pages=c.peak_used_pages, num_computed_tokens=c.computed_tokens,
-            num_cached_prompt_tokens=c.cached_prompt_tokens,
-            num_used_host_pages=snap.host.num_used if i in live else 0, num_swapped=snap.num_swapped,
-            num_swap_preemptions=c.swap_preemptions, num_recompute_preemptions=c.recompute_preemptions,
-            num_pages_swapped_out=c.pages_swapped_out, num_pages_swapped_in=c.pages_swapped_in,
-            num_swap_bytes=(c.pages_swapped_out + c.pages_swapped_in) * snap.page_bytes,
-            num_spilled_pages=c.spilled_pages, num_spill_hits=c.spill_hits)
-        for name, value in add.items():
-            setattr(info, name, getattr(info, name) + value)
-
-
 @dataclass(slots=True)
 class LiveStream:
     """One open Generate stream: its request, and the key it was opened with (checked again on a reload)."""
@@ -104,7 +51,7 @@ class LiveStream:
     asserted: bool = False  # its tenant was asserted by a trusted hop (a reload checks the tenant, not a key)
 
 
-class GenerationService(api_grpc.GenerationServicer):
+class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False, queue_bounds: QueueBounds | None = None,
                  trust_request_templates: bool = False, tool_call_parser: str = "",
@@ -216,7 +163,8 @@ class GenerationService(api_grpc.GenerationServicer):
         return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
                        detokenizer=detok, n=n, tenant=tenant.id, hash_root=root, client_id=client_id,
                        priority=priority, page_budget=budget, overflow=tenant.overflow,
-                       sink_tokens=sink, window_tokens=window), resume
+                       sink_tokens=sink, window_tokens=window,
+                       retain=check_retain_kv(request, limits.max_retain_ttl_s)), resume
 
     async def _resumed(self, req: Request, resume: list[tuple[int, list[int]]]) -> list[Request]:
         """The forks of a resumed request, each a sequence of its own (request.fork) that starts with the tokens its

@@ -12,6 +12,7 @@ from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
 from scheduler_svc.policy import Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
+from scheduler_svc.retention import DEFAULT_MAX_SHARE, DEFAULT_MAX_TTL_S
 from scheduler_svc.template_pool import TemplateLimits
 from scheduler_svc.tenancy import API_KEY_ENV, MAX_INT
 from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS, MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
@@ -45,6 +46,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "capped to what the executor's page pool holds)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share and reuse the KV pages of common prompt prefixes (per tenant)")
+    p.add_argument("--kv-retention-max-ttl", type=int, default=DEFAULT_MAX_TTL_S, metavar="SECONDS",
+                   help="longest time a request's KV may stay retained after it ends (GenerateRequest.retain_kv.ttl_s, "
+                   "the Responses API's stored conversations; default: %(default)s s)")
+    p.add_argument("--kv-retention-max-share", type=float, default=DEFAULT_MAX_SHARE, metavar="FRACTION",
+                   help="most of a tenant's page quota (of the pool without one) its retained KV may hold; its oldest "
+                   "retentions make room for a new one; 0: keep none (default: %(default)s)")
     p.add_argument("--preemption-mode", choices=[m.value for m in Mode], default="auto",
                    help="when KV pages run out: auto = per victim, swap to the host tier or recompute, whichever "
                    "the executor's measured copy bandwidth and prefill cost make cheaper")
@@ -229,6 +236,9 @@ def check_args(args, describe, log) -> int:
     for name in ("sliding_window", "sink_tokens", "max_logprobs"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.kv_retention_max_ttl < 1 or not 0.0 <= args.kv_retention_max_share <= 1.0:
+        raise ValueError(f"--kv-retention-max-ttl {args.kv_retention_max_ttl} must be >= 1 s and "
+                         f"--kv-retention-max-share {args.kv_retention_max_share} in [0, 1]")
     for name in ("max_queued_requests", "max_queued_total"):
         if not 0 <= getattr(args, name) <= MAX_INT:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, {MAX_INT}] (0: no limit), got "

@@ -339,6 +339,8 @@ class Cluster:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
+            for e in [e for e in self.engines.values() if e.scheduler is not None and e.scheduler.kv_expiry_due(now)]:
+                e.wake_up()  # (idle: its next plan ends the retentions and zeroes their pages)
             if self._unplaced and self._unplaced[0][1] <= now:
                 self._fail_unplaced(lambda deadline, now=now: deadline <= now,
                                     f"no executor that can hold this request was available for "

@@ -66,11 +66,13 @@ class Gauges:
         tenants: dict[str, list[int]] = {}
         for snap in live:
             for tenant, u in snap.tenants.items():
-                row = tenants.setdefault(tenant, [0, 0])
+                row = tenants.setdefault(tenant, [0, 0, 0])
                 row[0] += u.num_running
                 row[1] += u.used_pages
-        for tenant, (n_running, pages) in tenants.items():
+                row[2] += u.retained_pages
+        for tenant, (n_running, pages, retained) in tenants.items():
             metrics.TENANT_PAGES.labels(tenant).set(pages)
+            metrics.TENANT_RETAINED_PAGES.labels(tenant).set(retained)
             metrics.TENANT_RUNNING.labels(tenant).set(n_running)
             metrics.TENANT_WAITING.labels(tenant).set(sum(s.tenants[tenant].num_waiting for s in everyone
                                                           if tenant in s.tenants))

@@ -36,6 +36,8 @@ SWAP_PAGES = Counter("pagedkv_swap_pages_total", "Pages copied between tiers (ou
 SWAP_BYTES = Counter("pagedkv_swap_bytes_total", "Bytes copied between tiers (out: device to host)", ["direction"])
 SPILLED_PAGES = Counter("pagedkv_prefix_spilled_pages_total", "Cached pages written to the host tier on eviction")
 TENANT_PAGES = Gauge("pagedkv_tenant_pages_used", "Device KV pages held by a tenant's requests", ["tenant"])
+TENANT_RETAINED_PAGES = Gauge("pagedkv_tenant_retained_kv_pages", "Device KV pages a tenant's retained conversations "
+                              "hold (GenerateRequest.retain_kv; counted in pagedkv_tenant_pages_used too)", ["tenant"])
 TENANT_RUNNING = Gauge("pagedkv_tenant_requests_running", "A tenant's requests holding pages", ["tenant"])
 TENANT_WAITING = Gauge("pagedkv_tenant_requests_waiting", "A tenant's requests queued for admission", ["tenant"])
 TENANT_SERVICE = Gauge("pagedkv_tenant_weighted_service", "A tenant's weighted virtual token counter (VTC)",

@@ -3,7 +3,7 @@ methods, frozen."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from pagedkv.wire import DROPPED_PAGE
@@ -23,9 +23,12 @@ def pool_snapshot(pool: PagePool | None) -> PoolSnapshot:
 
 
 def snapshot_of(pool: PagePool, kv: KVManager, queues: RequestQueues, limits: TenantLimits, ledger: TenantLedger,
-                counters: Counters, max_num_seqs: int, page_bytes: int, tenants: bool) -> SchedulerSnapshot:
+                counters: Counters, max_num_seqs: int, page_bytes: int, tenants: bool,
+                retained: Mapping[str, int] | None = None, retained_share: float = 0.0) -> SchedulerSnapshot:
     """The frozen figures of one executor's planner, from its parts; with ``tenants`` also per-tenant figures and
-    the KV slots filled (these walk the requests)."""
+    the KV slots filled (these walk the requests). ``retained``: the pages each tenant's retained KV holds, at most
+    ``retained_share`` of its quota (retention.py)."""
+    retained = retained or {}
     host, running = kv.host, queues.running
     usage = {}
     if tenants:
@@ -40,7 +43,8 @@ def snapshot_of(pool: PagePool, kv: KVManager, queues: RequestQueues, limits: Te
                 num_swapped=num_swapped, service=queues.waiting.charged(t), budget_hits=st.budget_hits,
                 grammar_cpu_s=queues.waiting.grammar_cpu(t),
                 fair_share_preemptions=st.fair_share_preemptions,
-                fair_share_pages=shares.get(t, 0.0) * pool.num_pages / total)
+                fair_share_pages=shares.get(t, 0.0) * pool.num_pages / total, retained_pages=retained.get(t, 0),
+                max_retained_pages=limits.max_retained(t, retained_share))
     return SchedulerSnapshot(
         block_size=pool.block_size, max_num_seqs=max_num_seqs, pool=pool_snapshot(pool), host=pool_snapshot(host),
         num_running=len(running), num_waiting=len(queues.waiting), num_swapped=len(queues.swapped),

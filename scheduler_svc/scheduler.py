@@ -40,8 +40,9 @@ Outputs = list[tuple[Request, Output]]
 
 
 class Scheduler(ExecutorLifecycle):
-    """One executor's planner. Its parts (``queues``, ``kv``, ``limits``, ``ledger``, ``counters``, ``config``) are
-    attributes for tests to inspect; the rest of the service calls its methods and reads its ``snapshot``."""
+    """One executor's planner. Its parts (``queues``, ``kv``, ``retained``, ``limits``, ``ledger``, ``counters``,
+    ``config``) are attributes for tests to inspect; the rest of the service calls its methods and reads its
+    ``snapshot`` (ReleaseKv ends a retention through ``retained``: retention_api.py)."""
 
     def __init__(self, pool: PagePool, config: SchedulerConfig, eos_token_ids: list[int],
                  host_pool: PagePool | None = None, costs: PreemptionCosts | None = None,
@@ -364,7 +365,13 @@ class Scheduler(ExecutorLifecycle):
         """The scheduler's state as frozen values; with ``tenants`` also per-tenant figures and the KV slots filled
         (these walk the requests)."""
         return snapshot_of(self._pool, self.kv, self.queues, self.limits, self.ledger, self.counters,
-                           self.config.max_num_seqs, self._policy.costs.page_bytes, tenants)
+                           self.config.max_num_seqs, self._policy.costs.page_bytes, tenants,
+                           self.retained.pages_by_tenant, self.config.kv_retention_max_share)
+
+    def kv_expiry_due(self, now: float) -> bool:
+        """A retention's TTL has elapsed: the next plan ends it (the cluster wakes an idle engine for it)."""
+        due = self.retained.next_expiry()
+        return due is not None and due <= now
 
     def check_integrity(self, unconfirmed: list[PageOps]) -> None:
         """Every page's refcount equals the tables (and pending swap-ins: ``unconfirmed``, the wire's) holding it, in

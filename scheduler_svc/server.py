@@ -152,7 +152,8 @@ async def serve(args) -> None:
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
-                             sink_tokens=args.sink_tokens, model_window=model_window(args, describe))
+                             sink_tokens=args.sink_tokens, model_window=model_window(args, describe),
+                             kv_retention_max_share=args.kv_retention_max_share)
     # Tenant limits are the scheduler's, over all its executors: page counts are checked (and fractions resolved)
     # against the pages the executors found now will hold, assuming each the size of the first; the cluster
     # resolves them again from the actual pools of the executors that serve as executors join, leave, go down
@@ -202,7 +203,8 @@ async def serve(args) -> None:
         raise ValueError(f"--max-prompt-bytes {args.max_prompt_bytes}: must be in [1, {MAX_PROMPT_BYTES}]")
     defaults = SamplingDefaults.of(describe)  # the checkpoint's, for fields a request leaves unset
     limits = Limits(max_model_len=max_len, vocab_size=describe.vocab_size, max_prompt_bytes=prompt_bytes,
-                    sampling_defaults=defaults, max_logprobs=args.max_logprobs)
+                    sampling_defaults=defaults, max_logprobs=args.max_logprobs,
+                    max_retain_ttl_s=args.kv_retention_max_ttl)
     names = list(dict.fromkeys(args.served_model_name)) or [describe.model]  # (in order, each once)
     publishing = None
     if kv_zmq is not None:  # (its sockets bound now: a port in use stops the start)

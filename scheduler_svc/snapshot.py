@@ -50,6 +50,8 @@ class TenantUsage:
     budget_hits: int = 0
     fair_share_preemptions: int = 0
     fair_share_pages: float = 0.0
+    retained_pages: int = 0  # held by its retained KV (retention.py; in used_pages too)
+    max_retained_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ class Limits:
     max_prompt_bytes: int = 0  # UTF-8 bytes of text taken before tokenizing (0: default_max_prompt_bytes)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # top_logprobs and prompt_logprobs at most (--max-logprobs)
+    max_retain_ttl_s: int = 3600  # retain_kv.ttl_s at most (--kv-retention-max-ttl)
 
     @property
     def prompt_bytes(self) -> int:
