@@ -20,10 +20,10 @@ from pathlib import Path
 
 import structlog
 
-# Typical figures, measured on the 2-core development machine (tiny-llama / smollm2-135m-instruct), said when this
-# machine has no record of its own yet.
-TYPICAL_SECONDS = {"fetch": 10.0, "convert": 22.0, "kernel_build": 76.0, "kernel_load": 0.1, "weights": 2.0,
-                   "costs": 3.0}
+# Typical figures, said when this machine has no record of its own yet: a cold start of smollm2-135m-instruct on the
+# 2-core development machine under load (bench/first_start.py; bench/NOTES.md "First start"). The fetch has none: it
+# is the network's (its line gives the size).
+TYPICAL_SECONDS = {"convert": 27.0, "kernel_build": 48.0, "kernel_load": 0.1, "weights": 2.4, "costs": 2.5}
 
 
 def record_path() -> Path:
