@@ -25,6 +25,7 @@ import pytest
 from pagedkv.cli import free_port
 from pagedkv.model_fetch import SMOLLM2_135M_INSTRUCT
 from pagedkv.proc_tree import alive, descendants, session_members
+from pagedkv.start_phases import TYPICAL_SECONDS
 from tests.conftest import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -146,6 +147,10 @@ def test_a_signal_during_the_kernel_build_ends_the_compiler_and_leaves_no_build_
     kernels = tmp_path / "kernels" / "cpu_attention"
     start = FirstStart("tiny-llama", {**env, "PAGEDKV_KERNEL_CACHE_DIR": str(kernels)})
     start.wait_for(lambda: start.saw("start_phase", phase="kernel_build"))
+    # a person watching sees what to expect (no record in this fresh cache: the typical figure), then the progress
+    assert start.saw("start_phase", phase="kernel_build", expected_s=TYPICAL_SECONDS["kernel_build"],
+                     expected_from="typical", files=4)
+    start.wait_for(lambda: start.saw("kernel_build_progress", expected_s=TYPICAL_SECONDS["kernel_build"]), timeout=120)
     start.wait_for(lambda: "cc1plus" in start.seen.values(), timeout=120)
     assert start.stop(sig) == 0, "\n".join(start.lines[-30:])
     start.assert_nothing_left()
@@ -180,5 +185,9 @@ def test_a_signal_once_ready_stops_every_process(caches):
     start = FirstStart("tiny-llama", env)
     start.wait_for(lambda: any("pagedkv ready" in line for line in start.lines))
     assert len(start.seen) >= 2
+    for phase in ("kernel_load", "weights", "costs"):  # each said with what to expect, then what it took
+        assert any(e.get("event") == "start_phase" and e.get("phase") == phase and e.get("expected_s") is not None
+                   for e in start.events), phase
+        assert start.saw("start_phase_done", phase=phase), phase
     assert start.stop(signal.SIGINT) == 0, "\n".join(start.lines[-30:])
     start.assert_nothing_left()
