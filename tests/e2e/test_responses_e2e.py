@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -48,7 +49,9 @@ class Http(LocalServer):
 def server(smollm2_dir, tmp_path_factory):
     tenants = tmp_path_factory.mktemp("responses") / "tenants.toml"
     tenants.write_text(TENANTS)
-    s = Http("--model", MODEL, "--max-model-len", "1024", "--num-pages", "256", "--block-size", str(BLOCK),
+    # (no host tier: pages other traffic takes are gone, not spilled, so what outlives it was retained)
+    s = Http("--model", MODEL, "--max-model-len", "1024", "--num-pages", "128", "--swap-space", "0",
+             "--block-size", str(BLOCK),
              "--tenants-file", str(tenants))  # (the defaults: --tool-call-parser auto finds SmolLM2's hermes)
     yield s
     s.stop()
@@ -114,6 +117,33 @@ def test_previous_response_id_continues_and_reuses_the_previous_turns_pages(serv
     with pytest.raises(openai.NotFoundError) as e:
         client(server, BOB).responses.create(model=MODEL, previous_response_id=first.id, input="x", **GREEDY)
     assert e.value.body["param"] == "previous_response_id"
+
+
+def _pressure(server, prompts: int = 10, tokens: int = 480) -> None:
+    """Unrelated prompts, more tokens than the pool (128 pages of 16) holds: every free cached page is reused."""
+    import random
+
+    rng = random.Random(5)
+    with httpx.Client(timeout=300, headers={"authorization": f"Bearer {ALICE}"}) as http:
+        for _ in range(prompts):
+            prompt = [rng.randrange(100, 49000) for _ in range(tokens)]
+            http.post(f"{server.base}/completions", json={"model": MODEL, "prompt": prompt,
+                                                          "max_tokens": 1}).raise_for_status()
+
+
+def test_a_stored_turns_kv_outlives_other_traffic_and_an_unstored_ones_does_not(server):
+    alice = client(server)
+    asked = "Name one long river and the sea it flows into."
+    kept = alice.responses.create(model=MODEL, instructions="Nonce 77.", input=asked, **GREEDY)
+    lost = alice.responses.create(model=MODEL, instructions="Nonce 78.", input=asked, store=False, **GREEDY)
+    _pressure(server)
+    follow = alice.responses.create(model=MODEL, instructions="Nonce 77.", previous_response_id=kept.id,
+                                    input="And another?", **GREEDY)
+    assert follow.usage.input_tokens_details.cached_tokens >= kept.usage.input_tokens // BLOCK * BLOCK
+    again = alice.responses.create(model=MODEL, instructions="Nonce 78.", store=False, **GREEDY, input=[
+        {"role": "user", "content": asked}, {"role": "assistant", "content": lost.output_text},
+        {"role": "user", "content": "And another?"}])  # (the same conversation, sent whole: nothing kept it)
+    assert again.usage.input_tokens_details.cached_tokens < lost.usage.input_tokens // BLOCK * BLOCK
 
 
 def test_text_format_json_schema_is_followed(server):
