@@ -2,6 +2,7 @@
 to a scheduler's gRPC API.
 
   POST /v1/completions, POST /v1/chat/completions   (stream: SSE chunks, stream_options.include_usage, [DONE])
+  POST /v1/responses, GET and DELETE /v1/responses/{id}   (OpenAI's Responses API on the chat path; stored per tenant)
   GET  /v1/models
   POST /tokenize, POST /detokenize   (vLLM's: the scheduler's Tokenize and Detokenize)
   GET  /version       the pagedkv version
@@ -27,6 +28,10 @@ The modules, in the order a request meets them:
 - ``upstream``: the scheduler's channel, the caller's credentials as metadata;
 - ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by
   ``openai_responses``); ``errors``: ApiError and the gRPC status mapping; ``metrics``: the gateway's series;
+- ``responses_*``: the Responses API: ``responses_fields`` (its field table), ``responses_api`` (a body as a chat
+  request; the chat answer as output items), ``responses_stream`` (the typed SSE events), ``responses_store`` (stored
+  responses per tenant: memory and a file each under --responses-dir), ``responses_routes`` (the three routes; a
+  stored turn's KV retained on the scheduler, released on DELETE);
 - ``cli``: ``pagedkv gateway`` (flags, uvicorn), the ``serve --http-port`` child and ``health --http``;
 - ``edge``: the edge mode (``--edge-upstream URL``): no scheduler; keys checked against ``--tenants-file``, the
   request relayed to a fleet frontend (Dynamo's) with the tenant's cache salt and signed assertion, the answer
