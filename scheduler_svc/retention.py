@@ -23,6 +23,7 @@ a free copy of them in the host tier is unpublished too. Pages a running request
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
@@ -61,6 +62,7 @@ class KvRetention:
         self._held: OrderedDict[Key, Retained] = OrderedDict()  # oldest first
         self._holders: Counter[int] = Counter()  # page -> retentions holding it
         self._pages_of: Counter[str] = Counter()  # tenant -> distinct pages its retentions hold
+        self._soonest = math.inf  # no retention expires before this (a lower bound: the plan's check is O(1))
 
     # ---- reads ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -85,7 +87,8 @@ class KvRetention:
         return [r.pages for r in self._held.values()]
 
     def next_expiry(self) -> float | None:
-        return min((r.expires_at for r in self._held.values()), default=None)
+        """No retention expires before this (None: none held); ``expire`` then ends those that did."""
+        return self._soonest if self._held else None
 
     def reclaimable(self, tenant: str | None = None, keep: Collection[int] = ()) -> Key | None:
         """The oldest retention (of ``tenant``; None: any) that holds a page only retentions hold and none of
@@ -116,6 +119,7 @@ class KvRetention:
         self._hold(tenant, pages)  # (first: what the retention it replaces shares stays held)
         old = self._held.pop(key, None)
         self._held[key] = new = Retained(tenant, spec.key, pages, self.clock() + spec.ttl_s)
+        self._soonest = min(self._soonest, new.expires_at)
         if old is not None:
             self._release(old)
         for other in [r for r in self._held.values() if r.tenant == tenant and r is not new]:
@@ -137,9 +141,12 @@ class KvRetention:
     def expire(self, now: float | None = None) -> int:
         """Ends every retention whose TTL has elapsed; returns how many ended."""
         now = self.clock() if now is None else now
+        if now < self._soonest:
+            return 0
         ended = [key for key, r in self._held.items() if r.expires_at <= now]
         for key in ended:
             self._release(self._held.pop(key))
+        self._soonest = min((r.expires_at for r in self._held.values()), default=math.inf)
         return len(ended)
 
     def clear(self) -> None:

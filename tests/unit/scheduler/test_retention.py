@@ -183,3 +183,19 @@ def test_aborted_requests_and_errors_keep_nothing():
     s.abort(req.group)
     drive(s)
     assert not s.retained and s.pool.num_used == 0
+
+
+def test_each_retention_ends_at_its_own_ttl_also_after_another_was_released():
+    s, clock = new()
+    run(s, 0, prompt_of(13), key="short", ttl=10)
+    run(s, 1, prompt_of(13, seed=1), key="long", ttl=100)
+    run(s, 2, prompt_of(13, seed=2), key="mid", ttl=50)
+    assert s.retained.end("default", "short") == 3
+    assert s.kv_expiry_due(clock.now + 10)  # (a lower bound: the wake finds nothing to end, and moves on)
+    clock.now += 49
+    assert s.retained.expire() == 0 and len(s.retained) == 2
+    clock.now += 1
+    assert s.retained.expire() == 1 and [r.key for r in s.retained] == ["long"]
+    assert not s.kv_expiry_due(clock.now + 49) and s.kv_expiry_due(clock.now + 50)
+    drive(s)
+    s.check_integrity()
