@@ -139,7 +139,8 @@ def add_args(p: argparse.ArgumentParser) -> dict[str, Forwarded]:
 def check_flags(args: argparse.Namespace) -> None:
     """What the children would refuse at start-up (ValueError or OSError naming the flag), refused before any child
     starts: --api-key with --tenants-file, a --chat-template that is missing or does not compile, a hub --model that
-    is not in the cache and cannot be downloaded (one that can be is downloaded now: the fetch, before the start)."""
+    is not in the cache and cannot be downloaded (one that can be is downloaded now: the fetch, before the start),
+    and a gateway asking a longer KV retention than the scheduler grants (every stored response would be refused)."""
     from pathlib import Path
 
     from pagedkv.hub_models import is_repo_id, resolve_hub_model
@@ -149,6 +150,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.api_key and args.tenants_file:
         Tenants.from_flags(args.tenants_file, args.api_key, 0)
     load_chat_template(args.chat_template)
+    if getattr(args, "http_port", 0) and args.responses_kv_ttl > args.kv_retention_max_ttl:
+        raise ValueError(f"--responses-kv-ttl {args.responses_kv_ttl}: the scheduler retains KV for at most "
+                         f"--kv-retention-max-ttl {args.kv_retention_max_ttl} s; lower the first or raise the second")
     if is_repo_id(args.model) and not Path(args.model).expanduser().exists():
         resolve_hub_model(args.model)
 

@@ -172,3 +172,15 @@ def test_a_served_model_name_is_bounded_before_anything_starts():
             check_args(args, describe, None)
     args = service_parser("scheduler").parse_args(["--executor", "h:1", "--served-model-name", "a", "b"])
     assert check_args(args, describe, None) == 64
+
+
+def test_serve_refuses_a_gateway_retention_longer_than_the_scheduler_grants():
+    from pagedkv.serve_args import check_flags
+
+    base = ["serve", "--model", "tiny-llama", "--http-port", "8000"]
+    check_flags(build_parser().parse_args([*base, "--responses-kv-ttl", "600", "--kv-retention-max-ttl", "600"]))
+    with pytest.raises(ValueError, match=r"--responses-kv-ttl 900: .*--kv-retention-max-ttl 600"):
+        check_flags(build_parser().parse_args([*base, "--responses-kv-ttl", "900", "--kv-retention-max-ttl", "600"]))
+    # no gateway: nothing stores responses, nothing to refuse
+    check_flags(build_parser().parse_args(["serve", "--model", "tiny-llama", "--responses-kv-ttl", "900",
+                                           "--kv-retention-max-ttl", "600"]))
