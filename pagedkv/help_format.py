@@ -129,6 +129,37 @@ def group_common(parser: argparse.ArgumentParser, common: tuple[tuple[str, tuple
     names = " ".join(f"[{a.option_strings[0]} {formatter._format_args(a, a.dest.upper())}]"
                      if a.nargs != 0 else f"[{a.option_strings[0]}]" for a in shown)
     parser.usage = f"%(prog)s [-h] {names.replace('%', '%%')} [OPTION ...]"
+    short_help(parser, moved)
+
+
+class _CommonHelp(argparse._HelpAction):
+    """serve's ``-h``/``--help``: its description and the common groups only, then how to see the rest (vLLM's
+    ``--help`` shows a summary the same way); ``--help-all`` prints every option."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> None:
+        groups = parser._action_groups
+        shown = groups[:1 + len(getattr(parser, "_common_groups", ()))]
+        hidden = sum(1 for g in groups[len(shown):] for a in g._group_actions if a.help is not argparse.SUPPRESS)
+        epilog = parser.epilog
+        parser._action_groups = shown
+        parser.epilog = (f"{hidden} more options (the children's ports and metrics, scheduler and executor tuning, "
+                         f"TLS, tenants, the gateway's bounds): {parser.prog} --help-all, or docs/configuration.md")
+        try:
+            parser.print_help()
+        finally:
+            parser._action_groups, parser.epilog = groups, epilog
+        parser.exit()
+
+
+def short_help(parser: argparse.ArgumentParser, common: list[argparse._ArgumentGroup]) -> None:
+    """Makes ``-h``/``--help`` of ``parser`` show only ``common`` (after -h), and adds ``--help-all``."""
+    parser._common_groups = common
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):  # argparse's own -h/--help: same option, shorter answer
+            action.__class__, action.help = _CommonHelp, "the common options and exit"
+    parser.add_argument("--help-all", action="help", help="every option and exit")
+    own = parser._optionals._group_actions
+    own.insert(1, own.pop())  # --help-all right after -h
 
 
 def apply(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

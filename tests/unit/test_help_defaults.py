@@ -76,7 +76,7 @@ def test_serve_help_shows_the_common_options_first() -> None:
     assert order == sorted(order)
     assert text.startswith("usage: pagedkv serve [-h] [--model MODEL] [--host HOST] [--port PORT]")
     # every option is still listed once, and still parses
-    listed = re.findall(r"^  (--[a-z0-9-]+)", text, re.M)
+    listed = [f for f in re.findall(r"^  (--[a-z0-9-]+)", text, re.M) if f != "--help-all"]
     assert len(listed) == len(set(listed)) == len([a for a in help_format.options(serve)])
     args = build_parser().parse_args(["serve", "--model", "tiny-llama", "--kv-cache-gb", "0.5", "--port", "1"])
     assert (args.model, args.kv_cache_gb, args.port) == ("tiny-llama", 0.5, 1)
@@ -89,3 +89,25 @@ def test_common_flags_exist() -> None:
     optional = {"--api-key", "--chat-template", "--log-level"}  # (#48: being added beside this change)
     stale = [f for _, flags in help_format.SERVE_COMMON for f in flags if f not in declared and f not in optional]
     assert not stale
+
+
+def test_serve_dash_h_shows_the_common_options_and_help_all_shows_every_one(capsys) -> None:
+    """`pagedkv serve --help` was 242 lines (#48): -h/--help now lists the common groups and says how many more
+    there are and where; --help-all lists every option (format_help, which docs/configuration.md renders, too)."""
+    serve = dict(_commands())["serve"]
+    for argv, full in ((["serve", "-h"], False), (["serve", "--help"], False), (["serve", "--help-all"], True)):
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args(argv)
+        assert stop.value.code == 0
+        text = capsys.readouterr().out
+        listed = set(re.findall(r"^  (--[a-z0-9-]+)", text, re.M)) - {"--help-all"}
+        common = {f for _, flags in help_format.SERVE_COMMON for f in flags} & {o.option_strings[0]
+                                                                               for o in help_format.options(serve)}
+        assert common <= listed
+        if full:
+            assert len(listed) == len(list(help_format.options(serve)))
+        else:
+            hidden = len(list(help_format.options(serve))) - len(listed)
+            assert hidden > 20 and f"{hidden} more options" in " ".join(text.split())
+            assert "--unplaced-timeout" not in listed and "--help-all" in text and len(text.splitlines()) < 200
+    assert "--unplaced-timeout" in serve.format_help()
