@@ -10,7 +10,7 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
-from scheduler_svc import fit, metrics
+from scheduler_svc import fit, metrics, ttft_trace
 from scheduler_svc.chat import NoChatTemplate, ToolUse
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import (
@@ -199,10 +199,12 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                                 "failed or draining); retry later")
         try:  # (after those: a retry during an outage costs no tokenizing)
             ids = await self.prompts.ids(request, tenant.id)
+            tokenized = time.perf_counter()
             tools = self.prompts.tool_use(request)
             req, resume = self._build_request(request, tenant, ids,
                                               await self.prompts.bad_words_ids(request.sampling.bad_words), tools,
                                               caller.priority)
+            req.trace.arrived(received, tokenized)
             # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
             seqs = [req] if resume is None else await self._resumed(req, resume)
             if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
@@ -253,6 +255,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                   n=req.n, **extra)
         live_key = (tenant.id, req.client_id)
         stream = self.live[live_key] = LiveStream(req, caller.key, asserted=caller.asserted)
+        req.trace.enqueued(time.perf_counter())
         for i, seq in enumerate(seqs):
             self.cluster.add_request(seq, count_prompt=i == 0)
         finished = 0
@@ -268,6 +271,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                     else:
                         if resume is None:  # (a resumed stream's first token is no time to first token)
                             metrics.TTFT_SECONDS.labels(req.tenant).observe(now - received)
+                            ttft_trace.report(req.trace, now, log)
                         first_token_s = now - received
                     last_token_at = now
                 if out.error:

@@ -63,6 +63,24 @@ PREFIX_HIT_TOKENS = Counter("pagedkv_prefix_cache_hit_tokens_total",
                             "Of those, tokens served from the prefix cache (hit rate = hits / queries)")
 TTFT_SECONDS = Histogram("pagedkv_time_to_first_token_seconds", "Request received to first token sent", ["tenant"],
                          buckets=LATENCY_BUCKETS)
+# Where a first token's time goes (ttft_trace.py): the parts add up to pagedkv_time_to_first_token_seconds (with the
+# prepare part, validation and a constraint's compile, which is in the request_first_token DEBUG line only)
+REQUEST_TOKENIZE_SECONDS = Histogram("pagedkv_request_tokenize_seconds", "Request received to its prompt's token ids "
+                                     "(authentication, chat template, the tokenizer thread's queue)",
+                                     buckets=TOKEN_GAP_BUCKETS)
+REQUEST_QUEUE_SECONDS = Histogram("pagedkv_request_queue_seconds", "Request handed to the scheduler to the plan that "
+                                  "first computes for it (as vLLM's vllm:request_queue_time_seconds)",
+                                  buckets=LATENCY_BUCKETS)
+REQUEST_PREFILL_SECONDS = Histogram("pagedkv_request_prefill_seconds", "The plan that first computes for a request to "
+                                    "the result that holds its first token (as vLLM's "
+                                    "vllm:request_prefill_time_seconds: first scheduled to first token, preemptions "
+                                    "included)", buckets=LATENCY_BUCKETS)
+REQUEST_PREFILL_STEPS = Histogram("pagedkv_request_prefill_steps", "Executor steps from the plan that first computes "
+                                  "for a request to its first token, counting the plan in flight ahead of it (async "
+                                  "scheduling's extra step)", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128))
+REQUEST_FIRST_TOKEN_SEND_SECONDS = Histogram("pagedkv_request_first_token_send_seconds", "The result holding a "
+                                             "request's first token read to that token taken for its client stream",
+                                             buckets=TOKEN_GAP_BUCKETS)
 GRAMMAR_CPU_SECONDS = Counter("pagedkv_tenant_grammar_cpu_seconds_total", "CPU a tenant's constraints cost the "
                               "executors, by kind (compile: in the compile workers; match: the matchers' advances and "
                               "mask fills)", ["tenant", "kind"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from scheduler_svc import metrics
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.logprobs import PromptLogprobs, TopEntry
+from scheduler_svc.ttft_trace import TtftTrace
 
 
 class Status(enum.Enum):
@@ -256,6 +257,9 @@ class Request:
     num_pending: int = 0
     dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent (planner -> wire)
 
+    # ---- where the first token's time goes (ttft_trace.py: the API stamps arrival, the wire each prefill chunk) ---
+    trace: TtftTrace = field(default_factory=TtftTrace)  # (a request's forks share it)
+
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
@@ -310,7 +314,7 @@ def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, outpu
                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,
                    num_cached_tokens=parent.num_cached_tokens if index == 0 else 0,
                    output_ids=list(output_ids), num_resumed=len(output_ids),
-                   retain=parent.retain if index == 0 else None)
+                   retain=parent.retain if index == 0 else None, trace=parent.trace)
 
 
 def forks(parent: Request) -> list[Request]:

@@ -50,3 +50,4 @@ class InFlight:
     rows: list[Request] = field(default_factory=list)  # its requests in plan order (StepResult.sampled_rows)
     plan_seconds: float = 0.0  # planning and encoding it
     sent_at: float = 0.0  # perf_counter when it went out (0: not on a stream)
+    traced: list[Request] | tuple = ()  # requests it computes a prefill chunk for (ttft_trace.py)

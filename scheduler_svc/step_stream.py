@@ -19,6 +19,7 @@ same page operations rejected that often means the executor's state cannot be tr
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -46,6 +47,7 @@ class StepStream:
         self._resend_ops: PageOps | None = None  # those of a rejected plan: sent again, alone, first
         self._ops_failures = 0  # consecutive rejections of such resends
         self._plan_failures = 0  # consecutive rejections of plans
+        self._last_read_at = 0.0  # perf_counter when the last result was read (the next plan could start)
 
     @property
     def has_work(self) -> bool:
@@ -85,16 +87,24 @@ class StepStream:
         _add_ops(plan, step.ops)
         decodes, decoding = [], []
         new, continuing = [], []  # (rows: new_requests, continuing, then decodes)
-        for req, n, _samples in step.scheduled:
+        traced = None  # rows of a prefill whose first token is still to be planned (ttft_trace.py)
+        tokens = one_token_rows = 0
+        for req, n, samples in step.scheduled:
             if n == 1 and req.num_pages_sent == len(req.page_table) and not req.dropped_pending:
                 decodes.append(req.request_id)
                 decoding.append(req)
             else:
                 (new if req.num_pages_sent < 0 else continuing).append(req)
                 _add_request(plan, req, n)
+                tokens += n
+                one_token_rows += n == 1
+                if req.trace.open:
+                    (traced := traced or []).append((req, n, samples))
         plan.decodes.extend(decodes)
-        self._in_flight.append(InFlight(step.step_id, step.scheduled, step.ops, forget=step.forget,
-                                        rows=new + continuing + decoding))
+        sent = InFlight(step.step_id, step.scheduled, step.ops, forget=step.forget, rows=new + continuing + decoding)
+        if traced:
+            _trace_chunks(sent, traced, tokens + len(decodes), one_token_rows + len(decodes), len(self._in_flight))
+        self._in_flight.append(sent)
         return plan
 
     def _resend(self, step: Step) -> pb.StepPlan:
@@ -136,6 +146,14 @@ class StepStream:
         """Applies the result of the oldest plan in flight (checked by ``malformed``); returns the messages of the
         requests that ended (for ``outputs.deliver``)."""
         sent = self._in_flight.popleft()
+        at = time.perf_counter()
+        started, self._last_read_at = max(sent.sent_at, self._last_read_at), at
+        if sent.traced:  # (before the samples go to the streams: the first token's read time)
+            for req in sent.traced:
+                if result.error:
+                    req.trace.discard(sent.step_id)
+                else:
+                    req.trace.answered(sent.step_id, started, at)
         if result.error:
             ended = self._rejected(sent, set(result.desynced_request_ids), result.error)
             return self._scheduler.rejected(sent, ended, result.error)
@@ -170,6 +188,9 @@ class StepStream:
     def _drop_in_flight(self) -> tuple[list[InFlight], list[PageOps]]:
         """Forgets the plans in flight and any resend: (those plans, every page operation not confirmed)."""
         unanswered, ops = list(self._in_flight), self._unconfirmed()
+        for sent in unanswered:
+            for req in sent.traced:
+                req.trace.discard(sent.step_id)
         self._in_flight.clear()
         self._resend_ops = None
         self._ops_failures = 0
@@ -213,6 +234,17 @@ class StepStream:
             assert r.num_inflight_tokens == tokens.get(id(r), 0) and r.num_pending == samples.get(id(r), 0), (
                 f"{r.request_id}: in-flight counts {r.num_inflight_tokens}/{r.num_pending} disagree with the plans "
                 f"in flight")
+
+
+def _trace_chunks(sent: InFlight, traced: list[tuple[Request, int, bool]], tokens: int, one_token_rows: int,
+                  ahead: int) -> None:
+    """Records the prefill chunks of a plan on their requests' traces: ``tokens`` and ``one_token_rows`` are the
+    plan's, ``ahead`` the plans in flight before it."""
+    at = time.perf_counter()
+    sent.traced = [req for req, _, _ in traced]
+    for req, n, samples in traced:
+        others = one_token_rows - (n == 1)
+        req.trace.chunk(sent.step_id, n, samples, others, tokens - n - others, ahead, at)
 
 
 def _add_ops(plan: pb.StepPlan, ops: PageOps) -> None:
