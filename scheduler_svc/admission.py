@@ -1,11 +1,13 @@
 """Admission: which waiting or swapped requests start this step, within the token budget, the seats
 (max_num_seqs), the free pages and their tenants' limits.
 
-Order: swapped requests that waited too long first (nothing else is admitted until they fit); then new and
-recompute-preempted requests in fair order (VTC across tenants; one whose shared prefix another request is
-computing waits); then the other swapped requests, in swap-out order (TTFT first). A step that preempted
-admits nothing, except new requests of tenants below their reserved minimum. When pages are short for one of them,
-the oldest retention of KV that would free some ends first (``Reclaim``; the tenant's own when its quota is short).
+Order: swapped requests that waited too long first (nothing else is admitted until they fit; under the priority
+policy, not ahead of a more important request of their own tenant); then new and recompute-preempted requests in
+fair order (VTC across tenants, each tenant's in priority order under the priority policy; one whose shared prefix
+another request is computing waits); then the other swapped requests, in swap-out order (TTFT first). A step that
+preempted admits nothing, except new requests of tenants below their reserved minimum. When pages are short for one
+of them, the oldest retention of KV that would free some ends first (``Reclaim``; the tenant's own when its quota
+is short).
 
 ``admissions`` reads the planner's state through a ``PlanView`` and yields decisions, one at a time; the planner
 applies each before the next is decided (as mini-sglang's PrefillAdder and vLLM's SchedulerOutput do), so each
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from scheduler_svc.kv_manager import Hit
 from scheduler_svc.plan_view import PlanView, first_chunk
 from scheduler_svc.request import Request
+from scheduler_svc.wait_queue import WaitQueue
 
 
 @dataclass(slots=True)
@@ -80,8 +83,8 @@ def admissions(view: PlanView, budget: int, only_reserved: bool = False) -> Iter
                 if ledger.used_pages(t) >= ledger.tenants.get(t).reserved_pages}
         yield from _admit_waiting(view, budget, seats, skip)
         return
-    wait = view.policy.config.swap_in_max_wait
-    for req in [r for r in queues.swapped if view.now - r.swapped_at >= wait]:
+    wait, waiting = view.policy.config.swap_in_max_wait, queues.waiting
+    for req in [r for r in queues.swapped if view.now - r.swapped_at >= wait and not _outranked(waiting, r)]:
         if budget <= 0:
             break
         n = yield from _swap_in(view, req, budget, seats)
@@ -100,6 +103,13 @@ def admissions(view: PlanView, budget: int, only_reserved: bool = False) -> Iter
         if n is not None:
             seats += req.n
             budget -= n
+
+
+def _outranked(waiting: WaitQueue, req: Request) -> bool:
+    """Under the priority policy, whether a more important request of its tenant waits: an overdue swapped request
+    does not go ahead of it (it was likely swapped out to make room for it)."""
+    first = waiting.first(req.tenant) if waiting.by_priority else None
+    return first is not None and first.priority < req.priority
 
 
 def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator[Decision, None, int | None]:

@@ -132,8 +132,8 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
             limits = replace(limits, max_model_len=shape.max_len, max_len_name=shape.max_len_name)
         check_prompt_ids(ids, limits)
         check_request_id(request.request_id)
+        check_priority(request.priority if priority is None else priority, tenant, from_hop=priority is not None)
         priority = request.priority if priority is None else priority
-        check_priority(priority)
         sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
         sampling.bad_words_ids = list(bad_words_ids or [])
         tools = tools or ToolUse()

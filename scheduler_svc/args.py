@@ -10,7 +10,7 @@ from pagedkv import fleet_salt, logs, security, tool_calls, trusted_hop
 from scheduler_svc import fit, kv_events_config
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
-from scheduler_svc.policy import Mode
+from scheduler_svc.policy import SCHEDULING_POLICIES, Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
 from scheduler_svc.retention import DEFAULT_MAX_SHARE, DEFAULT_MAX_TTL_S
 from scheduler_svc.template_pool import TemplateLimits
@@ -106,6 +106,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "other constrained requests wait their turn, counted as queued (default: %(default)s)")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True,
                    help="admit across tenants by weighted service (VTC); --no-fairness: arrival order")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="order of a tenant's own waiting requests, as vLLM's flag: fcfs = arrival order; priority = "
+                   "the lowest priority value first (a request's priority, the OpenAI body's priority, a trusted "
+                   "hop's --objective; ties by arrival), and a waiting request that could not start takes the seat "
+                   "or pages of its tenant's less important running requests (swapped or recomputed, whichever is "
+                   "cheaper). Across tenants the fair share decides either way; a tenant asks for at most its "
+                   "tenants-file max_priority. Under fcfs (vLLM's default too) a priority orders only preemption "
+                   "victims")
     p.add_argument("--sliding-window", type=int, default=0, metavar="N",
                    help="serve every request with attention over the sink plus its last N tokens; pages wholly "
                    "outside are freed at once (0: full attention; a tenant's sliding_window overrides)")

@@ -15,6 +15,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of pages kept free when admitting new requests
     enable_prefix_caching: bool = True
     fairness: bool = True  # admission across tenants by weighted service (VTC); False: arrival order
+    scheduling_policy: str = "fcfs"  # inside a tenant: "fcfs" (arrival order) or "priority" (priority.py)
     sliding_window: int = 0  # serve every request with attention over sink + the last N tokens (0: off)
     sink_tokens: int = 0
     model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most

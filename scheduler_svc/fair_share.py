@@ -12,6 +12,7 @@ from __future__ import annotations
 from scheduler_svc.pages import PagePool, held
 from scheduler_svc.plan_view import PlanView, first_chunk
 from scheduler_svc.request import Request
+from scheduler_svc.tenant_limits import TenantLimits
 
 
 def victims_for_head(view: PlanView) -> list[Request]:
@@ -47,6 +48,14 @@ class ReleasePreview:
         self.free = pool.num_free
         self.used = pool.used_by.copy()
         self._holders: dict[int, int] = {}
+
+    def used_pages(self, tenant: str) -> int:
+        """The tenant's pages in this pool once the previewed victims gave theirs back."""
+        return self.used[tenant]
+
+    def fits(self, limits: TenantLimits, tenant: str, pages: int) -> bool:
+        """Whether ``pages`` more for the tenant fit the free pages then, other tenants' reserves left free."""
+        return pages + limits.reserved_for_others(tenant, self.used) <= self.free
 
     def add(self, victim: Request) -> None:
         pool, holders = self._pool, self._holders

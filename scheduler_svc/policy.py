@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 from scheduler_svc.request import Request
 
+# --scheduling-policy: a tenant's waiting requests in arrival order, or by priority with preemption of its less
+# important running ones (priority.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 class Mode(enum.Enum):
     AUTO = "auto"

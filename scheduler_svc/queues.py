@@ -25,12 +25,13 @@ from scheduler_svc.wait_queue import WaitQueue
 
 
 class RequestQueues:
-    def __init__(self, fair: bool, ledger: TenantLedger) -> None:
+    def __init__(self, fair: bool, ledger: TenantLedger, by_priority: bool = False) -> None:
         """``fair``: the wait queue admits by weighted service (VTC), counted in the ``ledger``'s (every executor's);
-        a tenant that comes back from idle starts at the others' level (no credit banked while away)."""
+        a tenant that comes back from idle starts at the others' level (no credit banked while away).
+        ``by_priority``: each tenant's waiting requests in priority order (--scheduling-policy priority)."""
         self._fair = fair
         self._ledger = ledger
-        self._waiting = WaitQueue(fair, lambda t: ledger.tenants.get(t).weight, ledger.service)
+        self._waiting = WaitQueue(fair, lambda t: ledger.tenants.get(t).weight, ledger.service, by_priority)
         self._running: list[Request] = []  # in plan order
         self._swapped: deque[Request] = deque()  # in swap-out order
         self._requests: dict[str, Request] = {}
@@ -39,7 +40,8 @@ class RequestQueues:
     # ---- reads ---------------------------------------------------------------------------------
     @property
     def waiting(self) -> WaitQueue:
-        """New and recompute-preempted requests, in fair order (read it; the charges are the planner's)."""
+        """New and recompute-preempted requests, in fair order, each tenant's in priority order under the priority
+        policy (read it; the charges are the planner's)."""
         return self._waiting
 
     @property

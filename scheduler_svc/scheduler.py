@@ -15,7 +15,7 @@ and ``fair_share.py`` decide over a read-only ``PlanView``, and the planner appl
 
 from __future__ import annotations
 
-from scheduler_svc import fair_share, fit
+from scheduler_svc import fair_share, fit, priority
 from scheduler_svc.admission import Admit, Reclaim, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import KVManager
@@ -59,7 +59,7 @@ class Scheduler(ExecutorLifecycle):
         self._policy = PreemptionPolicy(config.preemption, costs or PreemptionCosts(page_bytes=0))
         self._outputs = OutputProcessor(set(eos_token_ids), pool.block_size)
         self.ledger = ledger if ledger is not None else TenantLedger(tenants)
-        self.queues = RequestQueues(config.fairness, self.ledger)
+        self.queues = RequestQueues(config.fairness, self.ledger, config.scheduling_policy == "priority")
         self.limits = TenantLimits(self.ledger, pool, self.queues, tenant_stats)
         self._deferred: Outputs = []  # requests ended between plans (handed out with the next)
         self.step_id = 0
@@ -174,6 +174,11 @@ class Scheduler(ExecutorLifecycle):
         for victim in victims:
             self._preempt(victim, now)  # (admission goes on this step)
             self.limits.stats(victim.tenant).fair_share_preemptions += 1
+        if not victims:  # one request gets room a step: its fair share first, else its class's (priority.py)
+            while (victims := priority.victims_for_head(view)) and (key := self.retained.reclaimable()) is not None:
+                self.retained.end(*key)
+            for victim in victims:
+                self._preempt(victim, now)
         preempted = 0
         i = 0
         kv, running, outputs = self.kv, self.queues.running, self._outputs

@@ -24,6 +24,8 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
                                     # 65,536 bytes; more is cut to it)
     max_constrained_requests = 0    # its constrained requests open at once (each steps a grammar matcher on the
                                     # executor); past it RESOURCE_EXHAUSTED "queue full: ..." (0: no limit)
+    max_priority = 0                # the most important priority it may ask for (lower is more important); a
+                                    # request asking for less is refused (INVALID_ARGUMENT naming priority)
 
 Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of the
 device pages of every executor that serves (up or draining) together, and a tenant capped at 4 concurrent
@@ -63,6 +65,7 @@ import tomllib
 DEFAULT_TENANT = "default"
 API_KEY_ENV = "PAGEDKV_API_KEY"  # --api-key's default (and the clients': pagedkv generate, bench, dynamo-worker)
 MAX_INT = 1 << 24  # bound for counts in the tenants file (they travel as int32)
+MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY]; lower is more important
 OVERFLOW_POLICIES = ("window", "stop")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -101,6 +104,7 @@ class Tenant:
     structured_outputs: bool = True  # may send constraints
     max_constraint_bytes: int = 0  # a constraint's size at most; 0: the server's
     max_constrained_requests: int = 0  # constrained requests open at once; 0: no limit
+    max_priority: int = 0  # the lowest (most important) priority its requests may ask for
     key_hashes: tuple[bytes, ...] = field(default=(), repr=False)
     revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
 
@@ -138,7 +142,7 @@ def _hashes(values, name: str) -> tuple[bytes, ...]:
 
 _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
            "max_queued_requests", "page_budget", "overflow", "sliding_window", "sink_tokens", "admin",
-           "structured_outputs", "max_constraint_bytes", "max_constrained_requests"}
+           "structured_outputs", "max_constraint_bytes", "max_constrained_requests", "max_priority"}
 
 
 def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
@@ -176,11 +180,15 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
     for name, value in (("admin", admin), ("structured_outputs", structured)):
         if not isinstance(value, bool):
             raise InvalidTenant(f"{where}.{name}: must be true or false, got {value!r}")
+    max_priority = raw.get("max_priority", 0)
+    if isinstance(max_priority, bool) or not isinstance(max_priority, int) or abs(max_priority) > MAX_PRIORITY:
+        raise InvalidTenant(f"{where}.max_priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower is "
+                            f"more important), got {max_priority!r}")
     queued = raw.get("max_queued_requests")
     if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or not 0 <= queued <= MAX_INT):
         raise InvalidTenant(f"{where}.max_queued_requests: must be an integer in [0, {MAX_INT}], got {queued!r}")
     return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
-                  admin=admin, max_queued_requests=queued, structured_outputs=structured,
+                  admin=admin, max_queued_requests=queued, structured_outputs=structured, max_priority=max_priority,
                   key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
                   revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
 
@@ -194,7 +202,9 @@ class Tenants:
         self.path = path
         self.raw: dict | None = None  # the parsed file (fractions are resolved again when the pools change)
         self.multi = tenants is not None
-        single = Tenant(DEFAULT_TENANT, key_hashes=(bytes.fromhex(hash_key(api_key)[7:]),) if api_key else ())
+        # (the one tenant of a server without a file may ask for any priority: there is no other tenant to pass)
+        single = Tenant(DEFAULT_TENANT, key_hashes=(bytes.fromhex(hash_key(api_key)[7:]),) if api_key else (),
+                        max_priority=-MAX_PRIORITY)
         self.by_id = {t.id: t for t in tenants} if tenants is not None else {DEFAULT_TENANT: single}
         self.keyed = self.multi or bool(api_key)  # a call must send a key
         total_reserved = sum(t.reserved_pages for t in self.by_id.values())

@@ -8,8 +8,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.trusted_hop import OBJECTIVE_HEADER
 from scheduler_svc.fit import pages_for
 from scheduler_svc.request import Sampling
+from scheduler_svc.tenancy import MAX_PRIORITY, Tenant
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -292,9 +294,13 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
 
 
-MAX_PRIORITY = 1000
-
-
-def check_priority(priority: int) -> None:
+def check_priority(priority: int, tenant: Tenant | None = None, from_hop: bool = False) -> None:
+    """A request's priority: in the range, and not more important than its tenant may ask for (``from_hop``: the
+    priority of a trusted hop's GIE objective, not the request's own field: the same limit holds)."""
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidRequest(f"priority: {priority}; must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    if tenant is not None and priority < tenant.max_priority:
+        source = f" (the objective in {OBJECTIVE_HEADER})" if from_hop else ""
+        raise InvalidRequest(f"priority: {priority}{source}; tenant {tenant.id} may ask for "
+                             f"{tenant.max_priority} or more (its max_priority in the tenants file; lower is more "
+                             "important)")

@@ -6,6 +6,12 @@ charged 1 per prompt token admitted and 2 per token generated, divided by the te
 that returns from idle starts at the current minimum, so it cannot bank credit while away. With fairness
 off, requests go in arrival order whatever their tenant (first come, first served).
 
+Inside a tenant's queue, requests go in arrival order (``--scheduling-policy fcfs``), or (``priority``) the most
+important class first (the lowest ``priority`` value, as vLLM's), in arrival order within a class: one FIFO per
+class. Priority orders a tenant's own requests only: which tenant goes next is the counter's choice either way, so
+no priority lets a tenant's request go ahead of another tenant's share. A recompute-preempted request goes back to
+the front of its class.
+
 Besides the counter, each tenant's own charges are kept apart (``charged``): the weighted tokens it was served,
 never lifted. That is what a tenant may be shown (ModelInfo): the counter itself follows other tenants.
 
@@ -14,6 +20,7 @@ never lifted. That is what a tenant may be shown (ModelInfo): the counter itself
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,12 +54,68 @@ class VtcCounters:
             self.grammar_cpu[tenant] = self.grammar_cpu.get(tenant, 0.0) + grammar_cpu_s
 
 
+class TenantQueue:
+    """One tenant's waiting requests: a FIFO per priority class, the most important class (lowest value) first.
+    Under fcfs every request is in class 0: one FIFO."""
+
+    __slots__ = ("_classes", "_order", "_len")
+
+    def __init__(self) -> None:
+        self._classes: dict[int, deque[Request]] = {}
+        self._order: list[int] = []  # the classes present, most important first
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for key in self._order:
+            yield from self._classes[key]
+
+    def oldest_arrival(self) -> int:
+        """The earliest arrival among the fronts of its classes (the tenant's oldest waiting request, but for a
+        requeued one behind an older one in its class)."""
+        return min(q[0].arrival for q in self._classes.values())
+
+    def contains(self, req: Request, key: int) -> bool:
+        return req in self._classes.get(key, ())
+
+    def _fifo(self, key: int) -> deque[Request]:
+        q = self._classes.get(key)
+        if q is None:
+            q = self._classes[key] = deque()
+            bisect.insort(self._order, key)
+        return q
+
+    def append(self, req: Request, key: int) -> None:
+        self._fifo(key).append(req)
+        self._len += 1
+
+    def appendleft(self, req: Request, key: int) -> None:
+        self._fifo(key).appendleft(req)
+        self._len += 1
+
+    def remove(self, req: Request, key: int) -> None:
+        q = self._classes[key]
+        q.remove(req)
+        self._len -= 1
+        if not q:
+            del self._classes[key]
+            self._order.remove(key)
+
+
 class WaitQueue:
     def __init__(self, fair: bool = True, weight: Callable[[str], float] = lambda _: 1.0,
-                 service: VtcCounters | None = None) -> None:
+                 service: VtcCounters | None = None, by_priority: bool = False) -> None:
+        """``by_priority``: each tenant's requests in priority order (``--scheduling-policy priority``), else in
+        arrival order."""
         self._fair = fair
         self._weight = weight
-        self._queues: dict[str, deque[Request]] = {}
+        self._by_priority = by_priority
+        self._queues: dict[str, TenantQueue] = {}
         self._shared = service if service is not None else VtcCounters()
         self._counters = self._shared.counters
         self._len = 0
@@ -78,12 +141,21 @@ class WaitQueue:
             yield from q
 
     def __contains__(self, req: Request) -> bool:
-        return req in self._queues.get(req.tenant, ())
+        q = self._queues.get(req.tenant)
+        return q is not None and q.contains(req, self.class_of(req))
 
-    def _queue_for(self, tenant: str) -> deque[Request]:
+    @property
+    def by_priority(self) -> bool:
+        return self._by_priority
+
+    def class_of(self, req: Request) -> int:
+        """The request's class in its tenant's queue: its priority under the priority policy, else 0 (one FIFO)."""
+        return req.priority if self._by_priority else 0
+
+    def _queue_for(self, tenant: str) -> TenantQueue:
         q = self._queues.get(tenant)
         if q is None:
-            q = self._queues[tenant] = deque()
+            q = self._queues[tenant] = TenantQueue()
         if not q:  # back from idle: no credit for the time away
             counters = self._counters
             backlogged = [counters.get(t, 0.0) for t, other in self._queues.items() if other and t != tenant]
@@ -92,25 +164,30 @@ class WaitQueue:
         return q
 
     def append(self, req: Request) -> None:
-        self._queue_for(req.tenant).append(req)
+        self._queue_for(req.tenant).append(req, self.class_of(req))
         self._len += 1
 
     def appendleft(self, req: Request) -> None:
-        """A preempted request goes back to the front of its tenant's queue."""
-        self._queue_for(req.tenant).appendleft(req)
+        """A preempted request goes back to the front of its tenant's queue (of its class, under priority)."""
+        self._queue_for(req.tenant).appendleft(req, self.class_of(req))
         self._len += 1
 
     def remove(self, req: Request) -> None:
-        self._queues[req.tenant].remove(req)
+        self._queues[req.tenant].remove(req, self.class_of(req))
         self._len -= 1
 
     def tenant_len(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
 
+    def first(self, tenant: str) -> Request | None:
+        """The tenant's request that goes first (its most important, under priority)."""
+        return next(iter(self._queues.get(tenant, ())), None)
+
     # ---- order ---------------------------------------------------------------------------------
     def head(self, skip: set[int] | frozenset = frozenset(), skip_tenants: set[str] | frozenset = frozenset()
              ) -> Request | None:
-        """The request to admit next, passing over requests (by id()) and tenants in the skip sets."""
+        """The request to admit next, passing over requests (by id()) and tenants in the skip sets: the first of
+        the tenant with the least weighted service (fairness off: the most important, then the oldest)."""
         best, best_key = None, None
         counters, fair = self._counters, self._fair
         for tenant, q in self._queues.items():
@@ -119,7 +196,13 @@ class WaitQueue:
             req = next((r for r in q if id(r) not in skip), None)
             if req is None:
                 continue
-            key = (counters.get(tenant, 0.0), req.arrival) if fair else (req.arrival,)
+            # (without fairness, the most important class of any tenant first: max_priority bounds what each may ask)
+            # NOTE: tenants with equal service go oldest first by the tenant's oldest request, not by the arrival of
+            # the request its priorities put first: else a tenant's priorities would decide whose turn it is.
+            if fair:
+                key = (counters.get(tenant, 0.0), q.oldest_arrival() if self._by_priority else req.arrival)
+            else:
+                key = (self.class_of(req), req.arrival)
             if best_key is None or key < best_key:
                 best, best_key = req, key
         return best

@@ -34,6 +34,7 @@ keys = ["{hash_key(KEY_A)}"]
 
 [tenants.beta]
 keys = ["{hash_key(KEY_B)}"]
+max_priority = -10
 """
 PROMPT = list(range(5, 69))  # 64 token ids: 4 pages of 16, 3 of them servable from the cache on a repeat
 NUM_PAGES = 256
@@ -167,6 +168,10 @@ def test_the_gateway_passes_gie_headers_as_a_trusted_hop(stack):
         "tenant": True, "priority": -10}), 30), "the objective's priority was not the request's"
     code, miss = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "alpha"})
     assert code == 200 and miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, miss
+    # alpha may not ask for priority below 0 (its max_priority): neither may a hop's objective for it
+    code, err = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "alpha", OBJECTIVE_HEADER: "interactive"})
+    assert code == 400 and err["error"]["param"] == "priority" and err["error"]["message"].startswith(
+        f"priority: -10 (the objective in {OBJECTIVE_HEADER}); tenant alpha may ask for 0 or more"), err
     code, err = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "beta", OBJECTIVE_HEADER: "gold"})
     assert code == 400 and err["error"]["message"].startswith(f"{OBJECTIVE_HEADER}: objective 'gold' is unknown")
     code, err = stack.post("/v1/completions", body, {FAIRNESS_ID_HEADER: "gamma"})
