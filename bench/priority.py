@@ -162,7 +162,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], lis
               "load 1m"]
     rows = []
     for name in RUNS:
-        for policy in POLICIES:
+        for policy in results:
             r, idle = results[policy][name], results[policy]["idle"]["inter_ttft_p99_s"]
             rows.append([name, policy, f"{r['inter_ttft_p50_s'] * 1e3:.0f}", f"{r['inter_ttft_p99_s'] * 1e3:.0f}",
                          f"{r['inter_ttft_p99_s'] / idle:.2f}", f"{r['batch_tok_s']:.0f}" if name != "idle" else "-",
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-lead", type=float, default=3.0, help="seconds the flood runs before the interactive class")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="6 interactive requests, 16 batch workers")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--out", default=str(RESULTS / "priority.json"))
     p.add_argument("serve_args", nargs="*", help="more pagedkv serve flags (after --)")
     args = p.parse_args(argv)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tenants = Path(tmp) / "tenants.toml"
         tenants.write_text(TENANTS)
-        for policy in POLICIES:  # one server at a time
+        for policy in args.policies:  # one server at a time
             print(f"--scheduling-policy {policy}", flush=True)
             server = Server(serve_args(args, policy, tenants))
             try:
