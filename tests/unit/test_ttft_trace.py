@@ -64,15 +64,16 @@ async def _serve(async_scheduling: bool, prompt_len: int) -> tuple[list, float]:
     limits = Limits(max_model_len=2048, vocab_size=300, max_prompt_bytes=100_000)
     service = GenerationService(c, NullTokenizer(), limits, {}, log)
     try:
-        background = service.Generate(Client.build_request([1, 5, 6], max_tokens=400, ignore_eos=True), Context())
-        await background.__anext__()  # (it decodes from here on)
+        # (it decodes from here until it is cancelled: longer than the other request takes, however slow the machine)
+        background = service.Generate(Client.build_request([1, 5, 6], max_tokens=2000, ignore_eos=True), Context())
+        await background.__anext__()
         t0 = time.perf_counter()
         stream = service.Generate(Client.build_request([1] + [9] * (prompt_len - 1), max_tokens=2, ignore_eos=True),
                                   Context())
         await stream.__anext__()
         waited = time.perf_counter() - t0
         _ = [m async for m in stream]
-        _ = [m async for m in background]
+        await background.aclose()  # (the client goes away: its pages are freed)
         return log.lines, waited
     finally:
         await c.stop()
