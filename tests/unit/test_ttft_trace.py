@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pagedkv.client import Client
+from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.validation import Limits
@@ -128,3 +129,16 @@ def test_a_chunk_whose_plan_was_lost_is_forgotten():
     assert req.output_ids and [c.tokens for c in req.trace.chunks] == [8, 8, 4]
     assert req.trace.first_token_at >= req.trace.chunks[-1].done_at > 0 and not req.trace.open
     assert req.trace.steps == 3
+
+
+def test_a_chunk_of_a_rejected_plan_is_forgotten():
+    """The executor rejected the plan (it ran nothing): the chunk leaves the trace and is planned again."""
+    s = new_scheduler(pages=64, budget=64, max_len=64)
+    req = make_request(0, 20, 2)
+    s.add(req)
+    plan, _ = s.schedule()
+    assert [c.tokens for c in req.trace.chunks] == [20] and req.trace.sampling_step == plan.step_id
+    s.process(pb.StepResult(step_id=plan.step_id, error="page table mismatch"))
+    assert req.trace.chunks == [] and req.trace.open
+    drive(s)
+    assert [c.tokens for c in req.trace.chunks] == [20] and req.trace.first_token_at and req.trace.steps == 1
