@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 from pagedkv.cli import free_port
 from pagedkv.security import EXECUTOR_SECRET_ENV
+
+_LIFECYCLE = re.compile(r"\bchild_(?:started|ready|restarted|exited|stopping|stopped)\b")
 
 ROOT = Path(__file__).resolve().parent.parent
 # The executor secret every ServiceProcess gets unless its env says otherwise, so that the executors and
@@ -34,7 +37,8 @@ class LocalServer:
                "--log-format", "console", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      cwd=cwd or ROOT, env=env, start_new_session=True)
-        self.lines: deque[str] = deque(maxlen=400)
+        self.lines: deque[str] = deque(maxlen=4000)
+        self.lifecycle: Counter[str] = Counter()  # serve's child_* events, all of them (lines keeps the last 4000)
         self.events: list[dict] = []
         self.ready = threading.Event()  # set on the ready line, or when the output ends
         self.serving = False
@@ -54,6 +58,7 @@ class LocalServer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
+            self.lifecycle.update(_LIFECYCLE.findall(line))
             if line.startswith("{"):
                 try:
                     self.events.append(json.loads(line))
@@ -65,6 +70,7 @@ class LocalServer:
         self.ready.set()
 
     def log(self) -> str:
+        """The last 4000 lines of serve's output (at debug, a few requests' lines: count events with ``lifecycle``)."""
         return "\n".join(self.lines)
 
     def child_pids(self) -> list[int]:

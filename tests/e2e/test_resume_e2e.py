@@ -137,7 +137,7 @@ def test_streams_survive_three_scheduler_kills(server):
     expected_cli = asyncio.run(_complete(server.address, cli_prompt, max_tokens=cli_max, ignore_eos=True,
                                          temperature=0.0)).text
     t_ref = time.monotonic() - t0
-    restarts = server.log().count("child_restarted")
+    restarts = server.lifecycle["child_restarted"]
 
     killed: list[int] = []
     cli_out: list[bytes] = []
@@ -186,7 +186,7 @@ def test_streams_survive_three_scheduler_kills(server):
           f"SIGKILLed {len(killed)} times; {len(differ)} differ, {len(run.errors)} errors; largest gap per stream "
           f"p50 {p50:.2f} s, max {worst:.2f} s (undisturbed max {gaps(reference.stamps)[1]:.3f} s); "
           f"undisturbed {t_ref:.1f} s, with kills {t_chaos:.1f} s")
-    assert len(set(killed)) == 3 and server.log().count("child_restarted") >= restarts + 3
+    assert len(set(killed)) == 3 and server.lifecycle["child_restarted"] >= restarts + 3
     assert not differ and not usage and not unseeded_differ, (differ, usage, unseeded_differ)
     assert b"".join(cli_out).decode() == expected_cli + "\n"
 
