@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import openai
 from common import RESULTS, Machine, print_table, wait_idle, write_report
-from responses_turns import MODEL, QUESTIONS
+from responses_turns import MODEL, QUESTIONS, turn
 
 from pagedkv.local_server import LocalServer, ServiceProcess
 from scheduler_svc.tenancy import hash_key
@@ -57,22 +57,6 @@ class Churn(threading.Thread):
                 r = http.post(f"{self.base}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
                 r.raise_for_status()
                 self.sent += 1
-
-
-def turn(client: openai.OpenAI, instructions: str, question: str, previous: str | None, max_tokens: int) -> dict:
-    sent = time.perf_counter()
-    ttft, final = None, None
-    extra = {"previous_response_id": previous} if previous else {}
-    for event in client.responses.create(model=MODEL, instructions=instructions, input=question, stream=True,
-                                         temperature=0.0, max_output_tokens=max_tokens, **extra):
-        if event.type == "response.output_text.delta" and ttft is None:
-            ttft = time.perf_counter() - sent
-        if event.type in ("response.completed", "response.incomplete"):
-            final = event.response
-    assert final is not None and ttft is not None
-    usage = final.usage
-    return {"id": final.id, "ttft_s": ttft, "input_tokens": usage.input_tokens,
-            "cached_tokens": usage.input_tokens_details.cached_tokens, "output_tokens": usage.output_tokens}
 
 
 def conversation(arms: dict, phase: str, turns: int, max_tokens: int, churn: Churn | None) -> dict[str, list]:

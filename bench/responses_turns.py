@@ -44,11 +44,12 @@ def pressure(base: str, rng: random.Random, count: int, tokens: int) -> None:
             r.raise_for_status()
 
 
-def turn(client: openai.OpenAI, question: str, previous: str | None, max_tokens: int) -> dict:
+def turn(client: openai.OpenAI, instructions: str, question: str, previous: str | None, max_tokens: int) -> dict:
+    """One streamed /v1/responses turn: its TTFT (first text delta) and usage (bench/responses_kv.py's too)."""
     sent = time.perf_counter()
     ttft, final = None, None
     extra = {"previous_response_id": previous} if previous else {}
-    for event in client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=question, stream=True,
+    for event in client.responses.create(model=MODEL, instructions=instructions, input=question, stream=True,
                                          temperature=0.0, max_output_tokens=max_tokens, **extra):
         if event.type == "response.output_text.delta" and ttft is None:
             ttft = time.perf_counter() - sent
@@ -89,7 +90,7 @@ def main() -> None:
         for n in range(args.turns):
             for name, (_, client) in arms.items():
                 question = QUESTIONS[n % len(QUESTIONS)] + ("" if name == "retained" else " ")  # (own prefixes)
-                rows[name].append(turn(client, question, previous[name], args.max_output_tokens))
+                rows[name].append(turn(client, INSTRUCTIONS, question, previous[name], args.max_output_tokens))
                 previous[name] = rows[name][-1]["id"]
                 pressure(base, rng, count, args.pressure_tokens)
     finally:

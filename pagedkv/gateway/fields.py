@@ -197,7 +197,9 @@ class Screened:
     unknown: list[str]
 
 
-def _check(fields: dict[str, Field], body: Mapping, prefix: str, found: Screened) -> None:
+def check_fields(fields: dict[str, Field], body: Mapping, prefix: str, found: Screened) -> None:
+    """Screens ``body``'s keys against ``fields`` (names shown as ``prefix``+name): 400 for a refused value,
+    ignored and unknown names added to ``found``. The chat/completions tables here, the Responses API's too."""
     for name, value in body.items():
         f = fields.get(name)
         if f is None:
@@ -215,15 +217,15 @@ def screen(body: Mapping, chat: bool) -> Screened:
     """Refuses (400 naming it) a field the table refuses at its value; returns the fields ignored by design and
     the unknown ones. Types and ranges of honoured fields are openai_requests.py's to check."""
     found = Screened([], [])
-    _check(_TABLES[chat], body, "", found)
+    check_fields(_TABLES[chat], body, "", found)
     opts = body.get("stream_options")
     if isinstance(opts, Mapping):
-        _check(_STREAM_OPTIONS, opts, "stream_options.", found)
+        check_fields(_STREAM_OPTIONS, opts, "stream_options.", found)
     messages = body.get("messages") if chat else None
     if isinstance(messages, list):
         for i, m in enumerate(messages):
             if isinstance(m, Mapping):
-                _check(_MESSAGE_FIELDS, m, f"messages[{i}].", found)
+                check_fields(_MESSAGE_FIELDS, m, f"messages[{i}].", found)
     return found
 
 

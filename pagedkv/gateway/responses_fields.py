@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedkv.gateway.errors import bad
-from pagedkv.gateway.fields import HONOURED, IGNORED, REFUSED, Field, Screened
+from pagedkv.gateway.fields import HONOURED, IGNORED, REFUSED, Field, Screened, check_fields
 
 RESPONSES = "responses"
 
@@ -90,35 +90,21 @@ _TABLES = {name: {f.name: f for f in table} for name, table in
            (("", FIELDS), ("reasoning.", REASONING_FIELDS), ("text.", TEXT_FIELDS))}
 
 
-def _check(table: dict[str, Field], body: Mapping, prefix: str, found: Screened) -> None:
-    for name, value in body.items():
-        f = table.get(name)
-        if f is None:
-            found.unknown.append(f"{prefix}{name}")
-        elif f.kind == REFUSED and not f.accepts(value):
-            shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:61] + "..."
-            allowed = " or ".join(repr(a) for a in f.accepted if a is not None)
-            fix = f"send {allowed} or leave it out" if allowed else "leave it out"
-            raise bad(f"{prefix}{name}", f"{shown} is not supported by this server ({f.note}); {fix}")
-        elif f.kind == IGNORED:
-            found.ignored.append(f"{prefix}{name}")
-
-
 def screen(body: Mapping) -> Screened:
     """Refuses (400 naming it) a field the table refuses at its value; returns the fields ignored by design and the
     unknown ones. Types and ranges of honoured fields are responses_api.py's (and the chat path's) to check."""
     found = Screened([], [])
-    _check(_TABLES[""], body, "", found)
+    check_fields(_TABLES[""], body, "", found)
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, Mapping):
             raise bad("reasoning", "must be an object (or null)")
-        _check(_TABLES["reasoning."], reasoning, "reasoning.", found)
+        check_fields(_TABLES["reasoning."], reasoning, "reasoning.", found)
     text = body.get("text")
     if text is not None:
         if not isinstance(text, Mapping):
             raise bad("text", 'must be an object such as {"format": {"type": "json_object"}}')
-        _check(_TABLES["text."], text, "text.", found)
+        check_fields(_TABLES["text."], text, "text.", found)
     return found
 
 
