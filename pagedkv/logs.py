@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
 import structlog
 
@@ -36,10 +37,23 @@ def add_log_level_arg(p: argparse.ArgumentParser) -> None:
 
 class _CurrentStderr:
     """Writes to whatever ``sys.stderr`` is at the time (loggers cached on first use keep this object, not a stream
-    that a caller's redirection, or a test's capture, has closed since)."""
+    that a caller's redirection, or a test's capture, has closed since), one whole line per write: structlog prints
+    a line and its newline as two writes, and where another writer shares the descriptor (Dynamo's Rust runtime in
+    ``pagedkv dynamo-worker``), an unbuffered stderr let its line land between them, so two JSON lines became one."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        with self._lock:
+            self._pending += text
+            if "\n" not in text:
+                return len(text)
+            line, self._pending = self._pending, ""
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return len(text)
 
     def flush(self) -> None:
         sys.stderr.flush()
