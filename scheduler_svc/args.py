@@ -160,8 +160,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds an executor may take for one step before it is considered failed")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="build and send each step's plan while the executor still runs the one before, so it never "
-                   "waits for the scheduler (a sample that ends a request wastes the one token computed ahead)")
+                   help="build and send each step's plan while the executor still runs the one before (just before "
+                   "that one should end, so requests arriving meanwhile are in it), so it never waits for the "
+                   "scheduler (a sample that ends a request wastes the one token computed ahead)")
     p.add_argument("--check-integrity", action="store_true",
                    help="check page accounting after every step (always checked when idle)")
     p.add_argument("--max-prompt-bytes", type=int, default=0, metavar="N",

@@ -25,6 +25,7 @@ from scheduler_svc.engine_types import EngineHooks, EngineInfo, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.grammar_gate import GrammarGate
 from scheduler_svc.outputs import deliver
+from scheduler_svc.plan_clock import StepClock, wait_to_plan
 from scheduler_svc.policy import PreemptionCosts
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Scheduler
@@ -65,6 +66,7 @@ class Engine:
         # (MAX_PLAN_RETRIES, then it ends with the error) instead of being recomputed forever.
         self.sync_steps = 0
         self.last_read_at = 0.0
+        self.clock = StepClock()  # when the step in flight should end: the next plan is built just before
 
     # ---- what the cluster reads ---------------------------------------------------------------
     @property
@@ -233,6 +235,9 @@ class Engine:
                 return
             if self._drain_step():
                 return
+        if self.depth > 1 and not self.sync_steps and await wait_to_plan(self.clock, stream, client, self.last_read_at):
+            await self._receive()  # (the step in flight ended before the next plan's time: planned after it)
+            return
         t0 = time.perf_counter()
         plan, outputs = stream.next_plan()
         deliver(outputs)
@@ -284,6 +289,7 @@ class Engine:
         t2 = time.perf_counter()
         started = max(sent_at, self.last_read_at)  # (with async scheduling: when the executor could start it)
         self.last_read_at = t2
+        self.clock.observe_step(sent, result, started, t2)
         deliver(stream.apply(result))
         if result.draining and self._state is State.UP:
             self._start_drain("the executor is shutting down")

@@ -56,6 +56,7 @@ class ExecutorClient:
         self.session_id = secrets.token_hex(16)
         self._pages_kept = False  # the executor's answer on the current Run stream
         self._call = None
+        self._read: asyncio.Future | None = None  # a read of the Run stream started by result_within, not taken yet
         self.describe: pb.DescribeResponse | None = None
 
     @property
@@ -148,12 +149,22 @@ class ExecutorClient:
             raise ExecutorUnavailable(f"executor {self.address} failed during step {plan.step_id}: "
                                       f"{type(err).__name__}: {err}") from err
 
+    async def result_within(self, timeout: float) -> bool:
+        """Whether the next result arrives within ``timeout`` seconds. It stays unread: ``receive`` takes it."""
+        if self._call is None:
+            return True  # (receive says why)
+        if self._read is None:
+            self._read = asyncio.ensure_future(self._call.read())
+        done, _ = await asyncio.wait({self._read}, timeout=timeout)
+        return bool(done)
+
     async def receive(self, step_id: int) -> pb.StepResult:
         """Reads the result of the oldest plan sent (``step_id``): results come back in order."""
         if self._call is None:
             raise ExecutorUnavailable(f"executor {self.address}: no open Run stream")
+        read, self._read = self._read, None
         try:
-            result = await asyncio.wait_for(self._call.read(), self.step_timeout)
+            result = await asyncio.wait_for(read if read is not None else self._call.read(), self.step_timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
             self.drop()
             raise ExecutorUnavailable(f"executor {self.address} failed during step {step_id}: "
@@ -167,6 +178,9 @@ class ExecutorClient:
         return result
 
     def drop(self) -> None:
+        if self._read is not None:
+            self._read.cancel()
+            self._read = None
         if self._call is not None:
             self._call.cancel()
         self._call = None

@@ -93,6 +93,12 @@ STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step by part:
                          "plan before), forward (the executor's model time), rpc (that less the executor's own step "
                          "time), executor_idle (the executor waiting for this plan after its last result)", ["part"],
                          buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))
+PLAN_HOLD_SECONDS = Histogram("pagedkv_plan_hold_seconds", "With async scheduling: how long the next plan was held "
+                              "back so that requests arriving meanwhile join it (built just before the step in flight "
+                              "should end)", buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                                                      0.5, 1, 2.5))
+PLANNED_AFTER_RESULT = Counter("pagedkv_plan_hold_late_total", "Holds cut short: the step in flight ended sooner than "
+                               "predicted, so its result came first and the next plan was built after it (a sync step)")
 EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
 EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])
 EXECUTOR_RUNNING = Gauge("pagedkv_executor_requests_running", "Requests running on one executor", ["executor"])

@@ -4,6 +4,7 @@ decided, and a plan on its way to the executor and back."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler_svc.request import Request
 
@@ -51,3 +52,4 @@ class InFlight:
     plan_seconds: float = 0.0  # planning and encoding it
     sent_at: float = 0.0  # perf_counter when it went out (0: not on a stream)
     traced: list[Request] | tuple = ()  # requests it computes a prefill chunk for (ttft_trace.py)
+    features: Any = None  # its cost features (plan_clock.step_features): when it should end

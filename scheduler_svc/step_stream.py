@@ -24,6 +24,7 @@ from collections import deque
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc import logprobs
+from scheduler_svc.plan_clock import step_features
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Outputs, Scheduler
 from scheduler_svc.step import InFlight, PageOps, Step
@@ -101,7 +102,8 @@ class StepStream:
                 if req.trace.open:
                     (traced := traced or []).append((req, n, samples))
         plan.decodes.extend(decodes)
-        sent = InFlight(step.step_id, step.scheduled, step.ops, forget=step.forget, rows=new + continuing + decoding)
+        sent = InFlight(step.step_id, step.scheduled, step.ops, forget=step.forget, rows=new + continuing + decoding,
+                        features=step_features(step.scheduled))
         if traced:
             _trace_chunks(sent, traced, tokens + len(decodes), one_token_rows + len(decodes), len(self._in_flight))
         self._in_flight.append(sent)
@@ -112,7 +114,8 @@ class StepStream:
         plan = pb.StepPlan(step_id=step.step_id, forget=step.forget)
         ops, self._resend_ops = self._resend_ops, None
         _add_ops(plan, ops)
-        self._in_flight.append(InFlight(step.step_id, [], ops, resending=True, forget=step.forget))
+        self._in_flight.append(InFlight(step.step_id, [], ops, resending=True, forget=step.forget,
+                                        features=step_features([])))
         return plan
 
     # ---- back ---------------------------------------------------------------------------------

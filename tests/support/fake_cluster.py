@@ -65,6 +65,7 @@ class FakeClient:
         self.address = address
         self.call = None
         self.sent: deque = deque()  # plans sent, not yet answered
+        self.running: asyncio.Future | None = None  # the oldest plan's step, started by result_within
 
     @property
     def box(self) -> Box:
@@ -100,10 +101,19 @@ class FakeClient:
             raise ExecutorUnavailable(f"{self.address} gone")
         self.sent.append(plan)
 
+    async def result_within(self, timeout: float) -> bool:
+        if self.running is None and self.sent:
+            self.running = asyncio.ensure_future(self.step(self.sent[0]))
+        if self.running is None:
+            return True
+        done, _ = await asyncio.wait({self.running}, timeout=timeout)
+        return bool(done)
+
     async def receive(self, step_id: int):
         plan = self.sent.popleft()
         assert plan.step_id == step_id
-        return await self.step(plan)
+        running, self.running = self.running, None
+        return await (running if running is not None else self.step(plan))
 
     async def step(self, plan):
         await asyncio.sleep(self.box.delay)
@@ -112,12 +122,15 @@ class FakeClient:
             raise ExecutorUnavailable(f"{self.address} gone")
         result = self.box.executor.step(plan)
         result.draining = self.box.draining
+        result.timings.total_ms = self.box.delay * 1e3  # (the step's own time, as an executor reports it)
         return result
 
     def drop(self) -> None:
         if self.call is not None:
             self.call.cancel()
-        self.call = None
+        if self.running is not None:
+            self.running.cancel()
+        self.call = self.running = None
         self.sent.clear()
 
     async def close(self) -> None:
