@@ -11,7 +11,7 @@ from executor_svc.grammar import (
     DEFAULT_STEP_BUDGET_MS,
     DEFAULT_TENANT_BUDGET_MS,
 )
-from executor_svc.threads import AUTO, threads_arg
+from executor_svc.threads import default_threads, threads_arg
 from pagedkv import logs
 from pagedkv.security import add_secret_arg, add_tls_server_args
 
@@ -60,11 +60,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, ... up to N; larger "
                    f"decode steps run eager); set it to the scheduler's --max-num-seqs (default: "
                    f"{DEFAULT_GRAPH_MAX_BATCH}, the scheduler's default; under pagedkv serve, its --max-num-seqs)")
-    p.add_argument("--threads", type=threads_arg, default=AUTO, metavar="N|auto",
-                   help="torch CPU threads. auto: half the CPUs this process may use, at least 1 (1 on 2 cores), "
-                   "because a thread more than the free cores slows every step: on a shared 2-core machine 2 threads "
-                   "decoded 3-5x slower than 1, with or without a busy process beside the server (bench/threads.py, "
-                   "bench/NOTES.md). 0: torch's default, one per core (default: %(default)s)")
+    p.add_argument("--threads", type=threads_arg, default=default_threads(), metavar="N|auto",
+                   help="torch CPU threads. auto: every CPU this process may use (its affinity, capped by a cgroup "
+                   "CPU quota), as torch and vLLM do: the fastest on a machine that serves and does little else. On "
+                   "a machine shared with busy processes give fewer than the free cores (torch's threads spin "
+                   "while they wait for each other: 2 threads beside one busy process on 2 cores decoded 18x slower "
+                   "than 1), or set OMP_WAIT_POLICY=PASSIVE. 0: torch's default (default: $PAGEDKV_THREADS, else "
+                   "auto)")
     p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
                    help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
                    "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "

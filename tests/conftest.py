@@ -26,6 +26,10 @@ settings.load_profile("long" if os.environ.get("PAGEDKV_ADVERSARIAL", "") == "lo
 # The servers tests start log each request (DEBUG since #48: INFO has the periodic stats line instead), which many
 # tests read; a test of the INFO level passes --log-level itself.
 os.environ.setdefault("PAGEDKV_LOG_LEVEL", "debug")
+# The executors tests start run one torch thread (--threads auto would take every core since #49): the suite runs
+# servers beside pytest and each other, where spinning OpenMP threads on the same cores slow every step many times
+# (executor_svc/threads.py). A test of --threads passes it itself.
+os.environ.setdefault("PAGEDKV_THREADS", "1")
 
 # Tiers (tests/README.md): every test module sets its own with `pytestmark` (unit, e2e or gpu; slow may be added)
 # and sits in its tier's folder (tests/unit/, tests/e2e/, tests/gpu/; tests/adversarial/ holds unit and e2e).

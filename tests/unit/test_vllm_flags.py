@@ -106,13 +106,42 @@ def test_repo_ids_and_paths():
 
 
 # ---- --threads, --log-level, the stats line ----------------------------------------------------------------
-def test_threads_auto_is_half_the_cpus_at_least_one(monkeypatch):
-    for cpus, want in ((1, 1), (2, 1), (3, 1), (16, 8)):
-        monkeypatch.setattr(threads, "usable_cpus", lambda n=cpus: n)
+def test_threads_auto_is_every_usable_cpu_capped_by_a_cgroup_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(threads, "cgroup_cpus", lambda: None)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert threads.torch_threads("auto") == 16
+    for quota, want in ((2.0, 2), (0.5, 1), (2.5, 2), (64.0, 16)):
+        monkeypatch.setattr(threads, "cgroup_cpus", lambda q=quota: q)
         assert threads.torch_threads("auto") == want
     assert threads.torch_threads("0") == 0 and threads.torch_threads("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match="auto"):
         threads.threads_arg("-1")
+
+
+def test_cgroup_quota_files(tmp_path):
+    v2, v1 = tmp_path / "cpu.max", tmp_path / "v1"
+    v1.mkdir()
+    assert threads.cgroup_cpus(v2, v1) is None  # neither
+    v2.write_text("max 100000\n")
+    assert threads.cgroup_cpus(v2, v1) is None  # v2, no quota
+    v2.write_text("250000 100000\n")
+    assert threads.cgroup_cpus(v2, v1) == 2.5
+    v2.unlink()
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert threads.cgroup_cpus(v2, v1) is None  # v1, no quota
+    (v1 / "cpu.cfs_quota_us").write_text("200000\n")
+    assert threads.cgroup_cpus(v2, v1) == 2.0
+
+
+def test_threads_default_from_the_environment(monkeypatch):
+    monkeypatch.delenv(threads.ENV, raising=False)
+    assert threads.default_threads() == "auto"
+    monkeypatch.setenv(threads.ENV, "1")
+    assert threads.default_threads() == "1"
+    monkeypatch.setenv(threads.ENV, "many")
+    with pytest.raises(SystemExit, match="PAGEDKV_THREADS"):
+        threads.default_threads()
 
 
 def test_log_level_default_from_the_environment(monkeypatch):
