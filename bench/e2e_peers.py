@@ -338,12 +338,16 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
             ref = by_system.get("vllm") or by_system.get("llamacpp")
             for s, r in by_system.items():
                 vs = f"{r['output_throughput'] / ref['output_throughput']:.2f}x" if ref else "-"  # (pagedkv ÷ peer)
+                good = f"{r['goodput']:.2f}" if "goodput" in r else "-"
+                if "goodput" in r and ref and ref.get("goodput") and s.startswith("pagedkv"):
+                    good += f" ({r['goodput'] / ref['goodput']:.2f}x)"
                 rows.append((model, wl, s, f"{r['output_throughput']:.1f}", vs if s.startswith("pagedkv") else "",
-                             f"{r['p50_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", f"{r['mean_tpot_ms']:.1f}",
-                             f"{r['load_1m']:.2f}", str(r["runs"])))
+                             f"{r.get('mean_ttft_ms', float('nan')):.0f}", f"{r['p50_ttft_ms']:.0f}",
+                             f"{r['p99_ttft_ms']:.0f}", f"{r['mean_tpot_ms']:.1f}", good, f"{r['load_1m']:.2f}",
+                             str(r["runs"])))
     print()
-    print_table(("model", "workload", "system", "out tok/s", "pagedkv / peer", "TTFT p50 ms", "TTFT p99 ms",
-                 "TPOT mean ms", "load 1m", "runs"), rows)
+    print_table(("model", "workload", "system", "out tok/s", "pagedkv / peer", "TTFT mean ms", "TTFT p50 ms",
+                 "TTFT p99 ms", "TPOT mean ms", "goodput req/s (vs peer)", "load 1m", "runs"), rows)
     write_report(args.out, report)
     return 0
 

@@ -189,7 +189,8 @@ def bench(server: HttpServer, wl: HttpWorkload, tokenizer: Path, seed: int) -> d
     picks the random prompts: every run gets prompts of its own (a repeated prompt would be a prefix-cache hit)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = ["bash", str(PEERS / "vllm-cpu.sh"), "bench", server.url, server.served_name, *wl.args(),
-               "--seed", str(seed), "--save-result", "--result-dir", d, "--result-filename", "r.json"]
+               "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir", d,
+               "--result-filename", "r.json"]
         before = server.predicted_tokens()
         load = os.getloadavg()[0]
         env = {**os.environ, "BENCH_TOKENIZER": str(tokenizer)}
@@ -207,7 +208,33 @@ def bench(server: HttpServer, wl: HttpWorkload, tokenizer: Path, seed: int) -> d
         out["total_output_tokens"] = after - before
         out["output_throughput"] = out["total_output_tokens"] / out["duration"]
     out["load_1m"] = (load, os.getloadavg()[0])
+    out["slo"] = _per_request(r)
     return out
+
+
+def _per_request(r: dict) -> list[tuple[float, float]]:
+    """(TTFT, TPOT) in ms of each request that completed, as `vllm bench serve` computes them for --goodput (TPOT:
+    (latency - TTFT) / (output tokens - 1), 0 for one token)."""
+    out = []
+    for ttft, latency, n, err in zip(r.get("ttfts", []), r.get("latencies", []), r.get("output_lens", []),
+                                     r.get("errors", []), strict=False):
+        if not err and n:
+            out.append((round(ttft * 1e3, 2), round((latency - ttft) / (n - 1) * 1e3 if n > 1 else 0.0, 2)))
+    return out
+
+
+def add_goodput(runs: dict[str, dict[str, list[dict]]], peer: str) -> None:
+    """Each run's goodput (requests/s that met both SLOs: `vllm bench serve --goodput ttft:T tpot:P`), with T and P
+    the peer's own TTFT and TPOT p50 in the same round of that workload (the issue's definition, #49)."""
+    for by_system in runs.values():
+        for k, ref in enumerate(by_system.get(peer, [])):
+            if "error" in ref:
+                continue
+            t, p = ref["p50_ttft_ms"], ref["p50_tpot_ms"]
+            for rs in by_system.values():
+                if k < len(rs) and "slo" in rs[k] and rs[k].get("duration"):
+                    good = sum(ttft <= t and tpot <= p for ttft, tpot in rs[k]["slo"])
+                    rs[k].update(goodput=good / rs[k]["duration"], goodput_slo_ms=(t, p))
 
 
 def measure_servers(systems: list[str], model: str, model_dir: Path, workloads: list[str], rounds: int, *,
@@ -253,6 +280,10 @@ def measure_servers(systems: list[str], model: str, model_dir: Path, workloads: 
     finally:
         for server in servers.values():
             server.stop()
+    for peer in ("vllm", "llamacpp"):
+        if peer in servers:
+            add_goodput(runs, peer)
+            break
     return {"startup_s": {s: v.startup_s for s, v in servers.items()}, "skipped": skipped,
             "shapes": {w: shapes[w].__dict__ for w in workloads}, "runs": runs, "median": _medians(runs)}
 
@@ -265,8 +296,9 @@ def _medians(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict
         for s, rs in by_system.items():
             ok = [r for r in rs if "error" not in r]
             if ok:
-                keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms")
-                row = {k: statistics.median(r[k] for r in ok) for k in keys}
+                keys = ("output_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                        "p50_tpot_ms", "p99_tpot_ms", "goodput")
+                row = {k: statistics.median(r[k] for r in ok) for k in keys if all(k in r for r in ok)}
                 row.update(load_1m=statistics.median(r["load_1m"][0] for r in ok), runs=len(ok))
                 out.setdefault(w, {})[s] = row
     return out
