@@ -5,7 +5,7 @@ while the scheduler applies a result and plans. Built as soon as the plan before
 door early: a request that arrives while step K runs is planned into K+2, not K+1, and waits out K+1 whole
 (bench/NOTES.md "Session 22, #49": 27% of SmolLM2's mean TTFT under Poisson arrivals). ``StepClock`` predicts
 when the step in flight ends, from a linear model of this executor's own step times, and the engine builds the
-next plan only ``lead`` seconds before that (engine.py, ``Engine._hold``): arrivals until then join it.
+next plan only ``lead`` seconds before that (``wait_to_plan``, from engine.py): arrivals until then join it.
 
 Either way a wrong prediction costs no more than one of the two old modes: too long, and the step's result comes
 first, so the next plan is built after it (a synchronous step: the executor idles while the result is applied and
