@@ -5,8 +5,9 @@ One ``KvRetention`` per executor's device pool (the KV manager's). A retention i
 one reference on each page (``PagePool.share``), so the pool's accounting is unchanged -- a retained page is a used
 page, counted against its tenant (quota, fair share), never handed out, and still findable by its hash; a later
 request of the tenant that hits it takes a reference as usual. What is kept: the request's full published pages,
-prompt then output, up to the first page the prefix cache cannot find (a window's dropped page). The tenant holds
-at most ``cap`` retained pages: its oldest other retentions make room first, then the new one's tail is left out.
+prompt then output, up to the first one it no longer holds (a window's dropped page, even one still findable: taking
+it back would grow the tenant as the request ends, past its quota). The tenant holds at most ``cap`` retained pages:
+its oldest other retentions make room first, then the new one's tail is left out.
 
 A retention ends when its TTL elapses (``expire``), on ReleaseKv (``end``), when another of the same key replaces
 it, or under pressure (the planner ends the oldest one that ``reclaimable`` names before it preempts a running
@@ -29,6 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from pagedkv.wire import DROPPED_PAGE
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish, Request
 
@@ -110,11 +112,11 @@ class KvRetention:
         if spec is None or finish is Finish.ABORT:
             return 0
         pages = []
-        for h in req.page_hashes[: req.num_published]:
-            page = self._pool.lookup(h)
-            if page is None:
+        table, hash_of = req.page_table, self._pool.hash_of
+        for i, h in enumerate(req.page_hashes[: req.num_published]):
+            if i >= len(table) or table[i] == DROPPED_PAGE or hash_of(table[i]) != h:
                 break
-            pages.append(page)
+            pages.append(table[i])
         tenant, key = req.tenant, (req.tenant, spec.key)
         self._hold(tenant, pages)  # (first: what the retention it replaces shares stays held)
         old = self._held.pop(key, None)

@@ -22,7 +22,7 @@ def make_request(i: int, prompt_len: int, max_tokens: int, prompt: list[int] | N
     prompt = prompt if prompt is not None else [5] * prompt_len
     return Request(request_id=f"r{i}", prompt_ids=prompt, sampling=Sampling(max_tokens=max_tokens),
                    arrival=i, detokenizer=IncrementalDetokenizer(NullTokenizer(), [], [], False),
-                   tenant=tenant, hash_root=tenant_root(tenant), **kw)
+                   tenant=tenant, **{"hash_root": tenant_root(tenant), **kw})
 
 
 def scheduled(plan: pb.StepPlan) -> list[tuple[str, int]]:
@@ -112,8 +112,11 @@ class FakeExecutor:
         ops = plan.page_ops
         for c in ops.swap_out:
             self.host[c.dst] = list(self.device.get(c.src, [None] * self.bs))
-        for p in ops.zero:  # (a retention's page: no request the executor knows may still hold it)
-            assert not any(p in t for t in self.tables.values()), f"step {plan.step_id}: page {p} zeroed while held"
+        dropping = {c.request_id: set(c.dropped_page_indices) for c in plan.continuing if c.dropped_page_indices}
+        for p in ops.zero:  # (a retention's page: no table this plan's forward uses may hold it; this plan's drops
+            # have left a window, so nothing reads them)
+            assert not any(p == q and i not in dropping.get(rid, ()) for rid, t in self.tables.items()
+                           for i, q in enumerate(t)), f"step {plan.step_id}: page {p} zeroed while held"
             self.device[p] = [None] * self.bs
         self.pages_zeroed += len(ops.zero)
         for c in ops.swap_in:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_svc.fit import shape
 from scheduler_svc.pages import PagePool
+from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Retain
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tenancy import Tenant, Tenants
@@ -199,3 +201,27 @@ def test_each_retention_ends_at_its_own_ttl_also_after_another_was_released():
     assert not s.kv_expiry_due(clock.now + 49) and s.kv_expiry_due(clock.now + 50)
     drive(s)
     s.check_integrity()
+
+
+
+def test_a_windowed_request_retains_only_the_pages_it_still_holds():
+    # Its window drops its first pages, which stay findable while free: taking them back as it ends would grow its
+    # tenant past the quota (found by the stateful page-accounting test with PAGEDKV_ADVERSARIAL=long).
+    tenant = Tenant("a", page_quota=4, page_budget=3, overflow="window")
+    s, _ = new(pages=40, share=1.0, tenants=Tenants([tenant]))
+    shaped = shape(tenant, 9, 0, s.fit_limits("a"), 256)
+    req = make_request(0, 0, 14, prompt=prompt_of(9), tenant="a", retain=Retain("k", 60), overflow="window",
+                       page_budget=shaped.page_budget, sink_tokens=shaped.sink, window_tokens=shaped.window,
+                       hash_root=tenant_root(f"a\x00window:{shaped.sink}:{shaped.window}"))
+    s.add(req)
+    seen = {"peak": 0, "table": []}
+
+    def watch(s: Driven) -> None:
+        seen["peak"] = max(seen["peak"], s.pool.used_by["a"])
+        seen["table"] = list(req.page_table) or seen["table"]
+
+    drive(s, on_step=watch)
+    assert req.finish is Finish.LENGTH and req.budget_hit and -1 in seen["table"]  # (the window dropped pages)
+    kept = s.retained.get("a", "k")
+    assert kept is None or kept.pages == seen["table"][:len(kept.pages)]  # a prefix of what it held, none dropped
+    assert s.pool.used_by["a"] <= 3 and seen["peak"] <= 3
