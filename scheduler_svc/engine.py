@@ -34,6 +34,7 @@ from scheduler_svc.step_stream import StepStream
 RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
 SYNC_AFTER_REJECTION = 64  # steps planned one at a time after the executor rejected a plan
 RECONNECT_LOG_EVERY = 60.0
+IDLE_CHECK_AFTER = 0.05  # seconds idle before the page accounting is checked
 
 
 class Engine:
@@ -247,8 +248,11 @@ class Engine:
                 await self._receive()
             elif not stream.has_work:
                 self.wake.clear()
-                stream.check_integrity()  # idle: every page must be accounted for
                 self.hooks.gauges(True)
+                try:  # (a request that comes as the last one ends is planned first: the check takes milliseconds)
+                    await asyncio.wait_for(self.wake.wait(), IDLE_CHECK_AFTER)
+                except asyncio.TimeoutError:
+                    stream.check_integrity()  # idle a while: every page must be accounted for
             else:
                 await asyncio.sleep(0.001)
             return

@@ -209,7 +209,11 @@ class Generation(Response):
                     choice.tools = ToolCallStream(fmt, plan.tool_function, plan.parallel_tool_calls)
                 text, calls = choice.tools.feed(item.text, final=finish is not None)
                 finish = answers.tool_finish(finish, choice.tools.called)
-            if not (text or calls or finish or echo or (plan.logprobs and item.token_ids)):
+            # A completion's first token gets its chunk even when its text is held back (as vLLM's, which sends a
+            # chunk per token): time to first token is the first token's, not the first complete character's.
+            # (A chat's role chunk went out with the first token already.)
+            first = not plan.chat and item.token_ids and len(choice.token_ids) == len(item.token_ids)
+            if not (text or calls or finish or echo or first or (plan.logprobs and item.token_ids)):
                 continue  # text may be held back (a stop string may start there, a character is not complete)
             if item.token_ids and not self.streamed_a_token:
                 self.streamed_a_token = True

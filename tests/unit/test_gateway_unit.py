@@ -422,6 +422,16 @@ def test_app_streams_chunks_usage_and_done():
     assert up.metadata == [(("authorization", "Bearer k"),)]
 
 
+def test_a_completions_first_token_gets_a_chunk_even_with_its_text_held_back():
+    # (the first byte of a character: no text yet; as vLLM, its chunk goes out, so TTFT is the first token's)
+    up = FakeUpstream([_msg(ids=[200]), _msg(ids=[201]), _msg(text="é!", ids=[33]),
+                       _msg(text="", ids=[34], finish=api.FINISH_REASON_LENGTH, prompt=2, completion=4)])
+    status, _, data = asyncio.run(asgi(_app(up), "/v1/completions", _body(stream=True)))
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in data.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert status == 200 and [c["choices"][0]["text"] for c in chunks] == ["", "é!", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+
+
 def test_app_refuses_a_large_body_before_reading_it():
     up = FakeUpstream()
     status, _, data = asyncio.run(asgi(_app(up, max_body_bytes=2048), "/v1/completions", b"{}",
