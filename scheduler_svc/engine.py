@@ -240,7 +240,7 @@ class Engine:
             await self._receive()  # (the step in flight ended before the next plan's time: planned after it)
             return
         t0 = time.perf_counter()
-        plan, outputs = stream.next_plan()
+        plan, outputs = stream.next_plan(rides=not self.sync_steps)
         deliver(outputs)
         self._counted = metrics.count_since(self._counted, self._scheduler.snapshot())
         if plan is None:
@@ -282,11 +282,12 @@ class Engine:
             return
         if result.error:
             self.sync_steps = SYNC_AFTER_REJECTION
-            if stream.in_flight > 1:
-                # The plan after it was built on what this one would have done: both are void. As for a lost
-                # stream, the requests are recomputed (the executor forgets them all when the stream is dropped).
-                self._executor_lost(f"the executor rejected step {step_id} with step {step_id + 1} in flight: "
-                                    f"{result.error}")  # (plans are numbered in the order they go out)
+            if stream.in_flight > 1 or sent.rides:
+                # The plan after it was built on what this one would have done (or this one's requests share pages
+                # it was to compute: rides.py): void. As for a lost stream, the requests are recomputed (the
+                # executor forgets them all when the stream is dropped).
+                ahead = f"with step {step_id + 1} in flight" if stream.in_flight > 1 else "(requests riding on it)"
+                self._executor_lost(f"the executor rejected step {step_id} {ahead}: {result.error}")
                 return
         elif self.sync_steps:
             self.sync_steps -= 1

@@ -26,6 +26,7 @@ from pagedkv.wire import DROPPED_PAGE
 from scheduler_svc.pages import PagePool, held
 from scheduler_svc.prefix_cache import extend_chain
 from scheduler_svc.request import Request, Status
+from scheduler_svc.rides import planned_pages
 from scheduler_svc.snapshot import Counters
 from scheduler_svc.step import PageOps
 
@@ -42,6 +43,7 @@ class KVManager:
         self._refcounts = pool.refcounts  # (read in the steady decode's check, for every request and step)
         self._inflight: dict[bytes, Request] = {}  # prefix pages being computed: hash -> the request computing it
         self._ops = PageOps()
+        self._rides = True  # find_hits adds the prefix pages another running request has planned (rides.py)
         self._counters = counters if counters is not None else Counters()  # (the owner's: they outlive this)
         if self._host is not None and self._caching:
             pool.on_evict(self._spill)
@@ -78,7 +80,7 @@ class KVManager:
 
     def find_hits(self, req: Request) -> list[Hit]:
         """The longest cached prefix of a request that holds no pages (read-only): each page from the
-        device tier if it is there, else from the host tier."""
+        device tier if it is there, else from the host tier; then the pages another request has planned."""
         if not self._caching or req.page_table:
             return []
         limit = self._max_hit_pages(req)
@@ -93,7 +95,13 @@ class KVManager:
             if page is None:
                 break
             hits.append((page, True))
+        if self._rides:
+            hits += [(p, False) for p in planned_pages(self._inflight, req, len(hits), limit, self._bs)]
         return hits
+
+    def set_rides(self, on: bool) -> None:
+        """Whether find_hits adds the pages another request's plans compute (off while plans go one at a time)."""
+        self._rides = on
 
     def waits_for_inflight(self, req: Request, num_hits: int) -> bool:
         """True when the next page this request would compute is being computed by another request."""
@@ -179,15 +187,6 @@ class KVManager:
             elif self._host.refcount(hp) == 0:
                 taken += 1
         return copies, taken
-
-    def shared_cached_tokens(self, req: Request) -> int:
-        """Tokens of req in cached pages other requests hold too: a recompute would find them again."""
-        n = 0
-        for p in req.page_table[: self._pool.pages_for(req.num_computed)]:
-            if p == DROPPED_PAGE or self._pool.refcount(p) < 2 or self._pool.hash_of(p) is None:
-                break
-            n += 1
-        return min(n * self._bs, req.num_computed)
 
     def swap_out_cost(self, req: Request) -> int | None:
         """Pages that swapping req out would copy, or None when the host tier cannot take it."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pagedkv.wire import DROPPED_PAGE
+from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Request
 
 # --scheduling-policy: a tenant's waiting requests in arrival order, or by priority with preemption of its less
@@ -110,3 +112,13 @@ class PreemptionPolicy:
         if self._config.mode is Mode.SWAP:
             return True
         return self.swap_seconds(pages_to_copy) < self.recompute_seconds(tokens_to_recompute)
+
+
+def shared_cached_tokens(pool: PagePool, req: Request) -> int:
+    """Tokens of req in published pages other requests hold too: a recompute would find them again."""
+    n = 0
+    for p in req.page_table[: pool.pages_for(req.num_computed)]:
+        if p == DROPPED_PAGE or pool.refcount(p) < 2 or pool.hash_of(p) is None:
+            break
+        n += 1
+    return min(n * pool.block_size, req.num_computed)

@@ -22,7 +22,7 @@ from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
 from scheduler_svc.pages import PagePool, tier_pools
 from scheduler_svc.plan_view import PlanView, count, plans_ahead, uncount
-from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy
+from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy, shared_cached_tokens
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.report import snapshot_of
 from scheduler_svc.request import Finish, Output, Request, Status, forks
@@ -62,6 +62,7 @@ class Scheduler(ExecutorLifecycle):
         self.queues = RequestQueues(config.fairness, self.ledger, config.scheduling_policy == "priority")
         self.limits = TenantLimits(self.ledger, pool, self.queues, tenant_stats)
         self._deferred: Outputs = []  # requests ended between plans (handed out with the next)
+        self._rode = False  # the step being planned admitted a request sharing pages a plan computes (rides.py)
         self.step_id = 0
         self._watermark_pages = int(config.watermark * pool.num_pages)
 
@@ -142,9 +143,10 @@ class Scheduler(ExecutorLifecycle):
         return bool(self.queues or self.queues.has_forget or self._deferred)
 
     # ---- planning ------------------------------------------------------------------------------
-    def plan(self, resend: bool = False) -> tuple[Step | None, Outputs]:
+    def plan(self, resend: bool = False, rides: bool = True) -> tuple[Step | None, Outputs]:
         """The next step (None: nothing to send) and the messages of requests ended since the last. ``resend``: plan
-        nothing (the wire resends a rejected plan's page operations), only the ids to forget."""
+        nothing (the wire resends a rejected plan's page operations), only the ids to forget. ``rides``: a request
+        may share prefix pages another request's plans compute (rides.py)."""
         outputs = [(r, self.finish(r, Finish.ABORT)) for r in list(self.queues.requests.values()) if r.aborted]
         self.retained.expire()  # (their pages are zeroed by the plan below)
         outputs += self._deferred
@@ -152,13 +154,15 @@ class Scheduler(ExecutorLifecycle):
         if resend:
             self.step_id += 1
             return Step(self.step_id, [], PageOps(), self.queues.take_forget(), resend=True), outputs
+        self.kv.set_rides(rides)
+        self._rode = False
         scheduled = self._plan_step()
         if not scheduled and not self.queues.has_forget and not self.kv.ops:
             return None, outputs
         self.step_id += 1
         self.counters.peak_used_pages = max(self.counters.peak_used_pages, self._pool.num_used)
         self.limits.record_peaks()
-        return Step(self.step_id, scheduled, self.kv.take_ops(), self.queues.take_forget()), outputs
+        return Step(self.step_id, scheduled, self.kv.take_ops(), self.queues.take_forget(), rides=self._rode), outputs
 
     def _plan_step(self) -> list[Scheduled]:
         """The requests of the next step, the tokens each computes and whether it samples: the running ones first
@@ -220,6 +224,7 @@ class Scheduler(ExecutorLifecycle):
             req = d.req
             if d.__class__ is Admit:
                 self.queues.admit(req)
+                self._rode |= any(not host and self._pool.hash_of(p) is None for p, host in d.hits)  # (rides.py)
                 self.kv.admit(req, d.hits, d.n)
                 if req.num_preemptions == 0:  # weighted service: the prompt tokens it will compute
                     self.queues.waiting.charge(req.tenant, prompt_tokens=req.compute_target
@@ -275,7 +280,7 @@ class Scheduler(ExecutorLifecycle):
         """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
         # (a fork parent under a plan in flight is recomputed: swapped, it would miss its fork)
         pages = None if req.n > 1 and req.in_flight else self.kv.swap_out_cost(req)
-        swap = self._policy.should_swap(pages, req.num_computed - self.kv.shared_cached_tokens(req))
+        swap = self._policy.should_swap(pages, req.num_computed - shared_cached_tokens(self._pool, req))
         if swap:
             self.kv.swap_out(req)
             self.counters.swap_preemptions += 1

@@ -36,6 +36,7 @@ class Step:
     ops: PageOps
     forget: list[str]  # request ids the executor drops first
     resend: bool = False  # nothing planned: the page operations of a rejected plan go again, alone (the wire's)
+    rides: bool = False  # a request admitted shares pages a plan not yet answered computes (rides.py)
 
 
 @dataclass(slots=True)
@@ -53,3 +54,4 @@ class InFlight:
     sent_at: float = 0.0  # perf_counter when it went out (0: not on a stream)
     traced: list[Request] | tuple = ()  # requests it computes a prefill chunk for (ttft_trace.py)
     features: Any = None  # its cost features (plan_clock.step_features): when it should end
+    rides: bool = False  # Step.rides: rejected, it voids its followers' shared pages (engine.py)

@@ -70,10 +70,10 @@ class StepStream:
         return bool(self._in_flight) and self._in_flight[0].resending
 
     # ---- out ----------------------------------------------------------------------------------
-    def next_plan(self) -> tuple[pb.StepPlan | None, Outputs]:
+    def next_plan(self, rides: bool = True) -> tuple[pb.StepPlan | None, Outputs]:
         """The next plan on the wire (None: nothing to send) and the messages of requests that ended meanwhile. The
-        plan is in flight from here on (``sent`` says when it went out)."""
-        step, outputs = self._scheduler.plan(resend=self._resend_ops is not None)
+        plan is in flight from here on (``sent`` says when it went out). ``rides``: Scheduler.plan's."""
+        step, outputs = self._scheduler.plan(resend=self._resend_ops is not None, rides=rides)
         if step is None:
             return None, outputs
         return (self._resend(step) if step.resend else self._encode(step)), outputs
@@ -103,7 +103,7 @@ class StepStream:
                     (traced := traced or []).append((req, n, samples))
         plan.decodes.extend(decodes)
         sent = InFlight(step.step_id, step.scheduled, step.ops, forget=step.forget, rows=new + continuing + decoding,
-                        features=step_features(step.scheduled))
+                        features=step_features(step.scheduled), rides=step.rides)
         if traced:
             _trace_chunks(sent, traced, tokens + len(decodes), one_token_rows + len(decodes), len(self._in_flight))
         self._in_flight.append(sent)

@@ -135,9 +135,13 @@ class FakeExecutor:
         starts = {rid: self.known[rid][1] for rid in self.tables if rid in self.known}
         result = fake_result(plan, self.known)
         new_starts = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
-        for rid, n in scheduled(plan):
-            start = new_starts[rid] if rid in new_starts else starts[rid]
-            fps = self._fingerprints(self.tokens[rid])
+        rows = [(rid, n, new_starts[rid] if rid in new_starts else starts[rid], self._fingerprints(self.tokens[rid]))
+                for rid, n in scheduled(plan)]
+        for rid, n, start, fps in rows:  # as the model does in each layer: every row's K/V written, then attended
+            for pos in range(start, start + n):
+                page, off = self._slot(rid, pos)
+                page[off] = fps[pos]
+        for rid, _n, start, fps in rows:
             sink, window = self.windows[rid]
             for pos in range(start):
                 if window and sink <= pos <= start - window:
@@ -145,9 +149,6 @@ class FakeExecutor:
                 assert self.tables[rid][pos // self.bs] != -1, f"{rid}: position {pos} visible but its page dropped"
                 page, off = self._slot(rid, pos)
                 assert page[off] == fps[pos], f"step {plan.step_id}: {rid} reads wrong KV at position {pos}"
-            for pos in range(start, start + n):
-                page, off = self._slot(rid, pos)
-                page[off] = fps[pos]
         for rid, token, _ in samples(plan, result):
             self.tokens[rid].append(token)
         return result
