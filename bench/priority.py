@@ -27,6 +27,11 @@ bench/results/priority.json (``--out``).
 
     python bench/priority.py                 # ~3 minutes on 2 CPUs
     python bench/priority.py --quick         # smoke run: 6 interactive requests, 16 batch workers
+    python bench/priority.py --policies priority --trace -- --max-num-batched-tokens 256 --no-async-scheduling
+
+``--trace`` serves at DEBUG and prints, for the slowest interactive requests, the scheduler's own parts of their
+first token (``request_first_token``, scheduler_svc/ttft_trace.py: queue, prefill, behind, each prefill chunk's
+step with what else it computed); they go into the JSON too (``inter_trace``).
 """
 
 from __future__ import annotations
@@ -59,17 +64,20 @@ def prompt(rng: random.Random, length: int) -> list[int]:
     return [BOS_ID] + [rng.randrange(FIRST_ID, VOCAB) for _ in range(length - 1)]
 
 
-async def _ttft(client: Client, ids: list[int], max_tokens: int, priority: int) -> tuple[float, int]:
+async def _ttft(client: Client, ids: list[int], max_tokens: int, priority: int, request_id: str = "",
+                ) -> tuple[float, int]:
     """(seconds from send to the first token, tokens received)."""
     sent, first, tokens = time.perf_counter(), float("nan"), 0
-    async for msg in client.generate(ids, max_tokens=max_tokens, ignore_eos=True, temperature=0, priority=priority):
+    async for msg in client.generate(ids, max_tokens=max_tokens, ignore_eos=True, temperature=0, priority=priority,
+                                     request_id=request_id):
         if msg.token_ids and not tokens:
             first = time.perf_counter() - sent
         tokens += len(msg.token_ids)
     return first, tokens
 
 
-async def interactive(client: Client, args: argparse.Namespace, seed: int) -> tuple[list[float], float, float]:
+async def interactive(client: Client, args: argparse.Namespace, seed: int, tag: str,
+                      ) -> tuple[list[float], float, float]:
     """The interactive class on its schedule: (TTFTs, first send, last end)."""
     rng = random.Random(seed)
     prompts = [prompt(rng, args.inter_prompt) for _ in range(args.inter_requests)]
@@ -77,7 +85,7 @@ async def interactive(client: Client, args: argparse.Namespace, seed: int) -> tu
 
     async def one(i: int) -> float:
         await asyncio.sleep(max(0.0, t0 + i / args.inter_rate - time.perf_counter()))
-        ttft, tokens = await _ttft(client, prompts[i], args.inter_tokens, INTER_PRIORITY)
+        ttft, tokens = await _ttft(client, prompts[i], args.inter_tokens, INTER_PRIORITY, f"{tag}-{i}")
         if tokens != args.inter_tokens:
             raise RuntimeError(f"interactive request {i}: {tokens} tokens, asked for {args.inter_tokens}")
         return ttft
@@ -120,7 +128,8 @@ async def _drained(ops: Client, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.2)
 
 
-async def measure(address: str, args: argparse.Namespace, seed: int) -> dict[str, dict[str, Any]]:
+async def measure(server: Server, args: argparse.Namespace, seed: int) -> dict[str, dict[str, Any]]:
+    address = server.address
     clients = {t: Client(address, api_key=k, resume=None) for t, k in KEYS.items()}
     ops = clients["ops"]
     await ops.wait_ready(timeout=120)
@@ -133,7 +142,8 @@ async def measure(address: str, args: argparse.Namespace, seed: int) -> dict[str
         flood = Flood(clients[flooder], args, seed + 1000 * k) if flooder else None
         if flood:
             await asyncio.sleep(args.flood_lead)
-        ttfts, start, end = await interactive(clients[asker], args, seed + k)
+        tag = f"inter{k}"
+        ttfts, start, end = await interactive(clients[asker], args, seed + k, tag)
         after = await ops.model_info()
         if flood:
             await flood.stop()
@@ -144,6 +154,9 @@ async def measure(address: str, args: argparse.Namespace, seed: int) -> dict[str
             "batch_tokens": batch_tokens, "window_s": end - start, "batch_tok_s": batch_tokens / (end - start),
             "swap_preemptions": after.num_swap_preemptions - before.num_swap_preemptions,
             "recompute_preemptions": after.num_recompute_preemptions - before.num_recompute_preemptions}
+        if args.trace:
+            await asyncio.sleep(0.5)  # (the last lines reach the pump)
+            out[name]["inter_trace"] = traces(server, tag, ttfts)
         print(f"  {name}: TTFT p99 {out[name]['inter_ttft_p99_s'] * 1e3:.0f} ms, batch {out[name]['batch_tok_s']:.0f} "
               f"tok/s, load {load:.2f}", flush=True)
     await _drained(ops)
@@ -152,9 +165,39 @@ async def measure(address: str, args: argparse.Namespace, seed: int) -> dict[str
     return out
 
 
+TRACE_FIELDS = ("tokenize_s", "prepare_s", "queue_s", "prefill_s", "behind_s", "send_s", "ttft_s", "prefill_steps")
+
+
+def traces(server: Server, tag: str, ttfts: list[float]) -> list[dict[str, Any]]:
+    """The server's ``request_first_token`` breakdown of each interactive request (``--trace``), with its client
+    TTFT, slowest first."""
+    lines = {e["request_id"]: e for e in list(server.events) if e.get("event") == "request_first_token"
+             and str(e.get("request_id", "")).startswith(tag + "-")}
+    rows = []
+    for i, ttft in enumerate(ttfts):
+        e = lines.get(f"{tag}-{i}", {})
+        rows.append({"i": i, "client_ttft_s": round(ttft, 4), **{f: e.get(f) for f in TRACE_FIELDS},
+                     "chunks": e.get("chunks")})
+    return sorted(rows, key=lambda r: -r["client_ttft_s"])
+
+
+def print_traces(results: dict[str, Any], top: int = 6) -> None:
+    for policy, runs in results.items():
+        for name, r in runs.items():
+            print(f"\n{policy} / {name}: the {top} slowest interactive requests, client TTFT and the server's "
+                  "parts (ms)")
+            print("  i  client  " + "  ".join(f.removesuffix("_s") for f in TRACE_FIELDS) + "  chunks [step, tokens, "
+                  "decodes, other prefill, ms]")
+            for t in r.get("inter_trace", [])[:top]:
+                parts = "  ".join("-" if t[f] is None else f"{t[f] * 1e3:.1f}" if f.endswith("_s") else str(t[f])
+                                  for f in TRACE_FIELDS)
+                print(f"  {t['i']:>2} {t['client_ttft_s'] * 1e3:7.1f}  {parts}  {t['chunks']}")
+
+
 def serve_args(args: argparse.Namespace, policy: str, tenants: Path) -> list[str]:
+    trace = ["--log-format", "json", "--log-level", "debug"] if args.trace else []
     return ["--model", args.model, "--scheduling-policy", policy, "--tenants-file", str(tenants),
-            "--max-num-seqs", str(args.max_num_seqs), *args.serve_args]
+            "--max-num-seqs", str(args.max_num_seqs), *trace, *args.serve_args]
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
@@ -185,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="6 interactive requests, 16 batch workers")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--trace", action="store_true", help="serve at DEBUG and print the server's first-token parts of "
+                   "the slowest interactive requests (scheduler_svc/ttft_trace.py)")
     p.add_argument("--out", default=str(RESULTS / "priority.json"))
     p.add_argument("serve_args", nargs="*", help="more pagedkv serve flags (after --)")
     args = p.parse_args(argv)
@@ -198,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--scheduling-policy {policy}", flush=True)
             server = Server(serve_args(args, policy, tenants))
             try:
-                results[policy] = asyncio.run(measure(server.address, args, args.seed))
+                results[policy] = asyncio.run(measure(server, args, args.seed))
             finally:
                 server.stop()
     header, rows = table(results)
+    if args.trace:
+        print_traces(results)
     print_table(header, rows)
     write_report(args.out, {"config": vars(args), "nproc": os.cpu_count(),
                             "results": results, "table": [dict(zip(header, r, strict=True)) for r in rows]})
