@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from executor_svc.kv_quant import SCALE_DTYPE, ChannelScaledCache, KvFormat, QuantizedCache
+from executor_svc.kv_quant import SCALE_DTYPE, ChannelScaledCache, KvFormat, QuantizedCache, key_rotation
 from executor_svc.model_config import ModelConfig
 
 GiB = 1 << 30
@@ -52,6 +52,9 @@ class DevicePagePool:
         self.kv = kv
         self.kv_dtype = kv.name if kv is not None else str(dtype).removeprefix("torch.")
         self.compute_dtype = dtype  # what attention gets back from a quantized page
+        # (queries', keys') rotation when the pages hold rotated keys (kv_quant.key_rotation: FP8), else None
+        self.key_rotation = (key_rotation(cfg.head_dim, dtype, device) if kv is not None and kv.rotates_keys
+                             else None)
         self.page_bytes = page_bytes(cfg, block_size, dtype, kv)
         if kv is None:
             self.dtype = dtype  # the element type of ``pages`` (host pool, copies)

@@ -248,6 +248,8 @@ class LlamaModel:
             k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if pool.key_rotation is not None:  # pages that hold rotated keys (FP8: kv_quant.key_rotation)
+            q, k = q @ pool.key_rotation[0], k @ pool.key_rotation[1]
         k_cache, v_cache = pool.layer(i)
         attention.write_cache(k_cache, v_cache, k, v, meta)
         if cfg.attn_softcap:
@@ -316,6 +318,8 @@ class LlamaModel:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+            if pool.key_rotation is not None:  # (FP8 pages hold rotated keys: kv_quant.key_rotation)
+                q, k = q @ pool.key_rotation[0], k @ pool.key_rotation[1]
             attention.write_cache(k_cache, v_cache, k, v, meta)
         a = attention.forward(q, k_cache, v_cache, meta)
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
