@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="3. and 4. on this model (a built-in name such as "
                     "smollm2-135m-instruct, or an HF directory) instead of the trained tiny Llama; its text is "
                     "CPython's pydoc_data documentation")
+    ap.add_argument("--decode-ctx", type=int, default=512, help="4.'s context length (#50's target: 2048)")
+    ap.add_argument("--decode-only", action="store_true", help="1. and 4. only (no quality run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -410,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     q = (dict(num_seqs=2, seq_len=512, chunk=128, num_greedy=2, prompt_len=128, gen_len=32) if args.quick else
          dict(num_seqs=16, seq_len=1024, chunk=128, num_greedy=16, prompt_len=256, gen_len=256))
     report["quality_setup"] = q
-    if args.model:
+    if args.decode_only:
+        model_dir = resolve_model(args.model) if args.model else trained_tiny_llama()
+    elif args.model:
         model_dir = resolve_model(args.model)
         report["model"] = {"name": args.model, "text": "CPython's pydoc_data topics"}
         report["quality"] = quality(model_dir, **q, data=fixed_text_tokens(model_dir))
@@ -421,12 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         report["quality"] = quality(model_dir, **q)
         what = (f"the trained tiny Llama ({report['model']['steps']} steps on Python's stdlib, final train loss "
                 f"{report['model']['final_loss']}),")
-    print(f"\n3. Quality on {what} {q['num_seqs']} held-out sequences of {q['seq_len']} tokens "
-          f"(chunked prefill of {q['chunk']}); greedy: {q['num_greedy']} prompts of {q['prompt_len']}, "
-          f"{q['gen_len']} tokens\n")
-    ref_ppl = report["quality"]["float32"]["perplexity"]
+    if not args.decode_only:
+        print(f"\n3. Quality on {what} {q['num_seqs']} held-out sequences of {q['seq_len']} tokens "
+              f"(chunked prefill of {q['chunk']}); greedy: {q['num_greedy']} prompts of {q['prompt_len']}, "
+              f"{q['gen_len']} tokens\n")
+    ref_ppl = report["quality"]["float32"]["perplexity"] if "quality" in report else 0.0
     rows = []
-    for name, r in report["quality"].items():
+    for name, r in report.get("quality", {}).items():
         d = r["first_divergence"]
         target = TARGETS.get(name)
         met = ""
@@ -436,10 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, f"{r['perplexity']:.4f}", f"{100 * (r['perplexity'] / ref_ppl - 1):+.3f}%",
                      f"{100 * r['top1_agreement']:.2f}%", f"{r['mean_kl']:.2e}",
                      f"{min(d)} / {sorted(d)[len(d) // 2]}", f"{r['identical_continuations']}/{len(d)}", met))
-    print(format_table(("kv dtype", "perplexity", "vs fp32", "top-1 agree", "mean KL", "1st diverge min/med",
-                  "identical", "target"), rows))
+    if rows:
+        print(format_table(("kv dtype", "perplexity", "vs fp32", "top-1 agree", "mean KL", "1st diverge min/med",
+                            "identical", "target"), rows))
 
-    s = dict(batch=8, ctx=128, steps=8) if args.quick else dict(batch=32, ctx=512, steps=32)
+    s = dict(batch=8, ctx=128, steps=8) if args.quick else dict(batch=32, ctx=args.decode_ctx, steps=32)
     report["decode_setup"] = s
     report["decode"] = decode_speed(model_dir, **s)
     base = report["decode"]["float32"]["tokens_per_s"]

@@ -46,7 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import cpu_kernel
+from executor_svc.attention import cpu_kernel, q8_decode
 from executor_svc.attention.metadata import (
     DECODE_SLACK,
     AttentionMetadata,
@@ -208,6 +208,8 @@ class TorchPagedAttention:
         if isinstance(k_cache, torch.Tensor) and self.reads_in_place(
                 torch.empty(0, dtype=dtype, device=k_cache.device), k_cache):
             return math.inf
+        if q8_decode.kernel_for(torch.empty(0, dtype=dtype, device=k_cache.data.device), k_cache, self.reference):
+            return math.inf  # (8-bit pages read in place as well)
         return DECODE_SLACK
 
     # write_cache stores K/V as they are into plain tensor pages: a model may store them itself the same way
@@ -349,6 +351,8 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
         window: int | None,
     ) -> torch.Tensor:
+        if (kernel := q8_decode.kernel_for(q, k_cache, self.reference)) is not None:  # 8-bit pages, in place
+            return q8_decode.decode(kernel, q, k_cache, v_cache, group, window, self.scale)
         batch = q.shape[0]
         k = gather_pages(k_cache, group.page_tables, q.dtype)  # [B, H, L, D]
         v = gather_pages(v_cache, group.page_tables, q.dtype)

@@ -1,0 +1,411 @@
+// Decode attention read straight from 8-bit pages (FP8 E4M3 or INT8, executor_svc/kv_quant.py), on the CPU: no
+// full-precision copy of the pages is made; each key and value row is widened to float32 in registers (a
+// 256-entry table for FP8, a sign extension for INT8) and scaled as it is used (#50 item 2).
+//
+// One task per (decode row, KV head), spread over torch's intra-op threads: the task scores the query heads of
+// that KV head against each visible key (read through the page table), takes the softmax in float32 and sums the
+// dequantized values the same way. Visible keys of a decode with context length c (the new token included):
+//
+//   [lo, min(sink, s))  ++  [s, c),   s = max(lo, c - window)   when the row has a window (> 0)
+//   [lo, c)                                                  otherwise
+//   lo = max(0, c - model_window) with a model-wide sliding window, else 0
+//
+// the positions TorchPagedAttention's decode mask leaves visible (decode_visible, its reference path).
+//
+// Scales, as the pool keeps them: FP8 K and V, INT8 V: one bfloat16 per (page, slot, KV head); INT8 K: one
+// exponent byte per (page, KV head, channel), the scale 2^(e - 127).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_math.h"
+
+// Built only where the vector instructions it is written with exist (x86 with AVX2, FMA and F16C: every x86
+// server since 2013); elsewhere the op is not registered and the torch backend gathers 8-bit pages as before.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace pagedkv_q8 {
+namespace {
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x;
+      if (e == 15 && m == 7) {
+        x = std::numeric_limits<float>::quiet_NaN();
+      } else if (e == 0) {
+        x = std::ldexp(static_cast<float>(m), -9);  // subnormal: m / 8 * 2^-6
+      } else {
+        x = std::ldexp(1.0f + m / 8.0f, e - 7);
+      }
+      v[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline float bf16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// 16 lanes of GCC's generic vectors (AVX-512: one register; AVX2: two).
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// 16 bytes -> 16 lanes of 32 bits, zero- or sign-extended (GCC's __builtin_convertvector from 8-bit lanes moves
+// one byte at a time: ~50 instructions where vpmovzxbd is one).
+#if defined(__AVX512F__)
+inline v16i widen_i8(const uint8_t* p) {
+  return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#elif defined(__AVX2__)
+template <typename V, typename Fn>
+inline V widen_halves(const uint8_t* p, Fn fn) {
+  const __m256i lo = fn(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = fn(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  V v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+inline v16i widen_i8(const uint8_t* p) {
+  return widen_halves<v16i>(p, [](__m128i x) { return _mm256_cvtepi8_epi32(x); });
+}
+#endif
+
+// 16 E4M3 bytes -> float32, exactly: each byte's sign, exponent and mantissa bits moved into a float16's (E4M3's
+// exponent bias is 7, float16's 15: the float16 is the value / 2^8, subnormals included), widened by vcvtph2ps
+// (which reads float16 subnormals whatever MXCSR's DAZ says), times 2^8; 0x7f / 0xff become NaN. 8 operations.
+inline __m256i fp8_as_half(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(em, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)));
+}
+inline v16f fp8_to_float(const uint8_t* p) {
+  const __m256i h = fp8_as_half(p);
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtph_ps(h) * 256.0f;
+#else
+  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  v16f v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v * 256.0f;
+#endif
+}
+
+// out[k] = the sum of a[k]'s lanes, for 16 vectors at once: four levels, each adding pairs of vectors after two
+// shuffles (45 operations, against ~25 for one vector's sum alone); out's lanes in a's order.
+inline v16f reduce16(const v16f* a) {
+  v16f b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[i], b[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[i], b[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[i], c[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[i], c[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+inline v16f int8_to_float(const uint8_t* p) { return __builtin_convertvector(widen_i8(p), v16f); }
+
+constexpr int64_t kMaxGroup = 16;  // query heads a KV head at most (GQA group)
+
+inline v16f vload(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void vstore(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += v[l];
+  return s;
+}
+
+// A row of D 8-bit elements -> float32 (before scaling). DIM: D when a multiple of 16 (vectors), else 0.
+template <int DIM>
+inline void widen(const uint8_t* __restrict row, bool fp8, int64_t dim, float* __restrict out) {
+  if constexpr (DIM > 0) {
+    for (int d = 0; d < DIM; d += 16) vstore(out + d, fp8 ? fp8_to_float(row + d) : int8_to_float(row + d));
+  } else if (fp8) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = kFp8.v[row[d]];
+  } else {
+    const int8_t* r = reinterpret_cast<const int8_t*>(row);
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(r[d]);
+  }
+}
+
+template <int DIM>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
+  if constexpr (DIM > 0) {
+    v16f acc = vload(a) * vload(b);
+    for (int d = 16; d < DIM; d += 16) acc += vload(a + d) * vload(b + d);
+    return hsum(acc);
+  } else {
+    float s = 0.f;
+    for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+    return s;
+  }
+}
+
+template <int DIM>
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t dim) {
+  if constexpr (DIM > 0) {
+    for (int d = 0; d < DIM; d += 16) vstore(y + d, vload(y + d) + w * vload(x + d));
+  } else {
+    for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
+  }
+}
+
+// 2^(e - 127) for an exponent byte (0: nothing written yet, and 0 data: any scale; 0 here).
+inline float exp2_byte(uint8_t e) {
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Pool {  // one layer's K or V: data bytes, and where a (page, slot, head) row and its scale are
+  const uint8_t* data;
+  int64_t page, slot, head;  // strides of data, in bytes
+  const uint16_t* scale;     // bf16 per (page, slot, head), or nullptr (INT8 K: exponents instead)
+  int64_t s_page, s_slot, s_head;
+  const uint8_t* exp;        // INT8 K: exponent bytes per (page, head, channel)
+  int64_t e_page, e_head;
+
+  const uint8_t* row(int64_t p, int64_t o, int64_t h) const { return data + p * page + o * slot + h * head; }
+  float row_scale(int64_t p, int64_t o, int64_t h) const { return bf16(scale[p * s_page + o * s_slot + h * s_head]); }
+};
+
+Pool pool_of(const at::Tensor& data, const at::Tensor& scale) {
+  Pool p{};
+  p.data = static_cast<const uint8_t*>(data.data_ptr());
+  p.page = data.stride(0), p.slot = data.stride(1), p.head = data.stride(2);
+  if (scale.scalar_type() == at::kBFloat16) {
+    p.scale = static_cast<const uint16_t*>(scale.data_ptr());
+    p.s_page = scale.stride(0), p.s_slot = scale.stride(1), p.s_head = scale.stride(2);
+  } else {  // uint8 exponents [pages, heads, dim]
+    p.exp = static_cast<const uint8_t*>(scale.data_ptr());
+    p.e_page = scale.stride(0), p.e_head = scale.stride(1);
+  }
+  return p;
+}
+
+template <int DIM>
+void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const at::Tensor& tables,
+            const at::Tensor& ctx_lens, const at::Tensor& sinks, const at::Tensor& windows, int64_t model_window,
+            int64_t block, int64_t kv_heads, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), per_kv = heads / kv_heads;
+  const int64_t width = tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx_lens.data_ptr<int64_t>();
+  const int64_t* sp = sinks.numel() ? sinks.data_ptr<int64_t>() : nullptr;
+  const int64_t* wp = windows.numel() ? windows.data_ptr<int64_t>() : nullptr;
+  const bool int8_k = K.scale == nullptr;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    pagedkv_cpu::FlushDenormals flush;
+    std::vector<float> qs(per_kv * dim), qc(per_kv * dim), row(dim), acc(per_kv * dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t c = cp[b];
+      const int64_t lo = model_window > 0 ? std::max<int64_t>(0, c - model_window) : 0;
+      const int64_t w = wp ? wp[b] : 0;
+      const int64_t s2 = w > 0 ? std::max(lo, c - w) : lo;  // the window's start
+      const int64_t s1 = w > 0 ? std::min(sp[b], s2) : lo;  // the sink's end: [lo, s1) ++ [s2, c)
+      const int64_t n1 = std::max<int64_t>(0, s1 - lo), n = n1 + std::max<int64_t>(0, c - s2);
+      const int64_t* table = tp + b * width;
+      for (int64_t g = 0; g < per_kv; ++g)
+        for (int64_t d = 0; d < dim; ++d) qs[g * dim + d] = qp[(b * heads + h * per_kv + g) * dim + d] * scale;
+      scores.assign(per_kv * std::max<int64_t>(n, 1), 0.f);
+      // scores, a run of keys of one page at a time (at most 16: one reduce16 per query head)
+      int64_t i = 0;
+      while (i < n) {
+        const int64_t t0 = i < n1 ? lo + i : s2 + (i - n1);
+        const int64_t end = i < n1 ? n1 : n;  // this range's end (in i)
+        const int64_t pg = table[t0 / block], o0 = t0 % block;
+        const int64_t len = std::min<int64_t>({16, block - o0, end - i});
+        const float* qg = qs.data();
+        if (int8_k) {  // the page's channel scales folded into the queries
+          const uint8_t* e = K.exp + pg * K.e_page + h * K.e_head;
+          for (int64_t g = 0; g < per_kv; ++g)
+            for (int64_t d = 0; d < dim; ++d) qc[g * dim + d] = qs[g * dim + d] * exp2_byte(e[d]);
+          qg = qc.data();
+        }
+        if constexpr (DIM > 0) {
+          alignas(64) v16f part[kMaxGroup][16];
+          alignas(64) float ks[16];
+          for (int64_t j = 0; j < len; ++j) {
+            const uint8_t* r = K.row(pg, o0 + j, h);
+            v16f k[DIM / 16];
+            for (int v = 0; v < DIM / 16; ++v) k[v] = fp8 ? fp8_to_float(r + 16 * v) : int8_to_float(r + 16 * v);
+            for (int64_t g = 0; g < per_kv; ++g) {
+              const float* qq = qg + g * DIM;
+              v16f a = vload(qq) * k[0];
+              for (int v = 1; v < DIM / 16; ++v) a += vload(qq + 16 * v) * k[v];
+              part[g][j] = a;
+            }
+            ks[j] = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
+          }
+          for (int64_t j = len; j < 16; ++j) {
+            for (int64_t g = 0; g < per_kv; ++g) part[g][j] = v16f{};
+            ks[j] = 0.f;
+          }
+          const v16f kv = vload(ks);
+          for (int64_t g = 0; g < per_kv; ++g) {
+            const v16f sc = reduce16(part[g]) * kv;
+            for (int64_t j = 0; j < len; ++j) scores[g * n + i + j] = sc[j];
+          }
+        } else {
+          for (int64_t j = 0; j < len; ++j) {
+            widen<DIM>(K.row(pg, o0 + j, h), fp8, dim, row.data());
+            const float ksj = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
+            for (int64_t g = 0; g < per_kv; ++g) scores[g * n + i + j] = ksj * dot<DIM>(qg + g * dim, row.data(), dim);
+          }
+        }
+        i += len;
+      }
+      std::vector<float> denom(per_kv, 0.f);
+      for (int64_t g = 0; g < per_kv; ++g) {  // softmax, in place
+        float* sg = scores.data() + g * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = pagedkv_cpu::exp_clamped(sg[i] - mx);
+          sum += sg[i];
+        }
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // values, a run of keys of one page at a time
+      for (int64_t i0 = 0; i0 < n;) {
+        const int64_t t0 = i0 < n1 ? lo + i0 : s2 + (i0 - n1);
+        const int64_t end = i0 < n1 ? n1 : n;
+        const int64_t pg = table[t0 / block], o0 = t0 % block;
+        const int64_t len = std::min<int64_t>(block - o0, end - i0);
+        if constexpr (DIM > 0) {
+          constexpr int VN = DIM / 16;
+          constexpr int GB = VN >= 16 ? 1 : 16 / VN;  // query heads whose sums stay in registers
+          for (int64_t g0 = 0; g0 < per_kv; g0 += GB) {
+            v16f a[GB][VN];
+            for (int gg = 0; gg < GB; ++gg)
+              for (int v = 0; v < VN; ++v) a[gg][v] = g0 + gg < per_kv ? vload(acc.data() + (g0 + gg) * DIM + 16 * v) : v16f{};
+            for (int64_t j = 0; j < len; ++j) {
+              const uint8_t* r = V.row(pg, o0 + j, h);
+              const float vs = V.row_scale(pg, o0 + j, h);
+              v16f x[VN];
+              for (int v = 0; v < VN; ++v) x[v] = fp8 ? fp8_to_float(r + 16 * v) : int8_to_float(r + 16 * v);
+              for (int gg = 0; gg < GB; ++gg) {
+                const float w = g0 + gg < per_kv ? scores[(g0 + gg) * n + i0 + j] * vs : 0.f;
+                for (int v = 0; v < VN; ++v) a[gg][v] += w * x[v];
+              }
+            }
+            for (int gg = 0; gg < GB && g0 + gg < per_kv; ++gg)
+              for (int v = 0; v < VN; ++v) vstore(acc.data() + (g0 + gg) * DIM + 16 * v, a[gg][v]);
+          }
+        } else {
+          for (int64_t j = 0; j < len; ++j) {
+            const float vs = V.row_scale(pg, o0 + j, h);
+            widen<DIM>(V.row(pg, o0 + j, h), fp8, dim, row.data());
+            for (int64_t g = 0; g < per_kv; ++g) axpy<DIM>(scores[g * n + i0 + j] * vs, row.data(), acc.data() + g * dim, dim);
+          }
+        }
+        i0 += len;
+      }
+      for (int64_t g = 0; g < per_kv; ++g) {
+        float* o = op + (b * heads + h * per_kv + g) * dim;
+        const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inv;
+      }
+    }
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "paged_attention_q8: ", what); }
+
+}  // namespace
+
+// q [B, heads, D] float32; k_data, v_data [pages, block, kv_heads, D] 8-bit (uint8 views of FP8 or INT8 bytes,
+// D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
+// v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
+// empty; fp8: the data bytes are E4M3 (else INT8). Returns [B, heads, D] float32.
+at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scale, at::Tensor v_data,
+                              at::Tensor v_scale, at::Tensor tables, at::Tensor ctx_lens, at::Tensor sinks,
+                              at::Tensor windows, int64_t model_window, bool fp8, double scale) {
+  check(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
+  check(k_data.dim() == 4 && v_data.dim() == 4 && k_data.scalar_type() == at::kByte &&
+            v_data.scalar_type() == at::kByte && k_data.stride(3) == 1 && v_data.stride(3) == 1,
+        "k_data and v_data must be uint8 [pages, block, kv_heads, D] with D contiguous");
+  check(k_data.size(3) == q.size(2) && v_data.sizes() == k_data.sizes(), "head_dim and pool shapes must agree");
+  const int64_t kv_heads = k_data.size(2);
+  check(kv_heads > 0 && q.size(1) % kv_heads == 0, "heads must be a multiple of kv_heads");
+  check(q.size(1) / kv_heads <= kMaxGroup, "at most 16 query heads a KV head");
+  check(v_scale.scalar_type() == at::kBFloat16 && v_scale.dim() == 3, "v_scale must be bfloat16 [pages, block, H]");
+  check((k_scale.scalar_type() == at::kBFloat16 && k_scale.dim() == 3) ||
+            (!fp8 && k_scale.scalar_type() == at::kByte && k_scale.dim() == 3 && k_scale.stride(2) == 1),
+        "k_scale must be bfloat16 [pages, block, H] or (INT8) uint8 exponents [pages, H, D]");
+  check(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous() &&
+            tables.size(0) == q.size(0), "tables must be contiguous int64 [B, W]");
+  check(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == q.size(0),
+        "ctx_lens must be contiguous int64 [B]");
+  check(windows.numel() == 0 || (windows.numel() == q.size(0) && sinks.numel() == q.size(0) &&
+                                 windows.scalar_type() == at::kLong && sinks.scalar_type() == at::kLong &&
+                                 windows.is_contiguous() && sinks.is_contiguous()),
+        "sinks and windows must be contiguous int64 [B], or both empty");
+  const int64_t block = k_data.size(1);
+  const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    check(cl[b] >= 1 && cl[b] <= tables.size(1) * block, "a context length outside its table");
+  auto out = at::empty_like(q);
+  const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
+  const auto run = [&](auto dim) {
+    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, sinks, windows, model_window, block, kv_heads,
+                                 scale, out);
+  };
+  switch (q.size(2)) {
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    case 256: run(std::integral_constant<int, 256>{}); break;
+    default: run(std::integral_constant<int, 0>{}); break;
+  }
+  return out;
+}
+
+}  // namespace pagedkv_q8
+
+TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
+  m.def("paged_attention_q8(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, Tensor tables, "
+        "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) { m.impl("paged_attention_q8", &pagedkv_q8::paged_attention_q8); }
+
+#endif  // AVX2, FMA, F16C

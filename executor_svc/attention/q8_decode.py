@@ -1,0 +1,39 @@
+"""Decodes over 8-bit pages read in place on the CPU (#50 item 2): ``paged_attention_q8`` in the CPU kernel library
+(paged_attention_q8_cpu.cpp) widens each FP8 or INT8 row to float32 in registers and scales it as it is used, so a
+step never makes a full-precision copy of the pages, as the gather path does (torch_backend.gather_pages: every
+visible page of every layer dequantized into a float32 tensor, then SDPA). Same visible positions, same
+dequantized values (the pool's own scales), float32 arithmetic; tests/unit/test_attention_q8_kernel.py holds it
+to the gather path."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention import cpu_kernel
+from executor_svc.attention.metadata import DecodeGroup
+from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def kernel_for(q: torch.Tensor, k_cache: object, reference: bool = False):
+    """The kernel library when decodes over these 8-bit pages can be read in place (a float32 model on the CPU),
+    else None."""
+    if reference or not isinstance(k_cache, (QuantizedCache, ChannelScaledCache)):
+        return None
+    if q.device.type != "cpu" or q.dtype != torch.float32:
+        return None
+    kernel = cpu_kernel.load()
+    return kernel if kernel is not None and hasattr(kernel, "paged_attention_q8") else None
+
+
+def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache, v_cache: QuantizedCache,
+           group: DecodeGroup, window: int | None, scale: float) -> torch.Tensor:
+    """q [B, heads, D] (the group's rows) -> [B, heads, D]."""
+    k_scale = k_cache.exp if isinstance(k_cache, ChannelScaledCache) else k_cache.scale
+    windows = _EMPTY if group.windows is None else group.windows
+    sinks = _EMPTY if group.windows is None else group.sinks
+    return kernel.paged_attention_q8(q.contiguous(), k_cache.data.view(torch.uint8), k_scale,
+                                     v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
+                                     group.ctx_lens, sinks, windows, window or 0,
+                                     k_cache.data.dtype == torch.float8_e4m3fn, scale)
