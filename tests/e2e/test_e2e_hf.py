@@ -51,6 +51,30 @@ def test_greedy_matches_transformers(start_server, workloads, model, block_size)
     assert info.num_used_pages == 0 and info.num_free_pages == info.num_pages == 512
 
 
+# The scheduling knobs #49 measured (bench/NOTES.md "Session 25, #49"): priority classes (each request in one of
+# three classes, so that admission order and class preemption differ from arrival order), the latency setting
+# that trades batch throughput for an interactive class's tail, and small prefill budgets without async scheduling.
+@pytest.mark.parametrize("flags", [("--scheduling-policy", "priority", "--max-num-seqs", "6"),
+                                   ("--scheduling-policy", "priority", "--max-num-batched-tokens", "256",
+                                    "--no-async-scheduling"),
+                                   ("--max-num-batched-tokens", "64", "--no-async-scheduling")],
+                         ids=["priority", "priority-latency", "sync-small-budget"])
+def test_greedy_matches_transformers_under_every_policy_setting(start_server, workloads, flags):
+    _, prompts, expected = workloads["tiny-llama"]
+    server = start_server("--num-pages", "512", "--check-integrity", *flags)
+
+    async def run() -> list:
+        async with Client(server.address) as client:
+            return await asyncio.gather(*[client.complete(p, max_tokens=n, temperature=0, priority=(i % 3) - 1)
+                                          for i, (p, n) in enumerate(zip(prompts, OUTPUT_LENS))])
+
+    outs = asyncio.run(run())
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.token_ids == ref, f"request {i} (prompt {len(prompts[i])} tokens) differs from transformers"
+    info = asyncio.run(_info(server.address))
+    assert info.num_used_pages == 0
+
+
 async def _info(address: str):
     async with Client(address) as client:
         return await client.model_info()
