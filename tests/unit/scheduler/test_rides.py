@@ -91,9 +91,25 @@ def test_random_bursts_with_aborts_keep_every_page_accounted(seed):
     def on_step(sched):
         if doomed.page_table and not doomed.aborted:
             sched.abort(doomed.group)
+    rode = _count_rides(s)
     drive(s, on_step=on_step)
     assert all(len(r.output_ids) == r.sampling.max_tokens for r in reqs if r is not doomed)
     assert s.pool.num_used == 0
+    assert rode, "some follower should have ridden its owner's pages in these bursts"
+
+
+def _count_rides(s) -> list:
+    """The plans ``s``'s scheduler builds from now on that carry riders (Step.rides): their step ids, gathered in
+    the returned list."""
+    rode, plan = [], s.scheduler.plan
+
+    def counted(*args, **kwargs):
+        step, outs = plan(*args, **kwargs)
+        if step is not None and step.rides:
+            rode.append(step.step_id)
+        return step, outs
+    s.scheduler.plan = counted
+    return rode
 
 
 def test_a_rejected_plan_with_riders_drops_the_stream_and_every_request_is_recomputed(boxes, monkeypatch):
