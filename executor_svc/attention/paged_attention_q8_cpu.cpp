@@ -1,6 +1,7 @@
 // Decode attention read straight from 8-bit pages (FP8 E4M3 or INT8, executor_svc/kv_quant.py), on the CPU: no
-// full-precision copy of the pages is made; each key and value row is widened to float32 in registers (a
-// 256-entry table for FP8, a sign extension for INT8) and scaled as it is used (#50 item 2).
+// full-precision copy of the pages is made; each key and value row is widened to float32 in registers (FP8 through
+// float16 and vcvtph2ps, INT8 by sign extension; head sizes that are not 32/64/128/256 one element at a time, FP8
+// through a 256-entry table) and scaled as it is used (#50 item 2).
 //
 // One task per (decode row, KV head), spread over torch's intra-op threads: the task scores the query heads of
 // that KV head against each visible key (read through the page table), takes the softmax in float32 and sums the
@@ -140,18 +141,10 @@ inline v16f vload(const float* p) {
 
 inline void vstore(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 
-inline float hsum(v16f v) {
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += v[l];
-  return s;
-}
-
-// A row of D 8-bit elements -> float32 (before scaling). DIM: D when a multiple of 16 (vectors), else 0.
-template <int DIM>
+// The head sizes without a vector path (decode<0>): a row of D 8-bit elements -> float32 (before scaling), a dot
+// product, y += w * x.
 inline void widen(const uint8_t* __restrict row, bool fp8, int64_t dim, float* __restrict out) {
-  if constexpr (DIM > 0) {
-    for (int d = 0; d < DIM; d += 16) vstore(out + d, fp8 ? fp8_to_float(row + d) : int8_to_float(row + d));
-  } else if (fp8) {
+  if (fp8) {
     for (int64_t d = 0; d < dim; ++d) out[d] = kFp8.v[row[d]];
   } else {
     const int8_t* r = reinterpret_cast<const int8_t*>(row);
@@ -159,26 +152,14 @@ inline void widen(const uint8_t* __restrict row, bool fp8, int64_t dim, float* _
   }
 }
 
-template <int DIM>
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
-  if constexpr (DIM > 0) {
-    v16f acc = vload(a) * vload(b);
-    for (int d = 16; d < DIM; d += 16) acc += vload(a + d) * vload(b + d);
-    return hsum(acc);
-  } else {
-    float s = 0.f;
-    for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
-    return s;
-  }
+  float s = 0.f;
+  for (int64_t d = 0; d < dim; ++d) s += a[d] * b[d];
+  return s;
 }
 
-template <int DIM>
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t dim) {
-  if constexpr (DIM > 0) {
-    for (int d = 0; d < DIM; d += 16) vstore(y + d, vload(y + d) + w * vload(x + d));
-  } else {
-    for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
-  }
+  for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
 }
 
 // 2^(e - 127) for an exponent byte (0: nothing written yet, and 0 data: any scale; 0 here).
@@ -283,9 +264,9 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
           }
         } else {
           for (int64_t j = 0; j < len; ++j) {
-            widen<DIM>(K.row(pg, o0 + j, h), fp8, dim, row.data());
+            widen(K.row(pg, o0 + j, h), fp8, dim, row.data());
             const float ksj = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
-            for (int64_t g = 0; g < per_kv; ++g) scores[g * n + i + j] = ksj * dot<DIM>(qg + g * dim, row.data(), dim);
+            for (int64_t g = 0; g < per_kv; ++g) scores[g * n + i + j] = ksj * dot(qg + g * dim, row.data(), dim);
           }
         }
         i += len;
@@ -333,8 +314,8 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         } else {
           for (int64_t j = 0; j < len; ++j) {
             const float vs = V.row_scale(pg, o0 + j, h);
-            widen<DIM>(V.row(pg, o0 + j, h), fp8, dim, row.data());
-            for (int64_t g = 0; g < per_kv; ++g) axpy<DIM>(scores[g * n + i0 + j] * vs, row.data(), acc.data() + g * dim, dim);
+            widen(V.row(pg, o0 + j, h), fp8, dim, row.data());
+            for (int64_t g = 0; g < per_kv; ++g) axpy(scores[g * n + i0 + j] * vs, row.data(), acc.data() + g * dim, dim);
           }
         }
         i0 += len;
@@ -381,8 +362,16 @@ at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scal
         "sinks and windows must be contiguous int64 [B], or both empty");
   const int64_t block = k_data.size(1);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
+  const int64_t num_pages = std::min(k_data.size(0), v_data.size(0));
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
     check(cl[b] >= 1 && cl[b] <= tables.size(1) * block, "a context length outside its table");
+    for (int64_t j = 0; j < (cl[b] + block - 1) / block; ++j) {  // (as index_select: never a read out of bounds)
+      const int64_t id = tp[b * tables.size(1) + j];
+      TORCH_CHECK(id >= 0 && id < num_pages, "paged_attention_q8: page id ", id, " outside the pool of ", num_pages,
+                  " pages");
+    }
+  }
   auto out = at::empty_like(q);
   const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
   const auto run = [&](auto dim) {

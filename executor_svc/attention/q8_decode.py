@@ -16,12 +16,15 @@ from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
-def kernel_for(q: torch.Tensor, k_cache: object, reference: bool = False):
-    """The kernel library when decodes over these 8-bit pages can be read in place (a float32 model on the CPU),
-    else None."""
+MAX_GROUP = 16  # query heads a KV head at most (the kernel's kMaxGroup; MQA models with more gather)
+
+
+def kernel_for(q: torch.Tensor, k_cache: object, reference: bool = False, heads: int = 0):
+    """The kernel library when decodes over these 8-bit pages can be read in place (a float32 model on the CPU, at
+    most MAX_GROUP query heads a KV head; ``heads``: the model's, 0 when not known yet), else None."""
     if reference or not isinstance(k_cache, (QuantizedCache, ChannelScaledCache)):
         return None
-    if q.device.type != "cpu" or q.dtype != torch.float32:
+    if q.device.type != "cpu" or q.dtype != torch.float32 or heads > MAX_GROUP * k_cache.data.shape[2]:
         return None
     kernel = cpu_kernel.load()
     return kernel if kernel is not None and hasattr(kernel, "paged_attention_q8") else None

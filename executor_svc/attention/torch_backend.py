@@ -208,7 +208,8 @@ class TorchPagedAttention:
         if isinstance(k_cache, torch.Tensor) and self.reads_in_place(
                 torch.empty(0, dtype=dtype, device=k_cache.device), k_cache):
             return math.inf
-        if q8_decode.kernel_for(torch.empty(0, dtype=dtype, device=k_cache.data.device), k_cache, self.reference):
+        if q8_decode.kernel_for(torch.empty(0, dtype=dtype, device=k_cache.data.device), k_cache, self.reference,
+                                self.num_heads):
             return math.inf  # (8-bit pages read in place as well)
         return DECODE_SLACK
 
@@ -351,7 +352,7 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
         window: int | None,
     ) -> torch.Tensor:
-        if (kernel := q8_decode.kernel_for(q, k_cache, self.reference)) is not None:  # 8-bit pages, in place
+        if (kernel := q8_decode.kernel_for(q, k_cache, self.reference, self.num_heads)) is not None:  # 8-bit, in place
             return q8_decode.decode(kernel, q, k_cache, v_cache, group, window, self.scale)
         batch = q.shape[0]
         k = gather_pages(k_cache, group.page_tables, q.dtype)  # [B, H, L, D]

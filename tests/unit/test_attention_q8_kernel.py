@@ -108,3 +108,26 @@ def test_the_source_compiles_for_other_x86_levels(march):
            *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}", f"-I{src.parent}", str(src)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_groups_of_more_than_16_query_heads_fall_back_to_the_gather_path():
+    """An MQA-shaped model (32 query heads on one KV head) is beyond the kernel's register blocks: its decodes gather
+    (and equal the gather path), never an error mid-step."""
+    q, k_cache, v_cache, tables, ctx = _case("fp8_e4m3", 32, 1, 64, [20, 33], seed=5)
+    assert q8_decode.kernel_for(q, k_cache, heads=32) is None and q8_decode.kernel_for(q, k_cache, heads=16)
+    fast = TorchPagedAttention(32, 1, 64, 0.125)
+    ref = TorchPagedAttention(32, 1, 64, 0.125, reference=True)
+    group = DecodeGroup(torch.arange(2), tables, ctx)
+    meta = AttentionMetadata(tables[:, 0], torch.zeros(2, dtype=torch.long), [group], [])
+    got = fast.forward(q, k_cache, v_cache, meta)
+    meta.decodes[0].mask = None
+    torch.testing.assert_close(got, ref.forward(q, k_cache, v_cache, meta), rtol=2e-5, atol=2e-5)
+
+
+def test_a_page_id_outside_the_pool_is_refused_before_any_read():
+    q, k_cache, v_cache, tables, ctx = _case("int8", 4, 2, 32, [20], seed=2)
+    kernel = q8_decode.kernel_for(q, k_cache)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.data.shape[0]  # one past the last page
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        q8_decode.decode(kernel, q, k_cache, v_cache, DecodeGroup(torch.arange(1), bad, ctx), None, 1.0)
