@@ -390,6 +390,14 @@ def test_scheduler_publishes_a_prompts_full_pages(ctx, start_server, tmp_path) -
     assert b"acme" not in wire and b"key-acme" not in wire and secret.encode() not in wire
 
 
+def sent_at_least(pub, n: int, timeout: float = 30.0) -> None:
+    """Until the publisher's thread has sent ``n`` batches (on a loaded machine it may lag the loop)."""
+    deadline = time.monotonic() + timeout
+    while pub.sent < n:
+        assert time.monotonic() < deadline, f"the publisher sent {pub.sent} of {n} batches in {timeout} s"
+        time.sleep(0.005)
+
+
 def test_full_queue_drops_then_restates_every_page(ctx, monkeypatch) -> None:
     """A publisher thread that falls behind: the batch its full queue cannot take is dropped, and once it has
     caught up one batch clears and restates every page findable; nothing waited on the loop meanwhile."""
@@ -410,7 +418,7 @@ def test_full_queue_drops_then_restates_every_page(ctx, monkeypatch) -> None:
         pub = kz.start(config(max_queue_size=1), None, LOG)
         task = asyncio.create_task(kz.run(pub, events, LOG))
         try:
-            await asyncio.sleep(0)
+            await asyncio.to_thread(sent_at_least, pub, 1)  # batch 0 (the Cleared) is out: the queue is empty
             publish(events, req, range(1))  # batch 1: the thread takes it and stops
             await asyncio.sleep(0)
             await asyncio.to_thread(stuck.wait)
