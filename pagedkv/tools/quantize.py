@@ -1,8 +1,10 @@
-"""4-bit checkpoints (AWQ GEMM / GPTQ) made by round-to-nearest from a float one, for tests and benchmarks."""
+"""4-bit checkpoints (AWQ GEMM / GPTQ) made from a float one, for tests and benchmarks: by round-to-nearest, or,
+given calibration text, by GPTQ's error-compensating rounding (pagedkv.tools.gptq)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds output AWQ_PACK_ORDER[i] of its 8
@@ -13,7 +15,8 @@ QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 
 def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group_size: int = 128,
                         desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
-                        seed: int = 0, reference_dir: Path | None = None, lm_head: bool = False) -> Path:
+                        seed: int = 0, reference_dir: Path | None = None, lm_head: bool = False,
+                        calibration: Sequence[Sequence[int]] | None = None) -> Path:
     """Writes src's decoder linears as a 4-bit AWQ (GEMM) or GPTQ checkpoint: the tensors (qweight, qzeros,
     scales, g_idx) and config.json ``quantization_config`` that AutoAWQ / AutoGPTQ write, from plain
     round-to-nearest (no calibration: the point is the format). ``desc_act`` puts the inputs into groups in
@@ -21,7 +24,9 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
     an ordinary float32 checkpoint holding exactly the dequantized weights ((q - zero) * scale, computed
     here from the integers before packing), which transformers can run as the reference. ``lm_head`` (GPTQ only,
     as GPTQModel's ``lm_head=True``) quantizes the head too: a tied head becomes lm_head's own 4-bit tensors beside
-    the float embedding, and both configs say ``tie_word_embeddings: false``."""
+    the float embedding, and both configs say ``tie_word_embeddings: false``. ``calibration`` (token id sequences;
+    GPTQ without desc_act only) replaces round-to-nearest by GPTQ over the Hessians of those tokens' inputs to
+    each linear (pagedkv.tools.gptq), as AutoGPTQ / GPTQModel calibrate."""
     import json
 
     import torch
@@ -31,6 +36,8 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
         raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
     if lm_head and method != "gptq":
         raise ValueError("lm_head: only GPTQ checkpoints quantize the head")
+    if calibration is not None and (method != "gptq" or desc_act):
+        raise ValueError("calibration: GPTQ without desc_act only")
     src, out_dir = Path(src), Path(out_dir)
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -42,6 +49,12 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
         raise ValueError(f"lm_head: {tensors['lm_head.weight'].shape[0]} outputs (the vocabulary) are not a multiple "
                          "of 8, which GPTQ's packed zeros need")
     gen = torch.Generator().manual_seed(seed)
+    chosen = {n.removesuffix(".weight") for n in tensors
+              if (lm_head and n == "lm_head.weight") or (n.endswith(".weight") and _quantized_linear(
+                  n.removesuffix(".weight").split(".", 3)[-1]))}
+    if calibration is not None:
+        from pagedkv.tools import gptq
+    hess = None if calibration is None else gptq.hessians(src, calibration, chosen)
     packed: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -50,7 +63,10 @@ def quantize_checkpoint(src: Path, out_dir: Path, *, method: str = "gptq", group
         if not head and not (name.endswith(".weight") and _quantized_linear(module.split(".", 3)[-1])):
             packed[name] = reference[name] = t.contiguous()
             continue
-        q, zeros, scales, g_idx = _round_to_nearest(t.float(), method, group_size, desc_act, sym, gen)
+        if hess is None:
+            q, zeros, scales, g_idx = _round_to_nearest(t.float(), method, group_size, desc_act, sym, gen)
+        else:
+            q, zeros, scales, g_idx = gptq.quantize(t.float(), hess[module], group_size, sym)
         reference[name] = ((q - zeros[g_idx].T) * scales.float()[g_idx].T).contiguous()
         if method == "awq":
             packed[module + ".qweight"] = _pack_last(q.T, AWQ_PACK_ORDER)
