@@ -303,13 +303,13 @@ def quality(model_dir: Path, num_seqs: int, seq_len: int, chunk: int, num_greedy
 
 
 # ---- 4. CPU decode throughput ----------------------------------------------------------------------------
-def decode_speed(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
+def decode_speed(model_dir: Path, batch: int, ctx: int, steps: int, kv_dtypes: tuple[str, ...] = KV_DTYPES) -> dict:
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(cfg, torch.device("cpu"), torch.float32)
     per_seq = -(-(ctx + steps) // 16)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     out = {}
-    for name in KV_DTYPES:
+    for name in kv_dtypes:
         h = Harness(model, cfg, name, batch * per_seq)
         g = torch.Generator().manual_seed(0)
         for t in tables:  # fill the context (not timed)
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     "CPython's pydoc_data documentation")
     ap.add_argument("--decode-ctx", type=int, default=512, help="4.'s context length (#50's target: 2048)")
     ap.add_argument("--decode-only", action="store_true", help="1. and 4. only (no quality run)")
+    ap.add_argument("--decode-kv", default=",".join(KV_DTYPES), help="4.'s KV dtypes, float32 first (default: all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = dict(batch=8, ctx=128, steps=8) if args.quick else dict(batch=32, ctx=args.decode_ctx, steps=32)
     report["decode_setup"] = s
-    report["decode"] = decode_speed(model_dir, **s)
+    report["decode"] = decode_speed(model_dir, **s, kv_dtypes=tuple(args.decode_kv.split(",")))
     base = report["decode"]["float32"]["tokens_per_s"]
     print(f"\n4. CPU decode, torch backend, {args.threads} thread(s): batch {s['batch']}, context {s['ctx']}, "
           f"{s['steps']} steps (best of 2)\n")

@@ -90,14 +90,15 @@ inline v16i widen_i8(const uint8_t* p) {
 }
 #endif
 
-// 16 E4M3 bytes -> float32, exactly: each byte's sign, exponent and mantissa bits moved into a float16's (E4M3's
-// exponent bias is 7, float16's 15: the float16 is the value / 2^8, subnormals included), widened by vcvtph2ps
-// (which reads float16 subnormals whatever MXCSR's DAZ says), times 2^8; 0x7f / 0xff become NaN. 8 operations.
+// 16 E4M3 bytes -> float32, exactly: each byte sign-extended to 16 bits and shifted left by 7 puts the sign in bit
+// 15 and the exponent and mantissa in bits 13..7, a float16 once bit 14 (the sign's copy) is cleared (E4M3's exponent
+// bias is 7, float16's 15: the float16 is the value / 2^8, subnormals included); widened by vcvtph2ps (which reads
+// float16 subnormals whatever MXCSR's DAZ says), times 2^8; 0x7f / 0xff become NaN. 6 operations.
 inline __m256i fp8_as_half(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(em, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)));
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  const __m256i em = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
+  return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x3f80)));
 }
 inline v16f fp8_to_float(const uint8_t* p) {
   const __m256i h = fp8_as_half(p);

@@ -131,3 +131,23 @@ def test_a_page_id_outside_the_pool_is_refused_before_any_read():
     bad[0, 1] = k_cache.data.shape[0]  # one past the last page
     with pytest.raises(RuntimeError, match="outside the pool"):
         q8_decode.decode(kernel, q, k_cache, v_cache, DecodeGroup(torch.arange(1), bad, ctx), None, 1.0)
+
+
+@pytest.mark.parametrize("dim", [64, 48])  # the vector path and the scalar one
+def test_every_fp8_byte_reads_as_torchs_e4m3(dim):
+    """256 one-token requests, request i's value row all byte i (scale 1): the output is that byte's E4M3 value
+    exactly, as torch reads float8_e4m3fn (subnormals, both zeros, NaN for 0x7f and 0xff)."""
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=dim)
+    fmt = parse_kv_dtype("fp8_e4m3", torch.float32)
+    pool = DevicePagePool(cfg, 257, BLOCK, torch.float32, torch.device("cpu"), fmt)
+    k_cache, v_cache = pool.layer(0)
+    for c in (k_cache, v_cache):
+        c.data.view(torch.uint8).zero_()
+        c.scale.fill_(1.0)
+    v_cache.data.view(torch.uint8)[1:, 0] = torch.arange(256, dtype=torch.uint8)[:, None, None]
+    tables = torch.arange(1, 257).unsqueeze(1)
+    q = torch.randn(256, 2, dim, generator=torch.Generator().manual_seed(1))
+    got = q8_decode.decode(q8_decode.kernel_for(q, k_cache), q, k_cache, v_cache,
+                           DecodeGroup(torch.arange(256), tables, torch.ones(256, dtype=torch.long)), None, 0.125)
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:, None, None].expand(256, 2, dim)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
