@@ -42,6 +42,7 @@ def prompt_logprobs(url: str, ids: list[int]) -> tuple[list[float], list[int]]:
 
 def main() -> int:
     import peers_http
+
     from pagedkv.cli import free_port
 
     if why := peers_http.missing_peer("vllm"):

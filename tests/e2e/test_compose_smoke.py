@@ -1,8 +1,8 @@
-"""deploy/compose-smoke.sh and the README's compose commands without an engine: the script parses (bash -n), and
-every compose command it or the README uses, with its flags, exists in Compose v1 (Debian's docker-compose 1.29,
-which has no `cp`, no `up --wait`, ...), so that both v1 and v2 run them. Also the Dockerfile's promises that need no
+"""deploy/compose-smoke.sh and the compose commands of README.md and docs/deploying.md without an engine: the script
+parses (bash -n), and every compose command they use, with its flags, exists in Compose v1 (Debian's docker-compose
+1.29, which has no `cp`, no `up --wait`, ...), so that both v1 and v2 run them. Also the Dockerfile's promises that need no
 build: CPU torch by default, pinned as pyproject pins it, a non-root user, no anonymous volume. The script itself
-runs against a real engine, outside `make test` (README, Deploy)."""
+runs against a real engine, outside `make test` (docs/deploying.md)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def test_smoke_script_uses_only_compose_v1_commands(v1):
 
 
 def test_readme_uses_only_compose_v1_commands(v1):
-    uses = _uses((procs.ROOT / "README.md").read_text(), README_COMMAND)
+    docs = (procs.ROOT / "README.md").read_text() + (procs.ROOT / "docs" / "deploying.md").read_text()
+    uses = _uses(docs, README_COMMAND)
     assert {"up", "exec", "build"} <= {command for command, _ in uses}, uses
     _check_v1(v1, uses)
 

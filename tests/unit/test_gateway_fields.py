@@ -3,7 +3,7 @@ default reaches the GenerateRequest (or the answer's shape); every refused one i
 at its defaults; every one ignored by design leaves the GenerateRequest as it was and is logged at debug; an
 unknown field is accepted, logged as a warning and named in a response header. With them: the context-length
 refusal in OpenAI's words (mapped from the scheduler's own messages), X-Request-Id used and echoed, /version, and
-README's table as the code writes it."""
+the docs' table (docs/openai.md) as the code writes it."""
 
 from __future__ import annotations
 
@@ -256,10 +256,10 @@ def test_the_header_shows_safe_names_only_and_a_bounded_number():
     assert fields.ignored_header(many).endswith(f"f{fields.MAX_HEADER_NAMES - 1}, (+84 more)")
 
 
-def test_readme_has_the_table_as_the_code_writes_it():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    readme = "\n".join(line.strip() for line in readme.splitlines())  # (it is indented in a list item)
-    assert fields.readme_table() in readme, "README's 'OpenAI fields' table: paste fields.readme_table()"
+def test_the_docs_have_the_table_as_the_code_writes_it():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    page = "\n".join(line.strip() for line in page.splitlines())  # (it is indented in a list item)
+    assert fields.readme_table() in page, "docs/openai.md's 'OpenAI fields' table: paste fields.readme_table()"
 
 
 # ---- the context-length refusal --------------------------------------------------------------------
