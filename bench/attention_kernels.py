@@ -9,7 +9,7 @@ For each case (batch x context; 32 query heads / 8 KV heads x 128, fp16, block 1
   K/V [B, kv_heads, L, D], the query group as rows of its KV head (the same arithmetic);
 * ``copy``: one large device-to-device copy in the same run; its bandwidth counts bytes read + written.
 
-Effective bandwidth = bytes of K and V read / time. Targets (DESIGN.md): paged >= 85% of the copy bandwidth,
+Effective bandwidth = bytes of K and V read / time. Targets (docs/design.md): paged >= 85% of the copy bandwidth,
 paged <= 1.02x contiguous time. Times: CUDA events around ``--iters`` back-to-back launches after
 ``--warmup``, median of ``--repeats`` such blocks, launches prepared once (Python checks excluded).
 The kernel output is checked against SDPA before timing.

@@ -28,7 +28,7 @@ prompts, ``--hop-max-tokens`` tokens), alternating through the edge and Dynamo, 
 and straight to a scheduler's own gateway (``pagedkv serve --http-port``); TTFT and TPOT medians, and their ratios
 to the direct gateway's.
 
-Targets (DESIGN.md): dynamo-kv's hit ratio >= 0.9 x single's; its TTFT p99 <= dynamo-rr's; the hop <= 1.1x on TPOT.
+Targets (docs/design.md): dynamo-kv's hit ratio >= 0.9 x single's; its TTFT p99 <= dynamo-rr's; the hop <= 1.1x on TPOT.
 
     python bench/fleet.py --model tiny-llama                      # -> bench/results/fleet.json, fleet.png
     python bench/fleet.py --model smollm2-135m-instruct --requests 128 --rate 0.5

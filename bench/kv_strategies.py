@@ -391,7 +391,7 @@ def p16_row(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The DESIGN.md targets for paged block 16 ({} when the trace never filled the budget)."""
+    """The docs/design.md targets for paged block 16 ({} when the trace never filled the budget)."""
     contiguous = next(s for s in summaries if s["kind"] == "contiguous")
     p16 = p16_row(summaries)
     if p16 is None or not p16["mean_saturated_concurrency"] or not contiguous["mean_saturated_concurrency"]:

@@ -5,7 +5,7 @@ Planning (in this process, no RPC): ``--requests`` requests of 32-token prompts 
 their steady decode (one token per request per step, EOS ignored); then ``--steps`` steps are timed through the
 planner's wire (``StepStream``, as the engine drives it): ``next_plan()`` (the plan: ``Scheduler.plan`` and its
 encoding) and ``apply()`` (``Scheduler.process``: applying the sampled tokens), median and
-p99. Target: planning <= 0.5 ms per step at 256 running (DESIGN.md). With ``--tokenizer`` the requests detokenize
+p99. Target: planning <= 0.5 ms per step at 256 running (docs/design.md). With ``--tokenizer`` the requests detokenize
 with that model's tokenizer as the scheduler loads it (scheduler_svc.tokenizer.load_tokenizer); every sampled token
 is then token 7 (one ASCII byte for tiny-llama; ``--tokenizer sentencepiece``, a Llama-2-style tokenizer built here:
 the word "▁the"), or with ``--text`` the next token of a mixed English, accented, CJK and emoji text (each request at

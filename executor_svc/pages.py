@@ -1,6 +1,6 @@
 """Physical page pools. The executor allocates nothing: page ids come from the scheduler's plan.
 
-A page is contiguous across layers (DESIGN.md, decision 3)::
+A page is contiguous across layers (docs/design.md, decision 3)::
 
     pool[num_pages, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 

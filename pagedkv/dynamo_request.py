@@ -2,7 +2,7 @@
 pagedkv's stream back as Dynamo's chunks. Pure functions, no Dynamo import: ``pagedkv.dynamo_worker`` calls them
 and turns a ``Refused`` into Dynamo's ``InvalidArgument`` (HTTP 400).
 
-Every field Dynamo 1.6's frontend sends is either mapped exactly or refused with a message naming it (DESIGN.md
+Every field Dynamo 1.6's frontend sends is either mapped exactly or refused with a message naming it (docs/design.md
 decision 12). Dynamo owns tokenization, the chat template, detokenization and stop strings: ``stop`` is applied by
 its frontend (it closes the stream, which aborts the request in pagedkv), as are ``skip_special_tokens`` and
 ``include_stop_str_in_output``, which are about text. A field Dynamo sends as null or at its neutral value is

@@ -1,6 +1,6 @@
 """Preemption policy, in one place: which request gives up its pages, and whether it is swapped or recomputed.
 
-Victims (seeds, practice note 3; DESIGN.md decisions 6 and 7):
+Victims (seeds, practice note 3; docs/design.md decisions 6 and 7):
   0. a request of a tenant holding more than its fair share of pages first (tenants, fairness);
   1. cold first: not scheduled for >= ``cold_steps`` steps;
   2. never a hot one (scheduled within the last ``hot_steps`` steps) while another candidate exists;

@@ -1,4 +1,4 @@
-"""Page hashes for the prefix cache (DESIGN.md decision 4).
+"""Page hashes for the prefix cache (docs/design.md decision 4).
 
     h_0 = H(namespace root, tokens of page 0, extra keys)
     h_i = H(h_{i-1},        tokens of page i, extra keys)
