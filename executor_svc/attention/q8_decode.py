@@ -2,8 +2,8 @@
 (paged_attention_q8_cpu.cpp) widens each FP8 or INT8 row to float32 in registers and scales it as it is used, so a
 step never makes a full-precision copy of the pages, as the gather path does (torch_backend.gather_pages: every
 visible page of every layer dequantized into a float32 tensor, then SDPA). Same visible positions, same
-dequantized values (the pool's own scales), float32 arithmetic; tests/unit/test_attention_q8_kernel.py holds it
-to the gather path."""
+dequantized values (the pool's own scales), float32 arithmetic (a 16-bit model's queries widened, its output
+rounded back); tests/unit/test_attention_q8_kernel.py holds it to the gather path."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 
 
 MAX_GROUP = 16  # query heads a KV head at most (the kernel's kMaxGroup; MQA models with more gather)
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def kernel_for(q: torch.Tensor, k_cache: object, reference: bool = False, heads: int = 0):
-    """The kernel library when decodes over these 8-bit pages can be read in place (a float32 model on the CPU, at
-    most MAX_GROUP query heads a KV head; ``heads``: the model's, 0 when not known yet), else None."""
+    """The kernel library when decodes over these 8-bit pages can be read in place (a model on the CPU, at most
+    MAX_GROUP query heads a KV head; ``heads``: the model's, 0 when not known yet), else None. A bfloat16 or float16
+    model's queries are widened to float32 for the call and its output rounded back (``decode``)."""
     if reference or not isinstance(k_cache, (QuantizedCache, ChannelScaledCache)):
         return None
-    if q.device.type != "cpu" or q.dtype != torch.float32 or heads > MAX_GROUP * k_cache.data.shape[2]:
+    if q.device.type != "cpu" or q.dtype not in MODEL_DTYPES or heads > MAX_GROUP * k_cache.data.shape[2]:
         return None
     kernel = cpu_kernel.load()
     return kernel if kernel is not None and hasattr(kernel, "paged_attention_q8") else None
@@ -32,11 +34,12 @@ def kernel_for(q: torch.Tensor, k_cache: object, reference: bool = False, heads:
 
 def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache, v_cache: QuantizedCache,
            group: DecodeGroup, window: int | None, scale: float) -> torch.Tensor:
-    """q [B, heads, D] (the group's rows) -> [B, heads, D]."""
+    """q [B, heads, D] (the group's rows) -> [B, heads, D] in q's dtype (the kernel's arithmetic is float32)."""
     k_scale = k_cache.exp if isinstance(k_cache, ChannelScaledCache) else k_cache.scale
     windows = _EMPTY if group.windows is None else group.windows
     sinks = _EMPTY if group.windows is None else group.sinks
-    return kernel.paged_attention_q8(q.contiguous(), k_cache.data.view(torch.uint8), k_scale,
-                                     v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
-                                     group.ctx_lens, sinks, windows, window or 0,
-                                     k_cache.data.dtype == torch.float8_e4m3fn, scale)
+    out = kernel.paged_attention_q8(q.float().contiguous(), k_cache.data.view(torch.uint8), k_scale,
+                                    v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
+                                    group.ctx_lens, sinks, windows, window or 0,
+                                    k_cache.data.dtype == torch.float8_e4m3fn, scale)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -23,13 +23,14 @@ pytestmark = [pytest.mark.unit, pytest.mark.skipif(cpu_kernel.unavailable_reason
 BLOCK = 16
 
 
-def _case(kv_dtype: str, heads: int, kv_heads: int, dim: int, ctx_lens: list[int], seed: int):
+def _case(kv_dtype: str, heads: int, kv_heads: int, dim: int, ctx_lens: list[int], seed: int,
+          model_dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
     widths = [-(-c // BLOCK) for c in ctx_lens]
     num_pages = sum(widths) + 2
     cfg = SimpleNamespace(num_layers=1, num_kv_heads=kv_heads, head_dim=dim)
-    pool = DevicePagePool(cfg, num_pages, BLOCK, torch.float32, torch.device("cpu"),
-                          parse_kv_dtype(kv_dtype, torch.float32))
+    fmt = parse_kv_dtype(kv_dtype, model_dtype)
+    pool = DevicePagePool(cfg, num_pages, BLOCK, model_dtype, torch.device("cpu"), fmt)
     k_cache, v_cache = pool.layer(0)
     order = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     tables = torch.zeros(len(ctx_lens), max(widths), dtype=torch.long)
@@ -42,9 +43,9 @@ def _case(kv_dtype: str, heads: int, kv_heads: int, dim: int, ctx_lens: list[int
             k[..., :2] *= 8  # a few large key channels, as real models' keys have
             v = torch.randn(1, kv_heads, dim, generator=g) * scale
             page, off = torch.tensor([pages[t // BLOCK]]), torch.tensor([t % BLOCK])
-            k_cache.write(page, off, k)
-            v_cache.write(page, off, v)
-    q = torch.randn(len(ctx_lens), heads, dim, generator=g)
+            k_cache.write(page, off, k.to(model_dtype))
+            v_cache.write(page, off, v.to(model_dtype))
+    q = torch.randn(len(ctx_lens), heads, dim, generator=g).to(model_dtype)
     return q, k_cache, v_cache, tables, torch.tensor(ctx_lens)
 
 
@@ -151,3 +152,24 @@ def test_every_fp8_byte_reads_as_torchs_e4m3(dim):
                            DecodeGroup(torch.arange(256), tables, torch.ones(256, dtype=torch.long)), None, 0.125)
     want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:, None, None].expand(256, 2, dim)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_reads_in_place_too(kv_dtype, model_dtype):
+    """A bfloat16 / float16 model's decodes take the in-place kernel (queries widened to float32, the output rounded
+    back) instead of gathering, and equal the gather path run in float32 over the same pages, to the model dtype's
+    rounding (the gather path in bfloat16 itself rounds scores of ~100 by ~0.4)."""
+    ctx_lens = [3, 16, 40, 77]
+    q, k_cache, v_cache, tables, ctx = _case(kv_dtype, 9, 3, 64, ctx_lens, seed=7, model_dtype=model_dtype)
+    assert q8_decode.kernel_for(q, k_cache) is not None
+    fast = TorchPagedAttention(9, 3, 64, 0.125)
+    ref = TorchPagedAttention(9, 3, 64, 0.125, reference=True)
+    meta = AttentionMetadata(tables[:, 0], torch.zeros(len(ctx_lens), dtype=torch.long),
+                             [DecodeGroup(torch.arange(len(ctx_lens)), tables, ctx)], [])
+    got = fast.forward(q, k_cache, v_cache, meta)
+    meta.decodes[0].mask = None
+    want = ref.forward(q.float(), k_cache, v_cache, meta)
+    assert got.dtype == model_dtype and torch.isfinite(got.float()).all()
+    eps = torch.finfo(model_dtype).eps  # (float32 math to 2e-5, then one rounding to the model dtype: one ulp)
+    torch.testing.assert_close(got.float(), want, rtol=eps, atol=1e-4)
