@@ -8,7 +8,7 @@
   ``cls``.
 - **Import cycles** inside scheduler_svc/, TYPE_CHECKING imports included.
 - **File size**: no Python file in scheduler_svc/, executor_svc/ or pagedkv/ over 400 lines (generated protobuf
-  stubs aside).
+  stubs aside); a warning names those over 360, so that the next squeeze shows before the cap.
 - **The planner** (``Scheduler``): at most 25 methods, none of them a one-line forward (a body that only calls,
   or returns, a method or attribute of one of its own attributes, passing its parameters on unchanged).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]  # tests/unit/ -> the checkout
 MAX_LINES = 400
+WARN_LINES = 360  # (#51: files past this are named in a warning, so the next squeeze shows before the cap)
 MAX_PLANNER_METHODS = 25
 # protobuf stubs (pagedkv.proto_gen writes them)
 GENERATED = ("pagedkv/api/", "pagedkv/executor/", "pagedkv/kvevents/", "pagedkv/reflection/")
@@ -378,6 +380,14 @@ def test_no_import_cycle_in_the_scheduler_service():
 
 def test_no_file_over_400_lines():
     assert long_files() == []
+
+
+def test_files_near_the_cap_are_named_in_a_warning():
+    near = long_files(limit=WARN_LINES)
+    assert set(long_files()) <= set(near)
+    if near:
+        warnings.warn(f"{len(near)} files over {WARN_LINES} lines (the cap is {MAX_LINES}): "
+                      + ", ".join(f"{p} {n}" for n, p in near), stacklevel=1)
 
 
 def test_the_planner_is_small_and_forwards_nothing():
