@@ -1,8 +1,9 @@
 """The seeds' flagship end to end (#50 item 3): SmolLM2 with 4-bit weights (a GPTQ group-32 asymmetric copy that
 pagedkv.tools.quantize makes, calibrated on 32 x 512 tokens of the text below, from token 60,000 on: disjoint from
 the 4,096 the perplexity reads; the head stays float, as GPTQ's default) + FP8 KV + Share-Prefix, against float32
-weights + float32 KV and against vLLM's CPU build (bfloat16 weights, with each KV dtype it offers on CPU: bfloat16
-and fp8), every server given the same KV budget in bytes.
+weights + float32 KV, against pagedkv with bfloat16 weights + FP8 KV (its linears on the CPU's AMX units, where
+it has them) and against vLLM's CPU build (bfloat16 weights, with each KV dtype it offers on CPU: bfloat16 and
+fp8), every server given the same KV budget in bytes.
 
 1. Quality, in process (bench/kv_quant.py's harness: the executor's own model, page pool and torch backend):
    perplexity on CPython's pydoc_data text (4 x 1,024 tokens, 128-token chunked prefills), top-1 agreement and
@@ -115,6 +116,8 @@ def systems(cfg: ModelConfig, dirs: dict[str, Path], budget: int) -> dict[str, d
         "pagedkv fp32": dict(weights="fp32", kv="float32", dir=dirs["fp32"], bytes_per_token=pagedkv_bpt("float32")),
         "pagedkv flagship": dict(weights="GPTQ 4-bit g32", kv="fp8_e4m3", dir=dirs["4-bit"],
                                  bytes_per_token=pagedkv_bpt("fp8_e4m3")),
+        "pagedkv bf16 + fp8 KV": dict(weights="bf16", kv="fp8_e4m3", dir=dirs["fp32"], dtype="bfloat16",
+                                      bytes_per_token=pagedkv_bpt("fp8_e4m3")),
         "vllm bf16": dict(weights="bf16", kv="bf16 (auto)", dir=dirs["fp32"], bytes_per_token=2 * elems),
         "vllm bf16 + fp8 KV": dict(weights="bf16", kv="fp8 (e4m3)", dir=dirs["fp32"], bytes_per_token=elems),
     }
@@ -164,7 +167,8 @@ def make_servers(table: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, str, 
     for name, s in table.items():
         if name.startswith("pagedkv"):
             mport = free_port()
-            srv = peers_http.make_server("pagedkv", MODEL, s["dir"], free_port(), pagedkv_args=(
+            srv = peers_http.make_server("pagedkv", MODEL, s["dir"], free_port(), dtype=s.get("dtype", "float32"),
+                                         pagedkv_args=(
                 "--kv-cache-dtype", s["kv"], "--num-pages", str(s["pages"]), "--metrics-port", str(mport)))
             out[name] = (srv, f"http://127.0.0.1:{mport}/metrics", "pagedkv_requests_running")
         else:
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality-seqs", type=int, default=4, help="1,024-token sequences for 1. (default 4)")
     ap.add_argument("--quality-only", action="store_true", help="1. and 2. only")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for 1.")
+    ap.add_argument("--systems", default="", help="a comma-separated subset of the systems (default: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "flagship.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {"fp32": fp32, "4-bit": gptq_copy(fp32)}
     budget = int(args.kv_budget_mib * 2**20)
     table = systems(ModelConfig.from_dir(fp32), dirs, budget)
+    if args.systems:
+        table = {k: v for k, v in table.items() if k in args.systems.split(",")}
     report: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "cpus": os.cpu_count(),
                               "workload": dict(prefix=PREFIX, own=OWN, out=OUT), "budget_bytes": budget}
     t0 = time.perf_counter()
