@@ -157,7 +157,7 @@ class PeakRunning:
         self._thread.join()
 
 
-def make_servers(table: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, str, str]]:
+def make_servers(table: dict[str, dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[str, tuple[Any, str, str]]:
     """name -> (HttpServer, metrics URL, running gauge)."""
     import peers_http
 
@@ -169,7 +169,7 @@ def make_servers(table: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, str, 
             mport = free_port()
             srv = peers_http.make_server("pagedkv", MODEL, s["dir"], free_port(), dtype=s.get("dtype", "float32"),
                                          pagedkv_args=(
-                "--kv-cache-dtype", s["kv"], "--num-pages", str(s["pages"]), "--metrics-port", str(mport)))
+                "--kv-cache-dtype", s["kv"], "--num-pages", str(s["pages"]), "--metrics-port", str(mport), *extra))
             out[name] = (srv, f"http://127.0.0.1:{mport}/metrics", "pagedkv_requests_running")
         else:
             port = free_port()
@@ -182,15 +182,15 @@ def make_servers(table: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, str, 
     return out
 
 
-def serve_runs(table: dict[str, dict[str, Any]], prompts: int, rate: float, rounds: int, tokenizer: Path
-               ) -> dict[str, list[dict]]:
+def serve_runs(table: dict[str, dict[str, Any]], prompts: int, rate: float, rounds: int, tokenizer: Path,
+               extra: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     import peers_http
 
     if why := peers_http.missing_peer("vllm"):
         print(f"vLLM skipped: {why}", flush=True)
         table = {k: v for k, v in table.items() if not k.startswith("vllm")}
     wl = peers_http.HttpWorkload("shared-prefix poisson", prompts, OWN, OUT, prefix_len=PREFIX, rate=rate)
-    servers = make_servers(table)
+    servers = make_servers(table, extra)
     runs: dict[str, list[dict]] = {name: [] for name in servers}
     try:
         for name, (srv, _, _) in servers.items():
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality-seqs", type=int, default=4, help="1,024-token sequences for 1. (default 4)")
     ap.add_argument("--quality-only", action="store_true", help="1. and 2. only")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for 1.")
+    ap.add_argument("--pagedkv-args", default="", metavar="FLAGS", help="more `pagedkv serve` flags, one string")
     ap.add_argument("--systems", default="", help="a comma-separated subset of the systems (default: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "flagship.json")
     args = ap.parse_args(argv)
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(("weights", "KV", "perplexity", "vs fp32", "top-1 agree", "mean KL"), [
         (q["weights"], q["kv"], f"{q['perplexity']:.3f}", f"{q['ppl_vs_fp32']:+.3%}", f"{q['top1_agreement']:.2%}",
          f"{q['mean_kl']:.1e}") for q in report["quality"]])
-    runs = {} if args.quality_only else serve_runs(table, args.prompts, args.rate, args.rounds, fp32)
+    runs = {} if args.quality_only else serve_runs(table, args.prompts, args.rate, args.rounds, fp32,
+                                                                  tuple(args.pagedkv_args.split()))
     report["systems"] = {k: {**{kk: str(vv) if isinstance(vv, Path) else vv for kk, vv in v.items()},
                              "runs": runs.get(k, []), "median": medians(runs.get(k, []))} for k, v in table.items()}
     vllm = [s["median"] for k, s in report["systems"].items() if k.startswith("vllm") and s["median"]["runs"]]
