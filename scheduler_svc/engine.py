@@ -18,22 +18,20 @@ import asyncio
 import time
 from dataclasses import replace
 
-from pagedkv.wire import PAGES_FRESH, PAGES_KEPT
 from scheduler_svc import metrics
 from scheduler_svc.constraint_hold import ConstraintHold
+from scheduler_svc.engine_link import join
 from scheduler_svc.engine_types import EngineHooks, EngineInfo, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.grammar_gate import GrammarGate
 from scheduler_svc.outputs import deliver
 from scheduler_svc.plan_clock import StepClock, wait_to_plan
-from scheduler_svc.policy import PreemptionCosts
 from scheduler_svc.request import Request, Status
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_stream import StepStream
 
-RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor
+RECONNECT_POLL = 2.0  # seconds one reconnect attempt waits for the executor (engine_link.join)
 SYNC_AFTER_REJECTION = 64  # steps planned one at a time after the executor rejected a plan
-RECONNECT_LOG_EVERY = 60.0
 IDLE_CHECK_AFTER = 0.05  # seconds idle before the page accounting is checked
 
 
@@ -159,63 +157,15 @@ class Engine:
                 self._internal_error(f"internal error in the scheduler: {err!r}")
 
     async def _connect(self) -> None:
-        """Until the executor answers (or this engine is removed): Describe, then a new Run stream."""
-        first_failure = last_log = 0.0
-        while not self._removed and not self.stopping:
-            try:
-                describe = await self.client.connect(RECONNECT_POLL)
-                break
-            except ExecutorUnavailable as err:
-                now = time.monotonic()
-                first_failure = first_failure or now
-                if now - last_log >= RECONNECT_LOG_EVERY:
-                    self.log.warning("executor_unreachable", error=str(err), state=self._state.value,
-                                     down_for_s=round(now - first_failure, 1))
-                    last_log = now
-                await asyncio.sleep(0.2)
-        else:
-            return
-        problem = self.hooks.check_compatible(describe)
-        if not problem:
-            try:
-                self._adopt(describe)
-            except Exception as err:  # noqa: BLE001 - e.g. a pool geometry the scheduler cannot account for
-                problem = f"cannot account for its pools: {err}"
-        if problem:
-            self.log.error("executor_refused", reason=problem, hint="retried every few seconds")
-            self.client.drop()
-            await asyncio.sleep(RECONNECT_POLL)
-            return
-        self.client.on_stream_end(self.wake.set)  # noticed even when idle
-        self._state = State.UP
-        self._info = replace(self._info, executor_id=describe.executor_id, kv_dtype=describe.kv_dtype,
-                             kv_bytes_per_token=describe.kv_bytes_per_token)
-        self.vocab_size = describe.vocab_size
-        self.log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
-                      num_host_pages=describe.num_host_pages,
-                      pages=PAGES_KEPT if self.client.pages_kept else PAGES_FRESH,
-                      cached_pages=self._scheduler.snapshot().pool.num_cached)
+        """Until the executor answers and may serve (or this engine is removed), then up: engine_link.join."""
+        joined = await join(self.client, self.hooks, self.log, self._scheduler, self._info, self._state,
+                            lambda: self._removed or self.stopping, RECONNECT_POLL, on_stream_end=self.wake.set)
+        if joined is None:
+            return  # (refused or removed: the loop's next turn decides)
+        if joined.planner is not self._scheduler:
+            self._scheduler, self._stream = joined.planner, StepStream(joined.planner)
+        self._state, self._info, self.vocab_size = State.UP, joined.info, joined.describe.vocab_size
         self.hooks.up(self)
-
-    def _adopt(self, describe) -> None:
-        """A new planner, or the old one (a new one if the pool geometry changed: Scheduler.reconnected). Another
-        executor id is another process: its pools are empty, so the prefix cache forgets every page. The same id
-        is the same process after a dropped Run stream: it kept its pages for this link's session
-        (x-pagedkv-session), so the prefix cache keeps them too, unless the executor says it zeroed them (another
-        session attached meanwhile: a desync)."""
-        if self._scheduler is None:
-            planner = self.hooks.make_scheduler(describe)
-        else:
-            snap = self._scheduler.snapshot()
-            if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
-                    snap.pool.num_pages, snap.host.num_pages, snap.block_size):
-                self.log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
-                                 num_host_pages=describe.num_host_pages, block_size=describe.block_size)
-            kept = describe.executor_id == self._info.executor_id and self.client.pages_kept
-            planner = self._scheduler.reconnected(describe.num_device_pages, describe.block_size,
-                                                  describe.num_host_pages, PreemptionCosts.of(describe), kept)
-        if planner is not self._scheduler:
-            self._scheduler, self._stream = planner, StepStream(planner)
 
     # ---- one step ------------------------------------------------------------------------------
     async def _iteration(self) -> None:
@@ -355,7 +305,7 @@ class Engine:
     def _executor_lost(self, error: str) -> None:
         """The Run stream is lost: the requests move to the other executors (recomputed there: their state on
         the executor went with the stream). Published pages stay findable, but only once the executor is up
-        again (nothing is placed here meanwhile): _adopt forgets them if another process answers."""
+        again (nothing is placed here meanwhile): engine_link.adopt forgets them if another process answers."""
         self.client.drop()
         was = self._state
         self._state = State.DOWN
