@@ -39,11 +39,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pagedkv import grpc_common  # noqa: E402
+# (--against runs ``import scheduler_overhead as so`` in each tree and reads or replaces so.Scheduler,
+# so._result_for, so.new_scheduler, so._NullTokenizer, so.TEXT_IDS and so.load_text_ids: they stay names of this
+# module, and measure_planning looks them up here)
+from scheduler_overhead_compare import compare_trees  # noqa: E402
+from scheduler_overhead_noop import BLOCK, _result_for, serve_noop  # noqa: E402
+from scheduler_overhead_text import SENTENCEPIECE_WORD, build_sentencepiece_tokenizer, load_text_ids  # noqa: E402
+
 from pagedkv.executor.v1 import executor_pb2 as pb  # noqa: E402
-from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc  # noqa: E402
 from pagedkv.local_server import TEST_EXECUTOR_SECRET, ServiceProcess  # noqa: E402
-from pagedkv.wire import EXECUTOR_PROTOCOL  # noqa: E402
 from scheduler_svc.detokenizer import IncrementalDetokenizer  # noqa: E402
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink  # noqa: E402
 from scheduler_svc.outputs import deliver  # noqa: E402
@@ -52,7 +56,6 @@ from scheduler_svc.request import Request, Sampling  # noqa: E402
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_svc.step_stream import StepStream  # noqa: E402
 
-BLOCK = 16
 PROMPT = 32
 
 
@@ -66,38 +69,6 @@ class _NullTokenizer:
 
 TOKENIZER = None  # --tokenizer: a real one (detokenizing costs), else _NullTokenizer (decodes nothing)
 TEXT_IDS: list[int] = []  # --text: the sampled tokens follow these ids (else every sampled token is 7)
-TEXT = ("The quick brown fox jumps over the lazy dog; naïve café, déjà vu, Straße, smörgåsbord. "
-        "東京の天気は晴れです。你好，世界！서울 날씨 🎉🚀 — “quotes” and ‘more’ … ¿qué tal? Ünïcödé 123.\n")
-
-
-SENTENCEPIECE_WORD = "▁the"  # what every request samples with --tokenizer sentencepiece and no --text
-
-
-def build_sentencepiece_tokenizer(out_dir: Path) -> Path:
-    """A Llama-2-style tokenizer for ``--tokenizer sentencepiece``: a unigram vocabulary of ▁-words (TEXT's and
-    some common ones), single characters and 256 byte-fallback tokens, with Llama 2's decoder (spaces as ▁, byte
-    fallback, one leading space stripped). Saved as a checkpoint's tokenizer files are."""
-    import re
-
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = set(re.findall(r"[A-Za-z]+", TEXT)) | {"the", "of", "and", "to", "in", "is", "that", "for", "it", "on"}
-    chars = {c for c in TEXT if ord(c) < 0x250 and not c.isspace()}  # (CJK, Hangul, emoji: byte fallback)
-    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), *[(f"<0x{b:02X}>", -20.0) for b in range(256)], ("▁", -3.0)]
-    pieces += [(c, -6.0) for c in sorted(chars)]
-    pieces += [(f"▁{w}", -2.0) for w in sorted(words)]
-    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(str(out_dir))
-    return out_dir
-
-
-def load_text_ids(tokenizer) -> list[int]:
-    return tokenizer(TEXT, add_special_tokens=False)["input_ids"]
 
 
 def follow_text(plan: pb.StepPlan, result: pb.StepResult, positions: dict[str, int]) -> None:
@@ -126,33 +97,6 @@ def new_scheduler(n: int, num_pages: int | None = None) -> tuple[Scheduler, Step
     return s, StepStream(s)
 
 
-def _result_for(plan: pb.StepPlan, known: dict[str, list[int]]) -> pb.StepResult:
-    """What a model would answer, without the model: one token for every request that caught up."""
-    result = pb.StepResult(step_id=plan.step_id)
-    for rid in plan.forget:
-        known.pop(rid, None)
-    for new in plan.new_requests:
-        known[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
-    sampled = []
-    items = [(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests]
-    items += [(c.request_id, c.num_scheduled_tokens) for c in plan.continuing]
-    for row, (rid, n) in enumerate(items):
-        total, done = known[rid]
-        done += n
-        if done == total:
-            total += 1
-            sampled.append(row)
-        known[rid] = [total, done]
-    for row, rid in enumerate(plan.decodes, len(items)):  # caught up by definition: one more token
-        st = known[rid]
-        st[0] += 1
-        st[1] += 1
-        sampled.append(row)
-    result.num_computed_tokens = sum(n for _, n in items) + len(plan.decodes)
-    result.sampled_rows.extend(sampled)  # (rows: new_requests, continuing, then decodes)
-    result.sampled_token_ids.extend([7] * len(sampled))
-    result.sampled_logprobs.extend([0.0] * len(sampled))
-    return result
 
 
 def measure_planning(n: int, steps: int) -> dict[str, float]:
@@ -200,31 +144,6 @@ def _ms(values: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round((len(xs) - 1) * q / 100)))] * 1e3
 
 
-# ---- the no-op executor ------------------------------------------------------------------------------
-class NoopExecutor(pb_grpc.ExecutorServicer):
-    def __init__(self, num_pages: int) -> None:
-        self.describe = pb.DescribeResponse(model="noop", protocol=EXECUTOR_PROTOCOL,
-                                            num_device_pages=num_pages, block_size=BLOCK,
-                                            vocab_size=259, max_position_embeddings=1 << 20, executor_id="noop")
-
-    async def Describe(self, request, context):  # noqa: N802
-        return self.describe
-
-    async def Run(self, request_iterator, context):  # noqa: N802
-        known: dict[str, list[int]] = {}
-        async for plan in request_iterator:
-            yield _result_for(plan, known)
-
-
-async def serve_noop(port: int, num_pages: int) -> None:
-    server = grpc_common.new_server()
-    pb_grpc.add_ExecutorServicer_to_server(NoopExecutor(num_pages), server)
-    health = grpc_common.add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["Executor"].full_name])
-    grpc_common.bind(server, "127.0.0.1", port)
-    await server.start()
-    await grpc_common.set_serving(health, [pb.DESCRIPTOR.services_by_name["Executor"].full_name], True)
-    print("noop_ready", flush=True)
-    await server.wait_for_termination()
 
 
 async def drive(address: str, n: int, steps: int, num_pages: int, secret: str = "") -> dict[str, float]:
@@ -366,67 +285,6 @@ def print_planning(args, counts: list[int], planning: list[dict]) -> int:
     return 0
 
 
-def compare_trees(args, counts: list[int]) -> int:
-    """Planning and processing times of this checkout and of args.against, measured in alternating
-    subprocesses (the same machine state for both), medians over args.rounds."""
-    import statistics
-    import subprocess
-
-    tokenizer = ""
-    if args.tokenizer:  # (both trees' new_scheduler build their detokenizers with _NullTokenizer())
-        import tempfile
-
-        from pagedkv.models import resolve_model
-        path = (build_sentencepiece_tokenizer(Path(tempfile.mkdtemp())) if args.tokenizer == "sentencepiece" else
-                resolve_model(args.tokenizer))
-        tokenizer = ("from scheduler_svc.tokenizer import load_tokenizer; "
-                     f"tok = load_tokenizer({str(path)!r}); "
-                     "so._NullTokenizer = lambda: tok; ")
-        if args.text:  # (a tree whose bench has no --text fails here rather than measure token 7)
-            tokenizer += "so.TEXT_IDS = so.load_text_ids(tok); "
-        elif args.tokenizer == "sentencepiece":  # (token 7 is a byte there: every sample a word instead)
-            tokenizer += f"so.TEXT_IDS = [tok.backend_tokenizer.token_to_id({SENTENCEPIECE_WORD!r})]; "
-    # each tree's collector set-up as its scheduler makes it (pagedkv.runtime.settle_gc, or gc.freeze before it)
-    gc_setup = ("import gc; gc.collect(); gc.freeze()\ntry:\n from pagedkv.runtime import settle_gc; settle_gc()\n"
-                "except ImportError:\n pass\n")
-    # A tree whose bench times Scheduler.process alone gets deliver timed with it and its streams read between
-    # steps, as here (TIMES_DELIVER), so both trees are measured alike.
-    same_timing = ("if not getattr(so, 'TIMES_DELIVER', False):\n"
-                   " from scheduler_svc.outputs import deliver as _deliver\n"
-                   " _process, _result, _new, _made = so.Scheduler.process, so._result_for, so.new_scheduler, []\n"
-                   " def _timed(self, result):\n  out = _process(self, result); _deliver(out); return out\n"
-                   " def _new_scheduler(n):\n  _made.append(_new(n)); return _made[-1]\n"
-                   " def _read_then(plan, known):\n"
-                   "  for r in _made[-1].running:\n   q = r.queue\n   while not q.empty(): q.get_nowait()\n"
-                   "  return _result(plan, known)\n"
-                   " so.Scheduler.process, so.new_scheduler, so._result_for = _timed, _new_scheduler, _read_then\n")
-    code = ("import json, sys; sys.path[:0] = ['.', 'bench']; import scheduler_overhead as so; " + tokenizer + "\n" +
-            gc_setup + same_timing + f"print(json.dumps([so.measure_planning(n, {args.steps}) for n in {counts!r}]))")
-    trees = {"this checkout": ROOT, f"against {args.against}": Path(args.against).resolve()}
-    runs: dict[str, list] = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
-            out = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    keys = ("plan_ms_p50", "plan_ms_p99", "process_ms_p50", "process_ms_p99")
-    table = {name: [{k: statistics.median(r[i][k] for r in rs) for k in keys} for i in range(len(counts))]
-             for name, rs in runs.items()}
-    print(f"\nplanning side by side ({os.cpu_count()} cores; median over {args.rounds} rounds of each run's median "
-          "and p99)\n")
-    print("| tree | running | plan (ms) | plan p99 | process (ms) | process p99 |")
-    print("|---|---|---|---|---|---|")
-    for name, rows in table.items():
-        for n, r in zip(counts, rows):
-            print(f"| {name} | {n} | {r['plan_ms_p50']:.3f} | {r['plan_ms_p99']:.3f} | {r['process_ms_p50']:.3f} | "
-                  f"{r['process_ms_p99']:.3f} |")
-    mine, other = table.values()
-    for n, a, b in zip(counts, mine, other):
-        print(f"running {n}: plan {a['plan_ms_p50'] / b['plan_ms_p50']:.2f}x, process "
-              f"{a['process_ms_p50'] / b['process_ms_p50']:.2f}x (this checkout / the other)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                                          "config": vars(args), "counts": counts, "trees": table}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
