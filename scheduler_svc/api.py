@@ -307,7 +307,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
         -- for the others they stay 0 / empty, so that nothing here changes with what another tenant does."""
         tenant = await self._tenant(context, METHODS + "ModelInfo")
         cluster = self.cluster
-        snapshots, live = cluster.snapshots_with_liveness()
+        snapshots, live = cluster.reports.snapshots_with_liveness()
         sees_cluster = cluster.tenants.sees_cluster(tenant)
         caching = snapshots[0].prefix_caching if snapshots else True
         info = api.ModelInfoResponse(**self.model_info, prefix_caching=caching, cluster_view=sees_cluster)
@@ -316,12 +316,12 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                 info.num_pages += snap.pool.num_pages
                 info.num_host_pages += snap.host.num_pages
         if sees_cluster:
-            info.executors.extend(cluster.executor_infos())
+            info.executors.extend(cluster.reports.executor_infos())
             add_cluster_counts(info, snapshots, live)
-            info.num_waiting += cluster.num_unplaced
+            info.num_waiting += cluster.reports.num_unplaced
         info.tenant.CopyFrom(tenant_info(snapshots, tenant, live, self.queue_bounds.for_tenant(tenant), sees_cluster))
         if request.reset_peak:
-            cluster.reset_peak(tenant, sees_cluster)
+            cluster.reports.reset_peak(tenant.id, sees_cluster)
         return info
 
     async def Tokenize(self, request, context):  # noqa: N802

@@ -24,21 +24,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import metrics
+from scheduler_svc.cluster_reports import ClusterReports
 from scheduler_svc.engine import Engine
-from scheduler_svc.engine_types import EngineHooks, State
+from scheduler_svc.engine_types import EngineHooks
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
 from scheduler_svc.fit import FitLimits, limits_for
-from scheduler_svc.gauges import Gauges
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT, GrammarGate
 from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.snapshot import SchedulerSnapshot
-from scheduler_svc.tenancy import Tenant, Tenants
+from scheduler_svc.tenancy import Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 
 # a DescribeResponse and the cluster's tenant ledger -> a planner for that executor, in that ledger
@@ -98,12 +96,12 @@ class Cluster:
         self._unplaced: deque[tuple[Request, float]] = deque()
         self.arrivals = 0
         self.any_up = asyncio.Event()
-        self._gauges = Gauges()
+        self._reports = ClusterReports(self.engines, self.ledger, lambda: len(self._unplaced))
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
         self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
                                   up=self.engine_up, down=self.engine_down, relocate=self.relocate,
-                                  gauges=self.update_gauges)
+                                  gauges=self._reports.update_gauges)
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,12 +129,8 @@ class Cluster:
                 if engine.scheduler is not None:
                     engine.scheduler.serving(False)
                 asyncio.ensure_future(engine.stop())
-                for gauge in (metrics.EXECUTOR_PAGES_USED, metrics.EXECUTOR_RUNNING):
-                    try:
-                        gauge.remove(address)
-                    except KeyError:
-                        pass
-        self.update_gauges(force=True)
+                self._reports.forget(address)
+        self._reports.update_gauges(force=True)
 
     async def stop(self) -> None:
         if self._expiry is not None:
@@ -190,7 +184,7 @@ class Cluster:
         waiting, self._unplaced = self._unplaced, deque()
         for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, deadline=deadline)
-        self.update_gauges(force=True)
+        self._reports.update_gauges(force=True)
 
     # ---- what the API uses -----------------------------------------------------------------------
     def _pick_largest(self) -> Engine | None:
@@ -209,9 +203,9 @@ class Cluster:
         return self._reference
 
     @property
-    def num_unplaced(self) -> int:
-        """Requests held while no executor can take them."""
-        return len(self._unplaced)
+    def reports(self) -> ClusterReports:
+        """Snapshots, the executors' rows of ModelInfo, peak resets, gauges (cluster_reports.py)."""
+        return self._reports
 
     @property
     def tenants(self) -> Tenants:
@@ -287,7 +281,7 @@ class Cluster:
 
     def fail_all(self, error: str) -> None:
         """Ends every live request's stream with an error; only once the engines are stopped (shutdown)."""
-        for e in self._reporting(live=False):
+        for e in self._reports.reporting(live=False):
             deliver([(r, Output("", [], [], Finish.ABORT, error=error, index=r.index))
                      for r in e.scheduler.live_requests()])
         self._fail_unplaced(lambda _deadline: True, error)
@@ -357,43 +351,3 @@ class Cluster:
                 kept.append((req, deadline))
         self._unplaced = kept
         metrics.UNPLACED.set(len(self._unplaced))
-
-    # ---- reporting -----------------------------------------------------------------------------
-    def snapshots(self, live: bool = False, tenants: bool = False) -> list[SchedulerSnapshot]:
-        """Every executor's scheduler snapshot (their counters); live: only of executors up or draining (their
-        pools); tenants: with per-tenant figures."""
-        return [e.scheduler.snapshot(tenants) for e in self._reporting(live)]
-
-    def snapshots_with_liveness(self) -> tuple[list[SchedulerSnapshot], set[int]]:
-        """Every executor's snapshot with per-tenant figures, and the indices of those up or draining."""
-        engines = self._reporting(live=False)
-        live = {i for i, e in enumerate(engines) if e.state in (State.UP, State.DRAINING)}
-        return [e.scheduler.snapshot(tenants=True) for e in engines], live
-
-    def _reporting(self, live: bool) -> list[Engine]:
-        return [e for e in self.engines.values()
-                if e.scheduler is not None and (not live or e.state in (State.UP, State.DRAINING))]
-
-    def reset_peak(self, tenant: Tenant, cluster: bool) -> None:
-        for e in self._reporting(live=False):
-            e.scheduler.reset_peak(tenant.id, cluster)
-
-    def executor_infos(self) -> list[api.ExecutorInfo]:
-        out = []
-        for address, e in sorted(self.engines.items()):
-            ei = e.info()
-            info = api.ExecutorInfo(address=address, state=e.state.value, executor_id=ei.executor_id,
-                                    num_placed=ei.num_placed, num_migrated_out=ei.num_migrated_out,
-                                    kv_dtype=ei.kv_dtype, kv_bytes_per_token=ei.kv_bytes_per_token)
-            if e.scheduler is not None:
-                snap = e.scheduler.snapshot()
-                info.num_pages, info.num_used_pages = snap.pool.num_pages, snap.pool.num_used
-                info.num_cached_pages, info.num_running = snap.pool.num_cached, snap.num_running
-                info.num_waiting = snap.num_waiting + snap.num_swapped
-                info.num_computed_tokens = snap.counters.computed_tokens
-            out.append(info)
-        return out
-
-    def update_gauges(self, force: bool = False) -> None:
-        """Gauges from every executor's state (gauges.py); ``force``: the detailed ones too, now."""
-        self._gauges.update(self.engines, len(self._unplaced), self.ledger.service, force)

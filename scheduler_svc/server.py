@@ -286,7 +286,7 @@ async def serve(args) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     watcher = loop.create_task(membership())
-    stats = loop.create_task(log_stats(args.log_stats_interval, log, cluster.update_gauges)) \
+    stats = loop.create_task(log_stats(args.log_stats_interval, log, cluster.reports.update_gauges)) \
         if args.log_stats_interval else None
     await stop.wait()
     # Graceful shutdown: refuse new work, let in-flight streams finish, then end what is left with an error.

@@ -87,7 +87,7 @@ ISOLATION_TENANTS = (f"[tenants.a]\n{keys('ka')}max_concurrent_requests = 4\npag
 
 
 def a_waiting(c) -> int:
-    return sum(snap.tenants["a"].num_waiting for snap in c.snapshots(tenants=True) if "a" in snap.tenants)
+    return sum(snap.tenants["a"].num_waiting for snap in c.reports.snapshots(tenants=True) if "a" in snap.tenants)
 
 
 def b_views(boxes, tmp_path, a_floods: bool) -> tuple[list[api.ModelInfoResponse], list[api.ModelInfoResponse]]:

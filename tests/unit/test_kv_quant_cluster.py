@@ -37,7 +37,7 @@ def test_mixed_kv_dtypes_join_report_and_migrate(boxes):
     async def scenario():
         boxes.update({"a:1": Box(64), "b:1": Box(64), "c:1": Box(16)})
         c = await up_cluster(set(boxes))
-        infos = {i.address: (i.kv_dtype, i.kv_bytes_per_token, i.state) for i in c.executor_infos()}
+        infos = {i.address: (i.kv_dtype, i.kv_bytes_per_token, i.state) for i in c.reports.executor_infos()}
         boxes["b:1"].delay = boxes["a:1"].delay = 0.002
         boxes["c:1"].alive = False  # the float32 executor leaves: only fp8 and int8 remain
         req = make_request(1, 40, 60)
