@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     args = a.parse_args(argv)
 
     from executor_svc import args as executor_args
-    from executor_svc.attention import torch_backend
+    from executor_svc.attention import cascade
     from executor_svc.startup import build
     from pagedkv import logs
     from scheduler_svc.pages import PagePool
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                           "--swap-space", "0"])
     runner, describe = build(eargs, logs.configure("bench", json=True, level="warning"))
     eos = list(describe.eos_token_ids)
-    split_min = torch_backend.PREFILL_SPLIT_MIN_TOKENS
+    split_min = cascade.PREFILL_SPLIT_MIN_TOKENS
 
     def request(i: int, prompt: list[int]):
         req = make_request(i, 0, 4, prompt=prompt)
@@ -106,16 +106,16 @@ def main(argv=None) -> int:
     cases = {f"{args.batch - 1} chunks of {args.suffix} over a shared {args.prefix}-token prefix": shared,
              f"the 3rd {args.chunk}-token chunk of a {args.prompt}-token prompt": chunked}
     modes = ("masked", "split", "kernel")
-    in_kernel = torch_backend.prefill_in_kernel
+    in_kernel = cascade.prefill_in_kernel
     times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in modes} for c in cases}
     for run in range(len(modes) * args.runs):
         mode = modes[run % len(modes)]
-        torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min if mode == "split" else 1 << 30
-        torch_backend.prefill_in_kernel = in_kernel if mode == "kernel" else (lambda kernel, q: False)
+        cascade.PREFILL_SPLIT_MIN_TOKENS = split_min if mode == "split" else 1 << 30
+        cascade.prefill_in_kernel = in_kernel if mode == "kernel" else (lambda kernel, q: False)
         for case, fn in cases.items():
             times[case][mode].append(fn(run))
-    torch_backend.PREFILL_SPLIT_MIN_TOKENS = split_min
-    torch_backend.prefill_in_kernel = in_kernel
+    cascade.PREFILL_SPLIT_MIN_TOKENS = split_min
+    cascade.prefill_in_kernel = in_kernel
     out = {"model": args.model, "threads": args.threads, "load": os.getloadavg()[0], "cases": {}}
     print(f"\n{args.model}, {args.threads} threads, {args.runs} runs a mode, alternated (median ms)\n")
     print("| step | masked | split | kernel | kernel / split |")

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import torch
 
     from executor_svc import args as executor_args
-    from executor_svc.attention import torch_backend
+    from executor_svc.attention import cascade, torch_backend
     from executor_svc.startup import build
     from pagedkv import logs
     from scheduler_svc.pages import PagePool
@@ -111,18 +111,18 @@ def main(argv=None) -> int:
         sched.process(runner.step(plan))
         if len(plan.decodes) == args.batch:
             break
-    rows = torch_backend.CASCADE_MIN_ROWS
+    rows = cascade.CASCADE_MIN_ROWS
     modes = ("kernel alone", "kernel alone, one call", "cascade, SDPA prefix", "cascade, products", "cascade",
              "cascade, one call")
-    in_kernel = torch_backend.shared_in_kernel
+    in_kernel = cascade.shared_in_kernel
     steps: dict[str, list[float]] = {m: [] for m in modes}
     attention: dict[str, list[float]] = {m: [] for m in modes}
     model = runner.model
     by_op.clear()  # (the prefills' calls above)
     for k in range(args.steps):
         mode = modes[k % len(modes)]
-        torch_backend.CASCADE_MIN_ROWS = rows if mode.startswith("cascade") else 1 << 30
-        torch_backend.shared_in_kernel = (lambda kernel, q: False) if mode.endswith("SDPA prefix") else in_kernel
+        cascade.CASCADE_MIN_ROWS = rows if mode.startswith("cascade") else 1 << 30
+        cascade.shared_in_kernel = (lambda kernel, q: False) if mode.endswith("SDPA prefix") else in_kernel
         products = mode.endswith("products")
         Kernel.paged_attention_cascade = staticmethod(Kernel.products) if products else Kernel.exact_cascade
         # (the one call, executor_svc/model/cpu_decode.cpp, runs the kernel from C++: its attention is not timed)
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
         steps[mode].append(time.perf_counter() - t)
         attention[mode].append(sum(timed))
         sched.process(result)
-    torch_backend.CASCADE_MIN_ROWS = rows
-    torch_backend.shared_in_kernel = in_kernel
+    cascade.CASCADE_MIN_ROWS = rows
+    cascade.shared_in_kernel = in_kernel
     Kernel.paged_attention_cascade = Kernel.exact_cascade
     model.decode_in_one_call = True
     out = {"model": args.model, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,

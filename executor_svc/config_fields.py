@@ -209,7 +209,7 @@ def check_fields(hf, path: Path | str) -> tuple[str, list[str]]:
     if family in MOE:
         _check_moe(d, where)
     if not is_off(d.get("quantization_config")):
-        from executor_svc.model.quant import parse_quant_config
+        from executor_svc.model.quant_config import parse_quant_config
 
         parse_quant_config(d["quantization_config"], where)
     return family, unknown_fields(d)

@@ -89,7 +89,7 @@ class ModelConfig:
     # generation_config.json's sampling values (temperature, top_p, top_k, ...): sampling_defaults() of them
     generation_defaults: dict = field(default_factory=dict)
     unknown_fields: tuple[str, ...] = ()
-    # 4-bit weights (executor_svc.model.quant.QuantSpec) from quantization_config; None: float weights
+    # 4-bit weights (executor_svc.model.quant_config.QuantSpec) from quantization_config; None: float weights
     quantization: object = None
     # per layer: its attention window in tokens (0: full attention); () when sliding_window covers every layer
     layer_windows: tuple[int, ...] = ()
@@ -231,6 +231,6 @@ def _quantization(hf, path: Path):
     qc = getattr(hf, "quantization_config", None)
     if is_off(qc):
         return None
-    from executor_svc.model.quant import parse_quant_config
+    from executor_svc.model.quant_config import parse_quant_config
 
     return parse_quant_config(qc if isinstance(qc, dict) else qc.to_dict(), f"model {path}")

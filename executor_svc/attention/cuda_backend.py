@@ -17,6 +17,7 @@ The same interface and page layout as ``TorchPagedAttention`` (the reference it 
   registers (no dequantized copy of the pool); prefill segments gather their context with ``gather_kv_q8``,
   which dequantizes into the model dtype for SDPA (the torch reference's exact values).
 
+The checks that the kernels can address a layer's pages, and their arguments as they read them: cuda_args.py.
 Importing this module needs neither CUDA nor CuPy; the kernels compile (or load from CuPy's cache) on
 first use. ``unavailable_reason`` says why the backend cannot run somewhere.
 """
@@ -28,12 +29,21 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from executor_svc.attention.cuda_args import (
+    DTYPE_NAMES,
+    Launches,
+    block_shift,
+    i32,
+    i64,
+    index,
+    pool_args,
+    q8_args,
+    rows_ready,
+)
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.attention.torch_backend import QUANTIZED, TorchPagedAttention
-from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 from kernels_cuda import specs
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DEFAULT_PARTITION_TOKENS = 512
 DECODE_THREADS = 128  # kThreads in decode.cu
 LOG2E = 1.4426950408889634
@@ -55,43 +65,6 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     if err is not None:
         return f"CuPy is not importable ({err}); install it with pip install 'pagedkv[cuda]' (cupy-cuda13x)"
     return None
-
-
-def _i64(x: int) -> np.int64:
-    return np.int64(x)
-
-
-def _i32(x: int) -> np.int32:
-    return np.int32(x)
-
-
-def _index(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An index tensor as the kernels read it: int64, contiguous, on the device (no copy when it already is)."""
-    return t.to(device=device, dtype=torch.int64).contiguous()
-
-
-def _rows_ready(t: torch.Tensor) -> torch.Tensor:
-    """[N, heads, D] with unit stride along D and 16-byte aligned rows (16-byte vector access); a copy only
-    when it is not."""
-    elem = t.element_size()
-    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * elem) % 16 == 0
-            and (t.stride(1) * elem) % 16 == 0):
-        return t
-    return t.contiguous()
-
-
-class _Launches:
-    """Prepared kernel launches, with the tensors their arguments point into (kept alive with them)."""
-
-    __slots__ = ("launches", "tensors")
-
-    def __init__(self, launches: list[Callable[[], None]], tensors: tuple[torch.Tensor | None, ...]) -> None:
-        self.launches = launches
-        self.tensors = tensors
-
-    def __call__(self) -> None:
-        for launch in self.launches:
-            launch()
 
 
 class CudaPagedAttention:
@@ -117,6 +90,7 @@ class CudaPagedAttention:
         self.chunks = -(-self.group // self.tile)
         self.partition_tokens = partition_tokens
         self.library = library
+        self.emulated = bool(getattr(library, "emulated", False))  # kernels run on the host: so may the pool
 
     def _library(self, device: torch.device):
         if self.library is not None:
@@ -124,56 +98,6 @@ class CudaPagedAttention:
         from kernels_cuda.loader import library
 
         return library(device)
-
-    # ---- checks ----------------------------------------------------------------------------------
-    def _pool_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, list[object]]:
-        """The dtype name and (page, slot, head) strides of a layer's K/V views, after checking that the
-        kernels can address them."""
-        dtype = DTYPE_NAMES.get(k_cache.dtype)
-        if dtype is None or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"cuda attention: K/V cache dtype {k_cache.dtype}/{v_cache.dtype} is not supported "
-                            f"(supported: {', '.join(DTYPE_NAMES.values())})")
-        if not k_cache.is_cuda and not getattr(self.library, "emulated", False):
-            raise ValueError(f"cuda attention: the page pool is on {k_cache.device}, not a CUDA device")
-        if tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim) or v_cache.shape != k_cache.shape:
-            raise ValueError(f"cuda attention: K/V views {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not "
-                             f"hold [pages, block, {self.num_kv_heads} kv heads, {self.head_dim}]")
-        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-            raise ValueError(f"cuda attention: K/V views need equal strides and unit stride along head_dim, got "
-                             f"{k_cache.stride()} / {v_cache.stride()}")
-        elem = k_cache.element_size()
-        if any(p % 16 for p in (k_cache.data_ptr(), v_cache.data_ptr())) or any(
-                (s * elem) % 16 for s in k_cache.stride()[:3]):
-            raise ValueError("cuda attention: K/V pages must be 16-byte aligned (pointers and strides)")
-        return dtype, [_i64(k_cache.stride(0)), _i64(k_cache.stride(1)), _i64(k_cache.stride(2))]
-
-    @staticmethod
-    def _block_shift(k_cache: torch.Tensor) -> int:
-        block_size = k_cache.shape[1]
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"cuda attention: block_size must be a power of two, got {block_size}")
-        return block_size.bit_length() - 1
-
-    def _q8_args(self, k_cache, v_cache) -> tuple[str, list[object]]:
-        """8-bit pages (executor_svc.kv_quant): the format and the decode kernel's pool arguments (the four
-        region pointers, then page / slot / head strides in bytes), after checking the layout it reads."""
-        kind = "int8" if isinstance(k_cache, ChannelScaledCache) else "fp8_e4m3"
-        want_k = ChannelScaledCache if kind == "int8" else QuantizedCache
-        if not isinstance(k_cache, want_k) or not isinstance(v_cache, QuantizedCache):
-            raise TypeError(f"cuda attention: 8-bit K/V views {type(k_cache).__name__}/{type(v_cache).__name__} do "
-                            "not match one format")
-        k, v = k_cache.data, v_cache.data
-        if not k.is_cuda and not getattr(self.library, "emulated", False):
-            raise ValueError(f"cuda attention: the page pool is on {k.device}, not a CUDA device")
-        if tuple(k.shape[2:]) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
-            raise ValueError(f"cuda attention: K/V views {tuple(k.shape)} / {tuple(v.shape)} do not hold "
-                             f"[pages, block, {self.num_kv_heads} kv heads, {self.head_dim}]")
-        if k.stride() != v.stride() or k.stride()[1:] != (self.num_kv_heads * self.head_dim, self.head_dim, 1):
-            raise ValueError(f"cuda attention: 8-bit K/V views need packed slots, got {k.stride()} / {v.stride()}")
-        ks = k_cache.exp if kind == "int8" else k_cache.scale
-        if any(t.data_ptr() % 8 for t in (k, v, ks)) or k.stride(0) % 8:
-            raise ValueError("cuda attention: 8-bit K/V pages must be 8-byte aligned")
-        return kind, [k, ks, v, v_cache.scale, _i64(k.stride(0)), _i64(k.stride(1)), _i64(k.stride(2))]
 
     # ---- the interface ---------------------------------------------------------------------------
     def write_cache(
@@ -188,48 +112,49 @@ class CudaPagedAttention:
         if isinstance(k_cache, QUANTIZED):
             self._write_q8(k_cache, v_cache, k, v, meta)
             return
-        dtype, strides = self._pool_args(k_cache, v_cache)
+        dtype, strides = pool_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
         if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
             raise TypeError(f"cuda attention: new K/V dtype {k.dtype}/{v.dtype} differs from the cache's "
                             f"{k_cache.dtype}")
-        k, v = _rows_ready(k), _rows_ready(v)
+        k, v = rows_ready(k), rows_ready(v)
         self._library(k_cache.device).launch(
             "cache.cu", specs.write_name(dtype), (n, 1, 1), (128, 1, 1),
-            [k_cache, v_cache, *strides, k, _i64(k.stride(0)), _i64(k.stride(1)),
-             v, _i64(v.stride(0)), _i64(v.stride(1)),
-             _index(meta.slot_pages, k_cache.device), _index(meta.slot_offsets, k_cache.device),
-             _i32(self.num_kv_heads), _i32(self.head_dim)])
+            [k_cache, v_cache, *strides, k, i64(k.stride(0)), i64(k.stride(1)),
+             v, i64(v.stride(0)), i64(v.stride(1)),
+             index(meta.slot_pages, k_cache.device), index(meta.slot_offsets, k_cache.device),
+             i32(self.num_kv_heads), i32(self.head_dim)])
 
     def _write_q8(self, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        kind, (kd, ks, vd, vs, page_stride, slot_stride, _) = self._q8_args(k_cache, v_cache)
+        kind, args = q8_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
+        kd, ks, vd, vs, page_stride, slot_stride, _ = args
         dtype = DTYPE_NAMES.get(k.dtype)
         if dtype is None or v.dtype != k.dtype:
             raise TypeError(f"cuda attention: new K/V dtype {k.dtype}/{v.dtype} is not supported")
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
         device = kd.device
-        pages, offsets = _index(meta.slot_pages, device), _index(meta.slot_offsets, device)
+        pages, offsets = index(meta.slot_pages, device), index(meta.slot_offsets, device)
         lib = self._library(device)
         n = k.shape[0]
-        common = [_i32(self.num_kv_heads), _i32(self.head_dim)]
+        common = [i32(self.num_kv_heads), i32(self.head_dim)]
         if kind == "int8":  # K: per-channel exponents, one CTA per (page run, head)
             lib.launch("cache.cu", specs.write_k_i8_channel_name(dtype), (n, self.num_kv_heads, 1),
                        (self.head_dim, 1, 1),
-                       [kd, ks, page_stride, slot_stride, k, _i64(k.stride(0)), _i64(k.stride(1)), pages, offsets,
-                        _i32(n), *common])
+                       [kd, ks, page_stride, slot_stride, k, i64(k.stride(0)), i64(k.stride(1)), pages, offsets,
+                        i32(n), *common])
         else:
             lib.launch("cache.cu", specs.write_q8_token_name(dtype, kind), (n, 1, 1), (128, 1, 1),
-                       [kd, ks, page_stride, slot_stride, k, _i64(k.stride(0)), _i64(k.stride(1)), pages, offsets,
+                       [kd, ks, page_stride, slot_stride, k, i64(k.stride(0)), i64(k.stride(1)), pages, offsets,
                         *common])
         lib.launch("cache.cu", specs.write_q8_token_name(dtype, kind), (n, 1, 1), (128, 1, 1),
-                   [vd, vs, page_stride, slot_stride, v, _i64(v.stride(0)), _i64(v.stride(1)), pages, offsets,
+                   [vd, vs, page_stride, slot_stride, v, i64(v.stride(0)), i64(v.stride(1)), pages, offsets,
                     *common])
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim]; the step's K/V must already be written."""
-        q = _rows_ready(q)
+        q = rows_ready(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         for group in meta.decodes:
             self.decode(q, out, k_cache, v_cache, group, meta.sliding_window)
@@ -262,20 +187,20 @@ class CudaPagedAttention:
         (The benchmarks time this, so that Python's per-call checks do not count as kernel time.)"""
         batch = group.page_tables.shape[0]
         if isinstance(k_cache, QUANTIZED):  # 8-bit pages: read and dequantized in registers by paged_decode_q8
-            kv8, pool = self._q8_args(k_cache, v_cache)
+            kv8, pool = q8_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
             dtype = DTYPE_NAMES.get(q.dtype)
             if dtype is None:
                 raise TypeError(f"cuda attention: q dtype {q.dtype} is not supported")
             name = specs.decode_q8_name(dtype, kv8, self.head_dim, self.tile)
             k_cache = k_cache.data  # for the shapes below
         else:
-            dtype, strides = self._pool_args(k_cache, v_cache)
+            dtype, strides = pool_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
             if q.dtype != k_cache.dtype:
                 raise TypeError(f"cuda attention: q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
             name = specs.decode_name(dtype, self.head_dim, self.tile)
             pool = [k_cache, v_cache, *strides]
-        q = _rows_ready(q)  # 16-byte vector loads: a copy only when q's rows are not aligned
-        if _rows_ready(out) is not out:
+        q = rows_ready(q)  # 16-byte vector loads: a copy only when q's rows are not aligned
+        if rows_ready(out) is not out:
             raise ValueError("cuda attention: out needs unit stride along head_dim and 16-byte aligned rows")
         for t, heads in ((q, self.num_heads), (out, self.num_heads)):
             if tuple(t.shape[1:]) != (heads, self.head_dim):
@@ -283,7 +208,7 @@ class CudaPagedAttention:
         if batch > 65535:
             raise ValueError(f"cuda attention: {batch} decodes in one group; the grid holds at most 65535")
         device = k_cache.device
-        shift = self._block_shift(k_cache)
+        shift = block_shift(k_cache)
         parts = self.num_partitions(group, k_cache.shape[1], window)
         # no partition is longer than the table: keeps the kernels' int32 position arithmetic in range
         part_tokens = min(self.partition_tokens, group.page_tables.shape[1] * k_cache.shape[1])
@@ -291,46 +216,47 @@ class CudaPagedAttention:
         if parts > 1:
             part_acc = torch.empty((batch, self.num_heads, parts, self.head_dim), dtype=torch.float32, device=device)
             part_ml = torch.empty((batch, self.num_heads, parts, 2), dtype=torch.float32, device=device)
-        token_idx = _index(group.token_idx, device)
-        tables = _index(group.page_tables, device)
-        ctx_lens = _index(group.ctx_lens, device)
-        windows = _index(group.windows, device) if group.windows is not None else None
-        sinks = _index(group.sinks, device) if windows is not None and group.sinks is not None else None
+        token_idx = index(group.token_idx, device)
+        tables = index(group.page_tables, device)
+        ctx_lens = index(group.ctx_lens, device)
+        windows = index(group.windows, device) if group.windows is not None else None
+        sinks = index(group.sinks, device) if windows is not None and group.sinks is not None else None
         from kernels_cuda.loader import Pointer
 
         lib = self._library(device)
         launches = [lib.prepare(
             "decode.cu", name, (self.num_kv_heads * self.chunks, batch, parts), (DECODE_THREADS, 1, 1),
-            [out, _i64(out.stride(0)), _i64(out.stride(1)), q, _i64(q.stride(0)), _i64(q.stride(1)), token_idx,
-             *pool, tables, _i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
-             _i32(window or 0), _i32(self.group), _i32(self.chunks), _i32(shift), np.float32(self.scale * LOG2E),
-             _i32(part_tokens), _i32(parts), Pointer(part_acc), Pointer(part_ml)])]
+            [out, i64(out.stride(0)), i64(out.stride(1)), q, i64(q.stride(0)), i64(q.stride(1)), token_idx,
+             *pool, tables, i64(tables.stride(0)), ctx_lens, Pointer(sinks), Pointer(windows),
+             i32(window or 0), i32(self.group), i32(self.chunks), i32(shift), np.float32(self.scale * LOG2E),
+             i32(part_tokens), i32(parts), Pointer(part_acc), Pointer(part_ml)])]
         if parts > 1:
             launches.append(lib.prepare(
                 "decode.cu", specs.reduce_name(dtype, self.head_dim), (self.num_heads, batch, 1),
                 (self.head_dim, 1, 1),
-                [out, _i64(out.stride(0)), _i64(out.stride(1)), token_idx, ctx_lens, Pointer(sinks),
-                 Pointer(windows), _i32(window or 0), _i32(part_tokens), _i32(parts), part_acc, part_ml]))
-        return _Launches(launches, (tables, token_idx, ctx_lens, sinks, windows, part_acc, part_ml))
+                [out, i64(out.stride(0)), i64(out.stride(1)), token_idx, ctx_lens, Pointer(sinks),
+                 Pointer(windows), i32(window or 0), i32(part_tokens), i32(parts), part_acc, part_ml]))
+        return Launches(launches, (tables, token_idx, ctx_lens, sinks, windows, part_acc, part_ml))
 
     def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_ids: torch.Tensor,
                ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, ctx_len) through page_ids as contiguous K, V [1, kv_heads, ctx_len, head_dim]."""
-        dtype, strides = self._pool_args(k_cache, v_cache)
+        dtype, strides = pool_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
         shape = (1, self.num_kv_heads, ctx_len, self.head_dim)
         k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
         v = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
         vectors = self.num_kv_heads * ctx_len * self.head_dim * k.element_size() // 16
         self._library(k_cache.device).launch(
             "cache.cu", specs.gather_name(dtype), (-(-vectors // 256), 1, 1), (256, 1, 1),
-            [k, v, k_cache, v_cache, *strides, _index(page_ids, k_cache.device), _i32(ctx_len),
-             _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(k_cache))])
+            [k, v, k_cache, v_cache, *strides, index(page_ids, k_cache.device), i32(ctx_len),
+             i32(self.num_kv_heads), i32(self.head_dim), i32(block_shift(k_cache))])
         return k, v
 
     def gather_q8(self, k_cache, v_cache, page_ids: torch.Tensor, ctx_len: int,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """8-bit pages: positions [0, ctx_len) dequantized into contiguous K, V [1, kv_heads, ctx_len, head_dim]."""
-        kind, (kd, ks, vd, vs, page_stride, slot_stride, _) = self._q8_args(k_cache, v_cache)
+        kind, args = q8_args(k_cache, v_cache, self.num_kv_heads, self.head_dim, self.emulated)
+        kd, ks, vd, vs, page_stride, slot_stride, _ = args
         name = DTYPE_NAMES.get(dtype)
         if name is None:
             raise TypeError(f"cuda attention: dtype {dtype} is not supported")
@@ -340,8 +266,8 @@ class CudaPagedAttention:
         threads = self.num_kv_heads * ctx_len * self.head_dim // 8
         self._library(kd.device).launch(
             "cache.cu", specs.gather_q8_name(name, kind), (-(-threads // 256), 1, 1), (256, 1, 1),
-            [k, v, kd, ks, vd, vs, page_stride, slot_stride, _index(page_ids, kd.device), _i32(ctx_len),
-             _i32(self.num_kv_heads), _i32(self.head_dim), _i32(self._block_shift(kd))])
+            [k, v, kd, ks, vd, vs, page_stride, slot_stride, index(page_ids, kd.device), i32(ctx_len),
+             i32(self.num_kv_heads), i32(self.head_dim), i32(block_shift(kd))])
         return k, v
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
@@ -360,9 +286,9 @@ class CudaPagedAttention:
             raise ValueError(f"copy_pages: pages of {page_bytes} bytes in a contiguous, 16-byte aligned pool needed")
         vectors = page_bytes // 16
         chunks = min(-(-vectors // (256 * 4)), 4096)
-        src, dst = _index(src, pages.device), _index(dst, pages.device)
+        src, dst = index(src, pages.device), index(dst, pages.device)
         lib = self._library(pages.device)
         for start in range(0, src.numel(), 65535):  # grid.y limit
             n = min(65535, src.numel() - start)
             lib.launch("cache.cu", specs.COPY_NAME, (chunks, n, 1), (256, 1, 1),
-                       [pages, src[start:start + n], dst[start:start + n], _i64(vectors)])
+                       [pages, src[start:start + n], dst[start:start + n], i64(vectors)])

@@ -21,7 +21,7 @@ padding), outside the model's sliding window when there is one, and outside a re
 (its dropped pages among them) are masked.
 
 Decodes whose tables all start with the same pages (a shared prompt prefix: prefix caching maps it to the same
-pages) attend them as a cascade when the prefix is long enough for it to pay (``CASCADE_MIN_ROWS``,
+pages) attend them as a cascade when the prefix is long enough for it to pay (cascade.py: ``CASCADE_MIN_ROWS``,
 ``CASCADE_MIN_TOKENS``, ``CASCADE_MIN_WORK``). In float32 the kernel library's ``paged_attention_cascade`` reads the
 prefix's keys once for a block of rows instead of once a row, each row's arithmetic the kernel's alone (its bits do
 not depend on whether the cascade runs). Other dtypes score every query against the prefix in one SDPA call over
@@ -32,8 +32,8 @@ In other dtypes, prefill chunks with cached context before them (a chunked promp
 prefix was cached) attend it in two parts merged by their log-sum-exps: the context's whole pages before the chunk's
 first query, which every query sees (no mask), and the rest (the chunk's own keys, causal). Chunks whose contexts
 begin with the same pages (a shared prompt prefix) score their queries against those pages in one SDPA call over the
-[tokens x query heads] of each KV head (``split_prefills``). The one masked SDPA over the whole gathered context that
-it replaces built a [q_len, ctx] mask per chunk and ran ~40% slower (bench/NOTES.md, session 16).
+[tokens x query heads] of each KV head (cascade.py ``split_prefills``). The one masked SDPA over the whole gathered
+context that it replaces built a [q_len, ctx] mask per chunk and ran ~40% slower (bench/NOTES.md, session 16).
 
 On a quantized pool (``QuantizedCache`` / ``ChannelScaledCache`` views, executor_svc.kv_quant)
 ``write_cache`` quantizes the new tokens (computing their scales), and the gather dequantizes the gathered
@@ -46,7 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import cpu_kernel, q8_decode
+from executor_svc.attention import cascade, cpu_kernel, q8_decode
 from executor_svc.attention.metadata import (
     DECODE_SLACK,
     AttentionMetadata,
@@ -57,16 +57,6 @@ from executor_svc.attention.metadata import (
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
 QUANTIZED = (QuantizedCache, ChannelScaledCache)
-
-# When a decode group attends its shared prefix as a cascade: at least this many rows, prefix tokens, and rows x
-# prefix tokens (below, the extra calls cost more than they save: bench/NOTES.md "Shared prefix: a cascade").
-CASCADE_MIN_ROWS = 8
-CASCADE_MIN_TOKENS = 128
-CASCADE_MIN_WORK = 4096
-# A prefill chunk's context is split off (above) when it has at least this many tokens in whole pages before the
-# chunk's first query; chunks share one call over their common first pages when those hold CASCADE_MIN_TOKENS.
-PREFILL_SPLIT_MIN_TOKENS = 64
-
 
 def gather_pages(cache: torch.Tensor | QuantizedCache | ChannelScaledCache, page_ids: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
@@ -106,73 +96,9 @@ def prefill_visible(seg: PrefillSegment, window: int | None, device: torch.devic
     if seg.window:
         visible &= (k_pos < seg.sink) | (k_pos > q_pos - seg.window)
     return visible
+
+
 _NONE = torch.empty(0, dtype=torch.long)  # "no per-request windows" / "query i reads table row i"
-
-
-def split_prefills(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor, list[PrefillSegment]]]:
-    """The prefill segments whose context is attended apart from their own keys, in groups: (the context pages
-    each group's segments all start with and attend in one call, its segments). Segments with a window (the
-    model's or their own) or too little context before their first query are in no group (one masked SDPA)."""
-    if meta.prefill_split is not None:
-        return meta.prefill_split
-    groups: list[tuple[torch.Tensor, list[PrefillSegment]]] = []
-    by_first: dict[int, list[tuple[PrefillSegment, int]]] = {}
-    if not meta.sliding_window:
-        for seg in meta.prefills:
-            pages = (seg.ctx_len - seg.q_len) // block_size  # whole pages before the first query
-            if seg.window or pages * block_size < PREFILL_SPLIT_MIN_TOKENS:
-                continue
-            by_first.setdefault(int(seg.page_ids[0]), []).append((seg, pages))
-    for members in by_first.values():
-        common = min(pages for _, pages in members)
-        if len(members) > 1:
-            tables = torch.stack([seg.page_ids[:common] for seg, _ in members])
-            same = (tables == tables[:1]).all(0)
-            common = common if bool(same.all()) else int(same.logical_not().nonzero()[0, 0])
-        if len(members) > 1 and common * block_size >= CASCADE_MIN_TOKENS:
-            groups.append((members[0][0].page_ids[:common].contiguous(), [seg for seg, _ in members]))
-        else:
-            groups += [(seg.page_ids[:pages].contiguous(), [seg]) for seg, pages in members]
-    meta.prefill_split = groups
-    return groups
-
-
-def shared_prefix(group: DecodeGroup, block_size: int, window: int) -> torch.Tensor:
-    """The page ids that begin every row's table of ``group`` and lie wholly before every row's query (so every
-    query sees all of them, and none writes into them), when attending them as a cascade pays; else empty.
-    Requests' windows and the model's sliding window keep the plain kernel."""
-    tables = group.page_tables
-    rows = tables.shape[0]
-    if rows < CASCADE_MIN_ROWS or group.windows is not None or window:
-        return _NONE
-    limit = int(group.query_positions().min()) // block_size  # pages before every query's own
-    if limit * block_size < CASCADE_MIN_TOKENS:
-        return _NONE
-    same = (tables[:, :limit] == tables[:1, :limit]).all(0)
-    pages = limit if bool(same.all()) else int(same.logical_not().nonzero()[0, 0])
-    if pages * block_size < CASCADE_MIN_TOKENS or rows * pages * block_size < CASCADE_MIN_WORK:
-        return _NONE
-    return tables[0, :pages].contiguous()
-
-
-_SHARED_DIMS: dict[int, frozenset[int]] = {}
-
-
-def prefill_in_kernel(kernel, q: torch.Tensor) -> bool:
-    """Whether prefill chunks are attended by the kernel, each token as a decode is (where ``shared_in_kernel``:
-    the kernel's vector path, whose runs of a chunk's tokens read their keys once); else SDPA."""
-    return shared_in_kernel(kernel, q)
-
-
-def shared_in_kernel(kernel, q: torch.Tensor) -> bool:
-    """Whether the kernel library attends a shared prefix itself (``paged_attention_cascade``: float32, the head
-    sizes of its vector path on this CPU, ``paged_attention_shared_dims``); else the cascade's first half is an SDPA
-    call over the gathered prefix."""
-    dims = _SHARED_DIMS.get(id(kernel))
-    if dims is None:
-        dims = _SHARED_DIMS[id(kernel)] = frozenset(kernel.paged_attention_shared_dims()
-                                                     if hasattr(kernel, "paged_attention_shared_dims") else ())
-    return q.dtype == torch.float32 and q.shape[-1] in dims
 
 
 class TorchPagedAttention:
@@ -251,7 +177,7 @@ class TorchPagedAttention:
         window = meta.sliding_window or 0
         if meta.one_decode_group:  # (a decode-only step: no gather of q's rows, no scatter of the output)
             return self._decode_in_place(kernel, q, k_cache, v_cache, meta.decodes[0], window)
-        exact = bool(meta.prefills) and prefill_in_kernel(kernel, q)
+        exact = bool(meta.prefills) and cascade.prefill_in_kernel(kernel, q)
         if exact:
             pq = prefill_queries(meta)
             rows = kernel.paged_attention((q if pq.token_idx is None else q[pq.token_idx]).contiguous(), k_cache,
@@ -265,7 +191,7 @@ class TorchPagedAttention:
         if exact:
             out[pq.token_idx] = rows
             return out
-        split = split_prefills(meta, k_cache.shape[1])
+        split = cascade.split_prefills(meta, k_cache.shape[1])
         done = set()
         for pages, segs in split:
             self._prefill_split(q, k_cache, v_cache, pages, segs, out)
@@ -321,12 +247,12 @@ class TorchPagedAttention:
                          group: DecodeGroup, window: int) -> torch.Tensor:
         """A decode group's attention by the kernel, its shared prefix as a cascade where that pays."""
         if group.shared_pages is None:
-            group.shared_pages = shared_prefix(group, k_cache.shape[1], window)
+            group.shared_pages = cascade.shared_prefix(group, k_cache.shape[1], window)
         if not group.shared_pages.numel():
             sinks, windows = (_NONE, _NONE) if group.windows is None else (group.sinks, group.windows)
             return kernel.paged_attention(q, k_cache, v_cache, group.page_tables, _NONE, group.query_positions(),
                                           sinks, windows, window, self.scale)
-        if shared_in_kernel(kernel, q):
+        if cascade.shared_in_kernel(kernel, q):
             return kernel.paged_attention_cascade(q, k_cache, v_cache, group.page_tables, group.query_positions(),
                                                   group.shared_pages, self.scale)
         rows, heads, dim = q.shape

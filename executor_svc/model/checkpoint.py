@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from executor_svc.model.quant import quant_tensor_names
+from executor_svc.model.quant_config import quant_tensor_names
 from executor_svc.model_config import ModelConfig, MoeSpec
 
 

@@ -22,8 +22,9 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import cascade
 from executor_svc.attention.metadata import AttentionMetadata
-from executor_svc.attention.torch_backend import TorchPagedAttention, shared_in_kernel, shared_prefix
+from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.model import cpu_linear
 from executor_svc.model.checkpoint import (
     expected_tensors,
@@ -33,9 +34,11 @@ from executor_svc.model.checkpoint import (
     read_safetensors,
     router_name,
 )
+from executor_svc.model.decode_stack import stack_weights
 from executor_svc.model.layers import ACTIVATIONS, Rotary, gemma_norm, rms_norm, rotate_half
 from executor_svc.model.moe import DenseMlp, MoeMlp
-from executor_svc.model.quant import DenseLinear, Int4Linear, build_int4, quant_tensor_names, unpack_linear
+from executor_svc.model.quant import DenseLinear, build_int4, unpack_linear
+from executor_svc.model.quant_config import quant_tensor_names
 from executor_svc.model.softcap import softcapped_attention
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
@@ -173,7 +176,7 @@ class LlamaModel:
         if not self.decode_in_one_call or not meta.one_decode_group or meta.decodes[0].windows is not None:
             return None
         if self._stack is None:
-            self._stack = self._stack_weights(ops) or False
+            self._stack = stack_weights(self, ops) or False
         if not self._stack or not isinstance(attention, TorchPagedAttention) or not attention.plain_cache_writes:
             return None
         k_cache = pool.k_views[0]
@@ -181,29 +184,10 @@ class LlamaModel:
             return None
         group = meta.decodes[0]
         if group.shared_pages is None:
-            group.shared_pages = shared_prefix(group, k_cache.shape[1], meta.sliding_window or 0)
-        if group.shared_pages.numel() and not shared_in_kernel(ops, torch.empty(0, 0, self.cfg.head_dim)):
+            group.shared_pages = cascade.shared_prefix(group, k_cache.shape[1], meta.sliding_window or 0)
+        if group.shared_pages.numel() and not cascade.shared_in_kernel(ops, torch.empty(0, 0, self.cfg.head_dim)):
             return None
         return self._stack
-
-    def _stack_weights(self, ops) -> list | None:
-        cfg = self.cfg
-        if (not hasattr(ops, "decode_layers") or self.dtype != torch.float32 or self.act is not F.silu
-                or cfg.qk_norm or cfg.attn_softcap or len(self.rotaries) != 1
-                or any(lw["window"] is not None for lw in self.layers)):
-            return None
-        out: list[torch.Tensor] = []
-        for lw in self.layers:
-            if (not isinstance(lw["mlp"], DenseMlp)
-                    or getattr(lw["gate_up"], "out_features", None) != 2 * cfg.intermediate_size):
-                return None  # (an MoE layer, or a fusion split into parts: _Concat)
-            out += [lw["in_norm"], lw["mlp_norm"]]
-            for lin in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"]):
-                tensors = _linear_tensors(lin, self.dtype)
-                if tensors is None:
-                    return None
-                out += tensors
-        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -323,25 +307,6 @@ class LlamaModel:
             attention.write_cache(k_cache, v_cache, k, v, meta)
         a = attention.forward(q, k_cache, v_cache, meta)
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
-
-
-_NONE = torch.empty(0)
-
-
-def _linear_tensors(lin, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """A linear as decode_layers takes it (cpu_decode.cpp: weight, aux, aux2, perm, bias), or None where it cannot:
-    our float32 product's panels, our 4-bit product's, or torch's int4 product on the CPU, in a float32 model."""
-    bias = _NONE if lin.bias is None else lin.bias
-    if isinstance(lin, cpu_linear.PackedLinear) and lin.ops is not None:
-        return [lin.packed, _NONE, _NONE, _NONE, bias]
-    if not isinstance(lin, Int4Linear) or lin.dtype != dtype:
-        return None
-    perm = _NONE if lin.perm is None else lin.perm
-    if lin.ours is not None:
-        return [lin.packed, lin.zeros, lin.scales, perm, bias]
-    if lin.mm is torch.ops.aten._weight_int4pack_mm_for_cpu:
-        return [lin.packed, lin.scales_and_zeros, _NONE, perm, bias]
-    return None
 
 
 def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[int | None, AttentionMetadata]:

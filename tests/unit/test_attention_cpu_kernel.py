@@ -396,7 +396,7 @@ def test_prefill_chunks_attend_their_context_apart_and_match_the_reference(heads
     """Prefill chunks with cached context: the chunks over a common prefix score it in one call, the others their
     own context in one, each then its own keys (causal; behind a mask where context follows the common pages), the
     softmaxes merged: the reference's one masked SDPA over the whole context, for every chunk."""
-    from executor_svc.attention.torch_backend import split_prefills
+    from executor_svc.attention.cascade import split_prefills
 
     g = torch.Generator().manual_seed(heads * 10 + head_dim)
     block_size, num_pages = 16, 600
@@ -420,7 +420,7 @@ def test_prefill_chunks_attend_their_context_apart_and_match_the_reference(heads
 
 
 def test_prefill_chunks_under_a_sliding_window_keep_the_masked_attention():
-    from executor_svc.attention.torch_backend import split_prefills
+    from executor_svc.attention.cascade import split_prefills
 
     g = torch.Generator().manual_seed(5)
     k, v = pool_views(200, 16, 2, 32, torch.float32, g)

@@ -127,10 +127,10 @@ def test_the_cascade_refuses_bad_arguments_by_name(kernel):
 def test_the_backend_gives_a_token_the_same_bits_in_a_mixed_step_and_as_a_decode(kernel, monkeypatch):
     """Through TorchPagedAttention: a step of decodes (as a cascade) and prefill chunks in between them; each token's
     output equals the one it gets as a lone decode, and every prefill token lands in its own row."""
-    from executor_svc.attention import torch_backend
+    from executor_svc.attention import cascade
     from executor_svc.attention.torch_backend import TorchPagedAttention
 
-    monkeypatch.setattr(torch_backend, "CASCADE_MIN_WORK", 0)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_WORK", 0)
     heads, kv_heads, dim = 9, 3, 64
     q_dec, k, v, tables, pos, pages = cascade_case(8, 9, [3 + 5 * i for i in range(8)], heads, kv_heads, dim, seed=4)
     spans = [(2, 70), (3, 150)]  # prefill chunks: (decode table row they extend, tokens), placed after those rows

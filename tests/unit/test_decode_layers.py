@@ -106,7 +106,7 @@ def test_one_call_with_a_shared_prefix_equals_the_loop(which, tiny_llama_dir, fo
     """Rows whose tables begin with the same pages (a cached prompt): the one call attends them as the loop's cascade
     does (paged_attention_shared, then each row's own keys merged), with the same bits."""
     cfg, model = _model(four_bit_dirs["gptq"] if which.startswith("4-bit") else tiny_llama_dir)
-    shared = 29  # 464 tokens, x 9 rows: enough for a cascade (torch_backend.CASCADE_MIN_WORK)
+    shared = 29  # 464 tokens, x 9 rows: enough for a cascade (cascade.CASCADE_MIN_WORK)
     ctx_lens = [shared * 16 + n for n in (1, 40, 7, 16, 70, 3, 33, 2, 17)]
     got, got_pages, ran, cascade = _decode_step(cfg, model, ctx_lens, seed=5, one_call=True, shared=shared)
     assert ran and cascade.numel() == shared, "the one call must take this step, its shared prefix as a cascade"

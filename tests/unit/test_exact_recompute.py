@@ -29,12 +29,12 @@ Stream = list[tuple[int, float]]  # (token id, log-probability) of each sampled 
 
 @pytest.fixture(scope="module")
 def model(tiny_llama_dir):
-    from executor_svc.attention import torch_backend
+    from executor_svc.attention import cascade
     from executor_svc.model import load_model
     from executor_svc.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(tiny_llama_dir)
-    if not torch_backend.shared_in_kernel(cpu_kernel.load(), torch.empty(0, cfg.head_dim)):
+    if not cascade.shared_in_kernel(cpu_kernel.load(), torch.empty(0, cfg.head_dim)):
         pytest.skip("no vector path of the CPU kernel for this head size here")
     return cfg, load_model(cfg, torch.device("cpu"), torch.float32)
 
@@ -162,22 +162,20 @@ def test_decodes_attended_as_a_cascade_recompute_exactly(model, monkeypatch):
     """Requests over one cached prefix decode as a cascade (the thresholds lowered so that these few rows take it);
     its rows have the kernel's bits, so a migration, after which they are prefill rows and then decodes beside
     others, changes nothing."""
-    from executor_svc.attention import torch_backend
-    from executor_svc.model import llama
+    from executor_svc.attention import cascade
 
-    monkeypatch.setattr(torch_backend, "CASCADE_MIN_ROWS", 4)
-    monkeypatch.setattr(torch_backend, "CASCADE_MIN_TOKENS", 32)
-    monkeypatch.setattr(torch_backend, "CASCADE_MIN_WORK", 0)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 4)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_TOKENS", 32)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_WORK", 0)
     cascades = []
-    shared_prefix = torch_backend.shared_prefix
+    shared_prefix = cascade.shared_prefix
 
     def spy(*args):
         pages = shared_prefix(*args)
         cascades.append(pages.numel())
         return pages
 
-    monkeypatch.setattr(torch_backend, "shared_prefix", spy)
-    monkeypatch.setattr(llama, "shared_prefix", spy)
+    monkeypatch.setattr(cascade, "shared_prefix", spy)
     prefix = prompts_of([48], seed=1)[0]
     prompts = [prefix + own for own in prompts_of([5, 19, 9, 30, 12], seed=2)]
     base = run(model, prompts, 12)

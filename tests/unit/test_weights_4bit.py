@@ -17,13 +17,13 @@ from executor_svc.model.cpu_linear import float32_kernel
 from executor_svc.model.quant import (
     AWQ_ORDER,
     Int4Weight,
-    QuantSpec,
     build_int4,
     fits_panels,
     own_kernel,
     pack_panels,
     unpack_linear,
 )
+from executor_svc.model.quant_config import QuantSpec
 from executor_svc.model_config import ModelConfig
 from pagedkv.tools.quantize import quantize_checkpoint
 from pagedkv.tools.random_model import build_random_model
