@@ -23,87 +23,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import random
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import RESULTS, ROOT, percentile, print_table, wait_idle, write_report
+from gateway_attacks_cost import guard_cost
 
-from pagedkv.cli import free_port
+# (completion: bench/response_budget.py imports it, GatewayProcess, RssPeak and completion_latencies from here)
+from gateway_attacks_target import MODEL, GatewayProcess, RssPeak, completion, completion_latencies  # noqa: F401
+
 from pagedkv.local_server import ServiceProcess
-
-MODEL = "tiny-llama"
-PROMPT = [1, 72, 105, 33]
-
-
-class GatewayProcess:
-    """``pagedkv gateway`` run from ``root`` (its own sources first on the path); waits for gateway_ready."""
-
-    def __init__(self, root: Path, scheduler: str, *args: str) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "pagedkv", "gateway", "--port", str(self.port), "--address", scheduler,
-               "--log-format", "json", *args]
-        self.proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: deque[str] = deque(maxlen=5000)
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(120) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("gateway not ready:\n" + "\n".join(self.lines))
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if '"gateway_ready"' in line:
-                self.ready.set()
-        self.ready.set()
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return kb / 1024
-
-    def tracebacks(self) -> int:
-        return sum("Traceback" in line or "RecursionError" in line for line in list(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class RssPeak:
-    """The gateway's RSS sampled every 50 ms on a thread until stopped; the peak in MB."""
-
-    def __init__(self, gateway: GatewayProcess) -> None:
-        self.gateway, self.peak, self.done = gateway, gateway.rss_mb(), threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.done.wait(0.05):
-            self.peak = max(self.peak, self.gateway.rss_mb())
-
-    def stop(self) -> float:
-        self.done.set()
-        self.thread.join()
-        return self.peak
 
 
 # ---- 1. and 2.: big headers ---------------------------------------------------------------------
@@ -141,33 +75,6 @@ def big_header(port: int, payload: bytes, timeout: float = 120.0) -> tuple[int |
 def header_payload(mb: int) -> bytes:
     return b"GET /health/live HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * (mb << 20) + b"\r\n\r\n"
 
-
-def completion(port: int) -> float | None:
-    """Seconds for one one-token greedy completion on a connection of its own (None: it failed)."""
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-        r = conn.getresponse()
-        r.read()
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-    return time.perf_counter() - t0 if r.status == 200 else None
-
-
-def completion_latencies(port: int, seconds: float, interval: float = 0.2) -> list[float]:
-    """Completions started every ``interval`` s for ``seconds``, each on its own connection (so that one stalled
-    holds up no other, and a stall shows in every request it overlaps); the latencies of those that succeeded."""
-    with ThreadPoolExecutor(max_workers=64) as pool:
-        futures = []
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            futures.append(pool.submit(completion, port))
-            time.sleep(interval)
-        return [r for r in (f.result() for f in futures) if r is not None]
 
 
 def bystander(gateway: GatewayProcess, payload: bytes, seconds: float) -> dict:
@@ -259,7 +166,7 @@ def _request(port: int, method: str, path: str, body: bytes = b"", headers=()) -
 
 
 def refusals(gateway: GatewayProcess) -> dict:
-    def completion(prompt) -> bytes:
+    def completion(prompt) -> bytes:  # noqa: F811  (the module's completion is a re-export)
         return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
 
     before = gateway.tracebacks()
@@ -278,87 +185,6 @@ def refusals(gateway: GatewayProcess) -> dict:
     time.sleep(0.5)  # the log pump
     out["tracebacks_logged"] = gateway.tracebacks() - before
     return out
-
-
-# ---- 5.: the guard's cost --------------------------------------------------------------------------
-class _Transport:
-    def get_extra_info(self, name: str, default=None):
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5555)}.get(name, default)
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-async def _trivial_app(scope, receive, send) -> None:
-    await receive()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
-
-
-async def _cpu_per_request(protocol_class, requests: int) -> float:
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
-    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nAccept: application/json\r\n"
-           b"Content-Type: application/json\r\nUser-Agent: OpenAI/Python\r\nAuthorization: Bearer sk-0123456789\r\n"
-           b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    config = Config(_trivial_app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=75)
-    config.load()
-    state = ServerState()
-    protocol = protocol_class(config=config, server_state=state, app_state={})
-    protocol.connection_made(_Transport())
-    t0 = time.process_time()
-    for _ in range(requests):
-        protocol.data_received(raw)
-        await asyncio.sleep(0)  # the request's ASGI task runs
-        await asyncio.sleep(0)
-    seconds = time.process_time() - t0
-    assert state.total_requests >= requests - 1, state.total_requests
-    protocol.connection_lost(None)
-    return seconds / requests
-
-
-def guard_cost(requests: int = 5000, rounds: int = 8) -> dict:
-    import uvloop
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class Quiet:
-        def info(self, *a, **k) -> None:
-            pass
-
-    stacks = {"httptools": HttpToolsProtocol, "h11": H11Protocol}
-    try:
-        from pagedkv.gateway.guards import bounded_protocol
-    except ImportError:  # a checkout from before the gateway package, or before the bounds
-        try:
-            from pagedkv.gateway import bounded_protocol
-        except ImportError:
-            bounded_protocol = None
-    if bounded_protocol is not None:
-        stacks["httptools + bounds"] = bounded_protocol(Quiet())
-
-    async def run() -> dict:
-        seen: dict[str, list[float]] = {name: [] for name in stacks}
-        for i in range(rounds):  # the order reversed every other round: a stack pays for its predecessor's garbage
-            for name, cls in list(stacks.items())[::-1 if i % 2 else 1]:
-                seen[name].append(await _cpu_per_request(cls, requests))
-        return {name: percentile(v, 50) * 1e6 for name, v in seen.items()}
-
-    return uvloop.run(run())
 
 
 # ---- the run ----------------------------------------------------------------------------------------
