@@ -38,7 +38,7 @@ from common import RESULTS, ROOT, percentile, print_table, write_report
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.cli import free_port
 from pagedkv.client import Client, Completion, accumulate
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 AMBIGUOUS = 'root ::= a{500,}\na ::= "x" | "x" "x" | "xx" | "x" a'
 SLOW_SCHEMA = json.dumps({"type": "object", "properties": {

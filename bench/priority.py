@@ -49,7 +49,7 @@ from typing import Any
 from common import RESULTS, Server, percentile, print_table, write_report
 
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 KEYS = {"mixed": "key-prio-mixed", "inter": "key-prio-inter", "batch": "key-prio-batch", "ops": "key-prio-ops"}
 TENANTS = "".join(f'[tenants.{t}]\nkeys = ["{hash_key(k)}"]\n' + ("max_priority = -10\n" if t in ("mixed", "inter")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from pagedkv.client import Client
 from pagedkv.local_server import ServiceProcess
+from pagedkv.tenancy import hash_key
 from pagedkv.tools.random_model import build_random_model
-from scheduler_svc.tenancy import hash_key
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -33,7 +33,7 @@ from common import RESULTS, Machine, print_table, wait_idle, write_report
 from responses_turns import MODEL, QUESTIONS, turn
 
 from pagedkv.local_server import LocalServer, ServiceProcess
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 INSTRUCTIONS = ("Session {phase}. You are a patient geography tutor. Answer each question in two or three sentences, "
                 "naming the country, its capital and one river or mountain range, and nothing else.")

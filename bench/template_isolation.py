@@ -40,7 +40,7 @@ from common import ROOT, percentile, print_table, write_report
 from pagedkv.cli import free_port
 from pagedkv.local_server import TEST_EXECUTOR_SECRET
 from pagedkv.security import EXECUTOR_SECRET_ENV
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 ATTACKER, BYSTANDER = "bench-attacker", "bench-bystander"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

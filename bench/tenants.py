@@ -89,7 +89,7 @@ import torch
 from common import CpuWatch, Server, is_contended, pages_for, percentile, wait_idle
 
 from pagedkv.models import resolve_model
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 ROOT = Path(__file__).resolve().parent.parent
 BOS_ID = 1

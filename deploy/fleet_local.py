@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pagedkv.cli import free_port  # noqa: E402
-from scheduler_svc.tenancy import hash_key  # noqa: E402
+from pagedkv.tenancy import hash_key  # noqa: E402
 
 PLAIN_CHAT_TEMPLATE = ROOT / "deploy" / "chat-template-plain.jinja"
 # Dynamo's KV router with a prefill term 4x its default: a prefix hit then outweighs about three running requests on

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(args)
     if args.command == "hash-key":
-        from scheduler_svc.tenancy import hash_key
+        from pagedkv.tenancy import hash_key
 
         print(hash_key(args.key))
         return 0

@@ -15,7 +15,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
-from scheduler_svc.tenancy import API_KEY_ENV
+from pagedkv.tenancy import API_KEY_ENV
 
 EXECUTOR_HOST = "127.0.0.1"  # serve's executor answers only its own scheduler, on this machine
 EXECUTOR_DRAIN_TIMEOUT = 30.0  # serve's executor: seconds it waits for its scheduler to detach on SIGTERM
@@ -144,8 +144,8 @@ def check_flags(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from pagedkv.hub_models import is_repo_id, resolve_hub_model
+    from pagedkv.tenancy import Tenants
     from scheduler_svc.chat_template_arg import load_chat_template
-    from scheduler_svc.tenancy import Tenants
 
     if args.api_key and args.tenants_file:
         Tenants.from_flags(args.tenants_file, args.api_key, 0)

@@ -18,6 +18,7 @@ them, the gateway and the sidecar send them.
 
 from __future__ import annotations
 
+from pagedkv.bounds import MAX_PRIORITY
 from pagedkv.security import read_secret
 
 HOP_HEADER = "x-pagedkv-hop"
@@ -58,8 +59,6 @@ def hop_metadata(secret: str, tenant: str = "", objective: str = "") -> tuple[tu
 
 def parse_objectives(values: list[str]) -> dict[str, int]:
     """``--objective NAME=PRIORITY`` (repeated) as a table; ValueError naming the bad one."""
-    from scheduler_svc.validation import MAX_PRIORITY
-
     table: dict[str, int] = {}
     for value in values:
         name, sep, number = value.partition("=")

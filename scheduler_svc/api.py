@@ -10,6 +10,8 @@ import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.bounds import InvalidRequest
+from pagedkv.tenancy import Tenant, Unauthenticated
 from scheduler_svc import fit, metrics, ttft_trace
 from scheduler_svc.chat import NoChatTemplate, ToolUse
 from scheduler_svc.cluster import Cluster
@@ -26,10 +28,8 @@ from scheduler_svc.queue_bounds import QueueBounds, QueueFull
 from scheduler_svc.request import Finish, Output, Request, fork
 from scheduler_svc.responses import prompt_message, response
 from scheduler_svc.retention_api import ReleaseKvRpc, check_retain_kv
-from scheduler_svc.tenancy import Tenant, Unauthenticated
 from scheduler_svc.trusted_hop import Caller, HopRefused, TrustedHops
 from scheduler_svc.validation import (
-    InvalidRequest,
     Limits,
     check_continuation,
     check_priority,

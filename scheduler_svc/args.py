@@ -7,6 +7,8 @@ import argparse
 import os
 
 from pagedkv import fleet_salt, logs, security, tool_calls, trusted_hop
+from pagedkv.bounds import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
+from pagedkv.tenancy import API_KEY_ENV, MAX_INT
 from scheduler_svc import fit, kv_events_config
 from scheduler_svc.cluster import parse_address, read_executors_file
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT
@@ -14,8 +16,7 @@ from scheduler_svc.policy import SCHEDULING_POLICIES, Mode
 from scheduler_svc.queue_bounds import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOTAL
 from scheduler_svc.retention import DEFAULT_MAX_SHARE, DEFAULT_MAX_TTL_S
 from scheduler_svc.template_pool import TemplateLimits
-from scheduler_svc.tenancy import API_KEY_ENV, MAX_INT
-from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS, MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
+from scheduler_svc.validation import DEFAULT_MAX_LOGPROBS
 
 MAX_MODEL_NAME_CHARS = 256
 

@@ -5,7 +5,8 @@ The template sees what transformers' ``apply_chat_template`` passes it and what 
 special tokens, and the request's ``chat_template_kwargs`` as variables. An assistant's tool calls are
 ``{id, type: "function", function: {name, arguments}}`` with ``arguments`` decoded from its JSON text into an object,
 as vLLM decodes them (transformers' templates expect a mapping; text that is not a JSON object becomes ``{}``, as in
-vLLM). Every size is bounded here, before anything is parsed or rendered; each refusal names the field and the limit.
+vLLM). Every size is bounded before anything is parsed or rendered (the messages' and tools' count and text by
+``pagedkv.bounds.check_chat_size``, which the gateway applies too); each refusal names the field and the limit.
 A request's own template (--trust-request-chat-template) is rendered by a worker process with its own time, memory
 and output bounds (``render_job``, template_pool.py); the model's render here (``render``).
 """
@@ -17,10 +18,9 @@ from dataclasses import dataclass, field
 
 from pagedkv import tool_calls
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest, check_chat_size
 from pagedkv.json_bounds import nests_deeper_than
-from scheduler_svc.validation import InvalidRequest
 
-MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_NAME_CHARS = 256  # name, tool_call_id, a tool call's id and function name
 MAX_TOOL_CALLS = 128  # in one message
@@ -28,7 +28,6 @@ MAX_ARGUMENTS_DEPTH = 16  # arrays and objects in a tool call's arguments
 MAX_CHAT_TEMPLATE_BYTES = 64 << 10  # real templates run 1-20 KiB
 MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
 MAX_TEMPLATE_KWARGS_DEPTH = 8  # the top object counted
-MAX_TOOLS = 128  # in one request (OpenAI's limit)
 MAX_SCHEMA_DEPTH = 32  # arrays and objects in a tool's parameters schema
 TOOL_CHOICES = ("none", "auto", "required")
 # What the scheduler passes the template itself, and apply_chat_template's own arguments (the caller's, not the
@@ -107,62 +106,6 @@ def _message(m: api.ChatMessage, where: str) -> dict:
                           "function": {"name": call.function.name, "arguments": arguments}})
         out["tool_calls"] = calls
     return out
-
-
-def chat_text(m: api.ChatMessage) -> list[str]:
-    """The texts of a message that count against --max-prompt-bytes."""
-    texts = [m.content, m.name, m.tool_call_id]
-    for call in m.tool_calls:
-        texts += [call.id, call.function.name, call.function.arguments]
-    return texts
-
-
-def _texts(chat: api.Chat):
-    """Every text of a chat that counts against --max-prompt-bytes: the messages', then the tools' (their names,
-    descriptions and schemas reach the template too), each list with whether it is a tool's."""
-    for m in chat.messages:
-        yield False, chat_text(m)
-    for t in chat.tools:
-        yield True, [t.function.name, t.function.description, t.function.parameters]
-
-
-def _message_bytes(chat: api.Chat) -> int:
-    return sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if not tool for t in texts)
-
-
-def _over_bytes(name: str, size: int, limit: int, tools: bool, exact: bool) -> InvalidRequest:
-    """The refusal of a chat's text over --max-prompt-bytes: ``tools``, the tools' text took it over (the messages
-    alone fit), which names the tools' field."""
-    if tools:
-        return InvalidRequest(f"{name.removesuffix('messages')}tools: their text takes the chat's to "
-                              f"{'' if exact else 'at least '}{size} bytes of UTF-8 (the messages alone fit); at most "
-                              f"{limit} in all (--max-prompt-bytes; send fewer tools or shorter descriptions and "
-                              "parameters)")
-    return InvalidRequest(f"{name}: text of {'' if exact else 'at least '}{size} bytes of UTF-8; at most {limit} in "
-                          "all (--max-prompt-bytes; send fewer or shorter messages)")
-
-
-def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
-    """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) and the tools' at
-    most ``limit`` UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just
-    to be refused. ``name``: the messages' field, as the refusal names it (the tools' field, ``name`` with tools for
-    messages, where the tools are too many or their text took the chat over)."""
-    n = len(chat.messages)
-    if not 0 < n <= MAX_CHAT_MESSAGES:
-        raise InvalidRequest(f"{name}: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
-    if len(chat.tools) > MAX_TOOLS:
-        raise InvalidRequest(f"{name.removesuffix('messages')}tools: {len(chat.tools)} tools; at most {MAX_TOOLS}")
-    chars = 0
-    for tool, texts in _texts(chat):
-        chars += sum(map(len, texts))
-        if chars > limit:  # a character is at least one byte (the messages', here at most ``limit``, are encoded)
-            raise _over_bytes(name, chars, limit, tool and _message_bytes(chat) <= limit, exact=False)
-    if chars * 4 > limit:
-        messages = _message_bytes(chat)
-        size = messages + sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if tool
-                              for t in texts)
-        if size > limit:
-            raise _over_bytes(name, size, limit, messages <= limit, exact=True)
 
 
 def _json_object(text: str, where: str, depth: int, what: str) -> dict:

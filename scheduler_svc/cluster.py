@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.tenancy import Tenants
 from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import metrics
 from scheduler_svc.cluster_reports import ClusterReports
@@ -36,7 +37,6 @@ from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT, GrammarGate
 from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tenancy import Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 
 # a DescribeResponse and the cluster's tenant ledger -> a planner for that executor, in that ledger

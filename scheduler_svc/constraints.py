@@ -15,14 +15,14 @@ import json
 from collections.abc import Iterable
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from pagedkv.json_bounds import nests_deeper_than
+from pagedkv.tenancy import Tenant
 from scheduler_svc.grammar_gate import grammar_scope
 from scheduler_svc.queue_bounds import QueueFull
 from scheduler_svc.request import Sampling
-from scheduler_svc.tenancy import Tenant
-from scheduler_svc.validation import InvalidRequest
 
 FIELD = "sampling.constraint"
 MAX_CONSTRAINT_BYTES = 65536  # UTF-8 bytes of a schema, regex or grammar, or of the choices together

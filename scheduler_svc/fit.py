@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.tenancy import Tenant
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request
-from scheduler_svc.tenancy import Tenant
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import grpc
 
+from pagedkv.bounds import InvalidRequest
 from pagedkv.executor.v1 import executor_pb2 as pb
-from scheduler_svc.validation import InvalidRequest
 
 CHECK_TIMEOUT_S = 120.0  # the RPC's deadline (a compile is bounded by the executor's own limits well before it)
 TRUST_S = 900.0  # an executor's confirmation is trusted this long (it holds the grammar 1,800 s: executor_svc.grammar)

@@ -22,9 +22,9 @@ import grpc
 from pagedkv import security
 from pagedkv.kvevents.v1 import kv_events_pb2 as kv
 from pagedkv.kvevents.v1 import kv_events_pb2_grpc as kv_grpc
+from pagedkv.tenancy import Tenants, Unauthenticated
 from pagedkv.trusted_hop import HOP_HEADER, HOP_SECRET_FLAG
 from scheduler_svc.kv_events import Batch, Cleared, KvEventLog, Removed, Stored, SubscriberLagged
-from scheduler_svc.tenancy import Tenants, Unauthenticated
 
 SERVICE = kv.DESCRIPTOR.services_by_name["KvEvents"].full_name
 WATCH = f"/{SERVICE}/Watch"

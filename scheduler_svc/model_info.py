@@ -4,9 +4,9 @@ cluster, every executor's counts (``add_cluster_counts``)."""
 from __future__ import annotations
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.tenancy import Tenant
 from scheduler_svc.constraints import constraint_bytes
 from scheduler_svc.snapshot import SchedulerSnapshot
-from scheduler_svc.tenancy import Tenant
 
 
 def tenant_info(snapshots: list[SchedulerSnapshot], tenant: Tenant, live: set[int], max_queued: int,

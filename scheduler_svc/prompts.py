@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest, check_text_bytes
 from scheduler_svc import chat as chats
 from scheduler_svc.template_pool import TemplatePool
-from scheduler_svc.validation import InvalidRequest, Limits, bad_words_token_ids, check_bad_words, check_text_bytes
+from scheduler_svc.validation import Limits, bad_words_token_ids, check_bad_words
 
 T = TypeVar("T")
 

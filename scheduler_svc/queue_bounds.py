@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
-from scheduler_svc.tenancy import Tenant
+from pagedkv.tenancy import Tenant
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024  # per tenant
 DEFAULT_MAX_QUEUED_TOTAL = 4096

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 import grpc
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest
 from scheduler_svc.engine import Engine
 from scheduler_svc.request import Retain
 from scheduler_svc.retention import MAX_KEY_BYTES
-from scheduler_svc.validation import InvalidRequest
 
 METHOD = "/pagedkv.api.v1.Generation/ReleaseKv"
 

@@ -15,6 +15,7 @@ and ``fair_share.py`` decide over a read-only ``PlanView``, and the planner appl
 
 from __future__ import annotations
 
+from pagedkv.tenancy import Tenants
 from scheduler_svc import fair_share, fit, priority
 from scheduler_svc.admission import Admit, Reclaim, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
@@ -30,7 +31,6 @@ from scheduler_svc.retention import KvRetention
 from scheduler_svc.scheduler_lifecycle import ExecutorLifecycle
 from scheduler_svc.snapshot import Counters, SchedulerSnapshot
 from scheduler_svc.step import InFlight, PageOps, Scheduled, Step
-from scheduler_svc.tenancy import Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tenant_limits import TenantLimits, TenantStats
 

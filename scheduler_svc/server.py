@@ -9,7 +9,9 @@ import signal
 from pagedkv import fleet_salt, grpc_common, logs, runtime, security, tool_calls, trusted_hop
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.api.v1 import api_pb2_grpc as api_grpc
+from pagedkv.bounds import MAX_PROMPT_BYTES, default_max_prompt_bytes, max_request_bytes
 from pagedkv.grpc_guard import DecodeGuard
+from pagedkv.tenancy import DEFAULT_TENANT, InvalidTenant, Tenant, Tenants
 from scheduler_svc import fit, kv_events_config, kv_events_zmq, metrics
 from scheduler_svc.api import GenerationService
 from scheduler_svc.args import check_args, model_window, targets
@@ -24,17 +26,10 @@ from scheduler_svc.queue_bounds import QueueBounds
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.stats_log import log_stats
 from scheduler_svc.template_pool import TemplateLimits, TemplatePool
-from scheduler_svc.tenancy import DEFAULT_TENANT, InvalidTenant, Tenant, Tenants
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.trusted_hop import TrustedHops
-from scheduler_svc.validation import (
-    MAX_PROMPT_BYTES,
-    Limits,
-    SamplingDefaults,
-    default_max_prompt_bytes,
-    max_request_bytes,
-)
+from scheduler_svc.validation import Limits, SamplingDefaults
 
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 

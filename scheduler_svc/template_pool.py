@@ -35,8 +35,8 @@ from typing import Protocol
 
 import structlog
 
+from pagedkv.bounds import InvalidRequest
 from scheduler_svc.template_worker import FRAME_HEADER, frame
-from scheduler_svc.validation import InvalidRequest
 
 ROOT = Path(__file__).resolve().parent.parent  # the directory holding scheduler_svc: the worker runs this code
 WORKER_START_TIMEOUT = 60.0  # seconds a new worker may take to import jinja2 and say it is ready

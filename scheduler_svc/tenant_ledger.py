@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from scheduler_svc.tenancy import Tenant, Tenants
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.wait_queue import GRAMMAR_MS_COST, VtcCounters
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from pagedkv.tenancy import Tenant, Tenants
 from pagedkv.trusted_hop import (
     ASSERTION_HEADERS,
     FAIRNESS_ID_HEADER,
@@ -15,7 +16,6 @@ from pagedkv.trusted_hop import (
     OBJECTIVE_HEADER,
     TENANT_HEADER,
 )
-from scheduler_svc.tenancy import Tenant, Tenants
 
 MAX_VALUE_CHARS = 256  # an assertion header's value, echoed in a refusal at most this long
 

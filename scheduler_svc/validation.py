@@ -1,4 +1,5 @@
-"""Checks on what a client sent. Each failure names the field and the limit."""
+"""Checks on what a client sent. Each failure names the field and the limit. The bounds and checks the gateway
+applies too (sizes, ranges, a chat's size) are pagedkv/bounds.py's."""
 
 from __future__ import annotations
 
@@ -8,28 +9,25 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import (
+    MAX_FORKS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_PRIORITY,
+    InvalidRequest,
+    default_max_prompt_bytes,
+)
+from pagedkv.tenancy import Tenant
 from pagedkv.trusted_hop import OBJECTIVE_HEADER
 from scheduler_svc.fit import pages_for
 from scheduler_svc.request import Sampling
-from scheduler_svc.tenancy import MAX_PRIORITY, Tenant
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
-MAX_FORKS = 16  # sampling.n, the gateway's n too
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs: top_logprobs and prompt_logprobs at most (vLLM's default)
-PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
-MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
-MAX_PROMPT_BYTES = 1 << 30  # --max-prompt-bytes ceiling (gRPC message lengths are 32-bit)
-TOKEN_ID_WIRE_BYTES = 5  # a token id in a packed repeated int32: a varint of at most 5 bytes
-# Everything in a GenerateRequest other than the prompt, with room to spare: 16 stop strings of 256 characters
-# (4 UTF-8 bytes each), 64 stop token ids, the request id, the sampling numbers and the field tags.
-MESSAGE_SLACK_BYTES = 64 << 10
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,36 +63,6 @@ class Limits:
         return self.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
 
 
-def default_max_prompt_bytes(max_model_len: int) -> int:
-    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)
-
-
-def max_message_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
-    """The largest new request (no continuation; the gateway's body limit by default): the longest text, or a
-    full context of token ids, plus everything else a request carries."""
-    return max(max_prompt_bytes, max_model_len * TOKEN_ID_WIRE_BYTES) + MESSAGE_SLACK_BYTES
-
-
-def max_request_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
-    """The largest public request the server reads (gRPC's max_receive_message_length): a new request's
-    (``max_message_bytes``) plus a continuation's token ids, at most a full context for each of MAX_FORKS forks.
-    Anything larger is refused by gRPC with RESOURCE_EXHAUSTED as its length prefix arrives, before the message is
-    read."""
-    return max_message_bytes(max_prompt_bytes, max_model_len) + MAX_FORKS * max_model_len * TOKEN_ID_WIRE_BYTES
-
-
-def check_text_bytes(text: str, field: str, limit: int) -> None:
-    """Refuses text of more than ``limit`` UTF-8 bytes, before any tokenizing (the one check that must be cheap:
-    a character is 1 to 4 bytes, so only text of limit/4 to limit characters is encoded to count)."""
-    if len(text) * 4 <= limit:
-        return
-    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
-    if size > limit:
-        more = "at least " if len(text) > limit else ""
-        raise InvalidRequest(f"{field}: {more}{size} bytes of UTF-8; at most {limit} (--max-prompt-bytes; send "
-                             "a shorter text, or token ids)")
-
-
 def check_prompt_ids(ids: list[int], limits: Limits) -> None:
     if not ids:
         raise InvalidRequest("prompt: must not be empty")
@@ -104,11 +72,6 @@ def check_prompt_ids(ids: list[int], limits: Limits) -> None:
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"prompt.token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
-
-
-MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: [-MAX_PENALTY, MAX_PENALTY] (vLLM's, OpenAI's)
-MAX_LOGIT_BIAS_ENTRIES = 300  # (OpenAI's)
-MAX_LOGIT_BIAS = 100.0
 
 
 def check_logits_controls(p: api.SamplingParams, max_tokens: int, limits: Limits) -> dict:

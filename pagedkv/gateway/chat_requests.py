@@ -2,8 +2,8 @@
 name, tool_calls, tool_call_id), vLLM's template extensions (add_generation_prompt, continue_final_message,
 chat_template, chat_template_kwargs), and tools, tool_choice and parallel_tool_calls. Types are checked here (a 400
 naming the field); sizes, roles, who may carry tool calls, tools' names and schemas, and the template's bounds are the
-scheduler's to check (scheduler_svc/chat.py), and its refusal names the field too. /v1/chat/completions and /tokenize
-both read a conversation this way."""
+scheduler's to check (its chat checks; the chat's size: pagedkv/bounds.py), and its refusal names the field too.
+/v1/chat/completions and /tokenize both read a conversation this way."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import json
 from collections.abc import Mapping
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import MAX_TOOLS
 from pagedkv.gateway.errors import ApiError, bad
-from scheduler_svc.chat import MAX_TOOLS
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from pagedkv import logs
+from pagedkv.bounds import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 from pagedkv.gateway.app import DEFAULT_MAX_STREAMS, Gateway, create_app
 from pagedkv.gateway.guards import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -30,7 +31,6 @@ from pagedkv.gateway.responses_store import (
 )
 from pagedkv.gateway.upstream import Upstream
 from pagedkv.resume_policy import add_resume_args, resume_policy
-from scheduler_svc.validation import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN
 
 DEFAULT_PORT = 8000
 # NOTE: uvicorn's default is 5 s, the same as httpx's (the openai SDK's) pool expiry: a request sent on a

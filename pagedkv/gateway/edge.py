@@ -43,8 +43,8 @@ from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import EDGE_STRIPPED, LATENCY, REQUESTS
 from pagedkv.gateway.upstream import auth_metadata
+from pagedkv.tenancy import MAX_INT, InvalidTenant, Tenant, Tenants, Unauthenticated
 from pagedkv.trusted_hop import ASSERTION_HEADERS, HOP_HEADER
-from scheduler_svc.tenancy import MAX_INT, InvalidTenant, Tenant, Tenants, Unauthenticated
 
 EDGE_MAX_BODY_BYTES = 8 << 20
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")  # the only client headers the upstream sees

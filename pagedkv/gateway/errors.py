@@ -55,7 +55,7 @@ def context_length_exceeded(max_len: int, prompt: int, completion: int | None, c
                     param=field, code="context_length_exceeded")
 
 
-# The scheduler's refusals for length (scheduler_svc/validation.py: check_prompt_ids, check_sampling), mapped
+# The scheduler's refusals for length (its validation's check_prompt_ids, check_sampling), mapped
 _PROMPT_TOO_LONG = re.compile(r"^prompt: (\d+) tokens; must be shorter than .*=(\d+) \(at least one token")
 _OUTPUT_TOO_LONG = re.compile(r"^sampling\.max_tokens: prompt \((\d+)\) \+ max_tokens \((\d+)\) = \d+ "
                               r"exceeds .*=(\d+)$")
@@ -97,8 +97,8 @@ def param_of(details: str, chat: bool) -> str | None:
 
 
 def prompt_too_long(details: str, chat: bool) -> ApiError:
-    """A prompt, or a chat, refused for its size before it is sent (the scheduler's own checks: validation's
-    check_text_bytes, chat.check_chat_size) in OpenAI's terms: 400, code prompt_too_long, ``param`` the field the
+    """A prompt, or a chat, refused for its size before it is sent (the scheduler's own checks: pagedkv.bounds'
+    check_text_bytes, check_chat_size) in OpenAI's terms: 400, code prompt_too_long, ``param`` the field the
     refusal names: tools where the tools drive it (too many, or their text took the chat over), else messages
     (a chat) or prompt."""
     return ApiError(400, grpc_fields.openai_text(details, chat),

@@ -251,8 +251,8 @@ def _shown(f: Field, prefix: str) -> str:
 
 def readme_table() -> str:
     """The "OpenAI fields" table of docs/openai.md, written from the tables above (tests/unit/test_gateway_fields.py
-    checks that the page has it as written here): a row of honoured fields, one of refused fields per reason, one of fields
-    ignored by design."""
+    checks that the page has it as written here): a row of honoured fields, one of refused fields per reason, one of
+    fields ignored by design."""
     groups: dict[tuple[str, str], list[str]] = {}
     for prefix, table in (("", FIELDS), ("stream_options.", STREAM_OPTIONS), ("messages[].", MESSAGE_FIELDS)):
         for f in table:

@@ -26,21 +26,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.gateway import fields
-from pagedkv.gateway.chat_requests import chat_of
-from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded, prompt_too_long
-from pagedkv.gateway.structured import constraint_of
-from scheduler_svc.chat import check_chat_size
-from scheduler_svc.validation import (
+from pagedkv.bounds import (
     MAX_FORKS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
     InvalidRequest,
+    check_chat_size,
     check_text_bytes,
     default_max_prompt_bytes,
     max_message_bytes,
 )
+from pagedkv.gateway import fields
+from pagedkv.gateway.chat_requests import chat_of
+from pagedkv.gateway.errors import ApiError, bad, context_length_exceeded, prompt_too_long
+from pagedkv.gateway.structured import constraint_of
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 32  # prompts in one /v1/completions request (each is a Generate call)

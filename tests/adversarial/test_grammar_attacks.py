@@ -30,7 +30,7 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client, Completion, accumulate
 from pagedkv.local_server import LocalServer
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 pytestmark = pytest.mark.e2e
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.fit import FitError, check_n, shape
 from scheduler_svc.pages import PagePool
@@ -31,7 +32,6 @@ from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Request, Retain, Sampling, Status
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.adversarial_profiles import LONG, profile
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, NullTokenizer

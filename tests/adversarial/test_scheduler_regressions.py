@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import drive, make_request
 

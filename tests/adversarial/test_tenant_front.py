@@ -14,7 +14,7 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.conftest import Server, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -22,9 +22,9 @@ from google.protobuf.json_format import MessageToDict
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
+from pagedkv.tenancy import Tenants, hash_key
 from scheduler_svc.api import GenerationService
 from scheduler_svc.queue_bounds import QueueBounds
-from scheduler_svc.tenancy import Tenants, hash_key
 from scheduler_svc.validation import Limits
 from tests.support.fake_cluster import Box, until, up_cluster
 from tests.support.fake_executor import NullTokenizer

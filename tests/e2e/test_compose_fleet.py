@@ -141,7 +141,7 @@ def test_the_init_service_writes_what_the_others_read(fleet, tmp_path):
     """fleet-secrets' command, run here: the files every other service names exist, the tenants file loads in
     the scheduler's loader, the ops tenant is an admin (its key lets a sidecar read the scheduler's load) and
     keys.json's keys are the tenants'."""
-    from scheduler_svc.tenancy import Tenants, hash_key
+    from pagedkv.tenancy import Tenants, hash_key
 
     init = fleet["fleet-secrets"]
     assert init["entrypoint"] == ["python", "/deploy/fleet_local.py"] and init["restart"] == "no"

@@ -28,7 +28,7 @@ pytest.importorskip("dynamo.frontend", reason="NVIDIA Dynamo is not installed (m
 
 from pagedkv.cli import free_port  # noqa: E402
 from pagedkv.local_server import ROOT, LocalServer  # noqa: E402
-from scheduler_svc.tenancy import hash_key  # noqa: E402
+from pagedkv.tenancy import hash_key  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ import pytest
 from pagedkv.cli import build_parser, free_port
 from pagedkv.client import Client
 from pagedkv.local_server import LocalServer
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.support import procs
 from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
 

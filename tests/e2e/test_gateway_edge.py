@@ -19,7 +19,7 @@ import pytest
 
 from pagedkv.cli import free_port
 from pagedkv.fleet_salt import TENANT_META_HEADER, cache_salt, verify_assertion
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.support import procs
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import MIN_PROMPT_BYTES, max_request_bytes
 from pagedkv.client import Client
-from scheduler_svc.validation import MIN_PROMPT_BYTES, max_request_bytes
 from tests.support import procs
 
 pytestmark = pytest.mark.e2e

@@ -48,7 +48,7 @@ def render(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory) -> Path:
     """deploy/k8s/secrets with the files its README says to make."""
-    from scheduler_svc.tenancy import hash_key
+    from pagedkv.tenancy import hash_key
 
     out = tmp_path_factory.mktemp("k8s") / "secrets"
     shutil.copytree(K8S / "secrets", out)

@@ -17,8 +17,8 @@ from pagedkv.fleet_salt import cache_salt, hash_id
 from pagedkv.kvevents.v1 import kv_events_pb2 as kv
 from pagedkv.kvevents.v1 import kv_events_pb2_grpc as kv_grpc
 from pagedkv.local_server import TEST_EXECUTOR_SECRET
+from pagedkv.tenancy import hash_key
 from scheduler_svc.prefix_cache import page_hash, tenant_root
-from scheduler_svc.tenancy import hash_key
 from tests.support import procs
 
 pytestmark = pytest.mark.e2e

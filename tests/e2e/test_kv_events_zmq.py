@@ -23,10 +23,10 @@ from pagedkv import fleet_salt
 from pagedkv.cli import free_port
 from pagedkv.client import Client
 from pagedkv.local_server import ROOT
+from pagedkv.tenancy import hash_key
 from scheduler_svc import kv_events_config as kc
 from scheduler_svc import kv_events_zmq as kz
 from scheduler_svc.kv_events import Batch, KvEventLog, Removed, Stored
-from scheduler_svc.tenancy import hash_key
 from tests.support import vllm_kv_events as vllm
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ from pagedkv.cli import free_port
 from pagedkv.cli import main as cli_main
 from pagedkv.loadgen.report import FIELD_DOCS, undocumented_fields
 from pagedkv.loadgen.scrape import MetricsScraper, parse_gauges
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.conftest import ROOT
 from tests.support.loadgen_results import request_result
 

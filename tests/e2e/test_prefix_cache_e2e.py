@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.conftest import Server
 
 pytestmark = pytest.mark.e2e

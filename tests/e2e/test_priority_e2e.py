@@ -16,7 +16,7 @@ import pytest
 
 from pagedkv.cli import free_port
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import pytest
 
 from pagedkv.cli import free_port
 from pagedkv.local_server import LocalServer
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.support import procs
 
 pytestmark = pytest.mark.e2e

@@ -26,7 +26,7 @@ import pytest
 
 from pagedkv.client import Client, Completion, accumulate
 from pagedkv.local_server import TEST_EXECUTOR_SECRET, LocalServer
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.conftest import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -63,7 +63,8 @@ FAKE_CHILD = textwrap.dedent("""
 RUNNER = textwrap.dedent("""
     import json, sys
     from pagedkv import logs
-    from pagedkv.supervisor import ChildSpec, Supervisor
+    from pagedkv.supervised_child import ChildSpec
+    from pagedkv.supervisor import Supervisor
     cfg = json.loads(sys.argv[1])
     notes = cfg["notes"]
     def started(name):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.support import procs
 from tests.support.chat_template import TEMPLATE
 

@@ -13,7 +13,7 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.cli import free_port
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.support import procs
 from tests.support.procs import METRICS_HOST, can_bind
 from tests.support.tenant_visibility import TENANTS, WRONG_KEY

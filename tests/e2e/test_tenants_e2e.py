@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 from tests.conftest import Server, wait_until
 from tests.support.hf_reference import hf_windowed_greedy
 

@@ -20,8 +20,8 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.cli import free_port
 from pagedkv.client import Client
+from pagedkv.tenancy import hash_key
 from pagedkv.trusted_hop import FAIRNESS_ID_HEADER, HOP_HEADER, OBJECTIVE_HEADER, TENANT_HEADER, hop_metadata
-from scheduler_svc.tenancy import hash_key
 from tests.support import procs
 
 pytestmark = pytest.mark.e2e

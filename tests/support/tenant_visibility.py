@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.tenancy import hash_key
+from pagedkv.tenancy import hash_key
 
 WRONG_KEY = "sk-not-a-key-7f3a9c"
 

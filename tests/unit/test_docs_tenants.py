@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from scheduler_svc import tenancy
+from pagedkv import tenancy
 
 pytestmark = pytest.mark.unit
 

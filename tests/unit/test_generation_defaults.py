@@ -10,12 +10,13 @@ import asyncio
 import pytest
 
 from executor_svc.generation_config import RequestDefaults, sampling_defaults
+from pagedkv.bounds import InvalidRequest
 from pagedkv.client import Client
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc import cluster as cluster_mod
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.api import GenerationService
-from scheduler_svc.validation import InvalidRequest, Limits, SamplingDefaults, check_sampling
+from scheduler_svc.validation import Limits, SamplingDefaults, check_sampling
 from tests.support.fake_cluster import Box, FakeClient, new_cluster
 from tests.support.fake_executor import NullTokenizer
 from tests.support.fake_grpc import Context

@@ -18,10 +18,10 @@ from executor_svc.grammar_mask import GrammarMask, allowed, constrain
 from executor_svc.plan_check import PlanError, RequestMirror
 from executor_svc.sampler import SamplingParams, sample
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.constraints import MAX_CONSTRAINT_BYTES, check_constraint
 from scheduler_svc.request import Sampling
-from scheduler_svc.validation import InvalidRequest
 
 pytestmark = pytest.mark.unit
 

@@ -38,8 +38,9 @@ def test_tokenizing_runs_off_the_event_loop_and_only_within_the_limit():
     the limit never reaches the tokenizer."""
     import threading
 
+    from pagedkv.bounds import InvalidRequest
     from scheduler_svc.api import GenerationService
-    from scheduler_svc.validation import InvalidRequest, Limits
+    from scheduler_svc.validation import Limits
 
     tokenizer = _WaitingTokenizer()
     service = GenerationService(None, tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=259, max_prompt_bytes=100),

@@ -12,10 +12,10 @@ import torch
 
 from executor_svc.model_config import ModelConfig
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.tenancy import Tenant
 from pagedkv.tools.random_model import build_random_model
 from scheduler_svc import fit
 from scheduler_svc.args import model_window
-from scheduler_svc.tenancy import Tenant
 from tests.support.hf_reference import hf_greedy, random_prompts
 from tests.support.inprocess import InProcessServer
 from tests.support.model_helpers import SMALL, VOCAB

@@ -11,12 +11,12 @@ import grpc
 import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import MAX_TOOLS, InvalidRequest, check_chat_size
 from pagedkv.gateway.errors import ApiError, from_grpc, param_of, prompt_too_long
 from pagedkv.gateway.openai_requests import RequestLimits, check_sizes, parse_chat
 from pagedkv.gateway.tokenize import tokenize_request
 from scheduler_svc import chat as chats
 from scheduler_svc.constraints import MAX_CONSTRAINT_BYTES, check_constraint
-from scheduler_svc.validation import InvalidRequest
 
 pytestmark = pytest.mark.unit
 
@@ -78,7 +78,7 @@ def test_a_thousand_tools_are_refused_naming_tools_by_the_gateway():
     with pytest.raises(ApiError) as e:  # /tokenize reads a conversation the same way
         tokenize_request(body, RequestLimits.of(2048))
     assert e.value.param == "tools"
-    parse_chat({**body, "tools": _tools(chats.MAX_TOOLS)}, "r")  # (the limit itself is taken)
+    parse_chat({**body, "tools": _tools(MAX_TOOLS)}, "r")  # (the limit itself is taken)
 
 
 def test_a_thousand_tools_are_refused_naming_prompt_chat_tools_by_the_scheduler():
@@ -92,19 +92,19 @@ def test_a_thousand_tools_are_refused_naming_prompt_chat_tools_by_the_scheduler(
 def test_tools_that_take_a_chat_over_its_bytes_are_named():
     limit = 8000  # the messages take 20 bytes; 20 tools of about 750 bytes of description and schema each pass it
     with pytest.raises(InvalidRequest) as e:
-        chats.check_chat_size(_grpc_chat(20, description="x" * 100), "prompt.chat.messages", limit)
+        check_chat_size(_grpc_chat(20, description="x" * 100), "prompt.chat.messages", limit)
     assert str(e.value).startswith("prompt.chat.tools: their text takes the chat's to at least ")
     assert f"at most {limit} in all (--max-prompt-bytes" in str(e.value)
     assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, str(e.value), chat=True).param == "tools"
     # counted in bytes: 2-byte characters in the descriptions (7,690 characters in all, 8,890 bytes)
     with pytest.raises(InvalidRequest, match=r"^prompt\.chat\.tools: their text takes the chat's to 8890 bytes"):
-        chats.check_chat_size(_grpc_chat(10, description="\u00e9" * 120), "prompt.chat.messages", limit)
+        check_chat_size(_grpc_chat(10, description="\u00e9" * 120), "prompt.chat.messages", limit)
     # the messages alone over it: the messages named, tools or not
     chat = _grpc_chat(20)
     chat.messages[0].content = "\u00e9" * (limit // 2 + 1)
     with pytest.raises(InvalidRequest, match=r"^prompt\.chat\.messages: text of at least \d+ bytes"):
-        chats.check_chat_size(chat, "prompt.chat.messages", limit)
-    chats.check_chat_size(_grpc_chat(10), "prompt.chat.messages", limit)
+        check_chat_size(chat, "prompt.chat.messages", limit)
+    check_chat_size(_grpc_chat(10), "prompt.chat.messages", limit)
 
 
 def test_tools_that_take_a_chat_over_its_bytes_are_named_by_the_gateway():

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.api.v1 import api_pb2 as api
-from scheduler_svc.validation import InvalidRequest, Limits, check_sampling
+from pagedkv.bounds import InvalidRequest
+from scheduler_svc.validation import Limits, check_sampling
 
 pytestmark = pytest.mark.unit
 

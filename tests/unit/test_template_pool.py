@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
+from pagedkv.bounds import InvalidRequest
 from scheduler_svc.template_pool import TemplateLimits, TemplatePool, WorkerGone
 from scheduler_svc.template_sandbox import MAX_POWER_BITS, RenderLimit, render_job
 from scheduler_svc.template_worker import reply
-from scheduler_svc.validation import InvalidRequest
 from tests.support.chat_template import TOOL_TEMPLATE
 from tests.support.template_workers import HeldWorker, InlineWorker, OutOfMemoryWorker, pool
 

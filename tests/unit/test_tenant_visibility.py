@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_admin_flag_in_the_tenants_file(tmp_path):
-    from scheduler_svc.tenancy import InvalidTenant, Tenants, Unauthenticated
+    from pagedkv.tenancy import InvalidTenant, Tenants, Unauthenticated
 
     path = tmp_path / "t.toml"
     path.write_text(TENANTS)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from pagedkv import tool_calls as tc
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest
+from pagedkv.tenancy import Tenant
 from scheduler_svc import chat as chats
 from scheduler_svc.constraints import check_constraint
-from scheduler_svc.tenancy import Tenant
-from scheduler_svc.validation import InvalidRequest
 
 pytestmark = pytest.mark.unit
 

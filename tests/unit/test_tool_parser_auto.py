@@ -12,12 +12,12 @@ import pytest
 
 from pagedkv import tool_calls
 from pagedkv.api.v1 import api_pb2 as api
+from pagedkv.bounds import InvalidRequest
 from pagedkv.chat_templates import SMOLLM2_PLAIN, SMOLLM2_TOOLS
 from pagedkv.model_fetch import REGISTRY_MODELS
 from scheduler_svc import args as scheduler_args
 from scheduler_svc import chat as chats
 from scheduler_svc.tokenizer import _compile
-from scheduler_svc.validation import InvalidRequest
 
 pytestmark = pytest.mark.unit
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.tenancy import Tenants, Unauthenticated, hash_key
 from pagedkv.trusted_hop import (
     FAIRNESS_ID_HEADER,
     HOP_HEADER,
@@ -14,7 +15,6 @@ from pagedkv.trusted_hop import (
     load_hop_secret,
     parse_objectives,
 )
-from scheduler_svc.tenancy import Tenants, Unauthenticated, hash_key
 from scheduler_svc.trusted_hop import HopRefused, TrustedHops
 
 pytestmark = pytest.mark.unit

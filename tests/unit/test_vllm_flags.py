@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 
 from executor_svc import threads
 from pagedkv import hub_models, logs
+from pagedkv.tenancy import DEFAULT_TENANT, InvalidTenant, Tenants, Unauthenticated
 from scheduler_svc import metrics, stats_log
 from scheduler_svc.chat_template_arg import load_chat_template
-from scheduler_svc.tenancy import DEFAULT_TENANT, InvalidTenant, Tenants, Unauthenticated
 from tests.support.chat_template import TEMPLATE
 
 pytestmark = pytest.mark.unit

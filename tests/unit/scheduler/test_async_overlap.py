@@ -13,11 +13,11 @@ import zlib
 import pytest
 
 import tests.support.fake_executor as fx
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.policy import Mode
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Request, Sampling
-from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.fake_executor import NullTokenizer, drive
 from tests.support.scheduler_helpers import BS, assert_empty, new_scheduler
 

@@ -13,12 +13,12 @@ import types
 import pytest
 import structlog
 
+from pagedkv.bounds import InvalidRequest
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.constraint_hold import ConstraintHold
 from scheduler_svc.grammar_gate import GrammarGate, grammar_key, grammar_scope
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome
 from scheduler_svc.request import Finish, Output, Request, Sampling, Status
-from scheduler_svc.validation import InvalidRequest
 from tests.support.fake_executor import NullTokenizer
 
 pytestmark = pytest.mark.unit

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from pagedkv.fleet_salt import cache_salt, hash_id
+from pagedkv.tenancy import Tenant, Tenants, hash_key
 from pagedkv.trusted_hop import HOP_HEADER
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -26,7 +27,6 @@ from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.pages import tier_pools
 from scheduler_svc.prefix_cache import page_hash, tenant_root
 from scheduler_svc.request import Request, Sampling
-from scheduler_svc.tenancy import Tenant, Tenants, hash_key
 from tests.support.fake_cluster import BS as CLUSTER_BS
 from tests.support.fake_cluster import Box, collect, until, up_cluster
 from tests.support.fake_executor import NullTokenizer, make_request

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.fleet_salt import hash_id
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.kv_events import Cleared, KvEventLog, Removed, Stored
 from scheduler_svc.pages import PagePool, tier_pools
@@ -28,7 +29,6 @@ from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import page_hash, tenant_root
 from scheduler_svc.request import Request, Sampling
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.adversarial_profiles import profile
 from tests.support.driven import Driven
 from tests.support.fake_executor import FakeExecutor, NullTokenizer

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.bounds import InvalidRequest
+from pagedkv.tenancy import InvalidTenant, Tenant, Tenants
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.priority import PREEMPT_AFTER_STEPS
 from scheduler_svc.request import Finish
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants
-from scheduler_svc.validation import InvalidRequest, check_priority
+from scheduler_svc.validation import check_priority
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import drive, make_request
 from tests.support.scheduler_helpers import BS, CHEAP_SWAP, assert_empty

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from pagedkv.api.v1 import api_pb2 as api
-from pagedkv.client import StreamProgress
+from pagedkv.bounds import InvalidRequest
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.resumable_stream import StreamProgress
 from scheduler_svc.logprobs import PromptLogprobs
 from scheduler_svc.outputs import deliver
 from scheduler_svc.request import Output, Request
 from scheduler_svc.responses import prompt_message, response
-from scheduler_svc.validation import InvalidRequest, Limits, check_sampling
+from scheduler_svc.validation import Limits, check_sampling
 from tests.support.fake_executor import add_sample, make_request
 from tests.support.inprocess import InProcessServer
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.tenancy import Tenant, Tenants
 from scheduler_svc.fit import shape
 from scheduler_svc.pages import PagePool
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.request import Finish, Retain
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.tenancy import Tenant, Tenants
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, drive, make_request
 

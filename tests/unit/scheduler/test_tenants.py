@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.tenancy import InvalidTenant, Tenant, Tenants, Unauthenticated, hash_key
 from scheduler_svc.pages import PagePool
 from scheduler_svc.request import Finish, Status
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.tenancy import InvalidTenant, Tenant, Tenants, Unauthenticated, hash_key
 from scheduler_svc.wait_queue import WaitQueue
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, drive, make_request

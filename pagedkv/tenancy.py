@@ -1,4 +1,5 @@
-"""Who is calling, and what they may hold: tenants, API keys, weights, page quotas, request limits.
+"""Who is calling, and what they may hold: tenants, API keys, weights, page quotas, request limits. The scheduler
+and the gateway's edge (pagedkv/gateway/edge.py) both read the tenants file, so its model lives here, in neither.
 
 A tenants file (TOML, ``--tenants-file``) lists the tenants::
 
@@ -27,7 +28,7 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
     max_priority = 0                # the most important priority it may ask for (lower is more important); a
                                     # request asking for less is refused (INVALID_ARGUMENT naming priority)
 
-Every limit is the scheduler's, summed over all its executors (``tenant_ledger.py``): a fraction is of the
+Every limit is the scheduler's, summed over all its executors (``scheduler_svc/tenant_ledger.py``): a fraction is of the
 device pages of every executor that serves (up or draining) together, and a tenant capped at 4 concurrent
 requests runs 4 in total, not 4 on each. While fewer pages serve than the file was checked for (an executor down),
 a count that no longer fits is cut to them (``Tenants.resolve``).
@@ -37,7 +38,7 @@ constant time. Clients send ``authorization: Bearer <key>``, once: a call with t
 is refused, whatever they hold. Without a tenants file the server is single-tenant: every caller is
 ``default`` and no key is asked for, unless ``--api-key`` (or ``$PAGEDKV_API_KEY``) gives the one key every caller
 must send (as vLLM's ``--api-key``); that key and a tenants file are refused together. The tenant decides the
-prefix cache's namespace (``prefix_cache.tenant_root``): a client never chooses it. A reload (SIGHUP) that
+prefix cache's namespace (``scheduler_svc.prefix_cache.tenant_root``): a client never chooses it. A reload (SIGHUP) that
 revokes a key, or drops it, ends the streams opened with it (``UNAUTHENTICATED``; ``key_problem`` says which keys
 no longer hold).
 
@@ -62,10 +63,11 @@ from pathlib import Path
 
 import tomllib
 
+from pagedkv.bounds import MAX_PRIORITY
+
 DEFAULT_TENANT = "default"
 API_KEY_ENV = "PAGEDKV_API_KEY"  # --api-key's default (and the clients': pagedkv generate, bench, dynamo-worker)
 MAX_INT = 1 << 24  # bound for counts in the tenants file (they travel as int32)
-MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY]; lower is more important
 OVERFLOW_POLICIES = ("window", "stop")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")

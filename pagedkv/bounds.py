@@ -1,0 +1,116 @@
+"""The public API's bounds, and the checks both the scheduler (scheduler_svc/validation.py, chat.py) and the
+gateway (pagedkv/gateway/) apply: request sizes, the ranges of the numbers a request carries, a chat's messages and
+tools counted against --max-prompt-bytes. Each refusal is an ``InvalidRequest`` that names the field and the limit.
+The scheduler's checks that need its model (vocabulary, context, tenants' quotas) stay in scheduler_svc/."""
+
+from __future__ import annotations
+
+from pagedkv.api.v1 import api_pb2 as api
+
+MAX_FORKS = 16  # sampling.n, the gateway's n too
+MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY]; lower is more important
+PROMPT_BYTES_PER_TOKEN = 16  # default --max-prompt-bytes per token of max_model_len (UTF-8 runs 1-6 bytes a token)
+MIN_PROMPT_BYTES = 64 << 10  # the default's floor, so that short contexts still take a page of text
+MAX_PROMPT_BYTES = 1 << 30  # --max-prompt-bytes ceiling (gRPC message lengths are 32-bit)
+TOKEN_ID_WIRE_BYTES = 5  # a token id in a packed repeated int32: a varint of at most 5 bytes
+# Everything in a GenerateRequest other than the prompt, with room to spare: 16 stop strings of 256 characters
+# (4 UTF-8 bytes each), 64 stop token ids, the request id, the sampling numbers and the field tags.
+MESSAGE_SLACK_BYTES = 64 << 10
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: [-MAX_PENALTY, MAX_PENALTY] (vLLM's, OpenAI's)
+MAX_LOGIT_BIAS_ENTRIES = 300  # (OpenAI's)
+MAX_LOGIT_BIAS = 100.0
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+def default_max_prompt_bytes(max_model_len: int) -> int:
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)
+
+
+def max_message_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest new request (no continuation; the gateway's body limit by default): the longest text, or a
+    full context of token ids, plus everything else a request carries."""
+    return max(max_prompt_bytes, max_model_len * TOKEN_ID_WIRE_BYTES) + MESSAGE_SLACK_BYTES
+
+
+def max_request_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest public request the server reads (gRPC's max_receive_message_length): a new request's
+    (``max_message_bytes``) plus a continuation's token ids, at most a full context for each of MAX_FORKS forks.
+    Anything larger is refused by gRPC with RESOURCE_EXHAUSTED as its length prefix arrives, before the message is
+    read."""
+    return max_message_bytes(max_prompt_bytes, max_model_len) + MAX_FORKS * max_model_len * TOKEN_ID_WIRE_BYTES
+
+
+def check_text_bytes(text: str, field: str, limit: int) -> None:
+    """Refuses text of more than ``limit`` UTF-8 bytes, before any tokenizing (the one check that must be cheap:
+    a character is 1 to 4 bytes, so only text of limit/4 to limit characters is encoded to count)."""
+    if len(text) * 4 <= limit:
+        return
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        more = "at least " if len(text) > limit else ""
+        raise InvalidRequest(f"{field}: {more}{size} bytes of UTF-8; at most {limit} (--max-prompt-bytes; send "
+                             "a shorter text, or token ids)")
+
+
+# ---- a chat's size ------------------------------------------------------------------------------
+MAX_CHAT_MESSAGES = 1024
+MAX_TOOLS = 128  # in one request (OpenAI's limit)
+
+
+def chat_text(m: api.ChatMessage) -> list[str]:
+    """The texts of a message that count against --max-prompt-bytes."""
+    texts = [m.content, m.name, m.tool_call_id]
+    for call in m.tool_calls:
+        texts += [call.id, call.function.name, call.function.arguments]
+    return texts
+
+
+def _texts(chat: api.Chat):
+    """Every text of a chat that counts against --max-prompt-bytes: the messages', then the tools' (their names,
+    descriptions and schemas reach the template too), each list with whether it is a tool's."""
+    for m in chat.messages:
+        yield False, chat_text(m)
+    for t in chat.tools:
+        yield True, [t.function.name, t.function.description, t.function.parameters]
+
+
+def _message_bytes(chat: api.Chat) -> int:
+    return sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if not tool for t in texts)
+
+
+def _over_bytes(name: str, size: int, limit: int, tools: bool, exact: bool) -> InvalidRequest:
+    """The refusal of a chat's text over --max-prompt-bytes: ``tools``, the tools' text took it over (the messages
+    alone fit), which names the tools' field."""
+    if tools:
+        return InvalidRequest(f"{name.removesuffix('messages')}tools: their text takes the chat's to "
+                              f"{'' if exact else 'at least '}{size} bytes of UTF-8 (the messages alone fit); at most "
+                              f"{limit} in all (--max-prompt-bytes; send fewer tools or shorter descriptions and "
+                              "parameters)")
+    return InvalidRequest(f"{name}: text of {'' if exact else 'at least '}{size} bytes of UTF-8; at most {limit} in "
+                          "all (--max-prompt-bytes; send fewer or shorter messages)")
+
+
+def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
+    """1 to MAX_CHAT_MESSAGES messages, their texts together (contents, names, ids, tool calls) and the tools' at
+    most ``limit`` UTF-8 bytes (--max-prompt-bytes), counted in characters first so that nothing big is encoded just
+    to be refused. ``name``: the messages' field, as the refusal names it (the tools' field, ``name`` with tools for
+    messages, where the tools are too many or their text took the chat over)."""
+    n = len(chat.messages)
+    if not 0 < n <= MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{name}: {n} messages; must be 1 to {MAX_CHAT_MESSAGES}")
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidRequest(f"{name.removesuffix('messages')}tools: {len(chat.tools)} tools; at most {MAX_TOOLS}")
+    chars = 0
+    for tool, texts in _texts(chat):
+        chars += sum(map(len, texts))
+        if chars > limit:  # a character is at least one byte (the messages', here at most ``limit``, are encoded)
+            raise _over_bytes(name, chars, limit, tool and _message_bytes(chat) <= limit, exact=False)
+    if chars * 4 > limit:
+        messages = _message_bytes(chat)
+        size = messages + sum(len(t.encode("utf-8", "surrogatepass")) for tool, texts in _texts(chat) if tool
+                              for t in texts)
+        if size > limit:
+            raise _over_bytes(name, size, limit, messages <= limit, exact=True)
