@@ -86,7 +86,6 @@ def model_dir(name: str) -> Path:
     return path
 
 
-
 def child(args: argparse.Namespace) -> int:
     reqs = workload(args.workload, args.mixed_requests)
     path = model_dir(args.model)

@@ -135,4 +135,3 @@ def run_hf_paged(path: Path, reqs: list[Request]) -> dict[str, Any]:
         raise RuntimeError("HF continuous batching returned other lengths than asked")
     ttfts = [o.timestamps[0] - t0 if o.timestamps else float("nan") for o in outs]  # (perf_counter clock)
     return {"wall_s": wall, "ttfts_s": ttfts, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-

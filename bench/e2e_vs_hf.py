@@ -92,6 +92,7 @@ def run_pagedkv(args: argparse.Namespace, model: str, reqs: list[Request]) -> di
         "server_args": serve_args,
     }
 
+
 # ---- main --------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Config(Machine):

@@ -76,7 +76,6 @@ def header_payload(mb: int) -> bytes:
     return b"GET /health/live HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * (mb << 20) + b"\r\n\r\n"
 
 
-
 def bystander(gateway: GatewayProcess, payload: bytes, seconds: float) -> dict:
     idle = completion_latencies(gateway.port, min(seconds, 5.0))
     stop = threading.Event()

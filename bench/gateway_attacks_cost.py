@@ -90,4 +90,3 @@ def guard_cost(requests: int = 5000, rounds: int = 8) -> dict:
         return {name: percentile(v, 50) * 1e6 for name, v in seen.items()}
 
     return uvloop.run(run())
-

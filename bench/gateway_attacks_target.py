@@ -80,6 +80,7 @@ class RssPeak:
         self.thread.join()
         return self.peak
 
+
 def completion(port: int) -> float | None:
     """Seconds for one one-token greedy completion on a connection of its own (None: it failed)."""
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
@@ -106,4 +107,3 @@ def completion_latencies(port: int, seconds: float, interval: float = 0.2) -> li
             futures.append(pool.submit(completion, port))
             time.sleep(interval)
         return [r for r in (f.result() for f in futures) if r is not None]
-

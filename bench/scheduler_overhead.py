@@ -97,8 +97,6 @@ def new_scheduler(n: int, num_pages: int | None = None) -> tuple[Scheduler, Step
     return s, StepStream(s)
 
 
-
-
 def measure_planning(n: int, steps: int) -> dict[str, float]:
     s, w = new_scheduler(n)
     running = s.queues.running
@@ -142,8 +140,6 @@ def read_streams(s: Scheduler) -> None:
 def _ms(values: list[float], q: float) -> float:
     xs = sorted(values)
     return xs[min(len(xs) - 1, int(round((len(xs) - 1) * q / 100)))] * 1e3
-
-
 
 
 async def drive(address: str, n: int, steps: int, num_pages: int, secret: str = "") -> dict[str, float]:
@@ -283,8 +279,6 @@ def print_planning(args, counts: list[int], planning: list[dict]) -> int:
     Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                                           "config": vars(args), "rows": planning}, indent=2))
     return 0
-
-
 
 
 if __name__ == "__main__":

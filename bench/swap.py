@@ -60,7 +60,6 @@ def page_demand(reqs: list[Request], block_size: int) -> dict[str, int]:
     return {"all_requests_pages": sum(full), "largest_request_pages": max(full)}
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="built-in name or a local HF directory")
