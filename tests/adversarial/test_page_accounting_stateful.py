@@ -11,7 +11,8 @@ host tier and copy-on-write happen all the time.
 
 After every rule: ``check_integrity()`` (refcounts equal the tables holding each page, on both tiers), every page
 in exactly one of used / free-and-cached / free, per-tenant counts, quotas and page budgets. At the end the
-machine drains: every client stream ends exactly once with every token it was owed, and no page is left used.
+machine drains: every client stream ends exactly once with every token it was owed, and no page is left used
+(that bookkeeping and the drain: tests/support/page_accounting.py).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from scheduler_svc.fit import FitError, check_n, shape
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.prefix_cache import tenant_root
-from scheduler_svc.request import Finish, Request, Retain, Sampling, Status
+from scheduler_svc.request import Request, Retain, Sampling
 from scheduler_svc.scheduler import SchedulerConfig
 from tests.support.adversarial_profiles import LONG, profile
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import FakeExecutor, NullTokenizer
+from tests.support.page_accounting import AccountingChecks
 
 # in-process (no process, no socket), but a stateful property run of 5-10 s here: over the unit budget
 pytestmark = pytest.mark.e2e
@@ -58,11 +60,10 @@ RELOADED = [
     Tenant("d", sliding_window=5, sink_tokens=3, max_concurrent_requests=1),
     Tenant("e", page_budget=5, overflow="window", page_quota=7),
 ]
-DRAIN_STEPS = 5000
 KEEP_CACHE = "keep_cache" in inspect.signature(Driven.evacuate).parameters  # a lost Run stream, same process
 
 
-class PageAccounting(RuleBasedStateMachine):
+class PageAccounting(AccountingChecks, RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.s: Driven | None = None
@@ -98,28 +99,6 @@ class PageAccounting(RuleBasedStateMachine):
         # After a reload lowered a limit, what a tenant or request held above it may only go down.
         self.above_quota: dict[str, int] = {}
         self.above_limit: dict[str, int] = {}
-
-    # ---- outputs as a client would see them ----------------------------------------------------
-    def _deliver(self, outputs) -> None:
-        """The tokens on the streams (Scheduler.process puts them there), then ``outputs`` (what the engine's
-        deliver would put there after them)."""
-        for group in self.groups.values():
-            box = group.outbox
-            while not box.empty():
-                self._see(group, box.get_nowait())
-        for req, out in outputs:
-            self._see(req, out)
-
-    def _see(self, req, out) -> None:
-        key = (req.group, out.index)
-        assert self.finals[key] == 0, f"{key}: output after its stream ended"
-        self.tokens[key] += len(out.token_ids)
-        if out.finish is not None:
-            self.finals[key] += 1
-            self.final_outputs[key] = out
-            self.max_len_at_end[key] = req.max_len  # (a reload may change it later)
-            assert out.completion_tokens == self.tokens[key], (
-                f"{key}: {self.tokens[key]} tokens streamed, final says {out.completion_tokens}")
 
     # ---- rules ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from([t.id for t in TENANTS]), prefix=st.sampled_from([None, 0, 1, 2]),
@@ -243,14 +222,6 @@ class PageAccounting(RuleBasedStateMachine):
         assert freed is not None and retained.get(tenant, key) is None
         self.events["released"] += 1
 
-    def _retained_pages(self) -> int:
-        return sum(self.s.retained.pages_by_tenant.values())
-
-    def _held(self):
-        s = self.s
-        yield from ((r, sum(1 for p in r.page_table if p >= 0)) for r in s.running)
-        yield from ((r, sum(1 for p in r.host_table if p >= 0)) for r in s.swapped)
-
     @precondition(lambda self: self.s is not None and self.s.requests)
     @rule(data=st.data(), odds=st.integers(0, 3))
     def cancel(self, data, odds: int) -> None:
@@ -292,15 +263,6 @@ class PageAccounting(RuleBasedStateMachine):
             s.add(req, front=True)
         self.events["failures"] += 1
 
-    def _note(self, plan: pb.StepPlan) -> None:
-        ops = plan.page_ops
-        self.events["zeroed"] += len(ops.zero)
-        self.events["swap_out"] += len(ops.swap_out)
-        self.events["swap_in"] += len(ops.swap_in)
-        self.events["copies"] += len(ops.copy)
-        self.events["dropped"] += sum(len(c.dropped_page_indices) for c in plan.continuing)
-        self.events["forks"] += sum(1 for r in plan.new_requests if "/" in r.request_id)
-
     # ---- invariants ----------------------------------------------------------------------------
     @invariant()
     def accounting_holds(self) -> None:
@@ -331,57 +293,6 @@ class PageAccounting(RuleBasedStateMachine):
                 cap = max(limit, self.above_limit.get(r.request_id, 0))
                 assert held <= cap, f"{r.request_id} ({r.status.value}) holds {held} pages, limit {limit}"
                 self.above_limit[r.request_id] = held if held > limit else 0
-
-    def _describe(self) -> str:
-        s = self.s
-        live = [(r.request_id, r.tenant, r.status.value, r.num_computed, r.compute_target, r.n, r.page_budget,
-                 r.window_tokens, len(r.page_table), len(r.host_table)) for r in s.requests.values()]
-        host = s.host.num_free if s.host is not None else None
-        return (f"live (id, tenant, status, computed, target, n, budget, window, pages, host pages): {live}; "
-                f"free pages {s.pool.num_free}/{s.pool.num_pages}, host free {host}, used by {dict(s.pool.used_by)}, "
-                f"config {s.config}")
-
-    # ---- the end: drain, nothing leaked, every stream ended once ---------------------------------
-    def teardown(self) -> None:
-        s = self.s
-        if s is None:
-            return
-        for _ in range(DRAIN_STEPS):
-            self.run_steps(1)
-            if not self.pending and not s.has_work:
-                break
-            self.accounting_holds()
-        while self.pending:
-            self.complete()
-        assert not s.has_work, f"not drained after {DRAIN_STEPS} steps: {self._describe()}"
-        s.check_integrity()
-        assert s.pool.num_used == self._retained_pages(), "pages held beyond the retentions after the drain"
-        self.now += 10**6  # every retention expires: its pages are zeroed by the next plan, and freed
-        self.run_steps(2)
-        while self.pending:
-            self.complete()
-        assert not s.retained and not s.has_work
-        s.check_integrity()
-        assert s.pool.num_used == 0, f"{s.pool.num_used} device pages leaked"
-        assert s.host is None or s.host.num_used == 0, f"{s.host.num_used} host pages leaked"
-        assert not s.kv.inflight, "in-flight prefix claims left"
-        for group, req in self.groups.items():
-            ended = {i for (g, i), k in self.finals.items() if g == group and k}
-            assert ended, f"{group}: stream never ended"
-            assert all(self.finals[(group, i)] == 1 for i in ended)
-            if group in self.cancelled:
-                continue
-            outs = [self.final_outputs[(group, i)] for i in sorted(ended)]
-            if any(o.error for o in outs):  # e.g. a request rejected 3 times by the executor
-                continue
-            assert ended == set(range(req.n)), f"{group}: forks {sorted(ended)} of {req.n} ended"
-            for i, o in enumerate(outs):
-                assert o.finish in (Finish.LENGTH, Finish.STOP), f"{group}: ended {o.finish}"
-                assert 1 <= o.completion_tokens <= req.sampling.max_tokens
-                if o.finish is Finish.LENGTH and not o.stop_reason and o.completion_tokens < req.sampling.max_tokens:
-                    max_len = self.max_len_at_end[(group, i)]
-                    assert o.prompt_tokens + o.completion_tokens >= max_len, f"{group}: ended early"
-        assert all(r.status is Status.FINISHED for r in self.groups.values() if r.n == 1)
 
 
 TestPageAccounting = PageAccounting.TestCase
