@@ -22,6 +22,7 @@ from scheduler_svc.constraints import (
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.logprobs import PromptLogprobs
 from scheduler_svc.model_info import add_cluster_counts, tenant_info
+from scheduler_svc.outputs import Ending, final
 from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.prompts import Prompts
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
@@ -105,8 +106,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                 problem = problems[tenant_id, stream.key]
             if problem:
                 stream.revoked = f"{problem}: the tenants file was reloaded and this stream ended"
-                stream.req.outbox.put_nowait(Output("", [], [], Finish.ABORT, error=stream.revoked,
-                                                   index=stream.req.index))
+                stream.req.outbox.put_nowait(final(stream.req, Finish.ABORT, error=stream.revoked, ending=Ending.CUT))
                 ended += 1
         return ended
 

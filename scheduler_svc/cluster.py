@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -34,10 +33,11 @@ from scheduler_svc.engine_types import EngineHooks
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLink
 from scheduler_svc.fit import FitLimits, limits_for
 from scheduler_svc.grammar_gate import DEFAULT_COMPILES_PER_TENANT, GrammarGate
-from scheduler_svc.outputs import deliver
-from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.outputs import Ending, deliver, final
+from scheduler_svc.request import Finish, Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenant_ledger import TenantLedger
+from scheduler_svc.unplaced import UnplacedQueue
 
 # a DescribeResponse and the cluster's tenant ledger -> a planner for that executor, in that ledger
 MakeScheduler = Callable[[object, TenantLedger], Scheduler]
@@ -88,12 +88,11 @@ class Cluster:
         self.check_every_step = check_every_step
         self.drain_timeout = drain_timeout
         self.async_scheduling = async_scheduling
-        self.unplaced_timeout = unplaced_timeout
         self.link = link or ExecutorLink()  # the secret and TLS of every executor connection
         self.engines: dict[str, Engine] = {}
         self.grammars = GrammarGate(compiles_per_tenant, self._charge_compile)  # constraints' compiles, who holds which
         self._clients: dict[str, ExecutorClient] = {}  # each engine's connection (by address, as engines)
-        self._unplaced: deque[tuple[Request, float]] = deque()
+        self._unplaced = UnplacedQueue(unplaced_timeout, log)  # requests no executor that is up can hold
         self.arrivals = 0
         self.any_up = asyncio.Event()
         self._reports = ClusterReports(self.engines, self.ledger, lambda: len(self._unplaced))
@@ -105,7 +104,7 @@ class Cluster:
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
-        self._expiry = asyncio.create_task(self._expire_unplaced(), name="unplaced expiry")
+        self._expiry = asyncio.create_task(self._expire(), name="unplaced expiry")
 
     def set_addresses(self, addresses: set[str]) -> None:
         """Adds an engine per new address; drains and drops those no longer listed."""
@@ -181,8 +180,7 @@ class Cluster:
         self.apply_limits()
         self.any_up.set()
         self._pick_largest()
-        waiting, self._unplaced = self._unplaced, deque()
-        for req, deadline in reversed(waiting):  # each goes to the front: the oldest ends up first
+        for req, deadline in reversed(self._unplaced.take_all()):  # each goes to the front: the oldest ends up first
             self._place(req, front=True, deadline=deadline)
         self._reports.update_gauges(force=True)
 
@@ -255,10 +253,8 @@ class Cluster:
         held while no executor can take them): the tenant's and everyone's (the queue bounds, ``queue_bounds.py``)."""
         mine, total = self.ledger.queued(tenant_id)
         mine, total = mine + self.grammars.compiling(tenant_id), total + self.grammars.compiling_total
-        if self._unplaced:
-            total += len(self._unplaced)
-            mine += sum(1 for r, _ in self._unplaced if r.tenant == tenant_id)
-        return mine, total
+        held_mine, held = self._unplaced.queued(tenant_id)
+        return mine + held_mine, total + held
 
     def add_request(self, req: Request, count_prompt: bool = True) -> None:
         """A new request (``count_prompt`` False: another fork of a resumed one, whose prompt was counted)."""
@@ -269,10 +265,7 @@ class Cluster:
     def abort(self, group: str) -> None:
         for engine in self.engines.values():
             engine.abort(group)
-        kept = deque((r, t) for r, t in self._unplaced if r.group != group)
-        if len(kept) != len(self._unplaced):
-            self._unplaced = kept
-            metrics.UNPLACED.set(len(self._unplaced))
+        self._unplaced.abort(group)
 
     def relocate(self, reqs: list[Request], exclude: Engine) -> None:
         """Requests taken from an executor (failed or draining): each goes to another, ahead of new work."""
@@ -282,9 +275,8 @@ class Cluster:
     def fail_all(self, error: str) -> None:
         """Ends every live request's stream with an error; only once the engines are stopped (shutdown)."""
         for e in self._reports.reporting(live=False):
-            deliver([(r, Output("", [], [], Finish.ABORT, error=error, index=r.index))
-                     for r in e.scheduler.live_requests()])
-        self._fail_unplaced(lambda _deadline: True, error)
+            deliver([(r, final(r, Finish.ABORT, error=error, ending=Ending.CUT)) for r in e.scheduler.live_requests()])
+        self._unplaced.fail(lambda _deadline: True, error)
 
     def set_tenants(self, path: str) -> int:
         """Reloads the tenants file, checked against the pages of every executor not removed, up or down (an
@@ -303,14 +295,7 @@ class Cluster:
                deadline: float | None = None) -> None:
         engine = self._best(req, exclude)
         if engine is None:
-            entry = (req, deadline if deadline is not None else time.monotonic() + self.unplaced_timeout)
-            if front:
-                self._unplaced.appendleft(entry)
-            else:
-                self._unplaced.append(entry)
-            metrics.UNPLACED.set(len(self._unplaced))
-            self.log.warning("request_unplaced", request_id=req.client_id, timeout_s=self.unplaced_timeout,
-                             hint="no executor that is up can hold it")
+            self._unplaced.hold(req, front, deadline)
             return
         engine.add_request(req, front=front)
 
@@ -329,25 +314,12 @@ class Cluster:
                 best, best_key = engine, key
         return best
 
-    async def _expire_unplaced(self) -> None:
+    async def _expire(self) -> None:
+        """Every quarter second: idle engines with a retention due are woken up; held requests past their deadline
+        end (``UnplacedQueue.expire``)."""
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for e in [e for e in self.engines.values() if e.scheduler is not None and e.scheduler.kv_expiry_due(now)]:
                 e.wake_up()  # (idle: its next plan ends the retentions and zeroes their pages)
-            if self._unplaced and self._unplaced[0][1] <= now:
-                self._fail_unplaced(lambda deadline, now=now: deadline <= now,
-                                    f"no executor that can hold this request was available for "
-                                    f"{self.unplaced_timeout:g}s")
-
-    def _fail_unplaced(self, expired: Callable[[float], bool], error: str) -> None:
-        kept = deque()
-        for req, deadline in self._unplaced:
-            if expired(deadline):
-                req.finish = Finish.ABORT
-                deliver([(req, Output("", [], [], Finish.ABORT, error=error, index=req.index,
-                                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)))])
-            else:
-                kept.append((req, deadline))
-        self._unplaced = kept
-        metrics.UNPLACED.set(len(self._unplaced))
+            self._unplaced.expire(now)

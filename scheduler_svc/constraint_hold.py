@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 from scheduler_svc.grammar_gate import GrammarGate
-from scheduler_svc.outputs import deliver
-from scheduler_svc.request import Finish, Output, Request
+from scheduler_svc.outputs import Ending, deliver, final
+from scheduler_svc.request import Finish, Request
 
 CHECK_ATTEMPTS = 3  # an executor that cannot be asked is asked again after RETRY_S, then the request placed again
 RETRY_S = 0.5
@@ -57,10 +57,8 @@ class ConstraintHold:
         if req.aborted:  # (its client went away meanwhile)
             return
         if error:
-            req.finish = Finish.ABORT
-            deliver([(req, Output("", [], [], Finish.ABORT, error=error, error_code="INVALID_ARGUMENT",
-                                  index=req.index, prompt_tokens=len(req.prompt_ids),
-                                  completion_tokens=len(req.output_ids)))])
+            deliver([(req, final(req, Finish.ABORT, error=error, error_code="INVALID_ARGUMENT",
+                                 ending=Ending.UNPLACED))])
         elif error is None or not engine.accepts or engine.executor_id != executor_id:
             engine.hooks.relocate([req], engine)
         else:

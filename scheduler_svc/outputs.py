@@ -3,12 +3,14 @@
 ``OutputProcessor.on_token`` appends one sampled token to a request and decides whether it ends the request
 (a stop token or EOS, a stop string, max_tokens or max_len, the 'stop' policy of a page budget); the scheduler
 then frees what the request held; a request that goes on gets the text it can stream now. ``take_samples`` does
-that for every token a step sampled. ``final`` is the last message of a request, with its usage. ``deliver`` puts
-messages on the clients' streams and counts them.
+that for every token a step sampled. ``final`` is the one door every request ending goes through: it builds the last
+message of a request (what it holds depends on who ends it: ``Ending``) and marks the request finished. ``deliver``
+puts messages on the clients' streams and counts them.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,14 +138,32 @@ class OutputProcessor:
             if held.add(entry.first_token, entry.logprobs, entry.top_token_ids, entry.top_logprobs, entry.ranks):
                 req.outbox.put_nowait(Output("", [], [], index=req.index, prompt=held))
 
-    @staticmethod
-    def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
-        """The last message of an ended request: the text left (flushed unless aborted) and its usage."""
-        if finish is not Finish.ABORT:
-            req.detokenizer.flush()
-        return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error, index=req.index,
-                      prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                      cached_tokens=req.num_cached_tokens)
+
+class Ending(enum.Enum):
+    """Who ends a request, which decides what its final message holds (``final``). A stream that is cut may still
+    have its request on a planner: it is not marked finished there (the planner ends it when it reaps it)."""
+
+    PLANNER = "planner"  # its planner (Scheduler.finish): the text left, flushed unless aborted, and its usage
+    UNPLACED = "unplaced"  # before any planner took it (held unplaced, its grammar refused): its usage, no text
+    CUT = "cut"  # its stream is cut (the scheduler shuts down, its key was revoked): the error alone
+
+
+def final(req: Request, finish: Finish, stop_reason: str = "", error: str = "", error_code: str = "",
+          ending: Ending = Ending.PLANNER) -> Output:
+    """The one door every request ending goes through: the last message of ``req``, which is marked finished
+    (``req.finish``; its planner moved it out of its queues already), unless its stream is only cut (``Ending.CUT``).
+    ``error_code``: with ``error``, the grpc.StatusCode name the stream ends with ("": UNAVAILABLE)."""
+    if ending is Ending.CUT:
+        return Output("", [], [], finish, stop_reason, error, index=req.index, error_code=error_code)
+    req.finish = finish
+    if ending is Ending.UNPLACED:
+        return Output("", [], [], finish, stop_reason, error, index=req.index, prompt_tokens=len(req.prompt_ids),
+                      completion_tokens=len(req.output_ids), error_code=error_code)
+    if finish is not Finish.ABORT:
+        req.detokenizer.flush()
+    return Output(req.detokenizer.take(final=True), [], [], finish, stop_reason, error, index=req.index,
+                  prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                  cached_tokens=req.num_cached_tokens, error_code=error_code)
 
 
 def deliver(outputs: list[tuple[Request, Output]]) -> None:

@@ -1,7 +1,7 @@
 """What admission (admission.py) and the fair-share victim choice (fair_share.py) read while the planner plans one
 step: a read-only view of its state. They change nothing through it; they return decisions the planner applies.
-Plus the planner's per-request helpers for a step: the first chunk of an admission, whether a request whose sample
-is in flight goes on, and the step's in-flight counts."""
+Plus the planner's per-request helpers for a step: the first chunk of an admission, and whether a request whose
+sample is in flight goes on (its in-flight counts are the request's own: ``Request.count``, ``Request.uncount``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from scheduler_svc.policy import PreemptionPolicy
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.request import Request
 from scheduler_svc.retention import KvRetention
-from scheduler_svc.step import Scheduled
 from scheduler_svc.tenant_ledger import TenantLedger
 from scheduler_svc.tenant_limits import TenantLimits
 
@@ -47,24 +46,6 @@ def first_chunk(view: PlanView, req: Request, hits: list[Hit], budget: int) -> t
     if limit:
         n = min(n, (limit - len(hits)) * bs)
     return hits, n
-
-def count(req: Request, n: int, now: int) -> Scheduled:
-    """Counts what step ``now`` computes for req (its tokens in flight, and the sample that ends them)."""
-    req.num_computed += n
-    req.num_inflight_tokens += n
-    req.last_scheduled = now
-    samples = req.n == 1 and req.num_computed == req.num_tokens + req.num_pending
-    if samples:
-        req.num_pending += 1
-    return req, n, samples
-
-
-def uncount(scheduled: list[Scheduled]) -> None:
-    """A step's in-flight counts leave its requests (it was answered, rejected or lost)."""
-    for req, n, samples in scheduled:
-        req.num_inflight_tokens -= n
-        if samples:
-            req.num_pending -= 1
 
 
 def plans_ahead(req: Request, kv: KVManager, outputs: OutputProcessor) -> bool:

@@ -252,7 +252,8 @@ class Request:
     # Plans in flight (async scheduling: the next plan is built before the last result is read): the tokens
     # they compute (already in num_computed, not yet confirmed) and the tokens they sample (the executor
     # feeds them to the next decode itself; output_ids gets them when the result comes). The planner's: it
-    # counts them as it plans a step and takes them back when the step is answered, rejected or lost.
+    # counts them as it plans a step and takes them back when the step is answered, rejected or lost (``count``,
+    # ``uncount``: nowhere else).
     num_inflight_tokens: int = 0
     num_pending: int = 0
     dropped_pending: list[int] = field(default_factory=list)  # dropped page indices not yet sent (planner -> wire)
@@ -298,6 +299,23 @@ class Request:
     def in_flight(self) -> bool:
         """A plan in flight computes for it: it may not be admitted or swapped in until that plan is answered."""
         return bool(self.num_inflight_tokens)
+
+    def count(self, n: int, now: int) -> tuple[Request, int, bool]:
+        """The planner counts what step ``now`` computes for this request: ``n`` tokens in flight (in ``num_computed``
+        at once), and the sample that ends them when they reach it. Returns the step's entry (``step.Scheduled``)."""
+        self.num_computed += n
+        self.num_inflight_tokens += n
+        self.last_scheduled = now
+        samples = self.n == 1 and self.num_computed == self.num_tokens + self.num_pending
+        if samples:
+            self.num_pending += 1
+        return self, n, samples
+
+    def uncount(self, n: int, samples: bool) -> None:
+        """A step's in-flight counts (``count``'s) leave the request: the step was answered, rejected or lost."""
+        self.num_inflight_tokens -= n
+        if samples:
+            self.num_pending -= 1
 
 
 def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, output_ids: Sequence[int] = ()) -> Request:

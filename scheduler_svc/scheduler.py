@@ -20,9 +20,9 @@ from scheduler_svc import fair_share, fit, priority
 from scheduler_svc.admission import Admit, Reclaim, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import KVManager
-from scheduler_svc.outputs import OutputProcessor, TokenOutcome
-from scheduler_svc.pages import PagePool, tier_pools
-from scheduler_svc.plan_view import PlanView, count, plans_ahead, uncount
+from scheduler_svc.outputs import OutputProcessor, TokenOutcome, final
+from scheduler_svc.pages import PagePool
+from scheduler_svc.plan_view import PlanView, plans_ahead
 from scheduler_svc.policy import PreemptionCosts, PreemptionPolicy, shared_cached_tokens
 from scheduler_svc.queues import RequestQueues
 from scheduler_svc.report import snapshot_of
@@ -65,36 +65,6 @@ class Scheduler(ExecutorLifecycle):
         self._rode = False  # the step being planned admitted a request sharing pages a plan computes (rides.py)
         self.step_id = 0
         self._watermark_pages = int(config.watermark * pool.num_pages)
-
-    def reconnected(self, num_pages: int, block_size: int, num_host_pages: int, costs: PreemptionCosts | None,
-                    kept: bool) -> Scheduler:
-        """The executor is back (nothing live here): the planner for it from now on. ``kept``: the same process kept its
-        pages (else the prefix cache forgets them all); ``costs``: its measured ones (None: as before). Another pool
-        geometry gets a new planner that keeps the counters, the tenants' counts and the ledger."""
-        assert not self.queues, "reconnected with live requests"
-        if (num_pages, block_size, num_host_pages) == (self._pool.num_pages, self._pool.block_size,
-                                                       self.kv.host.num_pages if self.kv.host else 0):
-            if not kept:
-                self.retained.clear()
-                self.kv.forget_cached()
-            if costs is not None:
-                self._policy = PreemptionPolicy(self.config.preemption, costs)
-            return self
-        self.limits.leave()
-        self.kv.forget_cached()  # (these pools go: nothing they held is findable any more)
-        pool, host = tier_pools(num_pages, block_size, num_host_pages, self._pool.events)
-        planner = Scheduler(pool, self.config, self._eos_token_ids, host,
-                            costs or self._policy.costs, None, self.ledger, self.counters, self.limits.stats_by_tenant)
-        planner.step_id = self.step_id
-        return planner
-
-    def serving(self, on: bool) -> None:
-        """Whether this executor's pages count for its tenants' limits: while it serves (up or draining), not while
-        it is down (then the quotas, reserves and fair shares are of the executors that serve)."""
-        if on:
-            self.limits.join()
-        else:
-            self.limits.leave()
 
     def fit_limits(self, tenant_id: str) -> fit.FitLimits:
         """What this executor lets one request of the tenant hold (the fit rule's input)."""
@@ -191,13 +161,8 @@ class Scheduler(ExecutorLifecycle):
             if (req.num_pending and not plans_ahead(req, kv, outputs)) or req.num_uncomputed <= 0:
                 i += 1  # this step goes without it: its result comes first (a fork parent's: the fork)
                 continue
-            if kv.decodes_in_place(req):  # the steady decode: nothing to allocate, copy or drop (count() inline)
-                req.num_computed += 1
-                req.num_inflight_tokens += 1
-                req.last_scheduled = now
-                samples = req.n == 1  # (it samples: num_uncomputed was 1)
-                req.num_pending += samples
-                scheduled.append((req, 1, samples))
+            if kv.decodes_in_place(req):  # the steady decode: nothing to allocate, copy or drop
+                scheduled.append(req.count(1, now))
                 budget -= 1
                 i += 1
                 continue
@@ -206,7 +171,7 @@ class Scheduler(ExecutorLifecycle):
             preempted += victims
             if not grown:
                 continue  # req itself was preempted; the list shrank
-            scheduled.append(count(req, n, now))
+            scheduled.append(req.count(n, now))
             budget -= n
             i += 1
         if not preempted:
@@ -231,11 +196,11 @@ class Scheduler(ExecutorLifecycle):
                                                - len(d.hits) * self._pool.block_size)
                 if req.admitted_at_step < 0:
                     req.admitted_at_step = view.now
-                scheduled.append(count(req, d.n, view.now))
+                scheduled.append(req.count(d.n, view.now))
             elif d.__class__ is SwapIn:
                 self.queues.swap_in(req)
                 self.kv.swap_in(req, d.n)
-                scheduled.append(count(req, d.n, view.now))
+                scheduled.append(req.count(d.n, view.now))
             elif d.__class__ is Refuse:
                 self._deferred.append((req, self.finish(req, Finish.ABORT, error=d.error)))
             else:  # Trim
@@ -303,9 +268,7 @@ class Scheduler(ExecutorLifecycle):
         self.counters.computed_tokens += result.num_computed_tokens
         bs, publish, running = self._pool.block_size, self.kv.publish, Status.RUNNING
         for req, n, samples in sent.scheduled:
-            req.num_inflight_tokens -= n
-            if samples:
-                req.num_pending -= 1
+            req.uncount(n, samples)
             if req.status is running:
                 confirmed = req.num_computed - req.num_inflight_tokens  # (req.num_confirmed)
                 if confirmed >= (req.num_published + 1) * bs:  # a page filled up
@@ -320,16 +283,6 @@ class Scheduler(ExecutorLifecycle):
 
         return self._outputs.take_samples(sent.rows, result, self.queues.waiting.charge, end)
 
-    def rejected(self, sent: InFlight, ended: list[Request], error: str) -> Outputs:
-        """The executor ran nothing of ``sent``: what it counted is taken back and the ids it told the executor to
-        forget go again; ``ended`` (the requests the wire gave up on) end with the executor's error."""
-        uncount(sent.scheduled)
-        for req, n, _samples in sent.scheduled:
-            if req.status is Status.RUNNING:  # (an ended request's count went with its pages)
-                req.num_computed -= n
-        self.queues.forget_again(sent.forget)
-        return [(req, self.finish(req, Finish.ABORT, error=f"executor rejected plan: {error}")) for req in ended]
-
     def _fork(self, parent: Request) -> None:
         """The parent computed all but the last prompt token: n children take over its pages."""
         children = forks(parent)
@@ -341,13 +294,13 @@ class Scheduler(ExecutorLifecycle):
 
     def finish(self, req: Request, finish: Finish, stop_reason: str = "", error: str = "") -> Output:
         """Ends a request: pages back to the pool at once (those it asked to retain held on: retention.py), the
-        executor told to forget it."""
+        executor told to forget it; its final message from the one door (``outputs.final``)."""
         was = self.queues.finish(req, finish)
         if req.retain is not None and not error:
             self.retained.keep(req, finish, self.limits.max_retained(req.tenant, self.config.kv_retention_max_share))
         if was in (Status.RUNNING, Status.SWAPPED):
             self.kv.release(req)
-        return self._outputs.final(req, finish, stop_reason, error)
+        return final(req, finish, stop_reason, error)
 
     def set_tenants(self, tenants: Tenants | None = None) -> Outputs:
         """New tenant settings (a reload; None: the ledger's, already replaced): live requests get their limits
