@@ -5,7 +5,12 @@ The scheduler's checks that need its model (vocabulary, context, tenants' quotas
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedkv.api.v1 import api_pb2 as api
+
+if TYPE_CHECKING:  # (pagedkv/tenancy.py imports this module)
+    from pagedkv.tenancy import Tenant
 
 MAX_FORKS = 16  # sampling.n, the gateway's n too
 MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY]; lower is more important
@@ -114,3 +119,52 @@ def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
                               for t in texts)
         if size > limit:
             raise _over_bytes(name, size, limit, messages <= limit, exact=True)
+
+
+# ---- a Generate request's own bounds: checked first, before its prompt is rendered or tokenized ------------
+MAX_REQUEST_ID_CHARS = 256
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+
+
+def check_priority(priority: int, tenant: Tenant | None = None, from_hop: str = "") -> None:
+    """A request's priority: in the range, and not more important than its tenant may ask for (``from_hop``: the
+    header of the trusted hop's GIE objective it came from, "" for the request's own field: the same limit holds)."""
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority: {priority}; must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    if tenant is not None and priority < tenant.max_priority:
+        source = f" (the objective in {from_hop})" if from_hop else ""
+        raise InvalidRequest(f"priority: {priority}{source}; tenant {tenant.id} may ask for "
+                             f"{tenant.max_priority} or more (its max_priority in the tenants file; lower is more "
+                             "important)")
+
+
+def check_forks(n: int) -> None:
+    if n < 0 or n > MAX_FORKS:
+        raise InvalidRequest(f"sampling.n: {n}; must be in [1, {MAX_FORKS}] (0 means 1)")
+
+
+def check_bad_words(words: list[str]) -> None:
+    """sampling.bad_words: at most MAX_BAD_WORDS, each 1 to MAX_BAD_WORD_CHARS characters (checked before they are
+    tokenized)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"sampling.bad_words: {len(words)} words; at most {MAX_BAD_WORDS}")
+    for w in words:
+        if not 0 < len(w.strip()) <= MAX_BAD_WORD_CHARS:
+            raise InvalidRequest(f"sampling.bad_words: a word of {len(w)} characters; each must have 1 to "
+                                 f"{MAX_BAD_WORD_CHARS} (spaces around it aside)")
+
+
+def check_generate(request: api.GenerateRequest, tenant: Tenant, priority: int, from_hop: str = "") -> None:
+    """A Generate request's bounds that need no model, the first stage of its way in (scheduler_svc/intake.py): its
+    id, its priority (``priority``: the request's own, or a trusted hop's from the header ``from_hop``), n, and its
+    bad words' count and lengths."""
+    check_request_id(request.request_id)
+    check_priority(priority, tenant, from_hop)
+    check_forks(request.sampling.n)
+    check_bad_words(list(request.sampling.bad_words))

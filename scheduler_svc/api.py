@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
@@ -13,31 +12,20 @@ from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.bounds import InvalidRequest
 from pagedkv.tenancy import Tenant, Unauthenticated
 from scheduler_svc import fit, metrics, ttft_trace
-from scheduler_svc.chat import NoChatTemplate, ToolUse
+from scheduler_svc.chat import NoChatTemplate
 from scheduler_svc.cluster import Cluster
-from scheduler_svc.constraints import (
-    check_constrained_requests,
-    check_constraint,
-)
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.constraints import check_constrained_requests
+from scheduler_svc.intake import Intake
 from scheduler_svc.logprobs import PromptLogprobs
 from scheduler_svc.model_info import add_cluster_counts, tenant_info
 from scheduler_svc.outputs import Ending, final
-from scheduler_svc.prefix_cache import tenant_root
 from scheduler_svc.prompts import Prompts
 from scheduler_svc.queue_bounds import QueueBounds, QueueFull
-from scheduler_svc.request import Finish, Output, Request, fork
+from scheduler_svc.request import Finish, Output, Request
 from scheduler_svc.responses import prompt_message, response
-from scheduler_svc.retention_api import ReleaseKvRpc, check_retain_kv
+from scheduler_svc.retention_api import ReleaseKvRpc
 from scheduler_svc.trusted_hop import Caller, HopRefused, TrustedHops
-from scheduler_svc.validation import (
-    Limits,
-    check_continuation,
-    check_priority,
-    check_prompt_ids,
-    check_request_id,
-    check_sampling,
-)
+from scheduler_svc.validation import Limits
 
 METHODS = "/pagedkv.api.v1.Generation/"  # the full gRPC method names, as logs and interceptors give them
 
@@ -63,6 +51,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
         self.limits = limits
         # the tokenizer's work (prompts, chat templates), on its own thread
         self.prompts = Prompts(tokenizer, limits, trust_request_templates, tool_call_parser)
+        self.intake = Intake(cluster, tokenizer, limits, self.prompts)  # a Generate request's way in
         self.model_info = model_info
         self.log = log
         self.queue_bounds = queue_bounds if queue_bounds is not None else QueueBounds()
@@ -110,83 +99,6 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                 ended += 1
         return ended
 
-    async def _echo_text(self, request: api.GenerateRequest, ids: list[int]) -> str:
-        """The prompt's text for sampling.echo: a text prompt as given (unless truncate_prompt_tokens cut it), else
-        its ids decoded (tokenizer thread)."""
-        if not request.sampling.echo or (request.WhichOneof("prompt") == "text" and not request.truncate_prompt_tokens):
-            return request.text
-        return await self.prompts.run(lambda: self.tokenizer.decode(ids))
-
-    def _build_request(self, request: api.GenerateRequest, tenant: Tenant, ids: list[int],
-                       bad_words_ids: list[list[int]] | None = None, tools: ToolUse | None = None,
-                       priority: int | None = None) -> tuple[Request, list[tuple[int, list[int]]] | None]:
-        """The request, and with a continuation the forks it resumes (fork index, token ids received); ``tools``:
-        its tool use (a chat with tools), whose constraint it takes; ``priority``: a trusted hop's (its GIE
-        objective's), instead of the request's own."""
-        cluster = self.cluster
-        lim = cluster.fit_limits(tenant.id)  # (the largest executor's)
-        shape = fit.shape(tenant, len(ids), request.page_budget, lim, self.limits.max_model_len)
-        budget, sink, window, bs = shape.page_budget, shape.sink, shape.window, lim.block_size
-        limits = self.limits
-        if shape.max_len < limits.max_model_len:  # (the tenant's pages hold fewer tokens)
-            limits = replace(limits, max_model_len=shape.max_len, max_len_name=shape.max_len_name)
-        check_prompt_ids(ids, limits)
-        check_request_id(request.request_id)
-        check_priority(request.priority if priority is None else priority, tenant, from_hop=priority is not None)
-        priority = request.priority if priority is None else priority
-        sampling = check_sampling(request.sampling, len(ids), limits, cluster.reference.eos_token_ids)
-        sampling.bad_words_ids = list(bad_words_ids or [])
-        tools = tools or ToolUse()
-        sampling.constraint = check_constraint(request.sampling, sampling, cluster.reference.eos_token_ids,
-                                               tools.constraint, f"prompt.chat.tool_choice ({tools.fmt})", tenant)
-        if any(not 0 <= t < limits.vocab_size for w in sampling.bad_words_ids for t in w):
-            raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
-                                 f"{limits.vocab_size}) (the tokenizer and the model disagree)")
-        n = max(1, request.sampling.n)
-        fit.check_n(n, tenant, lim)
-        resume = None
-        if request.HasField("continuation"):
-            stop_ids = set(sampling.stop_token_ids)
-            if not sampling.ignore_eos:
-                stop_ids.update(cluster.reference.eos_token_ids)
-            stop_budget = budget if tenant.overflow == "stop" else 0
-            resume = check_continuation(request.continuation, n, len(ids), sampling, limits, stop_ids, stop_budget, bs)
-        client_id = request.request_id or uuid.uuid4().hex
-        if (tenant.id, client_id) in self.live:
-            raise KeyError(client_id)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.include_stop_str_in_output)
-        arrival = self.cluster.next_arrival()
-        # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
-        # may reuse its id as soon as its stream ends, while the old request is still being reaped).
-        # NOTE: a windowed request's KV depends on its window, so its pages are cached under other hashes.
-        root = tenant_root(tenant.id) if not window else tenant_root(f"{tenant.id}\x00window:{sink}:{window}")
-        return Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
-                       detokenizer=detok, n=n, tenant=tenant.id, hash_root=root, client_id=client_id,
-                       priority=priority, page_budget=budget, overflow=tenant.overflow,
-                       sink_tokens=sink, window_tokens=window,
-                       retain=check_retain_kv(request, limits.max_retain_ttl_s)), resume
-
-    async def _resumed(self, req: Request, resume: list[tuple[int, list[int]]]) -> list[Request]:
-        """The forks of a resumed request, each a sequence of its own (request.fork) that starts with the tokens its
-        client received: its sampler continues at that draw, and its detokenizer has replayed them (on the tokenizer
-        thread: a context's worth of decodes), so that its text goes on exactly. A fork whose text already holds a stop
-        string has finished: refused."""
-        s = req.sampling
-
-        def replay() -> list[IncrementalDetokenizer]:
-            primed = []
-            for index, ids in resume:
-                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, s.stop, s.include_stop_str_in_output)
-                detok.replay(ids)
-                if detok.stopped_by is not None:
-                    field = f"continuation.forks[{index}]"
-                    raise InvalidRequest(f"{field}.token_ids: their text holds the stop string {detok.stopped_by!r}: "
-                                         f"the fork ended there (set {field}.finished)")
-                primed.append(detok)
-            return primed
-        primed = await self.prompts.run(replay)
-        return [fork(req, index, detok, ids) for (index, ids), detok in zip(resume, primed)]
-
     async def Generate(self, request, context):  # noqa: N802
         received = time.perf_counter()
         caller = await self._caller(context, METHODS + "Generate")
@@ -198,23 +110,15 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is up (none connected, or all "
                                 "failed or draining); retry later")
         try:  # (after those: a retry during an outage costs no tokenizing)
-            ids = await self.prompts.ids(request, tenant.id)
-            tokenized = time.perf_counter()
-            tools = self.prompts.tool_use(request)
-            req, resume = self._build_request(request, tenant, ids,
-                                              await self.prompts.bad_words_ids(request.sampling.bad_words), tools,
-                                              caller.priority)
-            req.trace.arrived(received, tokenized)
-            # what runs: the request, or the forks a continuation resumes (each on its own, the parent never runs)
-            seqs = [req] if resume is None else await self._resumed(req, resume)
-            if resume is not None and (tenant.id, req.client_id) in self.live:  # (taken while the replay ran)
-                raise KeyError(req.client_id)
+            took = await self.intake.take(request, tenant, caller.priority, received,
+                                          lambda client_id: (tenant.id, client_id) in self.live)
+            req, seqs, resume = took.req, took.seqs, took.resume
             forks = req.n if resume is None else len(seqs)  # the last messages to send
             prompt_received = request.continuation.prompt_received  # (not `received`: that is the arrival time)
             if req.sampling.prompt_logprobs is not None and len(req.prompt_ids) > 1 and not prompt_received:
                 seqs[0].prompt_logprobs = PromptLogprobs(len(req.prompt_ids), req.sampling.prompt_logprobs)
-            prompt = prompt_message(req.prompt_ids, request.sampling, prompt_received,
-                                    await self._echo_text(request, req.prompt_ids))
+            prompt = prompt_message(req.prompt_ids, request.sampling, prompt_received, took.prompt.text)
+            tools = took.prompt.tools
             prompt.tool_call_format = tools.fmt
         except (InvalidRequest, fit.FitError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -191,6 +191,15 @@ def check_n(n: int, tenant: Tenant, limits: FitLimits) -> None:
                        "max_concurrent_requests)")
 
 
+def fit_request(tenant: Tenant, prompt_len: int, asked_budget: int, n: int, limits: FitLimits,
+                max_model_len: int) -> Shape:
+    """The fit stage of a new request's way in (scheduler_svc/intake.py): its shape (``shape``) and its ``n``
+    sequences' seats (``check_n``; 0 means 1)."""
+    out = shape(tenant, prompt_len, asked_budget, limits, max_model_len)
+    check_n(max(1, n), tenant, limits)
+    return out
+
+
 # ---- a shaped request on one executor (placement, add, reloads) --------------------------------
 def misfit(req: Request, limits: FitLimits) -> str:
     """Why a shaped request (its prompt and output so far) can never run on the executor ``limits`` describes ('' if

@@ -1,6 +1,7 @@
 """The scheduler's tokenizer work, on its one thread (``Prompts``): a request's prompt as token ids (text, token ids
 or a chat rendered by its template), cut to its last truncate_prompt_tokens; Tokenize's and Detokenize's answers;
-the bad words' token sequences. Every input is bounded before the tokenizer or a template sees it. A request's own
+the bad words' token sequences; all of a Generate request's at once (``prepare``: the chat render and tokens stages of
+its way in, scheduler_svc/intake.py). Every input is bounded before the tokenizer or a template sees it. A request's own
 chat template (--trust-request-chat-template) renders in a worker process (template_pool.TemplatePool: time, memory
 and output bounds, and a bound per tenant), never on the tokenizer thread every tenant shares; only its text is
 tokenized there. The model's own templates render on the thread (they are the operator's, and known).
@@ -12,13 +13,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import InvalidRequest, check_text_bytes
 from scheduler_svc import chat as chats
 from scheduler_svc.template_pool import TemplatePool
-from scheduler_svc.validation import Limits, bad_words_token_ids, check_bad_words
+from scheduler_svc.validation import Limits, bad_words_token_ids
 
 T = TypeVar("T")
 
@@ -41,6 +43,16 @@ def truncated(ids: list[int], keep: int, max_model_len: int) -> list[int]:
         raise InvalidRequest(f"truncate_prompt_tokens: {keep}; must be in [1, max_model_len={max_model_len}] (the "
                              "prompt tokens kept: the last ones), or 0 for the whole prompt")
     return ids[-keep:]
+
+
+@dataclass(slots=True)
+class PromptIds:
+    """What the tokenizer makes of a Generate request (``Prompts.prepare``)."""
+
+    ids: list[int]  # the prompt's, only its last truncate_prompt_tokens when that is set
+    tools: chats.ToolUse  # how its output is read into tool calls, and its constraint (a chat with tools)
+    bad_words_ids: list[list[int]]  # sampling.bad_words, tokenized (bad_words_token_ids)
+    text: str  # the prompt's text, as the first message gives it (responses.prompt_message)
 
 
 class Prompts:
@@ -133,13 +145,22 @@ class Prompts:
             raise InvalidRequest("prompt: must not be empty (set text, token_ids or chat)")
         return truncated(ids, request.truncate_prompt_tokens, self.limits.max_model_len)
 
-    async def bad_words_ids(self, words) -> list[list[int]]:
-        """sampling.bad_words, bounded, then tokenized (``bad_words_token_ids``)."""
-        if not words:
-            return []
-        words = list(words)
-        check_bad_words(words)
-        return await self.run(lambda: bad_words_token_ids(words, lambda text: self._ids(text, False)))
+    async def prepare(self, request: api.GenerateRequest, tenant: str = "") -> PromptIds:
+        """A Generate request's prompt as token ids (``ids``; ``tenant``: whose request it is), its tool use, its bad
+        words' token sequences (sampling.bad_words, bounded before: pagedkv/bounds.check_generate) and its text: a
+        text prompt as given (unless truncate_prompt_tokens cut it), else, for sampling.echo, its ids decoded."""
+        ids = await self.ids(request, tenant)
+        tools = self.tool_use(request)
+        words = list(request.sampling.bad_words)
+        bad = await self.run(lambda: bad_words_token_ids(words, lambda text: self._ids(text, False))) if words else []
+        lim = self.limits
+        if not request.sampling.echo or (request.WhichOneof("prompt") == "text" and not request.truncate_prompt_tokens):
+            text = request.text
+        elif len(ids) < lim.max_model_len and all(0 <= t < lim.vocab_size for t in ids):
+            text = await self.run(lambda: self.tokenizer.decode(ids))
+        else:  # (no work for what the sampling stage refuses: validation.check_prompt_ids)
+            text = ""
+        return PromptIds(ids, tools, bad, text)
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of ``ids``, special tokens kept (vLLM's /detokenize): at most max_model_len ids, each in the

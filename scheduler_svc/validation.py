@@ -1,5 +1,7 @@
-"""Checks on what a client sent. Each failure names the field and the limit. The bounds and checks the gateway
-applies too (sizes, ranges, a chat's size) are pagedkv/bounds.py's."""
+"""Checks of what a client sent against the model and its context: the prompt's token ids and the sampling
+(``check_generation``, the sampling stage of a request's way in, scheduler_svc/intake.py), and the limits they are
+checked against (``Limits``). Each failure names the field and the limit. The bounds that need no model (sizes,
+ranges, a chat's size, a request's id and priority), which the gateway applies too, are pagedkv/bounds.py's."""
 
 from __future__ import annotations
 
@@ -10,23 +12,19 @@ from dataclasses import dataclass
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import (
-    MAX_FORKS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
-    MAX_PRIORITY,
     InvalidRequest,
+    check_bad_words,
+    check_forks,
     default_max_prompt_bytes,
 )
-from pagedkv.tenancy import Tenant
-from pagedkv.trusted_hop import OBJECTIVE_HEADER
-from scheduler_svc.fit import pages_for
 from scheduler_svc.request import Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-MAX_REQUEST_ID_CHARS = 256
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs: top_logprobs and prompt_logprobs at most (vLLM's default)
 
 
@@ -130,21 +128,6 @@ def check_logprobs(p: api.SamplingParams, limits: Limits) -> dict:
     return {"top_logprobs": p.top_logprobs, "prompt_logprobs": prompt, "echo": p.echo}
 
 
-MAX_BAD_WORDS = 100
-MAX_BAD_WORD_CHARS = 256
-
-
-def check_bad_words(words: list[str]) -> None:
-    """sampling.bad_words: at most MAX_BAD_WORDS, each 1 to MAX_BAD_WORD_CHARS characters (checked before they are
-    tokenized)."""
-    if len(words) > MAX_BAD_WORDS:
-        raise InvalidRequest(f"sampling.bad_words: {len(words)} words; at most {MAX_BAD_WORDS}")
-    for w in words:
-        if not 0 < len(w.strip()) <= MAX_BAD_WORD_CHARS:
-            raise InvalidRequest(f"sampling.bad_words: a word of {len(w)} characters; each must have 1 to "
-                                 f"{MAX_BAD_WORD_CHARS} (spaces around it aside)")
-
-
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """The token sequences the sampler masks for ``words`` (vLLM's rule): each word, spaces on its left stripped,
     tokenized as is, and with a leading space when that gives a different first token and as many tokens (the word
@@ -195,8 +178,7 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits,
     bad = next((t for t in p.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"sampling.stop_token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
-    if p.n < 0 or p.n > MAX_FORKS:
-        raise InvalidRequest(f"sampling.n: {p.n}; must be in [1, {MAX_FORKS}] (0 means 1)")
+    check_forks(p.n)
     controls = check_logits_controls(p, max_tokens, limits)
     stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else [t for t in eos_token_ids
                                                                     if t not in p.stop_token_ids])
@@ -209,61 +191,15 @@ def check_sampling(p: api.SamplingParams, prompt_len: int, limits: Limits,
     )
 
 
-def check_continuation(c: api.Continuation, n: int, prompt_len: int, sampling: Sampling, limits: Limits,
-                       stop_ids: Collection[int], budget_pages: int = 0,
-                       block_size: int = 1) -> list[tuple[int, list[int]]]:
-    """The forks a continuation resumes, as (fork index, token ids received), unfinished ones only, in fork order.
-    One entry per fork; each fork's draw_offset is the number of its ids (draws are numbered by output position);
-    every id in the vocabulary; an unfinished fork holds none of what would have ended it: max_tokens reached
-    (``sampling``: checked against the context, max_model_len lowered by the tenant's capacity, as any request's), a
-    stop token (``stop_ids``: sampling.stop_token_ids, and EOS unless ignore_eos), more pages than ``budget_pages``
-    (a page budget with the 'stop' policy; 0: none). Stop strings are found when the ids are replayed through the
-    detokenizer (the API)."""
-    if len(c.forks) != n:
-        raise InvalidRequest(f"continuation.forks: {len(c.forks)} entries; must be one per fork: {n} (sampling.n)")
-    resumed = []
-    for i, fork in enumerate(c.forks):
-        field, ids = f"continuation.forks[{i}]", list(fork.token_ids)
-        if fork.draw_offset != len(ids):
-            raise InvalidRequest(f"{field}.draw_offset: {fork.draw_offset}; must equal the number of token_ids "
-                                 f"received ({len(ids)}): draws are numbered by output position")
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"{field}.token_ids: id {bad} outside the vocabulary [0, {limits.vocab_size})")
-        if fork.finished:
-            continue
-        ended = f"a fork that reached it has finished: set {field}.finished"
-        # (prompt + max_tokens <= max_model_len: check_sampling)
-        if len(ids) >= sampling.max_tokens:
-            raise InvalidRequest(f"{field}.token_ids: {len(ids)} tokens; an unfinished fork has fewer than "
-                                 f"sampling.max_tokens={sampling.max_tokens} ({ended})")
-        at = next((j for j, t in enumerate(ids) if t in stop_ids), None)
-        if at is not None:
-            raise InvalidRequest(f"{field}.token_ids: id {ids[at]} at position {at} is a stop token "
-                                 f"(sampling.stop_token_ids, or EOS without ignore_eos): the fork ended there "
-                                 f"(set {field}.finished)")
-        if budget_pages and pages_for(prompt_len + len(ids), block_size) > budget_pages:
-            raise InvalidRequest(f"{field}.token_ids: prompt ({prompt_len}) + {len(ids)} tokens need "
-                                 f"{pages_for(prompt_len + len(ids), block_size)} pages; the page budget is "
-                                 f"{budget_pages} pages (overflow policy 'stop'; {ended})")
-        resumed.append((i, ids))
-    if not resumed:
-        raise InvalidRequest("continuation.forks: every fork finished; nothing is left to resume")
-    return resumed
-
-
-def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-
-
-def check_priority(priority: int, tenant: Tenant | None = None, from_hop: bool = False) -> None:
-    """A request's priority: in the range, and not more important than its tenant may ask for (``from_hop``: the
-    priority of a trusted hop's GIE objective, not the request's own field: the same limit holds)."""
-    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-        raise InvalidRequest(f"priority: {priority}; must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
-    if tenant is not None and priority < tenant.max_priority:
-        source = f" (the objective in {OBJECTIVE_HEADER})" if from_hop else ""
-        raise InvalidRequest(f"priority: {priority}{source}; tenant {tenant.id} may ask for "
-                             f"{tenant.max_priority} or more (its max_priority in the tenants file; lower is more "
-                             "important)")
+def check_generation(p: api.SamplingParams, ids: list[int], limits: Limits, eos_token_ids: Collection[int],
+                     bad_words_ids: list[list[int]]) -> Sampling:
+    """The sampling stage of a Generate request's way in (scheduler_svc/intake.py): its prompt's ids and its
+    sampling against the model and the context (``limits``: max_model_len lowered to what its tenant's pages hold),
+    with its bad words' token sequences (each id in the vocabulary)."""
+    check_prompt_ids(ids, limits)
+    sampling = check_sampling(p, len(ids), limits, eos_token_ids)
+    if any(not 0 <= t < limits.vocab_size for w in bad_words_ids for t in w):
+        raise InvalidRequest(f"sampling.bad_words: a word's token outside the model's vocabulary [0, "
+                             f"{limits.vocab_size}) (the tokenizer and the model disagree)")
+    sampling.bad_words_ids = list(bad_words_ids)
+    return sampling

@@ -91,7 +91,7 @@ def run(model, prompts: list[list[int]], max_tokens: int, budget: int = 512, bre
         budget_after: int | None = None) -> dict[str, Stream]:
     """Every stream of the prompts' requests; ``breaks``: at step k, "migrate" (the executor is lost: its requests
     go to a fresh one, as Cluster.relocate places them) or "resume" (the scheduler is lost too: each request is sent
-    again with the tokens delivered, as the client's continuation makes it: scheduler_svc/api.py _resumed)."""
+    again with the tokens delivered, as the client's continuation makes it: scheduler_svc/continuation.py resume)."""
     from scheduler_svc.request import fork
 
     server = Server(model, budget)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.bounds import InvalidRequest
+from pagedkv.bounds import InvalidRequest, check_priority
 from pagedkv.tenancy import InvalidTenant, Tenant, Tenants
+from pagedkv.trusted_hop import OBJECTIVE_HEADER
 from scheduler_svc.pages import PagePool
 from scheduler_svc.policy import Mode, PreemptionConfig, PreemptionCosts
 from scheduler_svc.priority import PREEMPT_AFTER_STEPS
 from scheduler_svc.request import Finish
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.validation import check_priority
 from tests.support.driven import Driven, driven
 from tests.support.fake_executor import drive, make_request
 from tests.support.scheduler_helpers import BS, CHEAP_SWAP, assert_empty
@@ -225,7 +225,7 @@ def test_a_request_more_important_than_its_tenant_may_ask_is_refused():
     with pytest.raises(InvalidRequest, match=r"^priority: -11; tenant gold may ask for -10 or more"):
         check_priority(-11, gold)
     with pytest.raises(InvalidRequest, match=r"^priority: -10 \(the objective in x-gateway-inference-objective\); "):
-        check_priority(-10, plain, from_hop=True)
+        check_priority(-10, plain, from_hop=OBJECTIVE_HEADER)
 
 
 @pytest.mark.parametrize("value", [1001, -1001, 2**31 - 1, -(2**31)])
