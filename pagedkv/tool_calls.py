@@ -28,6 +28,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from pagedkv.json_scan import skip_ws, string_end, value_end
+
 PARSERS = ("hermes", "llama3_json", "mistral")  # tool_choice auto's
 AUTO, NONE = "auto", "none"  # --tool-call-parser's: found from the chat template; no parser (auto refused)
 PARSER_CHOICES = (AUTO, NONE, *PARSERS)
@@ -91,77 +93,6 @@ def required_schema(tools: list[tuple[str, dict]], parallel: bool = True) -> dic
     return schema
 
 
-# ---- reading JSON as it is written -------------------------------------------------------------------------------
-_WS = " \t\r\n"
-
-
-def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _string_end(text: str, i: int) -> int | None:
-    """The index after the JSON string opening at ``text[i]`` ('"'), None while it is open."""
-    i += 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1
-        i += 1
-    return None
-
-
-def _value_end(text: str, i: int, final: bool, memo: dict | None = None) -> int | None:
-    """The index after the JSON value starting at ``text[i]``, None while it is incomplete (a number or literal ends
-    at a delimiter, or at the end of a final text). ``memo``: where earlier calls on shorter texts (the same text,
-    grown) left each array or object, so that a stream reads each character of one once."""
-    if i >= len(text):
-        return None
-    c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c in "{[":
-        return _container_end(text, i, {} if memo is None else memo)
-    j = i
-    while j < len(text) and text[j] not in _WS + ",]}":
-        j += 1
-    return j if j < len(text) or final else None
-
-
-def _container_end(text: str, i: int, memo: dict) -> int | None:
-    """The index after the array or object opening at ``text[i]``, None while it is open; read on from where
-    ``memo`` left it (its end once known, else the position, depth and whether inside a string)."""
-    state = memo.get(i)
-    if isinstance(state, int):
-        return state
-    j, depth, in_string = state or (i, 0, False)
-    n = len(text)
-    while j < n:
-        c = text[j]
-        if in_string:
-            if c == "\\":
-                j += 2  # (past the end when the escape is the last character: the next read starts after it)
-                continue
-            if c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                memo[i] = j + 1
-                return j + 1
-        j += 1
-    memo[i] = (j, depth, in_string)
-    return None
-
-
 @dataclass(slots=True)
 class Call:
     name: str
@@ -178,31 +109,31 @@ def _required(text: str, final: bool, memo: dict | None = None) -> Extracted:
     """``[{"name": "f", "parameters": {...}}, ...]`` read as far as it goes: a call is known once its name is, its
     arguments are its parameters' text so far. Anything unexpected ends the reading (the grammar allows none)."""
     out = Extracted()
-    i = _skip(text, 0)
+    i = skip_ws(text, 0)
     if i >= len(text) or text[i] != "[":
         if final and text.strip():
             out.content = text.strip()  # (not the array the grammar writes: cut short before it began)
         return out
     i += 1
     while True:
-        i = _skip(text, i)
+        i = skip_ws(text, i)
         if i >= len(text) or text[i] != "{":
             return out
         i += 1
         name, args = None, None
         while True:
-            i = _skip(text, i)
+            i = skip_ws(text, i)
             if i >= len(text) or text[i] != '"':
                 break
-            key_end = _string_end(text, i)
+            key_end = string_end(text, i)
             if key_end is None:
                 break
             key = json.loads(text[i:key_end])
-            i = _skip(text, key_end)
+            i = skip_ws(text, key_end)
             if i >= len(text) or text[i] != ":":
                 break
-            start = _skip(text, i + 1)
-            end = _value_end(text, start, final, memo)
+            start = skip_ws(text, i + 1)
+            end = value_end(text, start, final, memo)
             if key == "name" and end is not None:
                 value = json.loads(text[start:end])
                 name = value if isinstance(value, str) else None
@@ -210,7 +141,7 @@ def _required(text: str, final: bool, memo: dict | None = None) -> Extracted:
                 args = text[start:end if end is not None else len(text)]
             if end is None:
                 break
-            i = _skip(text, end)
+            i = skip_ws(text, end)
             if i < len(text) and text[i] == ",":
                 i += 1
                 continue
@@ -219,7 +150,7 @@ def _required(text: str, final: bool, memo: dict | None = None) -> Extracted:
             out.calls.append(Call(name, (args or "").strip()))
         if i >= len(text) or text[i] != "}":
             return out
-        i = _skip(text, i + 1)
+        i = skip_ws(text, i + 1)
         if i < len(text) and text[i] == ",":
             i += 1
             continue
@@ -302,11 +233,11 @@ def _llama3(body: str) -> list[Call] | None:
         if call is None:
             return None
         calls.append(call)
-        i = _skip(body, i)
+        i = skip_ws(body, i)
         if i < len(body):
             if body[i] != ";":
                 return None
-            i = _skip(body, i + 1)
+            i = skip_ws(body, i + 1)
     return calls
 
 
