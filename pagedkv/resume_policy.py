@@ -1,5 +1,5 @@
-"""How a broken Generate stream is resumed (pagedkv.client's resumable_generate): the policy, and the command-line
-flags that set it for `pagedkv generate` and the gateway."""
+"""How a broken Generate stream is resumed (pagedkv.resumable_stream's resumable_generate): the policy, and the
+command-line flags that set it for `pagedkv generate` and the gateway."""
 
 from __future__ import annotations
 
