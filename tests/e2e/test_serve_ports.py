@@ -65,7 +65,8 @@ def test_ready_waits_for_the_childs_own_listener_not_a_strangers(held_port):
     """A child whose probe is fooled by a stranger on its port (the port was taken after serve's check) is not ready
     until it listens there itself: here never, so the start fails once its ready_timeout is spent."""
     from pagedkv.serve_probes import ListeningProbe
-    from pagedkv.supervisor import ChildSpec, Supervisor
+    from pagedkv.supervised_child import ChildSpec
+    from pagedkv.supervisor import Supervisor
 
     port, _ = held_port
     log = RecordingLog()

@@ -53,7 +53,8 @@ CHILD = textwrap.dedent("""
 RUNNER = textwrap.dedent("""
     import json, sys, time
     from pagedkv import logs
-    from pagedkv.supervisor import ChildSpec, Supervisor
+    from pagedkv.supervised_child import ChildSpec
+    from pagedkv.supervisor import Supervisor
     cfg = json.loads(sys.argv[1])
     seen_ready, seen_exit = set(), set()
     def started_for(name):

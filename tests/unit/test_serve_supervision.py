@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.supervisor import executor_secret_file
+from pagedkv.serve_probes import executor_secret_file
 
 pytestmark = pytest.mark.unit
 
