@@ -7,12 +7,8 @@
   through ``pagedkv.client.Client``, so a stream the scheduler breaks (killed, restarted) resumes exactly.
 - Cancel: a client that goes away (``abort`` / the context stopped) closes the stream, which aborts the request.
 - Overload: the scheduler's ``RESOURCE_EXHAUSTED "queue full: ..."`` is raised as Dynamo's ``Disconnected``: its
-  frontend migrates such a request to another worker (``--migration-limit`` >= 1) and keeps this one in rotation.
-  Measured on Dynamo 1.6.1 (tests/e2e/test_dynamo_fleet.py checks it): with two workers, one raising, round robin,
-  6 requests, --migration-limit 3: Disconnected, CannotConnect and ConnectionTimeout 6/6 served (0: 3/6), the
-  raising worker still chosen afterwards; StreamIncomplete and EngineShutdown 6/6 but the worker is taken out of
-  routing after the first; WorkerUnavailable, Unknown, Cancelled and HttpError 503/429 are not migrated (3/6, HTTP
-  500 or their code).
+  frontend migrates such a request to another worker (``--migration-limit`` >= 1) and keeps this one in rotation
+  (``pagedkv.dynamo_errors``: each scheduler error's Dynamo exception, and what Dynamo 1.6.1 was measured to do).
 - Unready: while the scheduler is not SERVING (draining at shutdown, restarting) the worker unregisters its endpoint
   instance from Dynamo's discovery, and registers it again once the scheduler serves; a request that reaches it
   meanwhile is raised as ``Disconnected`` at once (migrated), not held until the scheduler is back. A stream the
@@ -21,7 +17,8 @@
 - KV events: the scheduler's ``KvEvents/Watch`` stream relayed to Dynamo's ``KvEventPublisher`` (``KvRelay``);
   page load pushed as ``ComponentSnapshot`` when it changes.
 - Tenants: an assertion the edge gateway signed (``context.metadata['pagedkv-tenant']``) is checked with the fleet
-  secret and the tenant asserted to the scheduler as a trusted hop (``x-pagedkv-hop`` + ``x-pagedkv-tenant``).
+  secret and the tenant asserted to the scheduler as a trusted hop (``x-pagedkv-hop`` + ``x-pagedkv-tenant``):
+  ``pagedkv.dynamo_tenancy``.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +39,14 @@ from dynamo._core import Context
 from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
 from dynamo.common.backend.publisher import ComponentSnapshot, KvEventSource, PushSource
 from dynamo.common.backend.run import run
-from dynamo.llm.exceptions import Disconnected, EngineShutdown, InvalidArgument, Unknown
+from dynamo.llm.exceptions import Disconnected, InvalidArgument
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv import fleet_salt, logs, trusted_hop
+from pagedkv import logs, trusted_hop
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.dynamo_args import add_args
+from pagedkv.dynamo_errors import SIDECAR_RESUME, dynamo_error
 from pagedkv.dynamo_kv_relay import KvRelay, watch_events
 from pagedkv.dynamo_request import (
     Refused,
@@ -57,32 +54,12 @@ from pagedkv.dynamo_request import (
     generate_request,
     prompt_logprobs_of,
 )
-from pagedkv.grpc_common import QUEUE_FULL_PREFIX
-from pagedkv.resume_policy import DEFAULT_RESUME
+from pagedkv.dynamo_tenancy import Tenancy
 
 log = structlog.get_logger(service="dynamo-worker")
 
-# A full queue goes back to Dynamo at once (it migrates the request to another worker); a broken stream is resumed.
-SIDECAR_RESUME = replace(DEFAULT_RESUME, queue_full_at_start=False)
-# Codes that say the request itself is wrong (or this worker's credentials): HTTP 400, never retried elsewhere.
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED}
 NO_TEMPLATE = ("{{ raise_exception('model %s has no chat template: start pagedkv dynamo-worker with "
                "--chat-template PATH to serve chat') }}")
-
-
-def dynamo_error(err: grpc.aio.AioRpcError) -> Exception:
-    """The Dynamo exception for a scheduler's error (see the module doc for why each)."""
-    code, details = err.code(), err.details() or ""
-    said = f"pagedkv scheduler: {code.name}: {details}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(QUEUE_FULL_PREFIX):
-        return Disconnected(said)
-    if code in REFUSALS:
-        return InvalidArgument(said)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return EngineShutdown(said)
-    return Unknown(said)
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -93,33 +70,6 @@ def has_chat_template(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(config.get("chat_template"))
-
-
-class Tenancy:
-    """Which tenant a Dynamo request runs as, and the metadata that tells the scheduler."""
-
-    def __init__(self, base: Sequence[tuple[str, str]], fleet_secret: bytes, hop_secret: str,
-                 require_tenant: bool) -> None:
-        self.base = tuple(base)
-        self.fleet_secret = fleet_secret
-        self.hop_secret = hop_secret
-        self.require_tenant = require_tenant
-
-    def metadata(self, context_metadata: Any) -> tuple[tuple[str, str], ...]:
-        token = context_metadata.get(fleet_salt.TENANT_META_KEY) if context_metadata is not None else None
-        if token is None:
-            if self.require_tenant:
-                raise InvalidArgument(f"{fleet_salt.TENANT_META_HEADER}: missing; this worker serves only requests "
-                                      "the edge gateway signed a tenant for (--require-tenant)")
-            return self.base
-        if not self.fleet_secret:
-            raise InvalidArgument(f"{fleet_salt.TENANT_META_HEADER}: this worker has no fleet secret to check it "
-                                  f"({fleet_salt.FLEET_SECRET_FLAG})")
-        try:
-            tenant = fleet_salt.verify_assertion(self.fleet_secret, token)
-        except fleet_salt.InvalidAssertion as err:
-            raise InvalidArgument(str(err)) from None
-        return (*self.base, *trusted_hop.hop_metadata(self.hop_secret, tenant))
 
 
 class PagedkvEngine(LLMEngine):
@@ -179,15 +129,9 @@ class PagedkvEngine(LLMEngine):
         """Reads the secrets and waits for the scheduler (its ModelInfo): before Dynamo's worker starts, so a bad
         flag or a scheduler that never serves ends the command with one line."""
         args = self.args
-        hop_secret = trusted_hop.load_hop_secret(getattr(args, "trusted_hop_secret_file", ""))
-        fleet_secret = fleet_salt.load_fleet_secret(getattr(args, "fleet_secret_file", ""))
-        if fleet_secret and not hop_secret:
-            raise ValueError(f"{fleet_salt.FLEET_SECRET_FLAG} needs {trusted_hop.HOP_SECRET_FLAG} (the scheduler's "
-                             "trusted-hop secret): without it a tenant the edge gateway signed cannot be asserted")
-        auth = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
-        self.tenancy = Tenancy(auth, fleet_secret, hop_secret, args.require_tenant)
-        self.client = Client(args.address, metadata=auth, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-                             resume=SIDECAR_RESUME)
+        self.tenancy = Tenancy.from_args(args)
+        self.client = Client(args.address, metadata=self.tenancy.base, tls_ca=args.tls_ca,
+                             tls_server_name=args.tls_server_name, resume=SIDECAR_RESUME)
         try:
             await self.client.wait_ready(args.connect_timeout)
             self.info = await self.client.model_info()

@@ -16,8 +16,10 @@ pytest.importorskip("dynamo.common.backend", reason="NVIDIA Dynamo is not instal
 from dynamo.llm.exceptions import Disconnected, EngineShutdown, InvalidArgument  # noqa: E402
 
 from pagedkv.api.v1 import api_pb2 as api  # noqa: E402
+from pagedkv.dynamo_errors import dynamo_error  # noqa: E402
 from pagedkv.dynamo_kv_relay import AllCleared, KvRelay, RemovedPages, StoredPages  # noqa: E402
-from pagedkv.dynamo_worker import PagedkvEngine, Tenancy, dynamo_error, has_chat_template  # noqa: E402
+from pagedkv.dynamo_tenancy import Tenancy  # noqa: E402
+from pagedkv.dynamo_worker import PagedkvEngine, has_chat_template  # noqa: E402
 from pagedkv.fleet_salt import make_assertion  # noqa: E402
 from pagedkv.trusted_hop import HOP_HEADER, TENANT_HEADER  # noqa: E402
 
