@@ -31,7 +31,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from fleet_proc import Proc  # noqa: E402  (deploy/, beside this file)
 
 from pagedkv.cli import free_port  # noqa: E402
 from pagedkv.tenancy import hash_key  # noqa: E402
@@ -97,41 +98,6 @@ class FleetConfig:
     workdir: str = ""  # default: a fresh temporary folder, removed by stop() when it made it
     ready_timeout: float = 600.0
     stop_timeout: float = 30.0
-
-
-class Proc:
-    """A child in a session (process group) of its own, its output appended to a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                         start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            text = []
-        return f"---- {self.name} ({self.log_path})\n" + "\n".join(text)
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-
-    def wait_or_kill(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=max(timeout, 0.1))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return self.proc.wait()
 
 
 class Fleet:
