@@ -1,11 +1,11 @@
 """The OpenAI SDK against ``pagedkv gateway`` in front of a real scheduler and executor on loopback, every link
 with TLS (HTTPS to the gateway, TLS from the gateway to the scheduler) and a tenants file: completions and chat,
 streamed and not, n > 1, stop strings, logprobs, greedy and seeded tokens identical to the gRPC path, auth
-failures, refusals, a client disconnect freeing its pages, /health, /metrics, and 503 with no scheduler."""
+failures, refusals, a client disconnect freeing its pages, /health and /metrics. A gateway with no scheduler, and
+serve's gateway child: test_gateway_standalone_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -14,101 +14,16 @@ import signal
 import ssl
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
-from pagedkv.cli import build_parser, free_port
-from pagedkv.client import Client
-from pagedkv.local_server import LocalServer
-from pagedkv.tenancy import hash_key
+from pagedkv.cli import build_parser
 from tests.support import procs
-from tests.support.chat_template import TEMPLATE, TOOL_TEMPLATE, template_ids
+from tests.support.chat_template import TOOL_TEMPLATE, template_ids
+from tests.support.gateway_stack import ADMIN_KEY, KEY, MODEL, Stack, compose_gateway, grpc_complete, ids_of, run
 
 pytestmark = pytest.mark.e2e
-
-KEY, ADMIN_KEY = "key-gw-user", "key-gw-ops"
-TENANTS = f"""
-[tenants.user]
-keys = ["{hash_key(KEY)}"]
-revoked_keys = ["{hash_key('key-gw-revoked')}"]
-
-[tenants.ops]
-keys = ["{hash_key(ADMIN_KEY)}"]
-admin = true
-"""
-MODEL = "chat-tiny"  # --served-model-name
-
-
-class Stack:
-    model_dir = None
-
-    def __init__(self, tmp) -> None:
-        from transformers import AutoTokenizer
-
-        from pagedkv.tools.random_model import build_random_model
-
-        path = build_random_model(tmp / "model", seed=5, hidden_size=64, intermediate_size=128, num_layers=2,
-                                  num_heads=4, num_kv_heads=2)
-        tok = AutoTokenizer.from_pretrained(str(path))
-        tok.chat_template = TEMPLATE
-        tok.save_pretrained(str(path))
-        self.model_dir = path
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        certs = tmp / "certs"
-        r = subprocess.run([sys.executable, "-m", "pagedkv", "gen-certs", "--out", str(certs), "--hosts", "scheduler"],
-                           cwd=procs.ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        self.certs, self.ca = certs, str(certs / "ca.pem")
-        tls = ("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"))
-        (tmp / "tenants.toml").write_text(TENANTS)
-        self.procs: list[procs.Proc] = []
-        self.executor = self._start(lambda: procs.executor("--model", str(path), "--num-pages", "256"))
-        self.scheduler = self._start(lambda: procs.scheduler(self.executor.address, args=(
-            "--tenants-file", str(tmp / "tenants.toml"), "--trust-request-chat-template", *tls)))
-        self.gateway = self._start(lambda: procs.Proc("gateway", "--address", self.scheduler.address, "--tls-ca",
-                                                      self.ca, "--served-model-name", MODEL, *tls))
-        self.base = f"https://127.0.0.1:{self.gateway.port}"
-
-    def _start(self, start):
-        try:
-            p = start()
-        except Exception:
-            self.stop()
-            raise
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> list[int | None]:
-        return [p.stop(60) for p in reversed(self.procs)]
-
-    def openai(self, key: str | None = KEY, **kw) -> openai.OpenAI:
-        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=self.ca))
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or "", max_retries=0, http_client=http,
-                             timeout=60, **kw)
-
-    def grpc(self, key: str = KEY) -> Client:
-        return Client(self.scheduler.address, api_key=key, tls_ca=self.ca)
-
-    def post(self, path: str, body: dict, key: str | None = KEY, method: str = "POST") -> tuple[int, dict]:
-        ctx = ssl.create_default_context(cafile=self.ca)
-        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
-        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
-
-    def get(self, path: str) -> tuple[int, str]:
-        ctx = ssl.create_default_context(cafile=self.ca)
-        try:
-            with urllib.request.urlopen(self.base + path, timeout=10, context=ctx) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
 
 
 @pytest.fixture(scope="module")
@@ -117,22 +32,6 @@ def stack(tmp_path_factory):
     yield s
     codes = s.stop()
     assert codes == [0, 0, 0], "\n\n".join(p.log()[-3000:] for p in s.procs)
-
-
-def ids_of(logprobs_tokens: list[str]) -> list[int]:
-    assert all(t.startswith("token_id:") for t in logprobs_tokens)
-    return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _grpc_complete(stack: Stack, prompt=None, **params):
-    async with stack.grpc() as c:
-        if params.get("n", 1) > 1:
-            return await c.complete_n(prompt, **params)
-        return await c.complete(prompt, **params)
 
 
 def test_models_and_health(stack):
@@ -155,7 +54,7 @@ def test_auth_failures_are_401(stack):
 
 
 def test_greedy_completion_equals_grpc_streamed_and_not(stack):
-    ref = run(_grpc_complete(stack, "The gateway", max_tokens=24, temperature=0, ignore_eos=True, logprobs=True))
+    ref = run(grpc_complete(stack, "The gateway", max_tokens=24, temperature=0, ignore_eos=True, logprobs=True))
     c = stack.openai()
     r = c.completions.create(model=MODEL, prompt="The gateway", max_tokens=24, temperature=0, logprobs=0,
                              extra_body={"ignore_eos": True})
@@ -177,7 +76,7 @@ def test_greedy_completion_equals_grpc_streamed_and_not(stack):
 
 def test_chat_streamed_and_not_equals_grpc_and_the_template(stack):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    ref = run(_grpc_complete(stack, messages=messages, max_tokens=16, temperature=0, ignore_eos=True))
+    ref = run(grpc_complete(stack, messages=messages, max_tokens=16, temperature=0, ignore_eos=True))
     assert ref.prompt_tokens == len(template_ids(stack.tokenizer, messages))
     c = stack.openai()
     r = c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0,
@@ -206,7 +105,7 @@ def test_chat_tool_calls_template_kwargs_and_continue_through_the_sdk(stack):
     seen = [messages[0], {"role": "assistant", "content": "", "tool_calls": [seen_call]}, messages[2]]
     prompt = template_ids(stack.tokenizer, seen, chat_template=TOOL_TEMPLATE, enable_thinking=False)
     assert b'{"city": "Paris"}' in bytes(t - 3 for t in prompt[1:]) and prompt[-1] != prompt[-2]
-    ref = run(_grpc_complete(stack, prompt, max_tokens=8, temperature=0, ignore_eos=True))
+    ref = run(grpc_complete(stack, prompt, max_tokens=8, temperature=0, ignore_eos=True))
     c = stack.openai()
     r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=dict(
         ignore_eos=True, chat_template=TOOL_TEMPLATE, chat_template_kwargs={"enable_thinking": False}))
@@ -229,7 +128,7 @@ def test_chat_tool_calls_template_kwargs_and_continue_through_the_sdk(stack):
 def test_truncate_prompt_tokens_keeps_the_last_prompt_tokens(stack):
     text = "The quick brown fox jumps over the lazy dog. " * 8
     ids = stack.tokenizer(text)["input_ids"]
-    ref = run(_grpc_complete(stack, ids[-9:], max_tokens=6, temperature=0, ignore_eos=True))
+    ref = run(grpc_complete(stack, ids[-9:], max_tokens=6, temperature=0, ignore_eos=True))
     c = stack.openai()
     r = c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0,
                              extra_body={"truncate_prompt_tokens": 9, "ignore_eos": True})
@@ -282,7 +181,7 @@ def test_an_unset_temperature_is_openais_default_of_1(stack):
 
 
 def test_n_forks_with_a_seed_equal_grpc(stack):
-    ref = run(_grpc_complete(stack, "fork me", n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
+    ref = run(grpc_complete(stack, "fork me", n=3, max_tokens=12, temperature=1.0, seed=42, ignore_eos=True))
     c = stack.openai()
     r = c.completions.create(model=MODEL, prompt="fork me", n=3, max_tokens=12, temperature=1.0, seed=42,
                              logprobs=0, extra_body={"ignore_eos": True})
@@ -298,7 +197,7 @@ def test_n_forks_with_a_seed_equal_grpc(stack):
 
 
 def test_stop_string_ends_the_completion(stack):
-    full = run(_grpc_complete(stack, "stop here", max_tokens=32, temperature=0, ignore_eos=True)).text
+    full = run(grpc_complete(stack, "stop here", max_tokens=32, temperature=0, ignore_eos=True)).text
     at = next(i for i in range(4, len(full) - 2) if full[i].isprintable() and full[i] != "\ufffd"
               and full.find(full[i]) == i)
     stop = full[at]
@@ -370,20 +269,6 @@ def test_client_disconnect_cancels_the_request_and_frees_its_pages(stack):
     assert 'pagedkv_gateway_requests_total{endpoint="completions",status="200"}' in metrics
 
 
-def test_no_scheduler_is_503(stack):
-    gw = procs.Proc("gateway", "--address", f"127.0.0.1:{free_port()}", "--served-model-name", MODEL)
-    try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key="k", max_retries=0, timeout=30)
-        with pytest.raises(openai.InternalServerError) as e:
-            c.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert e.value.status_code == 503
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"http://127.0.0.1:{gw.port}/health", timeout=10)
-        assert e.value.code == 503
-    finally:
-        assert gw.stop() == 0, gw.log()
-
-
 def test_sigterm_lets_in_flight_streams_finish(stack):
     """What a rolling update does to a gateway pod: SIGTERM, the open stream ends normally, exit 0, fast."""
     gw = procs.Proc("gateway", "--address", stack.scheduler.address, "--tls-ca", stack.ca, "--served-model-name",
@@ -403,16 +288,10 @@ def test_sigterm_lets_in_flight_streams_finish(stack):
         gw.kill()
 
 
-def _compose_gateway() -> dict:
-    import yaml
-
-    return yaml.safe_load((procs.ROOT / "docker-compose.yml").read_text())["services"]["gateway"]
-
-
 def test_compose_gateway_service_runs_and_its_healthcheck_passes(stack):
     """docker-compose.yml's gateway: its command run as a local process (the scheduler's name and /certs mapped
     to this stack), its health check run as docker would; the file validates with the gateway's profile on."""
-    svc = _compose_gateway()
+    svc = compose_gateway()
     assert svc["profiles"] == ["http"] and svc["ports"] == ["${PAGEDKV_PUBLISH_HOST:-127.0.0.1}:8000:8000"]
     command = [str(c).replace("/certs", str(stack.certs)) for c in svc["command"]]
     parsed = build_parser().parse_args(command)
@@ -450,28 +329,9 @@ def test_compose_gateway_service_runs_and_its_healthcheck_passes(stack):
         assert yaml.safe_load(r.stdout)["services"]["gateway"]["command"] == svc["command"]
 
 
-def test_serve_http_port_runs_the_gateway_as_a_child(model_cache):
-    """serve's gateway learns the scheduler's names (vLLM's --served-model-name a b): /v1/models lists both, either
-    may be asked for, answers report the first, another name is 404 model_not_found."""
-    port = free_port()
-    server = LocalServer("--http-port", str(port), "--num-pages", "64", "--served-model-name", "tiny", "tiny-alias")
-    try:
-        assert f"HTTP (OpenAI API) on 127.0.0.1:{port}" in server.log()
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
-        out = list(c.completions.create(model="tiny-alias", prompt="serve", max_tokens=5, stream=True,
-                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-        assert out[-1].usage.completion_tokens == 5 and {ch.model for ch in out} == {"tiny"}
-        with pytest.raises(openai.NotFoundError) as e:
-            c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}])
-        assert e.value.body["code"] == "model_not_found"
-    finally:
-        assert server.stop() == 0, server.log()
-
-
 def test_tokenizer_names_logprob_tokens_by_their_text(stack):
     messages = [{"role": "user", "content": "Hi"}]
-    ref = run(_grpc_complete(stack, messages=messages, max_tokens=8, temperature=0, ignore_eos=True))
+    ref = run(grpc_complete(stack, messages=messages, max_tokens=8, temperature=0, ignore_eos=True))
     gw = procs.Proc("gateway", "--address", stack.scheduler.address, "--tls-ca", stack.ca, "--served-model-name",
                     MODEL, "--tokenizer", str(stack.model_dir))
     try:
