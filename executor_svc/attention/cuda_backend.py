@@ -71,6 +71,7 @@ class CudaPagedAttention:
     """The CUDA kernels' backend (an ``executor_svc.attention.PagedAttention``)."""
 
     name = "cuda"
+    plain_cache_writes = False  # (its own kernels write the pages: PagedAttention.plain_cache_writes)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  partition_tokens: int = DEFAULT_PARTITION_TOKENS, library: object | None = None) -> None:

@@ -31,6 +31,9 @@ class PagedAttention(Protocol):
     scale: float
     # A faster copy of whole pages inside the device pool (copy-on-write), or None: the pool copies with torch.
     copy_pages: PageCopier | None
+    # Whether write_cache stores K/V as they are into plain tensor pages, so that a model may store them itself the
+    # same way (the fused CPU path's rotary_write: executor_svc/model/step_path.py); False: a model always calls it.
+    plain_cache_writes: bool
 
     def write_cache(self, k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata) -> None:

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from executor_svc.attention import cascade
 from executor_svc.attention.metadata import AttentionMetadata
-from executor_svc.attention.torch_backend import TorchPagedAttention
-from executor_svc.model import cpu_linear
+from executor_svc.model import cpu_linear, step_path
 from executor_svc.model.checkpoint import (
     expected_tensors,
     expert_modules,
@@ -34,12 +33,12 @@ from executor_svc.model.checkpoint import (
     read_safetensors,
     router_name,
 )
-from executor_svc.model.decode_stack import stack_weights
 from executor_svc.model.layers import ACTIVATIONS, Rotary, gemma_norm, rms_norm, rotate_half
 from executor_svc.model.moe import DenseMlp, MoeMlp
 from executor_svc.model.quant import DenseLinear, build_int4, unpack_linear
 from executor_svc.model.quant_config import quant_tensor_names
 from executor_svc.model.softcap import softcapped_attention
+from executor_svc.model.step_path import StepPath
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
 
@@ -76,7 +75,7 @@ class LlamaModel:
         del self.raw
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self._fused = None  # fused_ops(), decided on the first forward
-        self._stack = None  # decode_stack()'s weights, decided on the first decode-only step
+        self._path: StepPath | None = None  # step_path(), decided on the first forward over a backend and pool
         self.decode_in_one_call = True  # decode_layers where it applies (tests compare it with the Python loop)
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
@@ -166,42 +165,45 @@ class LlamaModel:
             self._fused = ops if ops is not None and hasattr(ops, "add_rms_norm") else False
         return self._fused or None
 
-    def decode_stack(self, ops, meta: AttentionMetadata, pool: DevicePagePool, attention) -> list | None:
+    def step_path(self, attention, pool: DevicePagePool) -> StepPath:
+        """How steps over this backend and pool run (step_path.py): decided on the first, kept for the next."""
+        path = self._path
+        if path is None or path.attention is not attention or path.pool is not pool:
+            path = self._path = step_path.decide(self, attention, pool)
+        return path
+
+    def decode_stack(self, meta: AttentionMetadata, pool: DevicePagePool, attention) -> list | None:
         """The weights ``decode_layers`` (cpu_decode.cpp) takes, 22 a layer, when this step's layers run in that one
         call: a float32 model whose every linear is our float32 or 4-bit product or torch's int4 kernel
         (cpu_linear.py, quant.py), SiLU MLPs, one rotary table, no per-layer windows, q/k norms or score
-        soft-capping; and a decode-only step in one group without per-request windows, attended in place by the
-        torch backend, its shared prefix (if it has one) by the kernel library (shared_in_kernel). Else None: the
-        Python loop (_forward_fused), which runs the same ops in the same order."""
-        if not self.decode_in_one_call or not meta.one_decode_group or meta.decodes[0].windows is not None:
-            return None
-        if self._stack is None:
-            self._stack = stack_weights(self, ops) or False
-        if not self._stack or not isinstance(attention, TorchPagedAttention) or not attention.plain_cache_writes:
-            return None
-        k_cache = pool.k_views[0]
-        if not attention.reads_in_place(torch.empty(0, dtype=self.dtype), k_cache):
+        soft-capping, attended in place by the torch backend (the StepPath's ``stack``); and a decode-only step in
+        one group without per-request windows, its shared prefix (if it has one) attended by the kernel library
+        (shared_in_kernel). Else None: the Python loop (_forward_fused), which runs the same ops in the same order."""
+        path = self.step_path(attention, pool)
+        stack = path.stack
+        if (stack is None or not self.decode_in_one_call or not meta.one_decode_group
+                or meta.decodes[0].windows is not None):
             return None
         group = meta.decodes[0]
         if group.shared_pages is None:
-            group.shared_pages = cascade.shared_prefix(group, k_cache.shape[1], meta.sliding_window or 0)
-        if group.shared_pages.numel() and not cascade.shared_in_kernel(ops, torch.empty(0, 0, self.cfg.head_dim)):
+            group.shared_pages = cascade.shared_prefix(group, pool.block_size, meta.sliding_window or 0)
+        if group.shared_pages.numel() and not path.stack_shared:
             return None
-        return self._stack
+        return stack
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
         """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx."""
-        ops = self.fused_ops()
-        if ops is not None:
-            return self._forward_fused(ops, input_ids, positions, meta, pool, attention, logits_idx)
+        path = self.step_path(attention, pool)
+        if path.ops is not None:
+            return self._forward_fused(path, input_ids, positions, meta, pool, attention, logits_idx)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {t: tuple(c.unsqueeze(1) for c in r.cos_sin(positions, self.dtype)) for t, r in self.rotaries.items()}
-        metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
+        metas = _metas_by_window(meta, path.windows)
         for i, lw in enumerate(self.layers):
             h = self.norm(x, lw["in_norm"], cfg.rms_norm_eps)
             a = self._attention(i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
@@ -243,13 +245,13 @@ class LlamaModel:
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
-    def _forward_fused(self, ops, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def _forward_fused(self, path: StepPath, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
         """forward with the fused CPU ops: the residual stream x is updated in place, and each layer's last add
         goes into the next layer's norm (one pass over x per norm)."""
-        eps = self.cfg.rms_norm_eps
+        eps, ops = self.cfg.rms_norm_eps, path.ops
         x = F.embedding(input_ids, self.embed)
-        stack = self.decode_stack(ops, meta, pool, attention)
+        stack = self.decode_stack(meta, pool, attention)
         if stack is not None:  # every layer in one call (cpu_decode.cpp): the same ops as the loop below
             cos, sin = next(iter(self.rotaries.values())).cos_sin(positions, self.dtype)
             group = meta.decodes[0]
@@ -259,14 +261,14 @@ class LlamaModel:
                               cfg.num_kv_heads, cfg.intermediate_size, meta.sliding_window or 0, eps, self.scale)
             return self._logits(ops, x, logits_idx)
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
-        metas = _metas_by_window(meta, {lw["window"] for lw in self.layers})
+        metas = _metas_by_window(meta, path.windows)
         layers = self.layers
         h = ops.rms_norm(x, layers[0]["in_norm"], eps)
         for i, lw in enumerate(layers):
-            a = self._attention_fused(ops, i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
+            a = self._attention_fused(path, i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
             h = ops.add_rms_norm(x, a, lw["mlp_norm"], eps)  # x += a
             mlp = lw["mlp"]
-            if isinstance(mlp, DenseMlp) and self.act is F.silu:
+            if path.silu_mlps[i]:
                 m = mlp.down(ops.silu_mul(mlp.gate_up(h)))
             else:
                 m = mlp(h)
@@ -282,8 +284,9 @@ class LlamaModel:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()
 
-    def _attention_fused(self, ops, i: int, lw: dict, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                         meta: AttentionMetadata, pool: DevicePagePool, attention) -> torch.Tensor:
+    def _attention_fused(self, path: StepPath, i: int, lw: dict, h: torch.Tensor,
+                         cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, pool: DevicePagePool,
+                         attention) -> torch.Tensor:
         cfg = self.cfg
         n = h.shape[0]
         q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
@@ -295,9 +298,8 @@ class LlamaModel:
             k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
         k_cache, v_cache = pool.layer(i)
         cos, sin = cos_sin
-        if (getattr(attention, "plain_cache_writes", False) and isinstance(k_cache, torch.Tensor)
-                and k_cache.dtype == self.dtype):
-            q = ops.rotary_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
+        if path.rotary_write:
+            q = path.ops.rotary_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
         else:  # (8-bit pages, or a backend with writes of its own)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + rotate_half(q) * sin
@@ -309,7 +311,7 @@ class LlamaModel:
         return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
-def _metas_by_window(meta: AttentionMetadata, windows: set[int | None]) -> dict[int | None, AttentionMetadata]:
+def _metas_by_window(meta: AttentionMetadata, windows: frozenset[int | None]) -> dict[int | None, AttentionMetadata]:
     """The step's metadata for each per-layer window (None: the step's own, which carries the model-wide
     window if any; 0: full attention). Each copy has its own decode groups, since a backend may cache a
     group's mask for the layers that share it."""

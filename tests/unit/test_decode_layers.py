@@ -56,7 +56,7 @@ def _decode_step(cfg, model, ctx_lens: list[int], seed: int, one_call: bool, win
     ids = torch.randint(3, cfg.vocab_size, (len(ctx_lens),), generator=g)
     attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     model.decode_in_one_call = one_call
-    ran = model.decode_stack(model.fused_ops(), meta, pool, attention) is not None
+    ran = model.decode_stack(meta, pool, attention) is not None
     cascade = meta.decodes[0].shared_pages
     meta.decodes[0].shared_pages = None
     logits = model.forward(ids, pos, meta, pool, attention, torch.arange(len(ctx_lens)))
@@ -125,7 +125,6 @@ def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir, tmp_path):
     from executor_svc.pages import DevicePagePool
 
     cfg, model = _model(tiny_llama_dir)
-    ops = model.fused_ops()
     attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pool = DevicePagePool(cfg, 8, 16, torch.float32, torch.device("cpu"), parse_kv_dtype("auto", torch.float32))
     tables = torch.tensor([[1, 2]])
@@ -134,22 +133,22 @@ def test_it_does_not_apply_where_the_loop_must_run(tiny_llama_dir, tmp_path):
         return AttentionMetadata(torch.tensor([2]), torch.tensor([3]),
                                  [DecodeGroup(torch.arange(1), tables, torch.tensor([20]), in_order=True, **group)], [])
 
-    assert model.decode_stack(ops, decode(), pool, attention) is not None
-    assert model.decode_stack(ops, decode(sinks=torch.tensor([4]), windows=torch.tensor([8])), pool, attention) is None
+    assert model.decode_stack(decode(), pool, attention) is not None
+    assert model.decode_stack(decode(sinks=torch.tensor([4]), windows=torch.tensor([8])), pool, attention) is None
     mixed = AttentionMetadata(torch.tensor([2, 3]), torch.tensor([3, 0]),
                               [DecodeGroup(torch.arange(1), tables, torch.tensor([20]), in_order=True)],
                               [PrefillSegment(1, 1, 1, torch.tensor([3]))])
-    assert model.decode_stack(ops, mixed, pool, attention) is None
-    assert model.decode_stack(ops, decode(), pool, TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                                       model.scale, reference=True)) is None
+    assert model.decode_stack(mixed, pool, attention) is None
+    assert model.decode_stack(decode(), pool, TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                                  model.scale, reference=True)) is None
     _, bf16 = _model(tiny_llama_dir, torch.bfloat16)
     pool16 = DevicePagePool(cfg, 8, 16, torch.bfloat16, torch.device("cpu"), parse_kv_dtype("auto", torch.bfloat16))
-    assert bf16.decode_stack(bf16.fused_ops(), decode(), pool16, attention) is None
+    assert bf16.decode_stack(decode(), pool16, attention) is None
     from pagedkv.tools.quantize import quantize_checkpoint
 
     _, split = _model(quantize_checkpoint(tiny_llama_dir, tmp_path / "q", method="gptq", group_size=32, desc_act=True))
     assert any("unfused" in k for k in split.linear_kinds), split.linear_kinds
-    assert split.decode_stack(split.fused_ops(), decode(), pool, attention) is None
+    assert split.decode_stack(decode(), pool, attention) is None
 
 
 def test_bad_arguments_are_refused_by_name(tiny_llama_dir):
