@@ -122,7 +122,8 @@ def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator
         return None
     yield Trim(req)
     n = kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
-    need = kv.pages_to_swap_in(req, n)
+    tier = kv.host_tier  # (a swapped request: there is one)
+    need = tier.pages_to_swap_in(req, n)
     capacity = limits.capacity(req.tenant)
     if need > capacity:  # it can never come back (e.g. a quota lowered by reload)
         yield Refuse(req, f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")
@@ -133,7 +134,7 @@ def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator
         if key is None:
             return None if over else 0
         yield Reclaim(key)
-        need = kv.pages_to_swap_in(req, n)
+        need = tier.pages_to_swap_in(req, n)
     yield SwapIn(req, n)
     return n
 

@@ -11,11 +11,11 @@ Pages [0, hits) are shared with the cache; a page becomes findable (published) o
 step that filled it. Full pages of the prompt that a running request is still computing are "in flight": another
 request that needs them waits instead of computing them too.
 
-The host tier (optional) is a second PagePool of the same page size. It holds the pages of swapped-out requests
-(``req.host_table``) and, in its free LRU, prefix-cache pages spilled there when the device evicted them. Both are
-found by the same hashes, so a hit may come from either tier (tenant roots keep tenants apart in both). Every page
-movement is recorded in ``ops`` for the next plan (step.PageOps). Host pages read by a swap-in stay held until the
-plan that reads them is confirmed (``ops.host_release``), so no swap-out of the same plan can reuse them.
+The host tier (optional; host_tier.py) holds the pages of swapped-out requests and, in its free LRU, prefix-cache
+pages spilled there when the device evicted them, found by the same hashes: a hit may come from either tier (tenant
+roots keep tenants apart in both). ``HostTier`` decides the pages and copies of a move between the tiers; this class
+installs the resulting tables and releases, registers and grows the rest. Every page movement is recorded in
+``ops`` for the next plan (step.PageOps).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedkv.wire import DROPPED_PAGE
+from scheduler_svc.host_tier import HostTier
 from scheduler_svc.pages import PagePool, held
 from scheduler_svc.prefix_cache import extend_chain
 from scheduler_svc.request import Request, Status
@@ -45,8 +46,9 @@ class KVManager:
         self._ops = PageOps()
         self._rides = True  # find_hits adds the prefix pages another running request has planned (rides.py)
         self._counters = counters if counters is not None else Counters()  # (the owner's: they outlive this)
-        if self._host is not None and self._caching:
-            pool.on_evict(self._spill)
+        self._tier = HostTier(pool, self._host, self._counters) if self._host is not None else None
+        if self._tier is not None and self._caching:
+            pool.on_evict(lambda page, page_hash: self._tier.spill(page, page_hash, self._ops))
 
     @property
     def pool(self) -> PagePool:
@@ -55,6 +57,10 @@ class KVManager:
     @property
     def host(self) -> PagePool | None:  # (None: no swap space)
         return self._host
+
+    @property
+    def host_tier(self) -> HostTier | None:  # swap costs (None: no swap space)
+        return self._tier
 
     @property
     def caching(self) -> bool:
@@ -122,10 +128,8 @@ class KVManager:
         self._pool.share((p for p, on_host in hits if not on_host), req.tenant)
         host_hits = [p for p, on_host in hits if on_host]
         if host_hits:  # held before any allocation: a spill must not evict one of them
-            self._host.share(host_hits)
-            self._ops.host_release.extend(host_hits)
-            self._counters.spill_hits += len(host_hits)
-        table = [p if not on_host else self._bring_back(p, req.page_hashes[j], req.tenant)
+            self._tier.hold_hits(host_hits, self._ops)
+        table = [p if not on_host else self._tier.bring_back(p, req.page_hashes[j], req.tenant, self._ops)
                  for j, (p, on_host) in enumerate(hits)]
         cached = len(hits) * self._bs
         need = self._pool.pages_for(cached + num_tokens) - len(hits)
@@ -151,96 +155,18 @@ class KVManager:
                 self._inflight[h] = req
                 req.registered.append(h)
 
-    # ---- the host tier ---------------------------------------------------------------------------
-    def _bring_back(self, host_page: int, page_hash: bytes | None, owner: str) -> int:
-        """A device page that will hold a host page's contents after this plan's swap-ins. The caller holds
-        host_page until the plan ran (ops.host_release)."""
-        (page,) = self._pool.allocate(1, owner)
-        self._ops.swap_in.append((host_page, page))
-        self._counters.pages_swapped_in += 1
-        if page_hash is not None:
-            self._pool.publish(page, page_hash)  # the copy-in runs before anything that could read it
-        return page
-
-    def _spill(self, page: int, page_hash: bytes) -> None:
-        """The device is about to reuse a cached page: keep its contents in the host tier (LRU) if there
-        is a free host page and the tier does not hold them already."""
-        if self._host.lookup(page_hash) is not None or not self._host.num_free:
-            return
-        (hp,) = self._host.allocate(1)
-        self._host.publish(hp, page_hash)
-        self._host.free([hp])  # free but findable, most recently used
-        self._ops.swap_out.append((page, hp))
-        self._counters.pages_swapped_out += 1
-        self._counters.spilled_pages += 1
-
-    def _swap_out_plan(self, req: Request) -> tuple[int, int]:
-        """(pages to copy, free host pages taken) for swapping req out; its filled pages go to the host,
-        except those whose contents the host tier already caches (shared there)."""
-        copies = taken = 0
-        for p in held(req.page_table[: self._pool.pages_for(req.num_computed)]):
-            h = self._pool.hash_of(p)
-            hp = self._host.lookup(h) if h is not None else None
-            if hp is None:
-                copies += 1
-                taken += 1
-            elif self._host.refcount(hp) == 0:
-                taken += 1
-        return copies, taken
-
-    def swap_out_cost(self, req: Request) -> int | None:
-        """Pages that swapping req out would copy, or None when the host tier cannot take it."""
-        if self._host is None or req.num_computed == 0:
-            return None
-        copies, taken = self._swap_out_plan(req)
-        return copies if taken <= self._host.num_free else None
-
+    # ---- the host tier (host_tier.py decides the pages and copies) ------------------------------
     def swap_out(self, req: Request) -> None:
         """Moves req's filled pages to the host tier and frees its device pages; req keeps num_computed."""
-        host_table = []
-        for p in req.page_table[: self._pool.pages_for(req.num_computed)]:
-            if p == DROPPED_PAGE:
-                host_table.append(DROPPED_PAGE)
-                continue
-            h = self._pool.hash_of(p)
-            hp = self._host.lookup(h) if h is not None else None
-            if hp is not None:
-                self._host.share([hp])
-            else:
-                (hp,) = self._host.allocate(1)
-                self._ops.swap_out.append((p, hp))
-                self._counters.pages_swapped_out += 1
-                if h is not None:
-                    self._host.publish(hp, h)
-            host_table.append(hp)
+        host_table = self._tier.swap_out(req, self._ops)
         num_computed, num_published = req.num_computed, req.num_published
         self.release(req)
         req.host_table = host_table
         req.num_computed, req.num_published = num_computed, num_published
 
-    def pages_to_swap_in(self, req: Request, num_tokens: int) -> int:
-        """Free device pages that swapping req in and growing it by num_tokens would take."""
-        taken = 0
-        for hp in held(req.host_table):
-            h = self._host.hash_of(hp)
-            page = self._pool.lookup(h) if h is not None else None
-            if page is None or self._pool.refcount(page) == 0:
-                taken += 1
-        return taken + max(0, self._pool.pages_for(req.num_computed + num_tokens) - len(req.host_table))
-
     def swap_in(self, req: Request, num_tokens: int) -> None:
-        """Gives req device pages again: contents still cached on the device are shared, the rest copied in."""
-        found = []
-        for hp in req.host_table:
-            h = self._host.hash_of(hp) if hp != DROPPED_PAGE else None
-            page = self._pool.lookup(h) if h is not None else None
-            found.append((DROPPED_PAGE if hp == DROPPED_PAGE else page, h))
-        self._pool.share((page for page, _ in found if page not in (None, DROPPED_PAGE)), req.tenant)
-        req.page_table = [page if page is not None else self._bring_back(hp, h, req.tenant)
-                          for hp, (page, h) in zip(req.host_table, found)]
-        # Pages copied in are read by this plan: their references drop once it ran; the others now.
-        self._ops.host_release.extend(hp for hp, (page, _) in zip(req.host_table, found) if page is None)
-        self._host.free(hp for hp, (page, _) in zip(req.host_table, found) if page not in (None, DROPPED_PAGE))
+        """Gives req device pages again (shared where the device still caches them, else copied in) and grows it."""
+        req.page_table = self._tier.swap_in(req, self._ops)
         req.host_table = []
         if self._caching:
             self._register_inflight(req, req.num_published)
@@ -288,26 +214,23 @@ class KVManager:
         return bool(computed % self._bs and not req.window_tokens and req.num_uncomputed == 1
                     and self._refcounts[req.page_table[computed // self._bs]] == 1)
 
-    def _shared_write_page(self, req: Request) -> int | None:
-        """Index of the page the next token goes into, if other tables hold it too (copy-on-write)."""
-        idx = req.num_computed // self._bs
-        if req.num_computed % self._bs and idx < len(req.page_table) and self._pool.refcount(req.page_table[idx]) > 1:
-            return idx
-        return None
-
     def writes_shared_page(self, req: Request) -> bool:
-        """The next token goes into a page other tables hold: growing copies it (the table changes in place)."""
-        return self._shared_write_page(req) is not None
+        """The next token goes into a page other tables hold: growing copies it (copy-on-write; the table changes
+        in place)."""
+        idx = req.num_computed // self._bs
+        return bool(req.num_computed % self._bs and idx < len(req.page_table)
+                    and self._pool.refcount(req.page_table[idx]) > 1)
 
     def pages_to_grow(self, req: Request, num_tokens: int) -> int:
-        cow = 1 if self._shared_write_page(req) is not None else 0
+        cow = 1 if self.writes_shared_page(req) else 0
         return max(0, self._pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)) + cow
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Makes the table cover num_computed + num_tokens (a shared page about to be written is copied
         first, recorded in ops.copy); True when a page of the table changed in place."""
-        idx = self._shared_write_page(req)
-        if idx is not None:
+        cow = self.writes_shared_page(req)
+        if cow:
+            idx = req.num_computed // self._bs
             src = req.page_table[idx]
             (dst,) = self._pool.allocate(1, req.tenant)
             self._pool.free([src])
@@ -316,7 +239,7 @@ class KVManager:
         need = self._pool.pages_for(req.num_computed + num_tokens) - len(req.page_table)
         if need > 0:
             req.page_table.extend(self._pool.allocate(need, req.tenant))
-        return idx is not None
+        return cow
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child points at every page of the parent (one more reference each)."""

@@ -244,7 +244,8 @@ class Scheduler(ExecutorLifecycle):
     def _preempt(self, req: Request, now: int) -> None:
         """Swap req out to the host tier or release its pages for recompute, whichever the policy prefers."""
         # (a fork parent under a plan in flight is recomputed: swapped, it would miss its fork)
-        pages = None if req.n > 1 and req.in_flight else self.kv.swap_out_cost(req)
+        tier = self.kv.host_tier  # (None: no swap space)
+        pages = None if tier is None or (req.n > 1 and req.in_flight) else tier.swap_out_cost(req)
         swap = self._policy.should_swap(pages, req.num_computed - shared_cached_tokens(self._pool, req))
         if swap:
             self.kv.swap_out(req)
