@@ -25,7 +25,8 @@ from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
 from pagedkv.gateway.not_served import no_such_endpoint, pooling_routes
-from pagedkv.gateway.openai_requests import Plan, RequestLimits
+from pagedkv.gateway.openai_requests import Plan
+from pagedkv.gateway.request_limits import RequestLimits, check_sizes
 from pagedkv.gateway.streaming import Generation
 from pagedkv.gateway.upstream import Upstream, auth_metadata, gie_metadata
 
@@ -129,7 +130,7 @@ class Gateway:
             plan = requests.parse_chat(body, upstream_id) if chat else requests.parse_completion(body, upstream_id)
             plan.client_id = client_id
             self.log_fields(plan, rid)
-            requests.check_sizes(plan, limits)
+            check_sizes(plan, limits)
             logprobs.check_limits(plan, limits.max_logprobs)
             plan.token_text = await self.token_names() if plan.names_tokens else None
             model = await self.upstream.check_model(plan.model, metadata)

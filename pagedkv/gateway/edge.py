@@ -11,8 +11,8 @@ For ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models
    tenant's blocks by it, as the schedulers salt their KV events) and ``x-dynamo-meta-pagedkv-tenant`` = a signed,
    short-lived tenant assertion (``fleet_salt.make_assertion``) the Dynamo sidecar checks before it names the tenant
    to its scheduler as a trusted hop;
-4. relays the answer as it comes (SSE chunk by chunk, nothing held whole), the upstream's status and error body
-   unchanged; an upstream that cannot be reached is 502, one that stops answering 504.
+4. relays the answer as it comes (SSE chunk by chunk, nothing held whole: edge_relay.py), the upstream's status
+   and error body unchanged; an upstream that cannot be reached is 502, one that stops answering 504.
 
 The request body is bounded (``--max-body-bytes``, default EDGE_MAX_BODY_BYTES), and so are the answer relayed
 (``--max-response-bytes``: past it the relay ends; an SSE stream gets an error event first) and the answers relayed
@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from pagedkv import fleet_salt
 from pagedkv.gateway import app as gateway_app
+from pagedkv.gateway.edge_relay import Relay
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import EDGE_STRIPPED, LATENCY, REQUESTS
@@ -184,7 +185,7 @@ class Edge:
             self.check_streams()
             upstream = self.client.build_request("POST" if param else "GET", self.base + path, headers=headers,
                                                  content=content)
-            self.active += 1  # (until _finished)
+            self.active += 1  # (until finished)
             try:
                 answer = await self._send(upstream)
             except BaseException:
@@ -197,14 +198,14 @@ class Edge:
         relayed = [(k, v) for k, v in answer.headers.items() if k in RELAYED_HEADERS]
         if answer.status_code >= 400:  # an error: small, read whole (bounded) and passed on as it is
             body = await self._read_bounded(answer, MAX_ERROR_BODY_BYTES)
-            self._finished(endpoint, answer.status_code, started, tenant)
+            self.finished(endpoint, answer.status_code, started, tenant)
             return Response(body, status_code=answer.status_code, headers=dict(relayed))
         declared = answer.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_response_bytes:
             await answer.aclose()
             err = ApiError(502, f"the upstream's answer is {declared} bytes; this gateway relays at most "
                            f"{self.max_response_bytes} (--max-response-bytes)")
-            self._finished(endpoint, 502, started, tenant)
+            self.finished(endpoint, 502, started, tenant)
             return JSONResponse(err.body(), status_code=502)
         return Relay(self, answer, relayed, endpoint, started, tenant)
 
@@ -229,7 +230,7 @@ class Edge:
             await answer.aclose()
         return bytes(body)
 
-    def _finished(self, endpoint: str, status: int, started: float, tenant: Tenant) -> None:
+    def finished(self, endpoint: str, status: int, started: float, tenant: Tenant) -> None:
         self.active -= 1
         elapsed = time.perf_counter() - started
         REQUESTS.labels(endpoint, str(status)).inc()
@@ -249,98 +250,6 @@ class Edge:
             return JSONResponse({"status": "ok", "upstream": status})
         return JSONResponse(ApiError(503, f"the edge upstream ({self.base}/health) is not serving ({status})").body(),
                             status_code=503)
-
-
-class Relay(Response):
-    """An upstream answer relayed inside the ASGI call, so that it sees the client go: its bytes sent as they come
-    (each waits for the client to take the one before: nothing piles up here), at most --max-response-bytes (past
-    it the relay ends; an SSE stream gets an error event first); the upstream's answer closed however it ends."""
-
-    def __init__(self, edge: Edge, answer: httpx.Response, headers: list[tuple[str, str]], endpoint: str,
-                 started: float, tenant: Tenant) -> None:
-        self.edge, self.answer, self.endpoint, self.started, self.tenant = edge, answer, endpoint, started, tenant
-        self.status_code = answer.status_code
-        self.raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        self.sse = answer.headers.get("content-type", "").startswith("text/event-stream")
-        self.background = None
-        self.ended = False
-
-    async def _end(self, status: int) -> None:
-        """The upstream closed and the relay counted, once (before the client has the last byte: a client's next
-        request finds its stream free)."""
-        if not self.ended:
-            self.ended = True
-            await self.answer.aclose()
-            self.edge._finished(self.endpoint, status, self.started, self.tenant)
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def client_gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(client_gone())
-        work = asyncio.ensure_future(self._pump(send))
-        status = self.status_code
-        try:
-            await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                status = 499
-                work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-        finally:
-            watcher.cancel()
-            work.cancel()  # (this call itself cancelled: the server is stopping)
-            await self._end(status)
-
-    async def _pump(self, send) -> None:
-        """Sends the answer; counted 502 when it was cut (its bound, or the upstream broke off). An SSE answer goes
-        event by event (what of an event has come waits for its end, within the bound), so a cut falls between two
-        events and its error event reads as one."""
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw})
-        edge, sent, cut, pending = self.edge, 0, None, bytearray()
-        try:
-            async for chunk in self.answer.aiter_raw():
-                pending += chunk
-                ready = sse_events_end(pending) if self.sse else len(pending)
-                if sent + (ready or len(pending)) > edge.max_response_bytes:
-                    # the whole events that still fit go first (a chunk may carry many: read late, under load)
-                    room = edge.max_response_bytes - sent
-                    fits = sse_events_end(pending[:room]) if self.sse else room
-                    if fits > 0:
-                        await send({"type": "http.response.body", "body": bytes(pending[:fits]), "more_body": True})
-                    cut = 502
-                    await self._cut(send)
-                    break
-                if ready:
-                    sent += ready
-                    await send({"type": "http.response.body", "body": bytes(pending[:ready]), "more_body": True})
-                    del pending[:ready]
-            else:
-                if pending:  # (an SSE answer's last bytes, without the blank line that ends an event)
-                    await send({"type": "http.response.body", "body": bytes(pending), "more_body": True})
-        except httpx.HTTPError as err:
-            cut = 502
-            edge.log.warning("edge_upstream_broke", endpoint=self.endpoint, tenant=self.tenant.id,
-                             error=type(err).__name__)
-        await self._end(cut or self.status_code)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _cut(self, send) -> None:
-        edge = self.edge
-        edge.log.warning("edge_answer_cut", endpoint=self.endpoint, tenant=self.tenant.id,
-                         max_response_bytes=edge.max_response_bytes)
-        if self.sse:
-            error = ApiError(502, f"the answer passed this gateway's --max-response-bytes ({edge.max_response_bytes})"
-                             "; it was cut here")
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(error.body()).encode() + b"\n\n"})
-
-
-def sse_events_end(data: bytearray) -> int:
-    """How many of ``data``'s bytes are whole SSE events (up to the last blank line, LF or CRLF); 0: none."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def create_edge_app(edge: Edge, on_shutdown=()) -> Starlette:

@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.metrics import HTTP_BOUNDS
-from pagedkv.gateway.openai_requests import RequestLimits
+from pagedkv.gateway.request_limits import RequestLimits
 from pagedkv.json_bounds import nests_deeper_than
 
 DEFAULT_MAX_HEADER_BYTES = 64 << 10

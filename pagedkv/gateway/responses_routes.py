@@ -24,6 +24,7 @@ from pagedkv.gateway import response_budget
 from pagedkv.gateway.errors import ApiError
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import REQUESTS, STREAMS
+from pagedkv.gateway.request_limits import check_sizes
 from pagedkv.gateway.responses_api import (
     RESPONSE_ID,
     ResponsesRequest,
@@ -95,7 +96,7 @@ class Responses:
             plan = req.plan
             plan.client_id = client_id
             gw.log_fields(plan, rid)
-            requests.check_sizes(plan, limits)
+            check_sizes(plan, limits)
             model = await gw.upstream.check_model(plan.model, metadata)
             bound = response_budget.check(plan, limits.max_model_len, gw.max_response_bytes, gw.token_sizes(plan),
                                           rid, model)

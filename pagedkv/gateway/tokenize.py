@@ -20,7 +20,7 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import InvalidRequest, check_chat_size, check_text_bytes
 from pagedkv.gateway.chat_requests import chat_of
 from pagedkv.gateway.errors import ApiError, bad, prompt_too_long
-from pagedkv.gateway.openai_requests import RequestLimits
+from pagedkv.gateway.request_limits import RequestLimits
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "continue_final_message", "chat_template", "chat_template_kwargs", "return_token_strs", "tools"}

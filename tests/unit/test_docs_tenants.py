@@ -1,4 +1,4 @@
-"""docs/tenants.md describes the tenants file scheduler_svc/tenancy.py reads: every key, with the defaults the code
+"""docs/tenants.md describes the tenants file pagedkv/tenancy.py reads: every key, with the defaults the code
 has, and an example that loads and maps its keys to its tenants."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _rows() -> dict[str, tuple[str, str]]:
 
 
 def test_every_key_the_code_reads_is_documented() -> None:
-    assert set(_rows()) == tenancy._FIELDS, "docs/tenants.md's table and scheduler_svc/tenancy.py's _FIELDS differ"
+    assert set(_rows()) == tenancy._FIELDS, "docs/tenants.md's table and pagedkv/tenancy.py's _FIELDS differ"
 
 
 def test_documented_defaults_are_the_codes() -> None:

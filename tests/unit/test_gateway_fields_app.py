@@ -18,11 +18,10 @@ from pagedkv.gateway.app import Gateway, create_app
 from pagedkv.gateway.errors import ApiError, from_grpc
 from pagedkv.gateway.openai_requests import (
     MAX_CLIENT_ID_CHARS,
-    RequestLimits,
-    check_sizes,
     parse_chat,
     parse_completion,
 )
+from pagedkv.gateway.request_limits import RequestLimits, check_sizes
 from scheduler_svc.validation import Limits, check_prompt_ids, check_sampling
 from tests.support.gateway_stub import BASE, FakeUpstream, Log, asgi, rpc_error
 from tests.support.gateway_stub import first_request as _req

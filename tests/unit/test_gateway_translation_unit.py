@@ -18,12 +18,11 @@ from pagedkv.gateway.guards import nests_deeper_than
 from pagedkv.gateway.openai_requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_PROMPTS,
-    RequestLimits,
-    check_sizes,
     parse_chat,
     parse_completion,
 )
 from pagedkv.gateway.openai_responses import Choice, chunk_body, response_body
+from pagedkv.gateway.request_limits import RequestLimits, check_sizes
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from tests.support.gateway_stub import msg as _msg
 

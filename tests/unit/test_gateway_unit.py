@@ -16,7 +16,7 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.gateway.app import Gateway, create_app
 from pagedkv.gateway.errors import RETRY_AFTER_S
 from pagedkv.gateway.guards import MAX_JSON_DEPTH
-from pagedkv.gateway.openai_requests import RequestLimits
+from pagedkv.gateway.request_limits import RequestLimits
 from pagedkv.gateway.upstream import GATEWAY_RESUME
 from pagedkv.grpc_common import QUEUE_FULL_PREFIX
 from pagedkv.resume_policy import ResumePolicy

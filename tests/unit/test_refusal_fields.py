@@ -13,7 +13,8 @@ import pytest
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import MAX_TOOLS, InvalidRequest, check_chat_size
 from pagedkv.gateway.errors import ApiError, from_grpc, param_of, prompt_too_long
-from pagedkv.gateway.openai_requests import RequestLimits, check_sizes, parse_chat
+from pagedkv.gateway.openai_requests import parse_chat
+from pagedkv.gateway.request_limits import RequestLimits, check_sizes
 from pagedkv.gateway.tokenize import tokenize_request
 from scheduler_svc import chat as chats
 from scheduler_svc.constraints import MAX_CONSTRAINT_BYTES, check_constraint
