@@ -16,7 +16,7 @@ Modes: ``masked`` is one SDPA per chunk over its whole gathered context with a [
 dtypes than float32; before #46 float32's, with the pages' part the kernel library's ``paged_attention_shared``),
 ``kernel`` each token attended by the CPU kernel as a decode is, a chunk's tokens in runs that read their keys once
 (float32's path since #46: a token's bits do not depend on the chunk).
-tests/unit/test_attention_cpu_kernel.py holds the split to the reference's results.
+tests/unit/test_attention_cpu_cascade.py holds the split to the reference's results.
 
     .venv/bin/python bench/prefill_context_step.py [--runs 3]
 """

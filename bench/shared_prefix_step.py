@@ -11,7 +11,7 @@ prefix (before session 19); the cascade as matrix products, its prefix half ``pa
 ``paged_attention_cascade`` (each row the kernel's bits alone: #46), from the loop and from the one call. The table
 gives each mode's median step and the attention alone (every ``paged_attention`` / ``paged_attention_cascade`` /
 ``paged_attention_shared`` / ``paged_attention_after`` call and the cascade's SDPA, timed with ``perf_counter``; not
-inside the one call). tests/unit/test_attention_cpu_kernel.py holds the modes to the reference's results,
+inside the one call). tests/unit/test_attention_cpu_cascade.py holds the modes to the reference's results,
 tests/unit/test_attention_rows_exact.py the cascade's rows to the kernel's bits.
 
     .venv/bin/python bench/shared_prefix_step.py [--batch 32] [--prefix 1024] [--suffix 64] [--steps 40]
