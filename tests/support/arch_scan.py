@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the checkout
-MAX_LINES = 400
+MAX_LINES = 360
+# every folder of Python this repository holds (#51: tests, benchmarks and deploy scripts too)
+SIZED = ("scheduler_svc", "executor_svc", "pagedkv", "kernels_cuda", "tests", "bench", "deploy")
 # protobuf stubs (pagedkv.proto_gen writes them)
 GENERATED = ("pagedkv/api/", "pagedkv/executor/", "pagedkv/kvevents/", "pagedkv/reflection/")
 
@@ -109,7 +111,7 @@ def forbidden_imports(root: Path, folder: str, forbidden: tuple[str, ...]) -> li
 # ---- sizes -----------------------------------------------------------------------------------------
 def long_files(root: Path = ROOT, limit: int = MAX_LINES) -> list[tuple[int, str]]:
     out = []
-    for package in ("scheduler_svc", "executor_svc", "pagedkv"):
+    for package in SIZED:
         if not (root / package).is_dir():
             raise FileNotFoundError(f"{root / package}: no such package")
         for p in sorted((root / package).rglob("*.py")):
