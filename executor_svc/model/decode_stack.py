@@ -22,15 +22,15 @@ def stack_weights(model, ops) -> list[torch.Tensor] | None:
     cfg = model.cfg
     if (not hasattr(ops, "decode_layers") or model.dtype != torch.float32 or model.act is not F.silu
             or cfg.qk_norm or cfg.attn_softcap or len(model.rotaries) != 1
-            or any(lw["window"] is not None for lw in model.layers)):
+            or any(lw.window is not None for lw in model.layers)):
         return None
     out: list[torch.Tensor] = []
     for lw in model.layers:
-        if (not isinstance(lw["mlp"], DenseMlp)
-                or getattr(lw["gate_up"], "out_features", None) != 2 * cfg.intermediate_size):
+        if (not isinstance(lw.mlp, DenseMlp)
+                or getattr(lw.gate_up, "out_features", None) != 2 * cfg.intermediate_size):
             return None  # (an MoE layer, or a fusion split into parts: _Concat)
-        out += [lw["in_norm"], lw["mlp_norm"]]
-        for lin in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"]):
+        out += [lw.in_norm, lw.mlp_norm]
+        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
             tensors = linear_tensors(lin, model.dtype)
             if tensors is None:
                 return None

@@ -33,6 +33,7 @@ from executor_svc.model.checkpoint import (
     read_safetensors,
     router_name,
 )
+from executor_svc.model.decoder_layer import DecoderLayer
 from executor_svc.model.layers import ACTIVATIONS, Rotary, gemma_norm, rms_norm, rotate_half
 from executor_svc.model.moe import DenseMlp, MoeMlp
 from executor_svc.model.quant import DenseLinear, build_int4, unpack_linear
@@ -80,7 +81,7 @@ class LlamaModel:
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
-    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> dict:
+    def _layer_weights(self, w: dict[str, torch.Tensor], i: int) -> DecoderLayer:
         """One layer's norms and linears, with q/k/v and gate/up fused into single matmuls. Biases are taken
         exactly where the config has them (as transformers builds its Linear layers), never just because a
         tensor is in the file."""
@@ -109,7 +110,7 @@ class LlamaModel:
             out["mlp"] = DenseMlp(self._linear(w, gate_up, cfg.mlp_bias),
                                   self._linear(w, [p + "mlp.down_proj"], cfg.mlp_bias), self.act)
             out["gate_up"], out["down"] = out["mlp"].gate_up, out["mlp"].down  # as tests/benchmarks read them
-        return out
+        return DecoderLayer(**out)
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMlp:
         spec = self.cfg.moe
@@ -143,10 +144,9 @@ class LlamaModel:
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes held: the decoder layers' linears, and everything else (embeddings, norms, routers, lm_head)."""
-        linears = sum(lin.nbytes() for lw in self.layers for lin in [lw["qkv"], lw["o"], *lw["mlp"].linears()])
-        other = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw["mlp"].tensors()]
-        other += [lw[k] for lw in self.layers for k in ("in_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm",
-                                                        "q_norm", "k_norm") if k in lw]
+        linears = sum(lin.nbytes() for lw in self.layers for lin in [lw.qkv, lw.o, *lw.mlp.linears()])
+        other = [self.embed, self.final_norm] + [t for lw in self.layers for t in lw.mlp.tensors()]
+        other += [t for lw in self.layers for t in lw.norms()]
         head = 0 if getattr(self.logits, "weight", None) is self.embed else self.logits.nbytes()  # (tied in place)
         return {"linears": linears, "other": sum(t.numel() * t.element_size() for t in other) + head}
 
@@ -205,14 +205,14 @@ class LlamaModel:
         rope = {t: tuple(c.unsqueeze(1) for c in r.cos_sin(positions, self.dtype)) for t, r in self.rotaries.items()}
         metas = _metas_by_window(meta, path.windows)
         for i, lw in enumerate(self.layers):
-            h = self.norm(x, lw["in_norm"], cfg.rms_norm_eps)
-            a = self._attention(i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
+            h = self.norm(x, lw.in_norm, cfg.rms_norm_eps)
+            a = self._attention(i, lw, h, rope[lw.rope], metas[lw.window], pool, attention)
             if cfg.sandwich_norms:
-                a = self.norm(a, lw["attn_out_norm"], cfg.rms_norm_eps)
+                a = self.norm(a, lw.attn_out_norm, cfg.rms_norm_eps)
             x = x + a
-            h = lw["mlp"](self.norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
+            h = lw.mlp(self.norm(x, lw.mlp_norm, cfg.rms_norm_eps))
             if cfg.sandwich_norms:
-                h = self.norm(h, lw["mlp_out_norm"], cfg.rms_norm_eps)
+                h = self.norm(h, lw.mlp_out_norm, cfg.rms_norm_eps)
             x = x + h
         x = self.norm(x[logits_idx], self.final_norm, cfg.rms_norm_eps)
         logits = self.logits(x)
@@ -220,18 +220,18 @@ class LlamaModel:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
 
-    def _attention(self, i: int, lw: dict, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def _attention(self, i: int, lw: DecoderLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, pool: DevicePagePool, attention) -> torch.Tensor:
         cfg = self.cfg
         n = h.shape[0]
         cos, sin = cos_sin
-        q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
+        q, k, v = lw.qkv(h).split(self.qkv_sizes, dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3, Gemma 3: per head, before rope
-            q = self.norm(q, lw["q_norm"], cfg.rms_norm_eps)
-            k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
+            q = self.norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = self.norm(k, lw.k_norm, cfg.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if pool.key_rotation is not None:  # pages that hold rotated keys (FP8: kv_quant.key_rotation)
@@ -242,7 +242,7 @@ class LlamaModel:
             a = softcapped_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale, cfg.attn_softcap)
         else:
             a = attention.forward(q, k_cache, v_cache, meta)
-        return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
+        return lw.o(a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
     def _forward_fused(self, path: StepPath, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -263,17 +263,17 @@ class LlamaModel:
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
         metas = _metas_by_window(meta, path.windows)
         layers = self.layers
-        h = ops.rms_norm(x, layers[0]["in_norm"], eps)
+        h = ops.rms_norm(x, layers[0].in_norm, eps)
         for i, lw in enumerate(layers):
-            a = self._attention_fused(path, i, lw, h, rope[lw["rope"]], metas[lw["window"]], pool, attention)
-            h = ops.add_rms_norm(x, a, lw["mlp_norm"], eps)  # x += a
-            mlp = lw["mlp"]
+            a = self._attention_fused(path, i, lw, h, rope[lw.rope], metas[lw.window], pool, attention)
+            h = ops.add_rms_norm(x, a, lw.mlp_norm, eps)  # x += a
+            mlp = lw.mlp
             if path.silu_mlps[i]:
                 m = mlp.down(ops.silu_mul(mlp.gate_up(h)))
             else:
                 m = mlp(h)
             if i + 1 < len(layers):
-                h = ops.add_rms_norm(x, m, layers[i + 1]["in_norm"], eps)  # x += m
+                h = ops.add_rms_norm(x, m, layers[i + 1].in_norm, eps)  # x += m
             else:
                 x.add_(m)
         return self._logits(ops, x, logits_idx)
@@ -284,18 +284,18 @@ class LlamaModel:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()
 
-    def _attention_fused(self, path: StepPath, i: int, lw: dict, h: torch.Tensor,
+    def _attention_fused(self, path: StepPath, i: int, lw: DecoderLayer, h: torch.Tensor,
                          cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, pool: DevicePagePool,
                          attention) -> torch.Tensor:
         cfg = self.cfg
         n = h.shape[0]
-        q, k, v = lw["qkv"](h).split(self.qkv_sizes, dim=-1)
+        q, k, v = lw.qkv(h).split(self.qkv_sizes, dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = self.norm(q, lw["q_norm"], cfg.rms_norm_eps)
-            k = self.norm(k, lw["k_norm"], cfg.rms_norm_eps)
+            q = self.norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = self.norm(k, lw.k_norm, cfg.rms_norm_eps)
         k_cache, v_cache = pool.layer(i)
         cos, sin = cos_sin
         if path.rotary_write:
@@ -308,7 +308,7 @@ class LlamaModel:
                 q, k = q @ pool.key_rotation[0], k @ pool.key_rotation[1]
             attention.write_cache(k_cache, v_cache, k, v, meta)
         a = attention.forward(q, k_cache, v_cache, meta)
-        return lw["o"](a.reshape(n, cfg.num_heads * cfg.head_dim))
+        return lw.o(a.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
 def _metas_by_window(meta: AttentionMetadata, windows: frozenset[int | None]) -> dict[int | None, AttentionMetadata]:

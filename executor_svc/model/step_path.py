@@ -44,6 +44,6 @@ def decide(model, attention, pool: DevicePagePool) -> StepPath:
             and attention.reads_in_place(torch.empty(0, dtype=model.dtype), k_cache)):
         stack = stack_weights(model, ops)
     shared = stack is not None and cascade.shared_in_kernel(ops, torch.empty(0, 0, model.cfg.head_dim))
-    silu = tuple(isinstance(lw["mlp"], DenseMlp) and model.act is F.silu for lw in model.layers)
+    silu = tuple(isinstance(lw.mlp, DenseMlp) and model.act is F.silu for lw in model.layers)
     return StepPath(attention, pool, ops, rotary_write, stack, shared, silu,
-                    frozenset(lw["window"] for lw in model.layers))
+                    frozenset(lw.window for lw in model.layers))

@@ -73,11 +73,11 @@ def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llam
 
     cfg = ModelConfig.from_dir(tiny_llama_dir)
     packed = load_model(cfg, torch.device("cpu"), torch.float32)
-    assert isinstance(packed.layers[0]["qkv"], cpu_linear.PackedLinear)
+    assert isinstance(packed.layers[0].qkv, cpu_linear.PackedLinear)
     assert isinstance(packed.logits, cpu_linear.PackedLinear)
     monkeypatch.setenv("PAGEDKV_CPU_ATTENTION", "reference")
     plain = load_model(cfg, torch.device("cpu"), torch.float32)
-    assert isinstance(plain.layers[0]["qkv"], DenseLinear) and isinstance(plain.logits, DenseLinear)
+    assert isinstance(plain.layers[0].qkv, DenseLinear) and isinstance(plain.logits, DenseLinear)
     # (a tied head, packed, is a copy held besides the embedding, and counted in what the model holds; our float32
     # panels hold the head's last one padded to 32 rows: tiny-llama's 259-token vocabulary takes 288)
     assert (plain.logits.weight is plain.embed) == cfg.tie_word_embeddings
@@ -88,6 +88,6 @@ def test_the_model_packs_its_linears_unless_the_reference_is_asked_for(tiny_llam
     assert packed.weight_bytes()["linears"] == plain.weight_bytes()["linears"]
     bf16 = load_model(cfg, torch.device("cpu"), torch.bfloat16)
     bf16_packed = cpu_linear.available(torch.device("cpu"), torch.bfloat16)  # (where oneDNN has bfloat16 here)
-    assert isinstance(bf16.layers[0]["qkv"], cpu_linear.PackedLinear if bf16_packed else DenseLinear)
+    assert isinstance(bf16.layers[0].qkv, cpu_linear.PackedLinear if bf16_packed else DenseLinear)
     half = load_model(cfg, torch.device("cpu"), torch.float16)
-    assert isinstance(half.layers[0]["qkv"], DenseLinear)  # other dtypes keep torch's
+    assert isinstance(half.layers[0].qkv, DenseLinear)  # other dtypes keep torch's

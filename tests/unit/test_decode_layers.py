@@ -91,7 +91,7 @@ def test_one_call_equals_the_python_loop_bit_for_bit(which, ctx_lens, tiny_llama
     cfg, model = _model(path)
     if which.startswith("4-bit"):
         assert any(k.startswith("int4-cpu") for k in model.linear_kinds), model.linear_kinds
-        assert which.endswith("awq") or model.layers[0]["qkv"].perm is not None, "desc_act must reorder inputs"
+        assert which.endswith("awq") or model.layers[0].qkv.perm is not None, "desc_act must reorder inputs"
     window = 40 if which.startswith("sliding") else None
     got, got_pages, ran, _ = _decode_step(cfg, model, ctx_lens, seed=len(ctx_lens), one_call=True, window=window)
     assert ran, "the one call must apply to this step (else this test compares the loop with itself)"

@@ -102,10 +102,10 @@ def test_exact_kernel_within_1e4_of_the_dequantized_weights(llama_dir, tmp_path,
     x = torch.randn(7, SMALL["hidden_size"])
     m4, mf = load(q), load(ref)
     for key in ("qkv", "o", "gate_up"):
-        a, b = m4.layers[1][key](x), mf.layers[1][key](x)
+        a, b = getattr(m4.layers[1], key)(x), getattr(mf.layers[1], key)(x)
         assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
     h = torch.randn(7, SMALL["intermediate_size"])
-    assert torch.allclose(m4.layers[0]["down"](h), mf.layers[0]["down"](h), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(m4.layers[0].down(h), mf.layers[0].down(h), atol=1e-4, rtol=1e-4)
 
 
 # ---- fallback: dequantize at load, and say so --------------------------------------------------------------
@@ -223,10 +223,10 @@ def test_default_cpu_kernel_runs_bf16_within_the_stated_tolerance(llama_dir, tmp
     assert quant.CPU_KERNEL_DTYPE == torch.bfloat16
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=128, desc_act=True, sym=False)
     m4, mf = load(q), load(ref)
-    assert m4.layers[0]["o"].kernel_dtype == torch.bfloat16
+    assert m4.layers[0].o.kernel_dtype == torch.bfloat16
     x = torch.randn(7, SMALL["hidden_size"])
     for key in ("qkv", "o", "gate_up"):
-        a, b = m4.layers[1][key](x), mf.layers[1][key](x)
+        a, b = getattr(m4.layers[1], key)(x), getattr(mf.layers[1], key)(x)
         assert a.dtype == torch.float32
         assert 1e-5 < (a - b).abs().max() <= 2e-2 * b.abs().max()  # not exact (bf16), but close
     prompts = random_prompts(5, [4, 19, 40, 25, 60, 11], VOCAB)
@@ -244,7 +244,7 @@ def test_a_float32_model_runs_our_product_and_decodes_as_transformers(llama_dir,
     weights): greedy decoding equal to transformers on the dequantized weights for every prompt."""
     q, ref = quantized(llama_dir, tmp_path, method="gptq", group_size=64, desc_act=False, sym=False)
     model = load(q)
-    assert all(lw[key].ours is not None for lw in model.layers for key in ("qkv", "o", "gate_up", "down"))
+    assert all(getattr(lw, key).ours is not None for lw in model.layers for key in ("qkv", "o", "gate_up", "down"))
     prompts = random_prompts(5, [4, 19, 40, 25, 60, 11], VOCAB)
     assert paged_greedy(q, prompts, 10) == hf_greedy(ref, prompts, [10] * len(prompts))
 

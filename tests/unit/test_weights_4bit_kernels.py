@@ -69,7 +69,7 @@ def test_linears_stay_four_bit_in_memory(group, limit, own, tmp_path, monkeypatc
                              num_heads=4, num_kv_heads=4)
     q, ref = quantized(src, tmp_path, method="gptq", group_size=group)
     model = load(q)
-    assert (model.layers[0]["o"].ours is not None) == own
+    assert (model.layers[0].o.ours is not None) == own
     held = model.weight_bytes()["linears"]
     fp16 = load(ref).weight_bytes()["linears"] // 2  # the reference holds them in float32
     assert held <= limit * fp16, (held, fp16, held / fp16)
