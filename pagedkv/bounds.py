@@ -125,6 +125,7 @@ def check_chat_size(chat: api.Chat, name: str, limit: int) -> None:
 MAX_REQUEST_ID_CHARS = 256
 MAX_BAD_WORDS = 100
 MAX_BAD_WORD_CHARS = 256
+MAX_ADAPTER_CHARS = 256  # a LoRA adapter's name (GenerateRequest.adapter)
 
 
 def check_request_id(request_id: str) -> None:
@@ -160,11 +161,18 @@ def check_bad_words(words: list[str]) -> None:
                                  f"{MAX_BAD_WORD_CHARS} (spaces around it aside)")
 
 
+def check_adapter_name(name: str) -> None:
+    if len(name) > MAX_ADAPTER_CHARS:
+        raise InvalidRequest(f"adapter: a name of {len(name)} characters; at most {MAX_ADAPTER_CHARS} (ModelInfo "
+                             "lists the adapters served)")
+
+
 def check_generate(request: api.GenerateRequest, tenant: Tenant, priority: int, from_hop: str = "") -> None:
     """A Generate request's bounds that need no model, the first stage of its way in (scheduler_svc/intake.py): its
     id, its priority (``priority``: the request's own, or a trusted hop's from the header ``from_hop``), n, and its
-    bad words' count and lengths."""
+    bad words' count and lengths, and its adapter name's length."""
     check_request_id(request.request_id)
     check_priority(priority, tenant, from_hop)
     check_forks(request.sampling.n)
     check_bad_words(list(request.sampling.bad_words))
+    check_adapter_name(request.adapter)

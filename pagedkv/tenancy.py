@@ -27,6 +27,7 @@ A tenants file (TOML, ``--tenants-file``) lists the tenants::
                                     # executor); past it RESOURCE_EXHAUSTED "queue full: ..." (0: no limit)
     max_priority = 0                # the most important priority it may ask for (lower is more important); a
                                     # request asking for less is refused (INVALID_ARGUMENT naming priority)
+    adapters = ["sql-lora"]         # the LoRA adapters it may use (unset: every one served; []: none)
 
 Every limit is the scheduler's, summed over all its executors (``scheduler_svc/tenant_ledger.py``): a fraction is of the
 device pages of every executor that serves (up or draining) together, and a tenant capped at 4 concurrent
@@ -107,8 +108,13 @@ class Tenant:
     max_constraint_bytes: int = 0  # a constraint's size at most; 0: the server's
     max_constrained_requests: int = 0  # constrained requests open at once; 0: no limit
     max_priority: int = 0  # the lowest (most important) priority its requests may ask for
+    adapters: tuple[str, ...] | None = None  # the LoRA adapters it may use; None: every one served
     key_hashes: tuple[bytes, ...] = field(default=(), repr=False)
     revoked_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether its requests may select the LoRA adapter named ``adapter`` (one the executors serve)."""
+        return self.adapters is None or adapter in self.adapters
 
 
 def _unless_fitting(fit: bool, message: str) -> None:
@@ -144,7 +150,7 @@ def _hashes(values, name: str) -> tuple[bytes, ...]:
 
 _FIELDS = {"keys", "revoked_keys", "weight", "page_quota", "reserved_pages", "max_concurrent_requests",
            "max_queued_requests", "page_budget", "overflow", "sliding_window", "sink_tokens", "admin",
-           "structured_outputs", "max_constraint_bytes", "max_constrained_requests", "max_priority"}
+           "structured_outputs", "max_constraint_bytes", "max_constrained_requests", "max_priority", "adapters"}
 
 
 def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
@@ -186,11 +192,15 @@ def _tenant(tid: str, raw: dict, num_pages: int, fit: bool = False) -> Tenant:
     if isinstance(max_priority, bool) or not isinstance(max_priority, int) or abs(max_priority) > MAX_PRIORITY:
         raise InvalidTenant(f"{where}.max_priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower is "
                             f"more important), got {max_priority!r}")
+    adapters = raw.get("adapters")
+    if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
+        raise InvalidTenant(f"{where}.adapters: must be a list of adapter names (strings), got {adapters!r}")
     queued = raw.get("max_queued_requests")
     if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or not 0 <= queued <= MAX_INT):
         raise InvalidTenant(f"{where}.max_queued_requests: must be an integer in [0, {MAX_INT}], got {queued!r}")
     return Tenant(id=tid, weight=float(weight), page_quota=quota, reserved_pages=reserved, overflow=overflow,
                   admin=admin, max_queued_requests=queued, structured_outputs=structured, max_priority=max_priority,
+                  adapters=None if adapters is None else tuple(adapters),
                   key_hashes=_hashes(raw.get("keys", []), f"{where}.keys"),
                   revoked_hashes=_hashes(raw.get("revoked_keys", []), f"{where}.revoked_keys"), **ints)
 

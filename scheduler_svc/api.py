@@ -12,6 +12,7 @@ from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.bounds import InvalidRequest
 from pagedkv.tenancy import Tenant, Unauthenticated
 from scheduler_svc import fit, metrics, ttft_trace
+from scheduler_svc.adapters import AdapterNotFound, usable
 from scheduler_svc.chat import NoChatTemplate
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constrained_requests
@@ -122,6 +123,8 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
             prompt.tool_call_format = tools.fmt
         except (InvalidRequest, fit.FitError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except AdapterNotFound as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
         except NoChatTemplate as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except KeyError as err:
@@ -155,6 +158,8 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
         if resume is not None:
             extra["resumed"] = {index: len(ids) for index, ids in resume}  # fork -> tokens the client had
             metrics.RESUMED_REQUESTS.inc()
+        if req.adapter:
+            extra["adapter"] = req.adapter
         log.debug("request_admitted", prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens,
                   n=req.n, **extra)
         live_key = (tenant.id, req.client_id)
@@ -205,16 +210,18 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
                 log.debug("request_cancelled", forks_finished=finished)
 
     async def ModelInfo(self, request, context):  # noqa: N802
-        """The model's facts and the pools' sizes for everyone; the caller's own figures in ``tenant``; the
-        cluster-wide counts, the executors and the figures of ``tenant`` that depend on other tenants (fair
-        share) only for a caller who may see them (tenancy: admin, or the one tenant of a single-tenant server)
-        -- for the others they stay 0 / empty, so that nothing here changes with what another tenant does."""
+        """The model's facts and the pools' sizes for everyone; the caller's own figures in ``tenant`` and the LoRA
+        adapters it may use (``adapters``); the cluster-wide counts, the executors and the figures of ``tenant`` that
+        depend on other tenants (fair share) only for a caller who may see them (tenancy: admin, or the one tenant of
+        a single-tenant server) -- for the others they stay 0 / empty, so that nothing here changes with what another
+        tenant does."""
         tenant = await self._tenant(context, METHODS + "ModelInfo")
         cluster = self.cluster
         snapshots, live = cluster.reports.snapshots_with_liveness()
         sees_cluster = cluster.tenants.sees_cluster(tenant)
         caching = snapshots[0].prefix_caching if snapshots else True
-        info = api.ModelInfoResponse(**self.model_info, prefix_caching=caching, cluster_view=sees_cluster)
+        info = api.ModelInfoResponse(**self.model_info, prefix_caching=caching, cluster_view=sees_cluster,
+                                     adapters=usable(cluster.reference, tenant))
         for i, snap in enumerate(snapshots):  # capacity: the pools of the executors up or draining
             if i in live:
                 info.num_pages += snap.pool.num_pages

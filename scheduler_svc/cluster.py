@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.tenancy import Tenants
 from pagedkv.wire import EXECUTOR_PROTOCOL
-from scheduler_svc import metrics
+from scheduler_svc import adapters, metrics
 from scheduler_svc.cluster_reports import ClusterReports
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_types import EngineHooks
@@ -137,7 +137,7 @@ class Cluster:
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
 
     def check_compatible(self, describe) -> str:
-        """Why an executor cannot join (another model, vocabulary or block size), or ''.
+        """Why an executor cannot join (another model, vocabulary or block size, other LoRA adapters), or ''.
 
         Another KV cache dtype (--kv-cache-dtype) is no reason: pages never move between executors (a moved
         request is recomputed on its new executor, whose page count already reflects its bytes per token),
@@ -150,7 +150,7 @@ class Cluster:
             if getattr(describe, field) != getattr(ref, field):
                 return (f"{field} {getattr(describe, field)!r} differs from the other executors' "
                         f"{getattr(ref, field)!r}")
-        return ""
+        return adapters.mismatch(describe, ref)
 
     def _new_scheduler(self, describe) -> Scheduler:
         return self._make_scheduler(describe, self.ledger)

@@ -1,18 +1,20 @@
 """A Generate request's way in, as one ordered pipeline (``Intake.take``). Each stage is one module, entered once:
 
-1. bounds (pagedkv/bounds.check_generate): its id, priority, n and bad words' sizes, which need no model: before
-   any work is done for it;
-2. chat render and tokens (prompts.Prompts.prepare, on the tokenizer thread; a request's own chat template in a
+1. bounds (pagedkv/bounds.check_generate): its id, priority, n, bad words' sizes and adapter name's length, which
+   need no model: before any work is done for it;
+2. adapter (adapters.select): the LoRA adapter it selects, one served that its tenant may use (else NOT_FOUND, the
+   same for both), which roots its prefix-cache chain (prefix_cache.request_root);
+3. chat render and tokens (prompts.Prompts.prepare, on the tokenizer thread; a request's own chat template in a
    worker): its prompt's ids, its tool use, its bad words' token sequences, its prompt's text;
-3. fit (fit.fit_request): its page budget, attention window and longest length on the largest executor, and the
+4. fit (fit.fit_request): its page budget, attention window and longest length on the largest executor, and the
    seats its n sequences take;
-4. sampling (validation.check_generation): the prompt's ids and the sampling against the context the fit left;
-5. constraint (constraints.check_constraint): its structured output, or its tool choice's, in the executor's form;
-6. continuation (continuation.resume): the forks it resumes, their detokenizers replayed.
+5. sampling (validation.check_generation): the prompt's ids and the sampling against the context the fit left;
+6. constraint (constraints.check_constraint): its structured output, or its tool choice's, in the executor's form;
+7. continuation (continuation.resume): the forks it resumes, their detokenizers replayed.
 
-Each refusal is an InvalidRequest (or fit.FitError, chat.NoChatTemplate, KeyError for a request id in use) that
-names the field. GenerationService.Generate (api.py) keeps authentication, the status codes, the queue bounds, the
-constraint's compile and the stream loop."""
+Each refusal is an InvalidRequest (or fit.FitError, chat.NoChatTemplate, adapters.AdapterNotFound, KeyError for a
+request id in use) that names the field. GenerationService.Generate (api.py) keeps authentication, the status codes,
+the queue bounds, the constraint's compile and the stream loop."""
 
 from __future__ import annotations
 
@@ -25,11 +27,11 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import check_generate
 from pagedkv.tenancy import Tenant
 from pagedkv.trusted_hop import OBJECTIVE_HEADER
-from scheduler_svc import continuation, fit
+from scheduler_svc import adapters, continuation, fit
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constraint
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.prefix_cache import tenant_root
+from scheduler_svc.prefix_cache import request_root
 from scheduler_svc.prompts import PromptIds, Prompts
 from scheduler_svc.request import Request
 from scheduler_svc.retention_api import check_retain_kv
@@ -59,6 +61,7 @@ class Intake:
         request id is in use by a live request of the tenant (KeyError if so, checked again after each wait)."""
         priority = request.priority if hop_priority is None else hop_priority
         check_generate(request, tenant, priority, OBJECTIVE_HEADER if hop_priority is not None else "")
+        adapter = adapters.select(request.adapter, self.cluster.reference, tenant)
         prompt = await self.prompts.prepare(request, tenant.id)
         tokenized = time.perf_counter()
         cluster, ids = self.cluster, prompt.ids
@@ -80,12 +83,14 @@ class Intake:
         arrival = cluster.next_arrival()
         # NOTE: the scheduler and executor know a request by an internal id that is never reused (a client
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
-        # NOTE: a windowed request's KV depends on its window, so its pages are cached under other hashes.
-        root = tenant_root(tenant.id) if not window else tenant_root(f"{tenant.id}\x00window:{sink}:{window}")
+        # NOTE: an adapter's KV is its own, and a windowed request's depends on its window: their pages are cached
+        # under other hashes (a root of their own).
+        root = request_root(tenant.id, adapter, (sink, window) if window else None)
         req = Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
-                      detokenizer=detok, n=max(1, request.sampling.n), tenant=tenant.id, hash_root=root,
-                      client_id=client_id, priority=priority, page_budget=shape.page_budget, overflow=tenant.overflow,
-                      sink_tokens=sink, window_tokens=window, retain=check_retain_kv(request, limits.max_retain_ttl_s))
+                      detokenizer=detok, n=max(1, request.sampling.n), tenant=tenant.id, adapter=adapter,
+                      hash_root=root, client_id=client_id, priority=priority, page_budget=shape.page_budget,
+                      overflow=tenant.overflow, sink_tokens=sink, window_tokens=window,
+                      retain=check_retain_kv(request, limits.max_retain_ttl_s))
         req.trace.arrived(received, tokenized)
         if not request.HasField("continuation"):
             return Admitted(req, [req], None, prompt)

@@ -46,6 +46,8 @@ class Stored:
     block_size: int
     medium: str
     salt: str  # the router salt of the request's tenant (and window); '' for the default tenant
+    lora_name: str = ""  # the LoRA adapter whose KV the pages hold ('': the base model's)
+    lora_id: int | None = None  # its number, 1 up in the executors' --lora-modules order (vLLM's lora_int_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class _Page:
     tokens: tuple[int, ...]
     salt: str
     depth: int  # its index in its sequence (a snapshot lists parents first)
+    adapter: str  # the LoRA adapter's ('': the base model's)
 
 
 _CLEAR = ("C", b"", "")
@@ -94,7 +97,7 @@ def missing_secret_problem(multi_tenant: bool, secret: bytes) -> str:
 
 class KvEventLog:
     def __init__(self, block_size: int, buffer_batches: int = 10000, salt_secret: bytes = b"",
-                 default_window: tuple[int, int] = (0, 0)) -> None:
+                 default_window: tuple[int, int] = (0, 0), adapters: tuple[str, ...] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if buffer_batches < 1:
@@ -105,6 +108,7 @@ class KvEventLog:
         # the model's own: fit.attention_window). Its pages take the tenant's plain salt, the one the edge gateway
         # sets: otherwise no request on a model with its own sliding window (Mistral, Gemma 2) would ever match.
         self._default_window = default_window
+        self._lora_ids = {name: i + 1 for i, name in enumerate(adapters)}  # (the executors' LoRA adapters, in order)
         self._salts: dict[tuple[str, tuple[int, int] | None], str] = {}
         self._holders: dict[tuple[bytes, str], int] = {}  # (hash, medium) -> pools holding it findable (>= 1)
         self._pages: dict[bytes, _Page] = {}  # every hash findable somewhere (and, until a flush, some that were)
@@ -154,7 +158,7 @@ class KvEventLog:
         window = (req.sink_tokens, req.window_tokens)
         window = window if req.window_tokens and window != self._default_window else None
         self._pages[h] = _Page(hash_id(h), hash_id(req.page_hashes[j - 1]) if j else None, tuple(tokens),
-                               self.salt(req.tenant, window), j)
+                               self.salt(req.tenant, window), j, req.adapter)
 
     def stored(self, page_hash: bytes, medium: str) -> None:
         """A pool made ``page_hash`` findable."""
@@ -224,17 +228,18 @@ class KvEventLog:
 
     def _events(self, pending: list[tuple[str, bytes, str]]) -> list[Stored | Removed | Cleared]:
         """Records -> events: a run of removals on one medium is one Removed, a run of stores that continue each
-        other's sequence (same medium and salt) one Stored."""
+        other's sequence (same medium and salt; so the same adapter too: its pages chain from a root of their own)
+        one Stored."""
         events: list[Stored | Removed | Cleared] = []
         ids: list[int] = []  # the hashes of the run being built (the event goes in once the run ends)
         tokens: list[int] = []
-        run: tuple[str, str, str, int | None] | None = None  # (kind, medium, salt, parent) of that run
+        run: tuple[str, str, str, int | None, str] | None = None  # (kind, medium, salt, parent, adapter) of that run
 
         def end_run() -> None:
             if run is not None:
-                kind, medium, salt, parent = run
+                kind, medium, salt, parent, adapter = run
                 events.append(Removed(tuple(ids), medium) if kind == "R" else
-                              Stored(tuple(ids), parent, tuple(tokens), self._bs, medium, salt))
+                              self._stored(tuple(ids), parent, tuple(tokens), medium, salt, adapter))
                 ids.clear()
                 tokens.clear()
 
@@ -246,13 +251,13 @@ class KvEventLog:
             elif kind == "R":
                 if run is None or run[:2] != ("R", medium):
                     end_run()
-                    run = ("R", medium, "", None)
+                    run = ("R", medium, "", None, "")
                 ids.append(hash_id(h))
             else:
                 page = self._pages[h]
                 if run is None or run[:3] != ("S", medium, page.salt) or page.parent != ids[-1]:
                     end_run()
-                    run = ("S", medium, page.salt, page.parent)
+                    run = ("S", medium, page.salt, page.parent, page.adapter)
                 ids.append(page.id)
                 tokens.extend(page.tokens)
         end_run()
@@ -266,8 +271,12 @@ class KvEventLog:
         out = []
         for h, medium in keys:
             p = self._pages[h]
-            out.append(Stored((p.id,), p.parent, p.tokens, self._bs, medium, p.salt))
+            out.append(self._stored((p.id,), p.parent, p.tokens, medium, p.salt, p.adapter))
         return self._seq, out
+
+    def _stored(self, ids: tuple[int, ...], parent: int | None, tokens: tuple[int, ...], medium: str, salt: str,
+                adapter: str) -> Stored:
+        return Stored(ids, parent, tokens, self._bs, medium, salt, adapter, self._lora_ids.get(adapter))
 
     def replay(self, from_seq: int) -> list[Batch] | None:
         """The buffered batches numbered from_seq on (empty: from_seq is the next one); None when one of them is no

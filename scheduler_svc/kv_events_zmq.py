@@ -8,7 +8,8 @@ replies carry the topic frame). Every message on the PUB socket is three frames:
     topic | seq (8 bytes, big-endian) | msgpack [ts, [event, ...], data_parallel_rank]
 
     {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": p | None, "token_ids": [...],
-     "block_size": n, "lora_id": None, "medium": "GPU" | "CPU", "lora_name": None, "extra_keys": [(salt,) | None, ...]}
+     "block_size": n, "lora_id": id | None, "medium": "GPU" | "CPU", "lora_name": name | None,
+     "extra_keys": [(salt,) | None, ...]}
     {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU" | "CPU"}
     {"type": "AllBlocksCleared"}
 
@@ -16,8 +17,10 @@ Fields appear in vLLM's declaration order; those at their default (``None``: ``g
 fields, which describe vLLM's hybrid KV groups; pagedkv has one) are left out, as msgspec's ``omit_defaults`` does.
 ``extra_keys`` has one entry per block, as vLLM's: the tenant's cache salt on the first page of a chain (an event
 with no parent), ``None`` on the others, since the chain carries it (vLLM puts ``cache_salt`` on block 0 only).
-Block hashes are pagedkv's SHA-256 chain cut to a signed 64 bits (``pagedkv.fleet_salt.hash_id``). The sequence
-number is the scheduler's event-log sequence (``KvEventLog``: one batch per step, 0, 1, 2, ... with no gaps).
+A LoRA adapter's pages carry its name and number (``lora_name``, ``lora_id``: 1 up in the executors'
+``--lora-modules`` order, as vLLM numbers them); the base model's ``None``. Block hashes are pagedkv's SHA-256 chain
+cut to a signed 64 bits (``pagedkv.fleet_salt.hash_id``). The sequence number is the scheduler's event-log sequence
+(``KvEventLog``: one batch per step, 0, 1, 2, ... with no gaps).
 
 Replay: a ROUTER socket on ``replay_endpoint``. A request ``[start seq, 8 bytes big-endian]`` (from a REQ or
 DEALER) is answered with each buffered batch from there, ``[topic, seq, payload]``, then the end marker
@@ -74,8 +77,8 @@ def _stored(event: Stored) -> dict:
     if event.salt and event.parent is None and hashes:
         extra[0] = (event.salt,)  # the first page of a chain carries the salt (vLLM: cache_salt on block 0)
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": event.parent,
-            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
-            "medium": event.medium, "lora_name": None, "extra_keys": extra}
+            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": event.lora_id,
+            "medium": event.medium, "lora_name": event.lora_name or None, "extra_keys": extra}
 
 
 def _removed(event: Removed) -> dict:

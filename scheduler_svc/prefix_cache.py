@@ -4,7 +4,9 @@
     h_i = H(h_{i-1},        tokens of page i, extra keys)
 
 The root is derived from the tenant (``tenant_root``), which the server derives from the caller
-(``scheduler_svc.tenancy``); a client never sends a salt. Extra keys are tagged ``(kind, value)``
+(``scheduler_svc.tenancy``); a client never sends a salt. A request whose KV is not the base model's full attention
+gets a root of its own (``request_root``: its LoRA adapter, its attention window, each a tagged key in the root, which
+the chain carries to every page). Extra keys are tagged ``(kind, value)``
 pairs so two kinds can never collide. SHA-256 makes a hit on a different token sequence
 practically impossible, so hits are not re-compared token by token.
 """
@@ -20,6 +22,14 @@ ExtraKeys = tuple[tuple[str, str], ...]
 
 def tenant_root(tenant: str) -> bytes:
     return hashlib.sha256(b"pagedkv/prefix/v1\x00tenant\x00" + tenant.encode("utf-8")).digest()
+
+
+def request_root(tenant: str, adapter: str = "", window: tuple[int, int] | None = None) -> bytes:
+    """The chain root of a request of ``tenant``: the tenant's own for the base model's unwindowed requests; one of
+    its own for each LoRA adapter (its KV is the adapter's: two adapters, or an adapter and the base model, never
+    share a page) and each (sink, window) of a windowed request (its KV depends on the window)."""
+    namespace = tenant + (f"\x00adapter:{adapter}" if adapter else "")
+    return tenant_root(namespace + (f"\x00window:{window[0]}:{window[1]}" if window else ""))
 
 
 def page_hash(parent: bytes, tokens: Sequence[int], extra: ExtraKeys = ()) -> bytes:

@@ -198,7 +198,8 @@ class Request:
     sink_tokens: int = 0
     window_tokens: int = 0
     tenant: str = "default"
-    hash_root: bytes = b""  # the tenant's prefix-cache chain root (a windowed request's own)
+    adapter: str = ""  # the LoRA adapter it generates with ("": the base model; adapters.py)
+    hash_root: bytes = b""  # its prefix-cache chain root (prefix_cache.request_root: tenant, adapter, window)
     # Parallel sampling: a parent with n > 1 computes prompt[:-1], then forks into n children.
     n: int = 1
     group: str = ""  # the internal id of the client request (shared by its forks)
@@ -325,8 +326,8 @@ def fork(parent: Request, index: int, detokenizer: IncrementalDetokenizer, outpu
     return Request(request_id=f"{parent.request_id}/{index}", prompt_ids=parent.prompt_ids,
                    sampling=replace(parent.sampling, seed=(parent.sampling.seed + index) % (1 << 64)),
                    arrival=parent.arrival, detokenizer=detokenizer, outbox=parent.outbox,
-                   tenant=parent.tenant, hash_root=parent.hash_root, group=parent.group, index=index,
-                   client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
+                   tenant=parent.tenant, adapter=parent.adapter, hash_root=parent.hash_root, group=parent.group,
+                   index=index, client_id=parent.client_id, priority=parent.priority, page_budget=parent.page_budget,
                    overflow=parent.overflow, sink_tokens=parent.sink_tokens, window_tokens=parent.window_tokens,
                    max_len=parent.max_len, page_limit=parent.page_limit,
                    queued_at_step=parent.queued_at_step, admitted_at_step=parent.admitted_at_step,

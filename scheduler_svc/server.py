@@ -171,8 +171,8 @@ async def serve(args) -> None:
         raise ValueError(missing_secret_problem(tenants.multi, fleet_secret))
     default_window = fit.attention_window(Tenant(DEFAULT_TENANT), args.sliding_window, args.sink_tokens, 0,
                                           describe.block_size, model_window(args, describe))
-    events = KvEventLog(describe.block_size, salt_secret=fleet_secret,
-                        default_window=default_window) if wants_events else None
+    events = KvEventLog(describe.block_size, salt_secret=fleet_secret, default_window=default_window,
+                        adapters=tuple(a.name for a in describe.adapters)) if wants_events else None
 
     def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
         pool, host = tier_pools(d.num_device_pages, d.block_size, d.num_host_pages, events)
@@ -251,6 +251,7 @@ async def serve(args) -> None:
              trusted_hop=hops.enabled, objectives=sorted(hops.objectives) or None,
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
+             adapters=[a.name for a in describe.adapters] or None,
              preemption_mode=args.preemption_mode, max_prompt_bytes=prompt_bytes, max_request_bytes=max_request,
              metrics=f"{args.metrics_host or args.host}:{args.metrics_port}" if args.metrics_port else "off")
 

@@ -286,7 +286,7 @@ def _add_request(plan: pb.StepPlan, req: Request, n: int) -> None:
                                        top_logprobs=s.top_logprobs, prompt_logprobs=prompt_logprobs,
                                        prompt_top_logprobs=s.prompt_logprobs or 0),
             num_output_tokens=len(req.output_ids), sink_tokens=req.sink_tokens,
-            window_tokens=req.window_tokens, constraint=s.constraint,
+            window_tokens=req.window_tokens, constraint=s.constraint, adapter=req.adapter,
         )
     else:
         plan.continuing.add(request_id=req.request_id, num_scheduled_tokens=n,

@@ -133,7 +133,9 @@ class Gateway:
             check_sizes(plan, limits)
             logprobs.check_limits(plan, limits.max_logprobs)
             plan.token_text = await self.token_names() if plan.names_tokens else None
-            model = await self.upstream.check_model(plan.model, metadata)
+            model, adapter = await self.upstream.select_model(plan.model, metadata)
+            for req in plan.requests:
+                req.adapter = adapter
             bound = response_budget.check(plan, limits.max_model_len, self.max_response_bytes, self.token_sizes(plan),
                                           rid, model)  # (a 400: before check_streams' 429, which clears)
             self.check_streams(plan)
@@ -195,8 +197,12 @@ class Gateway:
             info = await self.upstream.model_info(self.metadata(request))
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
-        data = [{"id": name, "object": "model", "created": self.upstream.created, "owned_by": "pagedkv",
-                 "root": info.model, "max_model_len": info.max_model_len} for name in self.upstream.names]
+        card = {"object": "model", "created": self.upstream.created, "owned_by": "pagedkv",
+                "max_model_len": info.max_model_len}
+        names = self.upstream.names
+        data = [{"id": name, **card, "root": info.model, "parent": None} for name in names]
+        # the LoRA adapters the caller may use (its tenant's), after the base model, as vLLM lists them
+        data += [{"id": a.name, **card, "root": a.name, "parent": names[0]} for a in info.adapters]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

@@ -125,6 +125,8 @@ def from_grpc(code: grpc.StatusCode, details: str, chat: bool = False) -> ApiErr
     if code == grpc.StatusCode.INVALID_ARGUMENT and (err := _context_length(details or "", chat)):
         return err
     status, err_code = GRPC_STATUS.get(code, (500, None))
+    if code == grpc.StatusCode.NOT_FOUND and (details or "").startswith("adapter:"):  # (an adapter not the caller's)
+        return ApiError(404, grpc_fields.openai_text(details, chat), param="model", code="model_not_found")
     param = param_of(details, chat) if status == 400 else None
     return ApiError(status, grpc_fields.openai_text(details, chat) or code.name, param=param,
                     code=err_code or code.name.lower())

@@ -62,7 +62,8 @@ _LEGACY_FUNCTIONS = "OpenAI's deprecated function calling: send tools and tool_c
 
 FIELDS: tuple[Field, ...] = (
     # -- honoured: where each goes (GenerateRequest fields; plan: the answer's shape) --
-    _honoured("model", BOTH, "m2", "checked against GET /v1/models (plan.model)"),
+    _honoured("model", BOTH, "m2", "checked against GET /v1/models (plan.model); an adapter's name there selects it "
+              "(GenerateRequest.adapter)"),
     _honoured("prompt", COMPLETIONS, "other", "text or token_ids, one request per prompt"),
     _honoured("messages", CHAT, [{"role": "user", "content": "other"}], "chat.messages (role, content)"),
     _honoured("max_tokens", BOTH, 7, "sampling.max_tokens"),

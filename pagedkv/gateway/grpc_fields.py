@@ -47,6 +47,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "sampling.constraint.choice.choices": ("structured_outputs.choice", "structured_outputs.choice"),
     "sampling.constraint.grammar": ("structured_outputs.grammar", "structured_outputs.grammar"),
     "continuation": (RESUMED, RESUMED),
+    "adapter": ("model", "model"),  # (the OpenAI model field names a LoRA adapter)
     "retain_kv": ("store", "store"),
     "retain_kv.key": ("store", "store"),
     "retain_kv.ttl_s": ("store", "store"),

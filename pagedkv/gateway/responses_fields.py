@@ -28,7 +28,7 @@ def _ignored(name: str, example: object, note: str = "") -> Field:
 
 _CHAT = "the chat request's"
 FIELDS: tuple[Field, ...] = (
-    _honoured("model", "m2", "checked against GET /v1/models"),
+    _honoured("model", "m2", "checked against GET /v1/models; an adapter's name there selects it (adapter)"),
     _honoured("input", "hi", "a string (one user message) or input items: messages (input_text / output_text "
               "parts), function_call and function_call_output items -> chat.messages"),
     _honoured("instructions", "be brief", "a system message first (not carried over by previous_response_id)"),

@@ -97,7 +97,9 @@ class Responses:
             plan.client_id = client_id
             gw.log_fields(plan, rid)
             check_sizes(plan, limits)
-            model = await gw.upstream.check_model(plan.model, metadata)
+            model, adapter = await gw.upstream.select_model(plan.model, metadata)
+            for one in plan.requests:
+                one.adapter = adapter
             bound = response_budget.check(plan, limits.max_model_len, gw.max_response_bytes, gw.token_sizes(plan),
                                           rid, model)
             gw.check_streams(plan)

@@ -1,6 +1,7 @@
 """The scheduler side of the gateway: the gRPC channel to the scheduler(s) (``Upstream``: what it learns from them,
-the model's names (the first is the one answers report) and max_model_len, and the health it reports), and the
-caller's credentials passed on as gRPC metadata (``auth_metadata``)."""
+the model's names (the first is the one answers report) and max_model_len, the LoRA adapters a caller may use
+(asked with the caller's credentials: each tenant sees its own), and the health it reports), and the caller's
+credentials passed on as gRPC metadata (``auth_metadata``)."""
 
 from __future__ import annotations
 
@@ -62,15 +63,24 @@ class Upstream:
         return self.max_model_len
 
     async def check_model(self, name: str, metadata) -> str:
-        """The name answers report for a request naming ``name`` (the first served name, as vLLM's; any of them
-        may be asked for), else 404 model_not_found."""
+        """The name answers report for a request naming ``name`` (``select_model``'s)."""
+        return (await self.select_model(name, metadata))[0]
+
+    async def select_model(self, name: str, metadata) -> tuple[str, str]:
+        """(the name answers report, the LoRA adapter it selects) for a request naming ``name``: one of the model's
+        names (any may be asked for; answers report the first, as vLLM's) selects the base model (adapter ''); the
+        name of an adapter the caller may use (its ModelInfo, with its credentials) selects that adapter, and
+        answers report it, as vLLM's. Anything else: 404 model_not_found (an adapter the caller's tenant may not
+        use, as one not served)."""
         if not self.names:
             await self.model_info(metadata)
-        if name not in self.names:
-            shown = name if len(name) <= 64 else name[:61] + "..."
-            raise ApiError(404, f"model: {shown!r} is not served here; GET /v1/models lists {', '.join(self.names)}",
-                           param="model", code="model_not_found")
-        return self.names[0]
+        if name in self.names:
+            return self.names[0], ""
+        if any(a.name == name for a in (await self.model_info(metadata)).adapters):
+            return name, name
+        shown = name if len(name) <= 64 else name[:61] + "..."
+        raise ApiError(404, f"model: {shown!r} is not served here; GET /v1/models lists {', '.join(self.names)} and "
+                       "the adapters you may use", param="model", code="model_not_found")
 
     async def serving(self) -> tuple[bool, str]:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -50,6 +50,7 @@ class Box:
         self.alive = True
         self.draining = False
         self.delay = 0.0
+        self.adapters: list[pb.Adapter] = []  # the LoRA adapters its Describe lists
         self.restart()
 
     def restart(self) -> None:
@@ -92,7 +93,7 @@ class FakeClient:
         self.sent.clear()
         return pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
                                    max_position_embeddings=4096, num_device_pages=self.box.pages, eos_token_ids=[2],
-                                   executor_id=self.box.executor_id)
+                                   executor_id=self.box.executor_id, adapters=self.box.adapters)
 
     async def send(self, plan) -> None:
         """Plans run in order, when their result is read (``step``: tests replace it to watch each step)."""
@@ -146,15 +147,16 @@ def install_fake_clients(monkeypatch) -> dict[str, Box]:
     return FakeClient.boxes
 
 
-def new_cluster(events: KvEventLog | None = None, **kw) -> cluster_mod.Cluster:
-    """A Cluster of the executors at the Boxes' addresses (``events``: its pools report to that KV event log)."""
+def new_cluster(events: KvEventLog | None = None, adapters=(), **kw) -> cluster_mod.Cluster:
+    """A Cluster of the executors at the Boxes' addresses (``events``: its pools report to that KV event log;
+    ``adapters``: the LoRA adapters (pb.Adapter) of its reference Describe, the Boxes' to set alike)."""
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)
 
     def make_scheduler(d, ledger) -> Scheduler:
         pool, _ = tier_pools(d.num_device_pages, d.block_size, 0, events)
         return Scheduler(pool, config, list(d.eos_token_ids), ledger=ledger)
     reference = pb.DescribeResponse(protocol=EXECUTOR_PROTOCOL, model="m", vocab_size=300, block_size=BS,
-                                    max_position_embeddings=4096)
+                                    max_position_embeddings=4096, adapters=adapters)
     kw.setdefault("step_timeout", 5)
     return cluster_mod.Cluster(reference, make_scheduler, structlog.get_logger(), check_every_step=True, **kw)
 

@@ -91,6 +91,12 @@ class FakeUpstream:
             raise ApiError(404, f"model: {name!r}", param="model", code="model_not_found")
         return name
 
+    async def select_model(self, name, metadata):
+        """As Upstream.select_model: an adapter's name in ``adapters`` (set by a test) selects it."""
+        if name in getattr(self, "adapters", ()):
+            return name, name
+        return await self.check_model(name, metadata), ""
+
     async def learned_max_model_len(self, metadata):
         return 2048
 

@@ -1,7 +1,7 @@
 """A Generate request's way in (scheduler_svc/intake.py), through the real Generate handler, Cluster and Engine against
 a FakeExecutor in one process: the walk from Generate to the planner enters each intake stage's module once, in the
-pipeline's order (bounds, prompts, fit, sampling, constraint, continuation), and a request refused by its bounds costs
-no tokenizing."""
+pipeline's order (bounds, adapter, prompts, fit, sampling, constraint, continuation), and a request refused by its
+bounds costs no tokenizing."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 SPINE = {"scheduler_svc/api.py", "scheduler_svc/intake.py"}  # the handler and the pipeline
 # every module a stage lives in, in the pipeline's order (chat.py: inside the prompts stage, never on the spine)
-STAGES = ["pagedkv/bounds.py", "scheduler_svc/prompts.py", "scheduler_svc/fit.py", "scheduler_svc/validation.py",
-          "scheduler_svc/constraints.py", "scheduler_svc/continuation.py"]
+STAGES = ["pagedkv/bounds.py", "scheduler_svc/adapters.py", "scheduler_svc/prompts.py", "scheduler_svc/fit.py",
+          "scheduler_svc/validation.py", "scheduler_svc/constraints.py", "scheduler_svc/continuation.py"]
 INSIDE = ["scheduler_svc/chat.py"]
 
 
@@ -102,12 +102,15 @@ class CountingTokenizer(NullTokenizer):
     ("priority", dict(priority=1001)),
     ("sampling.n", dict(n=17)),
     ("sampling.bad_words", dict(bad_words=["w"] * 101)),
+    ("adapter", dict(adapter="a" * 257)),
 ])
 def test_a_request_refused_by_its_bounds_costs_no_tokenizing(boxes, field, bad):
     params = dict(bad)
-    request = Client.build_request([1], max_tokens=4, **{k: v for k, v in params.items() if k != "request_id"})
+    own = ("request_id", "adapter")  # (fields of the request itself, not of build_request)
+    request = Client.build_request([1], max_tokens=4, **{k: v for k, v in params.items() if k not in own})
     request.text = "some text to tokenize"  # (the prompt: text, not the ids)
     request.request_id = params.get("request_id", "")
+    request.adapter = params.get("adapter", "")
 
     async def scenario():
         c, service = await _service(boxes, CountingTokenizer())()
