@@ -148,7 +148,7 @@ class Client:
                       continue_final_message: bool = False, truncate_prompt_tokens: int = 0,
                       constraint: api.Constraint | None = None, tools: Sequence[Mapping[str, Any]] = (),
                       tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                      retain_kv: tuple[str, int] | None = None) -> api.GenerateRequest:
+                      retain_kv: tuple[str, int] | None = None, adapter: str = "") -> api.GenerateRequest:
         """The prompt is text, token ids, or chat ``messages`` (rendered by the model's chat template, or by
         ``chat_template``; chat_of says what a message may hold).
         temperature, top_p, top_k, repetition_penalty and min_p left as None take the model's defaults (its
@@ -156,7 +156,8 @@ class Client:
         shows them); temperature 0 is greedy. The logits controls, top_logprobs, prompt_logprobs (None: none) and
         echo: api.proto's SamplingParams; ``constraint``: structured outputs (api.proto's Constraint); ``tools``,
         ``tool_choice`` and ``parallel_tool_calls``: a chat's tools (chat_request.chat_of); ``retain_kv``: (key, ttl_s),
-        keep the request's KV findable for the tenant's follow-ups (api.proto's RetainKv; ``release_kv`` ends it)."""
+        keep the request's KV findable for the tenant's follow-ups (api.proto's RetainKv; ``release_kv`` ends it);
+        ``adapter``: the LoRA adapter that generates (ModelInfo's ``adapters``; "": the base model)."""
         sampling = api.SamplingParams(max_tokens=max_tokens, n=n,
                                       stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                       logprobs=logprobs, include_stop_str_in_output=include_stop_str_in_output,
@@ -172,7 +173,8 @@ class Client:
             if value is not None:
                 setattr(sampling, name, value)
         req = api.GenerateRequest(sampling=sampling, request_id=request_id, priority=priority,
-                                  page_budget=page_budget, truncate_prompt_tokens=truncate_prompt_tokens)
+                                  page_budget=page_budget, truncate_prompt_tokens=truncate_prompt_tokens,
+                                  adapter=adapter)
         if retain_kv is not None:
             req.retain_kv.key, req.retain_kv.ttl_s = retain_kv
         if (prompt is None) == (messages is None):

@@ -1,7 +1,8 @@
 """LoRA adapters on the scheduler's side (#52, scheduler_svc/adapters.py): the prefix cache keeps each adapter's KV
 apart (its own chain root: two adapters, or an adapter and the base model, share no page; the same adapter hits), the
 executor's NewRequest names the adapter (first sent, and rebuilt after a rejected plan), forks keep it, the KV events
-name it (vLLM's lora_name / lora_id), and executors serving other adapters are refused when they join."""
+name it (vLLM's lora_name / lora_id), retained KV is hit by its own adapter only, and executors serving other
+adapters are refused when they join."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.kv_events import KvEventLog, Stored
 from scheduler_svc.kv_events_zmq import encode_batch
 from scheduler_svc.kv_manager import KVManager
-from scheduler_svc.pages import tier_pools
+from scheduler_svc.pages import PagePool, tier_pools
 from scheduler_svc.prefix_cache import request_root, tenant_root
-from scheduler_svc.request import Request, Sampling, fork
+from scheduler_svc.request import Request, Retain, Sampling, fork
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.support.driven import driven
 from tests.support.fake_cluster import Box, new_cluster, until
 from tests.support.fake_executor import FakeExecutor, NullTokenizer, drive, make_request
 from tests.support.scheduler_helpers import BS, new_prefix_scheduler, new_scheduler
@@ -139,3 +142,24 @@ def test_an_executor_serving_other_adapters_is_refused_when_it_joins(boxes):
         await c.stop()
         return state
     assert asyncio.run(scenario()) is not engine_mod.State.UP
+
+
+def test_a_retained_conversation_under_an_adapter_is_hit_by_that_adapter_only():
+    """Retained KV (retain_kv) is findable by its hashes: a follow-up under another adapter, or the base model,
+    reads none of it; one under the same adapter does."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, watermark=0,
+                          kv_retention_max_share=0.5)
+    s = driven(PagePool(24, 4), cfg, [2])
+
+    def run(i: int, adapter: str, tokens: list[int], retain: Retain | None = None) -> Request:
+        req = make_request(i, 0, 3, prompt=tokens, adapter=adapter, hash_root=request_root("default", adapter),
+                           retain=retain)
+        s.add(req)
+        drive(s)
+        return req
+    first = run(0, "sql", [10 + i for i in range(17)], Retain("conv", 60))
+    assert s.retained.get("default", "conv") is not None
+    follow_up = first.prompt_ids + first.output_ids + [99] * 6
+    assert run(1, "chat", follow_up).num_cached_tokens == 0
+    assert run(2, "", follow_up).num_cached_tokens == 0
+    assert run(3, "sql", follow_up).num_cached_tokens == 16
