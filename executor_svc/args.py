@@ -11,6 +11,7 @@ from executor_svc.grammar import (
     DEFAULT_STEP_BUDGET_MS,
     DEFAULT_TENANT_BUDGET_MS,
 )
+from executor_svc.lora.names import DEFAULT_MAX_RANK, MAX_NAME_CHARS, lora_module_arg
 from executor_svc.threads import default_threads, threads_arg
 from pagedkv import logs
 from pagedkv.security import add_secret_arg, add_tls_server_args
@@ -67,6 +68,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "while they wait for each other: 2 threads beside one busy process on 2 cores decoded 18x slower "
                    "than 1), or set OMP_WAIT_POLICY=PASSIVE. 0: torch's default (default: $PAGEDKV_THREADS, else "
                    "auto)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", type=lora_module_arg, metavar="NAME=PATH",
+                   help="LoRA adapters to serve beside the base model, each a PEFT adapter directory "
+                   "(adapter_config.json + adapter_model.safetensors) read at start-up; a request names one by NAME "
+                   f"(unique; 1 to {MAX_NAME_CHARS} characters of A-Z a-z 0-9 . _ -). Plain LoRA on q/k/v/o and "
+                   "gate/up/down projections; anything else in an adapter (DoRA, modules_to_save, rank or alpha "
+                   "patterns, biases, ...) is refused at start-up, naming the field (default: none)")
+    p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, metavar="R",
+                   help="largest LoRA rank r an adapter may have; the adapters' weights are stacked padded to the "
+                   "largest loaded rank (default: %(default)s)")
     p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
                    help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
                    "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "

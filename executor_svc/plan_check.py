@@ -33,6 +33,7 @@ class RequestState:
     counts_slot: int = -1  # its row of the mirror's TokenCounts (-1: none yet; only a penalised request has one)
     grammar: GrammarState | None = None  # structured outputs: its matcher, rebuilt from its outputs when sent in full
     num_prompt: int = 0  # its prompt's tokens: token_ids[:num_prompt] (the NewRequest's tokens less its outputs)
+    adapter: int = 0  # its LoRA adapter's slot (executor_svc/lora/stack.py; 0: the base model)
 
 
 class PlanError(Exception):
@@ -102,6 +103,7 @@ class RequestMirror:
         self.token_counts = TokenCounts()  # the penalised requests' token counts (a slot each)
         self.grammars: GrammarEngine | None = None  # structured outputs (None: constrained requests are refused)
         self.prompt_logprobs: set[str] = set()  # the requests that ask for prompt log-probabilities
+        self.adapters: dict[str, int] = {}  # the LoRA adapters served: name -> slot (a NewRequest names one or "")
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -175,11 +177,15 @@ class RequestMirror:
         for name in ("num_computed_tokens", "num_output_tokens", "sink_tokens", "window_tokens"):
             if getattr(new, name) < 0:
                 raise PlanError(f"request {rid}: {name} = {getattr(new, name)} is negative", [rid])
+        adapter = self.adapters.get(new.adapter, -1) if new.adapter else 0
+        if adapter < 0:
+            raise PlanError(f"request {rid}: adapter {new.adapter[:128]!r} is not served by this executor (it serves "
+                            f"{sorted(self.adapters) or 'none'})", [rid])
         return RequestState(
             token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
             sampling=check_sampling(rid, new.sampling, vocab), num_output=new.num_output_tokens, sink=new.sink_tokens,
             window=new.window_tokens, num_prompt=len(tokens) - new.num_output_tokens,
-            grammar=self._grammar(new) if new.HasField("constraint") else None,
+            grammar=self._grammar(new) if new.HasField("constraint") else None, adapter=adapter,
         )
 
     def _grammar(self, new: pb.NewRequest) -> GrammarState:

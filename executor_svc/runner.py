@@ -1,5 +1,6 @@
 """Executes step plans: check a plan against the requests this executor mirrors (plan_check.py), move and copy
-pages, build the batch (batch.py), run one flat forward (or replay a captured decode graph), sample.
+pages, build the batch (batch.py), run one flat forward (or replay a captured decode graph), sample. Rows of
+requests with a LoRA adapter go into the forward as the step's LoraBatch (executor_svc/lora/batch.py).
 
 The runner never allocates pages; it checks that a plan agrees with what it holds and refuses the whole step
 otherwise (the scheduler then resends those requests in full).
@@ -19,6 +20,7 @@ from executor_svc.batch import PromptRows, build_batch, decode_row, prompt_rows
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.grammar_jobs import Matchers, StepGrammar
 from executor_svc.grammar_mask import GrammarMask
+from executor_svc.lora.batch import LoraBatch, lora_batch, step_row_slots
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.plan_check import PlanError, RequestMirror, RequestState, Scheduled
 from executor_svc.sampler import sample, token_logprobs
@@ -48,6 +50,9 @@ class ModelRunner:
         self.mirror = RequestMirror(self.num_pages, num_host, self.block_size,
                                     cfg.vocab_size if cfg is not None else None,
                                     cfg.max_position_embeddings if cfg is not None else None)
+        self.lora = getattr(model, "lora", None)  # the served LoRA adapters' stacks (None: none)
+        if self.lora is not None:
+            self.mirror.adapters = dict(self.lora.slots)
         self.matchers: Matchers | None = None  # structured outputs: the matcher threads and budgets (startup.py)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
@@ -137,8 +142,10 @@ class ModelRunner:
                  extra: PromptRows | None = None) -> tuple[torch.Tensor, float]:
         """Logits of the step's finishing rows, then of ``extra``'s prompt rows: a captured graph for a decode-only
         step that fits one (and has no prompt rows), else eager; and when the inputs were ready (perf_counter; a
-        graph's rows are built, its buffers filled in its run)."""
-        if (self.graphs is not None and extra is None and self.graphs.fits(len(scheduled))
+        graph's rows are built, its buffers filled in its run). A step with LoRA rows runs eager (a graph adds no
+        deltas)."""
+        lora = self._lora_batch(scheduled)
+        if (self.graphs is not None and extra is None and lora is None and self.graphs.fits(len(scheduled))
                 and all(i.count == 1 for i in scheduled)):
             result.num_computed_tokens = len(scheduled)
             rows = [decode_row(item, self.block_size) for item in scheduled]
@@ -153,7 +160,15 @@ class ModelRunner:
             rows = torch.cat([rows, long_tensor(extra.flat, rows.device)])
         result.num_computed_tokens = int(ids.numel())
         prepared = time.perf_counter()
-        return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
+        if lora is None:
+            return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
+        return self.model.forward(ids, positions, meta, self.pool, self.attention, rows, lora), prepared
+
+    def _lora_batch(self, scheduled: list[Scheduled]) -> LoraBatch | None:
+        """The step's adapter rows (None: no adapters served, or no request of this step uses one)."""
+        if self.lora is None or not any(item.state.adapter for item in scheduled):
+            return None
+        return lora_batch(self.lora, step_row_slots([(i.count, i.state.adapter) for i in scheduled]), self.device)
 
     def _start_grammar(self, scheduled: list[Scheduled]) -> StepGrammar | None:
         """The matcher jobs of the constrained rows that sample this step, started (None: no such row)."""

@@ -19,6 +19,7 @@ from executor_svc.grammar import GrammarEngine
 from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
+from executor_svc.lora.stack import LoraStack, load_adapters
 from executor_svc.memory_fit import check_kv_fits, kv_flag, weights_bytes
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -167,8 +168,13 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     defaults = sampling_defaults(cfg.generation_defaults, f"model {path}: generation_config.json")
     if device.type == "cpu" and cpu_kernel.unavailable_reason() is None:
         cpu_kernel.load()  # (a phase of its own: the first start builds it; the model's layers use it)
+    adapters = load_adapters(getattr(args, "lora_modules", None), cfg, getattr(args, "max_lora_rank", 64))
     with start_phases.phase("weights", f"loading the weights of {args.model}", log, dtype=str(dtype)):
         model = load_model(cfg, device, dtype)
+    if adapters:
+        model.lora = LoraStack(adapters, cfg, device, dtype)
+        log.info("lora_adapters", adapters=[f"{n} (r={r}, {b} bytes)" for n, r, b in model.lora.describe()],
+                 stacked_bytes=model.lora.held_bytes())
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     graphs_off = _graphs_off_reason(args, device, model, kv)
@@ -201,6 +207,7 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         default_temperature=defaults.temperature, default_top_p=defaults.top_p, default_top_k=defaults.top_k,
         default_repetition_penalty=defaults.repetition_penalty, default_min_p=defaults.min_p,
         model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
+        adapters=[pb.Adapter(name=n, rank=r, num_bytes=b) for n, r, b in (model.lora.describe() if adapters else [])],
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

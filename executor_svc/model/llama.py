@@ -78,6 +78,7 @@ class LlamaModel:
         self._fused = None  # fused_ops(), decided on the first forward
         self._path: StepPath | None = None  # step_path(), decided on the first forward over a backend and pool
         self.decode_in_one_call = True  # decode_layers where it applies (tests compare it with the Python loop)
+        self.lora = None  # the served LoRA adapters (executor_svc/lora/stack.py's LoraStack), set at start-up
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                           cfg.num_kv_heads * cfg.head_dim]
 
@@ -193,18 +194,21 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
-        """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx."""
+                pool: DevicePagePool, attention, logits_idx: torch.Tensor, lora=None) -> torch.Tensor:
+        """One flattened step: input_ids/positions [T]; returns fp32 logits for the rows in logits_idx. ``lora``: the
+        step's adapter rows (executor_svc/lora/batch.py's LoraBatch; None: none, and nothing changes): their layers
+        add the deltas, and such a step always runs the layer loop (decode_layers cannot add them)."""
         path = self.step_path(attention, pool)
+        layers = self.layers if lora is None else lora.layers(self.layers)
         if path.ops is not None:
-            return self._forward_fused(path, input_ids, positions, meta, pool, attention, logits_idx)
+            return self._forward_fused(path, input_ids, positions, meta, pool, attention, logits_idx, layers)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {t: tuple(c.unsqueeze(1) for c in r.cos_sin(positions, self.dtype)) for t, r in self.rotaries.items()}
         metas = _metas_by_window(meta, path.windows)
-        for i, lw in enumerate(self.layers):
+        for i, lw in enumerate(layers):
             h = self.norm(x, lw.in_norm, cfg.rms_norm_eps)
             a = self._attention(i, lw, h, rope[lw.rope], metas[lw.window], pool, attention)
             if cfg.sandwich_norms:
@@ -246,12 +250,12 @@ class LlamaModel:
 
 
     def _forward_fused(self, path: StepPath, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       pool: DevicePagePool, attention, logits_idx: torch.Tensor) -> torch.Tensor:
+                       pool: DevicePagePool, attention, logits_idx: torch.Tensor, layers: list) -> torch.Tensor:
         """forward with the fused CPU ops: the residual stream x is updated in place, and each layer's last add
         goes into the next layer's norm (one pass over x per norm)."""
         eps, ops = self.cfg.rms_norm_eps, path.ops
         x = F.embedding(input_ids, self.embed)
-        stack = self.decode_stack(meta, pool, attention)
+        stack = self.decode_stack(meta, pool, attention) if layers is self.layers else None  # (else: LoRA rows)
         if stack is not None:  # every layer in one call (cpu_decode.cpp): the same ops as the loop below
             cos, sin = next(iter(self.rotaries.values())).cos_sin(positions, self.dtype)
             group = meta.decodes[0]
@@ -262,7 +266,6 @@ class LlamaModel:
             return self._logits(ops, x, logits_idx)
         rope = {t: r.cos_sin(positions, self.dtype) for t, r in self.rotaries.items()}  # [T, D] each
         metas = _metas_by_window(meta, path.windows)
-        layers = self.layers
         h = ops.rms_norm(x, layers[0].in_norm, eps)
         for i, lw in enumerate(layers):
             a = self._attention_fused(path, i, lw, h, rope[lw.rope], metas[lw.window], pool, attention)

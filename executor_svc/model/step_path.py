@@ -2,7 +2,9 @@
 step over them, instead of per step and per layer: the fused CPU ops or torch's, whether the layers store their own
 K/V (``rotary_write``), the weights of ``decode_layers`` when a decode-only step may run every layer in one call,
 which layers' MLPs run as ``down(silu_mul(gate_up(h)))``, and the layers' windows. What depends on the step itself
-(its decode groups, a shared prefix) is still looked at each step (``LlamaModel.decode_stack``).
+(its decode groups, a shared prefix) is still looked at each step (``LlamaModel.decode_stack``); a step with LoRA
+rows (executor_svc/lora/batch.py) never runs decode_layers, which cannot add their deltas: LlamaModel.forward hands
+such a step its own layers, and only the model's own take the one call.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.unit
 EXEC_PORT = 5999
 ADD_ARGS = {"scheduler": scheduler_args.add_args, "executor": executor_args.add_args}
 FOLLOWS = {"--cuda-graph-max-batch": "--max-num-seqs"}  # serve's default for the first is the second's value
-OTHER_VALUES = {"--threads": "3"}  # flags of a type of their own: a value other than the default
+OTHER_VALUES = {"--threads": "3", "--lora-modules": "sql=/tmp/adapters/sql"}  # flags of a type of their own: a value
+# other than the default
 
 
 def service_parser(service: str) -> argparse.ArgumentParser:
