@@ -32,6 +32,7 @@ class StoredPages:
     token_ids: tuple[int, ...]
     medium: str
     salt: str
+    lora_name: str = ""  # the adapter whose KV they hold ("": the base model's); Dynamo hashes blocks with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,8 @@ class KvRelay:
             parent = ev.hashes[first - 1] if first else ev.parent
             self.publisher.publish_stored(
                 token_ids=list(ev.token_ids[first * size:(last + 1) * size]), num_block_tokens=[size] * len(run),
-                block_hashes=[ev.hashes[i] for i in run], parent_hash=parent, cache_salt=ev.salt or None)
+                block_hashes=[ev.hashes[i] for i in run], parent_hash=parent, cache_salt=ev.salt or None,
+                lora_name=ev.lora_name or None)
             run.clear()
 
         for i, page in enumerate(ev.hashes):
@@ -152,7 +154,7 @@ def events_of(batch: Any) -> list[Event]:
         if kind == "stored":
             s = ev.stored
             out.append(StoredPages(tuple(s.hashes), s.parent if s.has_parent else None, tuple(s.token_ids),
-                                   s.medium, s.salt))
+                                   s.medium, s.salt, s.lora_name))
         elif kind == "removed":
             out.append(RemovedPages(tuple(ev.removed.hashes), ev.removed.medium))
         elif kind == "cleared":

@@ -72,6 +72,12 @@ def _int(section: str, key: str, value: Any, lo: int | None = None, hi: int | No
     return value
 
 
+def _str(section: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise Refused(f"{section}.{key}", f"must be a string, got {type(value).__name__}")
+    return value
+
+
 def _float(section: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise Refused(f"{section}.{key}", f"must be a finite number, got {value!r}")
@@ -227,6 +233,8 @@ def generate_request(request: Mapping[str, Any], request_id: str) -> api.Generat
     eos_ids = _ids("request", "eos_token_ids", request.get("eos_token_ids"))
     req = api.GenerateRequest(sampling=_sampling(options, stop, output, eos_ids), request_id=request_id)
     req.token_ids.ids.extend(token_ids_of(request))
+    if routing.get("lora_name"):  # (Dynamo's LoRA routing: the adapter pagedkv serves under that name)
+        req.adapter = _str("routing", "lora_name", routing["lora_name"])
     if routing.get("priority") is not None:
         # Dynamo's priority: higher is sooner (its router queue's priority_jump); pagedkv's: lower is more important.
         req.priority = -_int("routing", "priority", routing["priority"], -PRIORITY_LIMIT, PRIORITY_LIMIT)

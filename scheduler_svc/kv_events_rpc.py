@@ -36,7 +36,7 @@ def encode(batch: Batch, block_size: int, snapshot: bool = False) -> kv.EventBat
         if isinstance(ev, Stored):
             out.events.add().stored.CopyFrom(kv.Stored(
                 hashes=ev.hashes, parent=ev.parent or 0, has_parent=ev.parent is not None, token_ids=ev.token_ids,
-                medium=ev.medium, salt=ev.salt))
+                medium=ev.medium, salt=ev.salt, lora_name=ev.lora_name))
         elif isinstance(ev, Removed):
             out.events.add().removed.CopyFrom(kv.Removed(hashes=ev.hashes, medium=ev.medium))
         else:

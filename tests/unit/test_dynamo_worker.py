@@ -215,11 +215,14 @@ class FakePublisher:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.held: set[int] = set()
+        self.lora: dict[int, str | None] = {}  # block hash -> the lora_name it was stored with
 
-    def publish_stored(self, token_ids, num_block_tokens, block_hashes, parent_hash=None, cache_salt=None):
+    def publish_stored(self, token_ids, num_block_tokens, block_hashes, parent_hash=None, cache_salt=None,
+                       lora_name=None):
         self.calls.append(("stored", tuple(block_hashes), parent_hash, tuple(token_ids), tuple(num_block_tokens),
                            cache_salt))
         self.held |= set(block_hashes)
+        self.lora.update(dict.fromkeys(block_hashes, lora_name))
 
     def publish_removed(self, block_hashes):
         self.calls.append(("removed", tuple(sorted(block_hashes))))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedkv/kvevents/v1/kv_events.proto\x12\x13pagedkv.kvevents.v1\"6\n\x0cWatchRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x03\x12\x14\n\x0chas_from_seq\x18\x02 \x01(\x08\"w\n\nEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02ts\x18\x02 \x01(\x01\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.pagedkv.kvevents.v1.Event\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xa1\x01\n\x05\x45vent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.pagedkv.kvevents.v1.StoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.pagedkv.kvevents.v1.RemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.pagedkv.kvevents.v1.ClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x06Stored\x12\x0e\n\x06hashes\x18\x01 \x03(\x03\x12\x0e\n\x06parent\x18\x02 \x01(\x03\x12\x12\n\nhas_parent\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06medium\x18\x05 \x01(\t\x12\x0c\n\x04salt\x18\x06 \x01(\t\")\n\x07Removed\x12\x0e\n\x06hashes\x18\x01 \x03(\x03\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\t\n\x07\x43leared2Y\n\x08KvEvents\x12M\n\x05Watch\x12!.pagedkv.kvevents.v1.WatchRequest\x1a\x1f.pagedkv.kvevents.v1.EventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedkv/kvevents/v1/kv_events.proto\x12\x13pagedkv.kvevents.v1\"6\n\x0cWatchRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x03\x12\x14\n\x0chas_from_seq\x18\x02 \x01(\x08\"w\n\nEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02ts\x18\x02 \x01(\x01\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.pagedkv.kvevents.v1.Event\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xa1\x01\n\x05\x45vent\x12-\n\x06stored\x18\x01 \x01(\x0b\x32\x1b.pagedkv.kvevents.v1.StoredH\x00\x12/\n\x07removed\x18\x02 \x01(\x0b\x32\x1c.pagedkv.kvevents.v1.RemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.pagedkv.kvevents.v1.ClearedH\x00\x42\x07\n\x05\x65vent\"\x80\x01\n\x06Stored\x12\x0e\n\x06hashes\x18\x01 \x03(\x03\x12\x0e\n\x06parent\x18\x02 \x01(\x03\x12\x12\n\nhas_parent\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06medium\x18\x05 \x01(\t\x12\x0c\n\x04salt\x18\x06 \x01(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\")\n\x07Removed\x12\x0e\n\x06hashes\x18\x01 \x03(\x03\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\t\n\x07\x43leared2Y\n\x08KvEvents\x12M\n\x05Watch\x12!.pagedkv.kvevents.v1.WatchRequest\x1a\x1f.pagedkv.kvevents.v1.EventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTBATCH']._serialized_end=235
   _globals['_EVENT']._serialized_start=238
   _globals['_EVENT']._serialized_end=399
-  _globals['_STORED']._serialized_start=401
-  _globals['_STORED']._serialized_end=510
-  _globals['_REMOVED']._serialized_start=512
-  _globals['_REMOVED']._serialized_end=553
-  _globals['_CLEARED']._serialized_start=555
-  _globals['_CLEARED']._serialized_end=564
-  _globals['_KVEVENTS']._serialized_start=566
-  _globals['_KVEVENTS']._serialized_end=655
+  _globals['_STORED']._serialized_start=402
+  _globals['_STORED']._serialized_end=530
+  _globals['_REMOVED']._serialized_start=532
+  _globals['_REMOVED']._serialized_end=573
+  _globals['_CLEARED']._serialized_start=575
+  _globals['_CLEARED']._serialized_end=584
+  _globals['_KVEVENTS']._serialized_start=586
+  _globals['_KVEVENTS']._serialized_end=675
 # @@protoc_insertion_point(module_scope)

@@ -39,20 +39,22 @@ class Event(_message.Message):
     def __init__(self, stored: _Optional[_Union[Stored, _Mapping]] = ..., removed: _Optional[_Union[Removed, _Mapping]] = ..., cleared: _Optional[_Union[Cleared, _Mapping]] = ...) -> None: ...
 
 class Stored(_message.Message):
-    __slots__ = ("hashes", "parent", "has_parent", "token_ids", "medium", "salt")
+    __slots__ = ("hashes", "parent", "has_parent", "token_ids", "medium", "salt", "lora_name")
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     HAS_PARENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[int]
     parent: int
     has_parent: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     medium: str
     salt: str
-    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ..., salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Removed(_message.Message):
     __slots__ = ("hashes", "medium")

@@ -16,6 +16,7 @@ from scheduler_svc import adapters
 from scheduler_svc import engine as engine_mod
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.kv_events import KvEventLog, Stored
+from scheduler_svc.kv_events_rpc import encode as rpc_encode
 from scheduler_svc.kv_events_zmq import encode_batch
 from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.pages import PagePool, tier_pools
@@ -108,6 +109,8 @@ def test_kv_events_name_the_adapter_as_vllm_does():
     _, events, _ = msgpack.unpackb(encode_batch(batch))
     wire = [(e["lora_name"], e["lora_id"]) for e in events if e["type"] == "BlockStored"]
     assert wire == [("sql", 2), (None, None)]
+    rpc = [ev.stored.lora_name for ev in rpc_encode(batch, 2).events if ev.WhichOneof("event") == "stored"]
+    assert rpc == ["sql", ""]  # (the KvEvents.Watch stream, which the Dynamo relay reads)
     assert log.snapshot()[1][0].lora_name in ("sql", "")
 
 
