@@ -51,6 +51,7 @@ async def _generate(args) -> int:
             async for msg in client.generate(
                 **prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+                adapter=args.adapter,
             ):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed, for repeatable sampled output (default: none: a fresh draw each time)")
     p.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--adapter", default="", metavar="NAME",
+                   help="the LoRA adapter that generates (one the server's --lora-modules loaded; ModelInfo lists "
+                   "those your tenant may use); default: the base model")
     p.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", ""),
                    help="the server's API key: its --api-key, or a tenant's key from its tenants file (default: "
                    "$PAGEDKV_API_KEY)")

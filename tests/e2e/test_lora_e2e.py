@@ -9,6 +9,8 @@ parent."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import grpc
 import openai
@@ -101,3 +103,21 @@ def test_an_adapter_the_tenant_may_not_use_is_not_found_as_one_not_served(stack)
         with pytest.raises(openai.NotFoundError) as e:
             mine.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_pagedkv_generate_takes_an_adapter(stack):
+    """`pagedkv generate --adapter NAME`: the adapter's text, as the gRPC client gets it."""
+    server, _, _ = stack
+
+    async def text(adapter: str) -> str:
+        async with Client(server.address, api_key=ALL) as client:
+            return (await client.complete("The cat", max_tokens=N, temperature=0, ignore_eos=True,
+                                          adapter=adapter)).text
+    for adapter in ("sql", ""):
+        flag = ["--adapter", adapter] if adapter else []
+        cmd = [sys.executable, "-m", "pagedkv", "generate", "The cat", "--address", server.address, "--api-key", ALL,
+               "--max-tokens", str(N), "--temperature", "0", "--ignore-eos", *flag]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == asyncio.run(text(adapter)) + "\n", adapter or "base"
+        assert f"completion_tokens={N}]" in done.stderr
