@@ -3,6 +3,7 @@ executor's runner serving them in process (tests/unit/test_lora*.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,14 +13,17 @@ from executor_svc.model_config import ModelConfig
 
 
 def make_adapter(model_dir: Path, out: Path, r: int, targets: list[str], seed: int, rslora: bool = False,
-                 alpha: float | None = None, **extra) -> Path:
+                 alpha: float | None = None, base=None, **extra) -> Path:
     """An adapter saved by PEFT's own save_pretrained, lora_B drawn at random (PEFT starts it at zero, where the
-    adapter would change nothing)."""
+    adapter would change nothing). ``base``: transformers' model of ``model_dir`` already loaded (a copy is used)."""
+    import copy
+
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    base = copy.deepcopy(base) if base is not None else AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                                                             dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else r, target_modules=targets,
                         use_rslora=rslora, lora_dropout=0.0, **extra)
     model = get_peft_model(base, config)
@@ -47,12 +51,14 @@ def edit_config(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-def peft_reference(model_dir: Path, adapters: dict[str, Path]):
-    """transformers' model (eager attention, fp32) with every adapter loaded into one PeftModel."""
+def peft_reference(model_dir: Path, adapters: dict[str, Path], base=None):
+    """transformers' model (eager attention, fp32) with every adapter loaded into one PeftModel. ``base``: that
+    model already loaded (PEFT changes it: not for other uses after)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     names = list(adapters)
     model = PeftModel.from_pretrained(base, str(adapters[names[0]]), adapter_name=names[0])
     for name in names[1:]:
@@ -71,9 +77,23 @@ def peft_logits(model, adapter: str | None, prompt: list[int]) -> torch.Tensor:
         return model(input_ids=ids).logits[0].float()
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread meanwhile: beside a server on two cores, PEFT's many small ops run ~20x faster so (with
+    torch's two threads every op waits for the slower one: 12 greedy runs of 40 tokens on tiny-llama, 29 s vs 1.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    """PEFT's greedy ``n`` ids after ``prompt`` (generate), past the end-of-sequence id as ``ignore_eos``."""
     ids = torch.tensor([prompt])
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+              eos_token_id=None)  # (the model's own would stop generate there)
     with torch.inference_mode():
         if adapter is None:
             with model.disable_adapter():
