@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a venv, torch's wheel unpack
 PACKAGES = ("pagedkv", "scheduler_svc", "executor_svc", "kernels_cuda")
 # Modules that need what the runtime leaves out: NVIDIA Dynamo (pagedkv[dynamo]), grpcio-tools (make proto),
 # matplotlib (pagedkv[bench]), CuPy (pagedkv[cuda]); each is imported only by the command that needs it.
-OPTIONAL = {"pagedkv.dynamo_worker", "pagedkv.dynamo_kv_relay", "pagedkv.dynamo_request", "pagedkv.proto_gen",
-            "pagedkv.loadgen.plots"}
+OPTIONAL = {"pagedkv.dynamo_worker", "pagedkv.dynamo_errors", "pagedkv.dynamo_tenancy", "pagedkv.dynamo_kv_relay",
+            "pagedkv.dynamo_request", "pagedkv.proto_gen", "pagedkv.loadgen.plots"}
 # What the code reads at run time besides Python: the CPU kernels' sources (built on first use), the CUDA kernels'.
 DATA = ("executor_svc/attention/paged_attention_cpu.cpp", "executor_svc/attention/cpu_math.h",
         "executor_svc/attention/cpu_ops.h", "executor_svc/model/cpu_ops.cpp", "executor_svc/model/cpu_gemm.cpp",
