@@ -33,7 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES, help="tokens per KV page")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-pages", type=int, help="number of device KV pages (default: what --kv-cache-gb holds)")
+    size.add_argument("--num-pages", type=int, help="number of device pages: the KV's, and the LoRA adapters' weights' "
+                      "(--lora-modules take the last ones) (default: what --kv-cache-gb holds)")
     size.add_argument("--kv-cache-gb", type=float, help="device KV memory in GiB (default: 1 on CPU, "
                       "--gpu-memory-utilization of free memory after weights on CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -73,7 +74,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(adapter_config.json + adapter_model.safetensors) read at start-up; a request names one by NAME "
                    f"(unique; 1 to {MAX_NAME_CHARS} characters of A-Z a-z 0-9 . _ -). Plain LoRA on q/k/v/o and "
                    "gate/up/down projections; anything else in an adapter (DoRA, modules_to_save, rank or alpha "
-                   "patterns, biases, ...) is refused at start-up, naming the field (default: none)")
+                   "patterns, biases, ...) is refused at start-up, naming the field. Their weights take pages of the "
+                   "device pool (padded to the largest rank), which are not KV pages (default: none)")
     p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, metavar="R",
                    help="largest LoRA rank r an adapter may have; the adapters' weights are stacked padded to the "
                    "largest loaded rank (default: %(default)s)")

@@ -17,6 +17,8 @@ PAGE_COPIES = Counter("pagedkv_executor_page_copies_total", "Pages copied, by ki
 REQUESTS = Gauge("pagedkv_executor_requests", "Requests whose state this executor holds")
 DEVICE_PAGES = Gauge("pagedkv_executor_device_pages", "Device KV pages in this executor's pool")
 HOST_PAGES = Gauge("pagedkv_executor_host_pages", "Host-tier pages in this executor's pool")
+ADAPTER_PAGES = Gauge("pagedkv_executor_adapter_pages", "Device pages a LoRA adapter's weights hold in this "
+                      "executor's pool (its last pages; not among the KV pages)", ["adapter"])
 DRAINING = Gauge("pagedkv_executor_draining", "1 while the executor drains after SIGTERM")
 GRAMMAR_REFUSED = Counter("pagedkv_executor_grammar_refused_tokens_total", "Sampled tokens a constrained request's "
                           "matcher refused (0 unless the logits were NaN: the mask allows only what it accepts)")

@@ -81,6 +81,8 @@ class DevicePagePool:
 
             self.k_views = [view(layer, 0, k_bytes, kv.k_channel_scales) for layer in range(cfg.num_layers)]
             self.v_views = [view(layer, k_bytes, k_bytes + v_bytes, False) for layer in range(cfg.num_layers)]
+        # Pages that hold LoRA adapters' weights (executor_svc/lora/pages.py), never KV: wipe() keeps them.
+        self.held = range(num_pages, num_pages)
         # A kernel for copy-on-write (the cuda attention backend's), or None for plain tensor indexing.
         self.copier: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
@@ -88,10 +90,22 @@ class DevicePagePool:
         """(K, V) of one layer: tensors [num_pages, block_size, kv_heads, head_dim], or quantized views."""
         return self.k_views[index], self.v_views[index]
 
+    def hold(self, first: int, count: int) -> torch.Tensor:
+        """Pages [first, first + count) for adapters' weights: their bytes, a flat uint8 view of ``pages`` (the
+        same memory); from then on they are ``held`` (wipe() keeps them)."""
+        if count < 1 or first < 0 or first + count > self.num_pages:
+            raise ValueError(f"pages [{first}, {first + count}) are not in the pool of {self.num_pages}")
+        self.held = range(first, first + count)
+        return self.pages[first:first + count].view(-1).view(torch.uint8)
+
     def wipe(self) -> None:
-        """Zeroes every page (with its scales when quantized): a new Run-stream session reads none of an
-        earlier session's KV."""
-        self.pages.zero_()
+        """Zeroes every page (with its scales when quantized) but the held ones: a new Run-stream session reads
+        none of an earlier session's KV."""
+        if not self.held:
+            self.pages.zero_()
+            return
+        self.pages[:self.held.start].zero_()
+        self.pages[self.held.stop:].zero_()
 
     def zero_pages(self, page_ids: list[int]) -> None:
         """Zeroes these pages (all layers, scales included): a retained conversation's KV whose retention ended."""

@@ -32,14 +32,19 @@ class ModelRunner:
     def __init__(self, model, pool: DevicePagePool, attention: PagedAttention, device: torch.device,
                  host_pool: HostPagePool | None = None, graphs: DecodeGraphs | None = None) -> None:
         """``graphs``: decode-only steps replay captured forwards (executor_svc.cuda_graphs); the pool's last
-        page is then their scratch page, kept from the scheduler (``num_pages`` is one less)."""
+        page is then their scratch page, kept from the scheduler (``num_pages`` is one less). The pages the LoRA
+        adapters hold (``pool.held``, right after the KV pages) are kept from it too."""
         self.model = model
         self.pool = pool
         self.graphs = graphs
-        self.num_pages = pool.num_pages - 1 if graphs is not None else pool.num_pages  # what plans may use
-        if graphs is not None and graphs.scratch_page != self.num_pages:
+        # what plans may use
+        self.num_pages = pool.num_pages - (graphs is not None) - len(pool.held)
+        if graphs is not None and graphs.scratch_page != pool.num_pages - 1:
             raise ValueError(f"the graphs' scratch page {graphs.scratch_page} is not the pool's last page "
-                             f"{self.num_pages}")
+                             f"{pool.num_pages - 1}")
+        if pool.held and pool.held.start != self.num_pages:
+            raise ValueError(f"the adapters' pages {pool.held.start}-{pool.held.stop - 1} are not the pool's last "
+                             f"before the scratch page")
         self.host_pool = host_pool
         self.mover = PageMover(pool, host_pool) if host_pool is not None and host_pool.num_pages else None
         self.attention = attention

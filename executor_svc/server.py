@@ -49,6 +49,8 @@ async def serve(args) -> None:
     service = ExecutorService(runner, describe, log)
     metrics.DEVICE_PAGES.set(describe.num_device_pages)
     metrics.HOST_PAGES.set(describe.num_host_pages)
+    for adapter in describe.adapters:
+        metrics.ADAPTER_PAGES.labels(adapter.name).set(adapter.num_pages)
     pb_grpc.add_ExecutorServicer_to_server(service, server)
     health = grpc_common.add_health_and_reflection(server, [SERVICE])
     port = grpc_common.bind(server, args.host, args.port, credentials)

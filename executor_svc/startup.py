@@ -1,6 +1,7 @@
 """What an executor builds at start-up from its flags: the device, the model, the attention backend, the device
 and host page pools (sized from --num-pages / --kv-cache-gb / --swap-space and the memory there is), CUDA graphs,
-the start-up costs, and the Describe answer the scheduler reads."""
+the start-up costs, and the Describe answer the scheduler reads. LoRA adapters' weights take the pool's last pages
+(executor_svc/lora/pages.py): Describe's num_device_pages counts the KV pages only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from executor_svc.grammar import GrammarEngine
 from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
+from executor_svc.lora.pages import check_kv_left, plan_pages
 from executor_svc.lora.stack import LoraStack, load_adapters
 from executor_svc.memory_fit import check_kv_fits, kv_flag, weights_bytes
 from executor_svc.model import load_model
@@ -171,19 +173,26 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     adapters = load_adapters(getattr(args, "lora_modules", None), cfg, getattr(args, "max_lora_rank", 64))
     with start_phases.phase("weights", f"loading the weights of {args.model}", log, dtype=str(dtype)):
         model = load_model(cfg, device, dtype)
-    if adapters:
-        model.lora = LoraStack(adapters, cfg, device, dtype)
-        log.info("lora_adapters", adapters=[f"{n} (r={r}, {b} bytes)" for n, r, b in model.lora.describe()],
-                 stacked_bytes=model.lora.held_bytes())
     backend, why = select_backend(args.attention_backend, device, dtype, cfg.head_dim, kv.quantized)
     attention = BACKENDS[backend](cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     graphs_off = _graphs_off_reason(args, device, model, kv)
     num_pages = _num_pages(args, cfg, dtype, device, kv)
-    check_kv_fits(kv_flag(args), (num_pages + 1) * page_bytes(cfg, args.block_size, dtype, kv), device,
+    per_page = page_bytes(cfg, args.block_size, dtype, kv)
+    check_kv_fits(kv_flag(args), (num_pages + 1) * per_page, device,
                   weights_bytes(model), available_host_memory())  # before allocating (+1: the scratch page)
+    held = plan_pages(adapters, cfg, dtype, num_pages, per_page) if adapters else None  # the pool's last pages
+    if held is not None:
+        check_kv_left(held, num_pages, max(a.rank for a in adapters), cfg, args.block_size, kv_flag(args))
     pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
-    host_pool = HostPagePool(pool, _num_host_pages(args, num_pages, pool.page_bytes, log))
+    if held is not None:  # the stacks are views of the held pages (executor_svc/lora/pages.py)
+        model.lora = LoraStack(adapters, cfg, device, dtype, memory=held.carve(pool, dtype))
+        model.lora.pages = held.per_adapter()
+        log.info("lora_adapters", adapters=[f"{n} (r={r}, {b} bytes, {p} pages)" for (n, r, b), p in
+                                            zip(model.lora.describe(), model.lora.pages)],
+                 pages=held.total, kv_pages=held.first, stacked_bytes=model.lora.held_bytes())
+    kv_pages = num_pages - (held.total if held is not None else 0)
+    host_pool = HostPagePool(pool, _num_host_pages(args, kv_pages, pool.page_bytes, log))
     graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
                                                  scratch_page=num_pages)
     runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
@@ -207,7 +216,8 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         default_temperature=defaults.temperature, default_top_p=defaults.top_p, default_top_k=defaults.top_k,
         default_repetition_penalty=defaults.repetition_penalty, default_min_p=defaults.min_p,
         model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
-        adapters=[pb.Adapter(name=n, rank=r, num_bytes=b) for n, r, b in (model.lora.describe() if adapters else [])],
+        adapters=[pb.Adapter(name=n, rank=r, num_bytes=b, num_pages=p)
+                  for (n, r, b), p in (zip(model.lora.describe(), model.lora.pages) if adapters else [])],
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

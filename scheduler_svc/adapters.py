@@ -6,7 +6,9 @@ by ``GenerateRequest.adapter`` ("" : the base model); ``select`` is that stage o
 the bounds): the name must be one served that the caller's tenant may use (its ``adapters`` in the tenants file,
 pagedkv/tenancy.py), else ``AdapterNotFound`` (NOT_FOUND). An adapter the tenant may not use gets the same answer
 as one that is not served, word for word: another tenant's adapters must look as if they did not exist.
-``usable`` is what ModelInfo lists to the caller."""
+``usable`` is what ModelInfo lists to the caller: with the pages each adapter's weights hold on every executor,
+out of its pool before any tenant's quota (a start-up adapter is public; Describe's num_device_pages leaves them
+out, so the page accounting never hands one to a request)."""
 
 from __future__ import annotations
 
@@ -54,5 +56,5 @@ def select(name: str, describe: pb.DescribeResponse, tenant: Tenant) -> str:
 
 def usable(describe: pb.DescribeResponse, tenant: Tenant) -> list[api.AdapterInfo]:
     """The adapters ``tenant`` may use, in the executors' order (ModelInfoResponse.adapters)."""
-    return [api.AdapterInfo(name=a.name, rank=a.rank, num_bytes=a.num_bytes) for a in describe.adapters
-            if tenant.may_use(a.name)]
+    return [api.AdapterInfo(name=a.name, rank=a.rank, num_bytes=a.num_bytes, num_pages=a.num_pages)
+            for a in describe.adapters if tenant.may_use(a.name)]

@@ -80,3 +80,4 @@ class ClusterReports:
                 gauge.remove(address)
             except KeyError:
                 pass
+        metrics.adapter_pages(address, [])

@@ -68,7 +68,8 @@ async def join(client: ExecutorClient, hooks: EngineHooks, log, planner: Schedul
     client.on_stream_end(on_stream_end)
     log.info("executor_up", executor_id=describe.executor_id, num_pages=describe.num_device_pages,
              num_host_pages=describe.num_host_pages, pages=PAGES_KEPT if client.pages_kept else PAGES_FRESH,
-             cached_pages=planner.snapshot().pool.num_cached)
+             cached_pages=planner.snapshot().pool.num_cached,
+             adapter_pages={a.name: a.num_pages for a in describe.adapters} or None)
     info = replace(info, executor_id=describe.executor_id, kv_dtype=describe.kv_dtype,
                    kv_bytes_per_token=describe.kv_bytes_per_token)
     return Joined(describe, planner, info)

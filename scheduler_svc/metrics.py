@@ -102,6 +102,8 @@ PLANNED_AFTER_RESULT = Counter("pagedkv_plan_hold_late_total", "Holds cut short:
 EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
 EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])
 EXECUTOR_RUNNING = Gauge("pagedkv_executor_requests_running", "Requests running on one executor", ["executor"])
+ADAPTER_PAGES = Gauge("pagedkv_adapter_pages", "Device pages a LoRA adapter's weights hold on one executor (its "
+                      "--lora-modules; out of the pool before any tenant's quota)", ["executor", "adapter"])
 MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another executor, by cause (failure or drain)",
                      ["cause"])
 UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")
@@ -133,3 +135,19 @@ def count_since(last: dict[str, int], snap) -> dict[str, int]:
     PREFIX_QUERY_TOKENS.inc(now["query"] - last.get("query", 0))
     PREFIX_HIT_TOKENS.inc(now["hit"] - last.get("hit", 0))
     return now
+
+
+_adapter_rows: dict[str, list[str]] = {}  # executor -> the adapters ADAPTER_PAGES has a row of
+
+
+def adapter_pages(executor: str, adapters) -> None:
+    """ADAPTER_PAGES of one executor from its Describe's ``adapters`` (none: its rows go, as when it is dropped)."""
+    for name in _adapter_rows.pop(executor, []):
+        try:
+            ADAPTER_PAGES.remove(executor, name)
+        except KeyError:
+            pass
+    for a in adapters:
+        ADAPTER_PAGES.labels(executor, a.name).set(a.num_pages)
+    if adapters:
+        _adapter_rows[executor] = [a.name for a in adapters]

@@ -251,7 +251,7 @@ async def serve(args) -> None:
              trusted_hop=hops.enabled, objectives=sorted(hops.objectives) or None,
              num_pages=describe.num_device_pages, num_host_pages=describe.num_host_pages,
              block_size=describe.block_size, max_model_len=max_len, prefix_caching=args.enable_prefix_caching,
-             adapters=[a.name for a in describe.adapters] or None,
+             adapters=[f"{a.name} (r={a.rank}, {a.num_pages} pages)" for a in describe.adapters] or None,
              preemption_mode=args.preemption_mode, max_prompt_bytes=prompt_bytes, max_request_bytes=max_request,
              metrics=f"{args.metrics_host or args.host}:{args.metrics_port}" if args.metrics_port else "off")
 

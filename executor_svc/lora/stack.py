@@ -11,6 +11,10 @@ targets, the stack holds
 with zeros past an adapter's own rank and for a module it does not target, so that one bmm over a step's
 adapters shrinks and one bmm per module expands (batch.py). The per-adapter scale (alpha / r, or alpha / sqrt(r)) is
 kept apart and applied after the expand, as PEFT applies it.
+
+In memory the stacks are laid out by adapter, not by tensor: one region per adapter holds its rows of every stacked
+tensor (``_layout``; each block aligned), and every stacked tensor is a strided view over the N regions. So each
+adapter's weights are one contiguous block, served from pages of the KV pool (executor_svc/lora/pages.py).
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.lora.adapter import LoraAdapter, load_adapter
+from executor_svc.lora.adapter import LoraAdapter, load_adapter, module_shapes
 from executor_svc.lora.names import check_unique
 from executor_svc.model_config import ModelConfig
 
 # llama.py's fused linears and the modules whose outputs they concatenate, in order
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
+ALIGN_BYTES = 16  # every stacked tensor's block starts this aligned in an adapter's region (and each region does)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -38,42 +43,83 @@ class LinearLora:
     slices: tuple[tuple[int, int], ...]  # per targeted module: (offset, width) in the fused linear's output
 
 
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Where one fused linear's stacked tensors lie in each adapter's region: element offsets of shrink's block
+    [in, M * R], then of each expand's [R, width]."""
+
+    linear: str
+    targeted: tuple[str, ...]
+    offsets: tuple[int, ...]
+
+
+def _layout(adapters: list[LoraAdapter], cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[list[_Block]], int]:
+    """The blocks of each layer, and the elements of one adapter's region (all its blocks, padded to the largest
+    rank and aligned): every adapter's region has the same layout, so that row k of a stacked tensor is in
+    adapter k's region."""
+    align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    shapes, r, at, layers = module_shapes(cfg), max(a.rank for a in adapters), 0, []
+    for layer in range(cfg.num_layers):
+        here = []
+        for linear, modules in FUSED.items():
+            targeted = tuple(m for m in modules if any((layer, m) in a.weights for a in adapters))
+            if not targeted:
+                continue
+            offsets = []
+            for rows, cols in [(shapes[targeted[0]][0], len(targeted) * r)] + [(r, shapes[m][1]) for m in targeted]:
+                offsets.append(at)
+                at += -(-rows * cols // align) * align
+            here.append(_Block(linear, targeted, tuple(offsets)))
+        layers.append(here)
+    return layers, at
+
+
+def region_bytes(adapters: list[LoraAdapter], cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one adapter's region in the stack (``LoraStack``'s ``memory`` rows): what it holds, padding to the
+    largest rank served, to every module any adapter targets, and alignment included."""
+    return _layout(adapters, cfg, dtype)[1] * torch.empty(0, dtype=dtype).element_size()
+
+
 class LoraStack:
     """The served adapters (``adapters``, in load order; slot = index + 1) and their stacked weights per layer and
-    fused linear (``layers[i][linear]``; a linear no adapter targets in that layer is absent)."""
+    fused linear (``layers[i][linear]``; a linear no adapter targets in that layer is absent).
+
+    Every stacked tensor is a view of ``memory`` [N, region elements or more], row k adapter k's region (one
+    contiguous block of memory per adapter): given, it is the pool's pages the adapters hold (executor_svc/lora/
+    pages.py), else the stack allocates it. The weights are copied in here; ``pages``: the pages each adapter holds
+    (startup.py sets them; empty when the stack allocated its own memory)."""
 
     def __init__(self, adapters: list[LoraAdapter], cfg: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, memory: torch.Tensor | None = None) -> None:
         self.adapters = adapters
         self.dtype = dtype
         self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}  # name -> slot (0: the base model)
         self.rank = max(a.rank for a in adapters)
+        self.pages: list[int] = []
         # fp32 whatever the model dtype: a delta is scaled as PEFT scales it (by a Python float: in fp32, then rounded)
         self.scales = torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=device)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": cfg.hidden_size,
-                  "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size}
-        self.layers: list[dict[str, LinearLora]] = []
-        for layer in range(cfg.num_layers):
-            here = {}
-            for linear, modules in FUSED.items():
-                built = self._linear(layer, modules, widths, device)
-                if built is not None:
-                    here[linear] = built
-            self.layers.append(here)
+        blocks, elems = _layout(adapters, cfg, dtype)
+        if memory is None:
+            memory = torch.empty(len(adapters), elems, dtype=dtype, device=device)
+        elif memory.dtype != dtype or memory.dim() != 2 or memory.shape[0] != len(adapters) or memory.shape[1] < elems:
+            raise ValueError(f"the adapters' memory {memory.dtype} {list(memory.shape)} cannot hold "
+                             f"{len(adapters)} regions of {elems} {dtype} elements")
+        self.memory = memory.zero_()  # (zeros past an adapter's rank and for the modules it does not target)
+        shapes = module_shapes(cfg)
+        self.layers: list[dict[str, LinearLora]] = [{b.linear: self._linear(layer, b, shapes, device) for b in here}
+                                                    for layer, here in enumerate(blocks)]
 
-    def _linear(self, layer: int, modules: tuple[str, ...], widths: dict[str, int],
-                device: torch.device) -> LinearLora | None:
-        targeted = [m for m in modules if any((layer, m) in a.weights for a in self.adapters)]
-        if not targeted:
-            return None
-        n, r = len(self.adapters), self.rank
-        fan_in = next(a.weights[layer, m][0].shape[1] for m in targeted for a in self.adapters
-                      if (layer, m) in a.weights)
-        shrink = torch.zeros(n, fan_in, len(targeted) * r, dtype=self.dtype, device=device)
+    def _view(self, offset: int, rows: int, cols: int) -> torch.Tensor:
+        """[N, rows, cols]: the block at ``offset`` of every adapter's region."""
+        return self.memory[:, offset:offset + rows * cols].view(len(self.adapters), rows, cols)
+
+    def _linear(self, layer: int, block: _Block, shapes: dict[str, tuple[int, int]],
+                device: torch.device) -> LinearLora:
+        r, targeted = self.rank, block.targeted
+        shrink = self._view(block.offsets[0], shapes[targeted[0]][0], len(targeted) * r)
         expand = []
-        for j, m in enumerate(targeted):
-            b_stack = torch.zeros(n, r, widths[m], dtype=self.dtype, device=device)
+        for j, (m, offset) in enumerate(zip(targeted, block.offsets[1:])):
+            b_stack = self._view(offset, r, shapes[m][1])
             for k, a in enumerate(self.adapters):
                 if (layer, m) in a.weights:
                     lora_a, lora_b = a.weights[layer, m]
@@ -81,19 +127,18 @@ class LoraStack:
                     b_stack[k, :a.rank] = lora_b.t().to(device=device, dtype=self.dtype)
             expand.append(b_stack)
         offsets, at = {}, 0
-        for m in modules:
+        for m in FUSED[block.linear]:
             offsets[m] = at
-            at += widths[m]
-        return LinearLora(shrink, tuple(expand), tuple((offsets[m], widths[m]) for m in targeted))
+            at += shapes[m][1]
+        return LinearLora(shrink, tuple(expand), tuple((offsets[m], shapes[m][1]) for m in targeted))
 
     def describe(self) -> list[tuple[str, int, int]]:
         """(name, rank, bytes of its A/B weights) per adapter, in load order (DescribeResponse.adapters)."""
         return [(a.name, a.rank, a.num_bytes(self.dtype)) for a in self.adapters]
 
     def held_bytes(self) -> int:
-        """Bytes the stacks take (padded to the largest rank)."""
-        return sum(t.numel() * t.element_size() for here in self.layers for lin in here.values()
-                   for t in (lin.shrink, *lin.expand))
+        """Bytes the stacks take (padded to the largest rank and aligned; the adapters' pages when in the pool)."""
+        return self.memory.numel() * self.memory.element_size()
 
 
 def load_adapters(modules: list[tuple[str, Path]] | None, cfg: ModelConfig, max_rank: int) -> list[LoraAdapter]:

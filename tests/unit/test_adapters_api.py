@@ -1,7 +1,8 @@
 """LoRA adapters through the public API (#52), in one process (the real Generate and ModelInfo handlers, Cluster and
 Engine against FakeExecutors): a tenant may select an adapter its tenants-file ``adapters`` allows, and the plan's
 NewRequest names it; an adapter not served and one the tenant may not use are both NOT_FOUND, with the same message;
-ModelInfo lists each tenant the adapters it may use; the tenants file's ``adapters`` is checked as it loads."""
+ModelInfo lists each tenant the adapters it may use, with the pages each holds (and pagedkv_adapter_pages per
+executor); the tenants file's ``adapters`` is checked as it loads."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import grpc
 import pytest
 import structlog
 import tomllib
+from prometheus_client import REGISTRY
 
 from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.client import Client
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.tenancy import InvalidTenant, Tenants, hash_key
+from scheduler_svc import metrics
 from scheduler_svc.api import GenerationService
+from scheduler_svc.cluster_reports import ClusterReports
 from scheduler_svc.validation import Limits
 from tests.support.fake_cluster import Box, FakeClient, up_cluster
 from tests.support.fake_executor import NullTokenizer
@@ -25,7 +29,8 @@ from tests.support.fake_grpc import Aborted, Context
 
 pytestmark = pytest.mark.unit
 
-SQL, CHAT = pb.Adapter(name="sql", rank=8, num_bytes=1 << 20), pb.Adapter(name="chat", rank=16, num_bytes=2 << 20)
+SQL = pb.Adapter(name="sql", rank=8, num_bytes=1 << 20, num_pages=3)
+CHAT = pb.Adapter(name="chat", rank=16, num_bytes=2 << 20, num_pages=5)
 TENANTS = f"""
 [tenants.all]
 keys = ["{hash_key("k-all")}"]
@@ -110,11 +115,25 @@ def test_model_info_lists_the_adapters_each_tenant_may_use(boxes, monkeypatch):
         out = {}
         for key in ("k-all", "k-sql", "k-none"):
             info = await service.ModelInfo(api.ModelInfoRequest(), Caller(key))
-            out[key] = [(a.name, a.rank, a.num_bytes) for a in info.adapters]
+            out[key] = [(a.name, a.rank, a.num_bytes, a.num_pages) for a in info.adapters]
+        out["gauge"] = {n: REGISTRY.get_sample_value("pagedkv_adapter_pages", {"executor": "a:1", "adapter": n})
+                        for n in ("sql", "chat")}
         return out
     got, _ = _run(boxes, monkeypatch, calls)
-    assert got == {"k-all": [("sql", 8, 1 << 20), ("chat", 16, 2 << 20)], "k-sql": [("sql", 8, 1 << 20)],
-                   "k-none": []}
+    assert got == {"k-all": [("sql", 8, 1 << 20, 3), ("chat", 16, 2 << 20, 5)], "k-sql": [("sql", 8, 1 << 20, 3)],
+                   "k-none": [], "gauge": {"sql": 3, "chat": 5}}
+
+
+def test_the_adapter_pages_gauge_follows_an_executors_adapters():
+    def rows(executor: str) -> dict:
+        return {n: REGISTRY.get_sample_value("pagedkv_adapter_pages", {"executor": executor, "adapter": n})
+                for n in ("sql", "chat")}
+    metrics.adapter_pages("b:1", [SQL, CHAT])
+    assert rows("b:1") == {"sql": 3, "chat": 5}
+    metrics.adapter_pages("b:1", [CHAT])  # (re)joined with other adapters: the old rows go
+    assert rows("b:1") == {"sql": None, "chat": 5}
+    ClusterReports.forget("b:1")  # dropped for good
+    assert rows("b:1") == {"sql": None, "chat": None}
 
 
 @pytest.mark.parametrize("value", ['"sql"', "[1]", '[["sql"]]', "true"])

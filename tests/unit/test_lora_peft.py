@@ -132,8 +132,9 @@ def test_steps_without_adapter_rows_keep_the_one_call_decode(served):
 
 
 def test_describe_lists_the_adapters_in_load_order(served):
-    """Start-up as the executor does it (flags parsed, startup.build): Describe names each adapter with its rank and
-    the bytes of its A/B weights, in --lora-modules order, and the runner serves them."""
+    """Start-up as the executor does it (flags parsed, startup.build): Describe names each adapter with its rank,
+    the bytes of its A/B weights and the pool's pages it holds (all padded to rank 64 over the 7 modules: 64 pages of
+    8 KiB each), in --lora-modules order; the KV pages are the pool's others, and the runner serves them."""
     import argparse
 
     from executor_svc.args import add_args
@@ -143,11 +144,13 @@ def test_describe_lists_the_adapters_in_load_order(served):
     base, adapters = served
     parser = argparse.ArgumentParser()
     add_args(parser)
-    args = parser.parse_args(["--model", str(base), "--device", "cpu", "--num-pages", "8", "--threads", "1",
+    args = parser.parse_args(["--model", str(base), "--device", "cpu", "--num-pages", "208", "--threads", "1",
                               "--swap-space", "0", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())])
     runner, describe = build(args, logs.configure("executor-test"))
     assert [(a.name, a.rank) for a in describe.adapters] == [(n, spec[0]) for n, spec in SPECS.items()]
     assert runner.mirror.adapters == {"r8-attn": 1, "r16-rslora": 2, "r64-all": 3}
+    assert [a.num_pages for a in describe.adapters] == [64, 64, 64] and describe.page_bytes == 8192
+    assert describe.num_device_pages == runner.num_pages == 208 - 3 * 64
     hidden, inter, kv = SMALL["hidden_size"], SMALL["intermediate_size"], 32
     fan = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
