@@ -88,11 +88,11 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
 
 
 def page_request(tenant: str, prompt: list[int], block_size: int) -> SimpleNamespace:
-    """What ``KvEventLog.describe`` reads of a request: its tokens, tenant, window and page hashes."""
+    """What ``KvEventLog.describe`` reads of a request: its tokens, tenant, window, adapter and page hashes."""
     hashes = [hashlib.sha256(bytes(prompt[: (j + 1) * block_size])).digest()
               for j in range(len(prompt) // block_size)]
     return SimpleNamespace(tenant=tenant, prompt_ids=prompt, output_ids=[], sink_tokens=0, window_tokens=0,
-                           page_hashes=hashes)
+                           page_hashes=hashes, adapter="")
 
 
 def publish(events: KvEventLog, req: SimpleNamespace, pages: range) -> None:
