@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pagedkv.api.v1.Generation/LoadAdapter',
+                request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pagedkv.api.v1.Generation/UnloadAdapter',
+                request_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -101,6 +111,25 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter at run time on every executor (vLLM's POST /v1/load_lora_adapter). The caller's tenant
+        owns it: only that tenant sees and uses it, its resident pages count against the tenant's page_quota, and a
+        tenant owns at most its max_adapters (tenants file); 0 there: PERMISSION_DENIED. An admin tenant may load a
+        public one (public = true: every tenant whose adapters list allows it may use it; its pages come from the
+        shared allowance). The path is read by the executors, under their --lora-root.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter loaded at run time (the owner, or an admin for a public one; another tenant's is NOT_FOUND).
+        Refused with FAILED_PRECONDITION while a request uses it (waiting, running or swapped): retry when they end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +157,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.FromString,
                     response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +304,60 @@ class Generation:
             '/pagedkv.api.v1.Generation/ReleaseKv',
             pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvRequest.SerializeToString,
             pagedkv_dot_api_dot_v1_dot_api__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.api.v1.Generation/LoadAdapter',
+            pagedkv_dot_api_dot_v1_dot_api__pb2.LoadAdapterRequest.SerializeToString,
+            pagedkv_dot_api_dot_v1_dot_api__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.api.v1.Generation/UnloadAdapter',
+            pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterRequest.SerializeToString,
+            pagedkv_dot_api_dot_v1_dot_api__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterLoad(_message.Message):
+    __slots__ = ("name", "slot")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    slot: int
+    def __init__(self, name: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
+
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "end_token_ids", "scope")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
@@ -49,7 +75,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol", "default_repetition_penalty", "default_min_p", "adapters")
+    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol", "default_repetition_penalty", "default_min_p", "adapters", "lora_slots", "lora_slot_pages", "lora_max_rank", "lora_modules", "lora_runtime")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +106,11 @@ class DescribeResponse(_message.Message):
     DEFAULT_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MIN_P_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LORA_MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LORA_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_layers: int
@@ -110,19 +141,28 @@ class DescribeResponse(_message.Message):
     default_repetition_penalty: float
     default_min_p: float
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ..., default_repetition_penalty: _Optional[float] = ..., default_min_p: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+    lora_slots: int
+    lora_slot_pages: int
+    lora_max_rank: int
+    lora_modules: _containers.RepeatedScalarFieldContainer[str]
+    lora_runtime: bool
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ..., default_repetition_penalty: _Optional[float] = ..., default_min_p: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., lora_slots: _Optional[int] = ..., lora_slot_pages: _Optional[int] = ..., lora_max_rank: _Optional[int] = ..., lora_modules: _Optional[_Iterable[str]] = ..., lora_runtime: _Optional[bool] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "rank", "num_bytes", "num_pages")
+    __slots__ = ("name", "rank", "num_bytes", "num_pages", "slot", "runtime")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     rank: int
     num_bytes: int
     num_pages: int
-    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    slot: int
+    runtime: bool
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., slot: _Optional[int] = ..., runtime: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_stop_ids", "logit_bias", "allowed_token_ids", "bad_words", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
@@ -234,20 +274,22 @@ class PageOps(_message.Message):
     def __init__(self, swap_out: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[PageCopy, _Mapping]]] = ..., zero: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing", "forget", "page_ops", "decodes")
+    __slots__ = ("step_id", "new_requests", "continuing", "forget", "page_ops", "decodes", "adapter_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_FIELD_NUMBER: _ClassVar[int]
     FORGET_FIELD_NUMBER: _ClassVar[int]
     PAGE_OPS_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
     forget: _containers.RepeatedScalarFieldContainer[str]
     page_ops: PageOps
     decodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., forget: _Optional[_Iterable[str]] = ..., page_ops: _Optional[_Union[PageOps, _Mapping]] = ..., decodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter_loads: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., forget: _Optional[_Iterable[str]] = ..., page_ops: _Optional[_Union[PageOps, _Mapping]] = ..., decodes: _Optional[_Iterable[str]] = ..., adapter_loads: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("page_ops_ms", "forward_ms", "sample_ms", "total_ms", "wait_ms", "prepare_ms", "grammar_wait_ms")

@@ -49,6 +49,16 @@ class ExecutorStub:
                 request_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.SerializeToString,
                 response_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pagedkv.executor.v1.Executor/LoadAdapter',
+                request_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Adapter.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pagedkv.executor.v1.Executor/UnloadAdapter',
+                request_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -75,6 +85,23 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Reads a LoRA adapter (a PEFT directory under --lora-root) into host memory; the scheduler pages it into a
+        device slot with StepPlan.adapter_loads. INVALID_ARGUMENT names what the adapter gets wrong; ALREADY_EXISTS
+        for a name held; FAILED_PRECONDITION when the executor has no --lora-root.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Drops a run-time adapter from host memory and from its slot (the scheduler sends it only with no request
+        of the adapter left on the executor). NOT_FOUND for a name not held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +119,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.CheckConstraint,
                     request_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.FromString,
                     response_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.Adapter.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +212,60 @@ class Executor:
             '/pagedkv.executor.v1.Executor/CheckConstraint',
             pagedkv_dot_executor_dot_v1_dot_executor__pb2.Constraint.SerializeToString,
             pagedkv_dot_executor_dot_v1_dot_executor__pb2.CheckConstraintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.executor.v1.Executor/LoadAdapter',
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.Adapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.executor.v1.Executor/UnloadAdapter',
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+            pagedkv_dot_executor_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
