@@ -1,10 +1,12 @@
 """The public API's bounds, and the checks both the scheduler (scheduler_svc/validation.py, chat.py) and the
 gateway (pagedkv/gateway/) apply: request sizes, the ranges of the numbers a request carries, a chat's messages and
-tools counted against --max-prompt-bytes. Each refusal is an ``InvalidRequest`` that names the field and the limit.
-The scheduler's checks that need its model (vocabulary, context, tenants' quotas) stay in scheduler_svc/."""
+tools counted against --max-prompt-bytes, a run-time adapter's name and path. Each refusal is an ``InvalidRequest``
+that names the field and the limit. The scheduler's checks that need its model (vocabulary, context, tenants'
+quotas) stay in scheduler_svc/."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from pagedkv.api.v1 import api_pb2 as api
@@ -176,3 +178,30 @@ def check_generate(request: api.GenerateRequest, tenant: Tenant, priority: int, 
     check_forks(request.sampling.n)
     check_bad_words(list(request.sampling.bad_words))
     check_adapter_name(request.adapter)
+
+
+# ---- LoadAdapter / UnloadAdapter (the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter) -----------
+MAX_LOADED_NAME_CHARS = 64  # a name loaded at run time (a --lora-modules name may have up to 128)
+LOADED_NAME_RULE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_LOADED_NAME_CHARS}}}")
+MAX_ADAPTER_PATH_CHARS = 4096  # PATH_MAX
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_loaded_name(name: str) -> None:
+    """LoadAdapterRequest.name and UnloadAdapterRequest.name: 1 to MAX_LOADED_NAME_CHARS of [A-Za-z0-9._-]."""
+    if not LOADED_NAME_RULE.fullmatch(name):
+        shown = repr(name) if len(name) <= MAX_LOADED_NAME_CHARS else f"a name of {len(name)} characters"
+        raise InvalidRequest(f"name: {shown}; must be 1 to {MAX_LOADED_NAME_CHARS} characters of A-Z a-z 0-9 . _ -")
+
+
+def check_load_adapter(request: api.LoadAdapterRequest) -> None:
+    """A LoadAdapter request's bounds that need no executor: its name, and a path of 1 to MAX_ADAPTER_PATH_CHARS
+    characters without control characters (where it points is the executors' to check, under --lora-root)."""
+    check_loaded_name(request.name)
+    path = request.path
+    where = "a PEFT adapter directory under the executors' --lora-root"
+    if not 0 < len(path) <= MAX_ADAPTER_PATH_CHARS:
+        raise InvalidRequest(f"path: {len(path)} characters; must be 1 to {MAX_ADAPTER_PATH_CHARS} ({where})")
+    if control := _CONTROL.search(path):
+        raise InvalidRequest(f"path: a control character ({control.group()!r}) at {control.start()}; a path has "
+                             f"none ({where})")

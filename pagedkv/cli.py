@@ -1,5 +1,5 @@
-"""The ``pagedkv`` command: serve | scheduler | executor | gateway | dynamo-worker | generate | bench | hash-key |
-health | gen-certs: the parser of every subcommand, and each run (serve's in ``pagedkv.serve_command``)."""
+"""The ``pagedkv`` command: serve | scheduler | executor | gateway | dynamo-worker | generate | adapters | bench |
+hash-key | health | gen-certs: the parser of every subcommand, and each run (serve's in ``pagedkv.serve_command``)."""
 
 from __future__ import annotations
 
@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "$PAGEDKV_API_KEY)")
     add_resume_args(p)
     add_tls_client_args(p)
+    p = sub.add_parser("adapters", help="list, load or unload LoRA adapters on a running server (its tenant's own, "
+                       "loaded at run time)")
+    from pagedkv.adapters_command import add_args as add_adapters_args
+
+    add_adapters_args(p)
     p = sub.add_parser("bench", help="load generator: synthetic requests against a running server, latency and "
                        "throughput report")
     from pagedkv.loadgen.command import add_args as add_bench_args
@@ -211,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # an unreadable --tls-ca, a bad --address list or --resume-*
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
+    if args.command == "adapters":
+        from pagedkv.adapters_command import run as adapters
+
+        return asyncio.run(adapters(args))
     if args.command == "health":
         try:
             return health(args)

@@ -222,8 +222,20 @@ class Client:
         """Ends the retention of a request's KV (``retain_kv``): the pages it gave back. NOT_FOUND: none under key."""
         return (await self.stub.ReleaseKv(api.ReleaseKvRequest(key=key), metadata=self.metadata)).pages_released
 
-    async def model_info(self, reset_peak: bool = False) -> api.ModelInfoResponse:
-        return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata)
+    async def model_info(self, reset_peak: bool = False, timeout: float | None = None) -> api.ModelInfoResponse:
+        return await self.stub.ModelInfo(api.ModelInfoRequest(reset_peak=reset_peak), metadata=self.metadata,
+                                         timeout=timeout)
+
+    async def load_adapter(self, name: str, path: str, public: bool = False,
+                           timeout: float | None = None) -> api.AdapterInfo:
+        """Loads a LoRA adapter at run time (a PEFT directory under the executors' --lora-root), owned by this
+        client's tenant (``public``: an admin tenant's, for every tenant); requests select it by ``adapter=name``."""
+        req = api.LoadAdapterRequest(name=name, path=path, public=public)
+        return await self.stub.LoadAdapter(req, metadata=self.metadata, timeout=timeout)
+
+    async def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Unloads an adapter loaded at run time. FAILED_PRECONDITION while requests use it: retry when they end."""
+        await self.stub.UnloadAdapter(api.UnloadAdapterRequest(name=name), metadata=self.metadata, timeout=timeout)
 
     async def tokenize(self, text: str = "", add_special_tokens: bool | None = None, *,
                        messages: Sequence[Message] | None = None, add_generation_prompt: bool | None = None,

@@ -5,6 +5,7 @@ to a scheduler's gRPC API.
   POST /v1/responses, GET and DELETE /v1/responses/{id}   (OpenAI's Responses API on the chat path; stored per tenant)
   GET  /v1/models
   POST /tokenize, POST /detokenize   (vLLM's: the scheduler's Tokenize and Detokenize)
+  POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter   (vLLM's: the scheduler's LoadAdapter, UnloadAdapter)
   GET  /version       the pagedkv version
   GET  /health        200 while the scheduler answers SERVING, else 503 (readiness)
   GET  /health/live   200 while the gateway's event loop runs (liveness)
@@ -25,6 +26,7 @@ The modules, in the order a request meets them:
   a chat's conversation by ``chat_requests``)
   and counts the streams;
 - ``tokenize``: /tokenize and /detokenize, read and answered in vLLM's shapes;
+- ``adapter_routes``: vLLM's run-time LoRA endpoints (the caller's tenant owns what it loads);
 - ``upstream``: the scheduler's channel, the caller's credentials as metadata;
 - ``streaming``: ``Generation``, one request answered inside the ASGI call (JSON body or SSE chunks, built by
   ``openai_responses``); ``errors``: ApiError and the gRPC status mapping; ``metrics``: the gateway's series;

@@ -1,7 +1,8 @@
 """The gateway's ASGI app: the routes (``create_app``) and what answers them (``Gateway``): a request checked and
 translated (openai_requests.py, after fields.py's table), then answered by a ``Generation`` (streaming.py);
-/v1/models, vLLM's /tokenize and /detokenize (tokenize.py), /version, /health, /metrics. A known path asked with
-another method is a 405 in OpenAI's shape (invalid_request_error, with Allow)."""
+/v1/models, vLLM's /tokenize and /detokenize (tokenize.py) and run-time LoRA endpoints (adapter_routes.py), /version,
+/health, /metrics. A known path asked with another method is a 405 in OpenAI's shape (invalid_request_error, with
+Allow)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pagedkv
 from pagedkv.gateway import fields, logprobs, response_budget
 from pagedkv.gateway import openai_requests as requests
 from pagedkv.gateway import tokenize as tokens
+from pagedkv.gateway.adapter_routes import AdapterRoutes
 from pagedkv.gateway.errors import RETRY_AFTER_S, ApiError, from_grpc
 from pagedkv.gateway.guards import read_json
 from pagedkv.gateway.metrics import LATENCY, REGISTRY, REQUESTS, STREAMS
@@ -101,15 +103,15 @@ class Gateway:
                        completion_tokens=sum(c.completion_tokens for c in gen.choices), seconds=round(elapsed, 4),
                        client_disconnected=gen.disconnected)
 
-    def log_fields(self, plan: Plan, rid: str) -> None:
-        """Unknown fields: a warning (and IGNORED_FIELDS_HEADER in the answer); fields ignored by design: debug."""
-        screened = plan.screened
+    def log_fields(self, screened: fields.Screened | None, **where: str) -> None:
+        """Unknown fields: a warning (and IGNORED_FIELDS_HEADER in the answer); fields ignored by design: debug.
+        ``where``: the request's id (request_id=), or the endpoint's name."""
         if screened and screened.unknown:
-            self.log.warning("request_fields_ignored", request_id=rid, count=len(screened.unknown),
+            self.log.warning("request_fields_ignored", **where, count=len(screened.unknown),
                              fields=[name[:64] for name in screened.unknown[:fields.MAX_HEADER_NAMES]],
                              note="fields were present in the request but ignored (not in the gateway's table)")
         if screened and screened.ignored:
-            self.log.debug("request_fields_ignored_by_design", request_id=rid, fields=screened.ignored)
+            self.log.debug("request_fields_ignored_by_design", **where, fields=screened.ignored)
 
     async def generate(self, request: Request, chat: bool) -> Response:
         started = time.perf_counter()
@@ -129,7 +131,7 @@ class Gateway:
             upstream_id = client_id or rid  # (the scheduler's request_id: its logs and its Cancel know it by it)
             plan = requests.parse_chat(body, upstream_id) if chat else requests.parse_completion(body, upstream_id)
             plan.client_id = client_id
-            self.log_fields(plan, rid)
+            self.log_fields(plan.screened, request_id=rid)
             check_sizes(plan, limits)
             logprobs.check_limits(plan, limits.max_logprobs)
             plan.token_text = await self.token_names() if plan.names_tokens else None
@@ -241,6 +243,7 @@ def create_app(gateway: Gateway, on_shutdown=(), extra_routes=()) -> Starlette:
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        *AdapterRoutes(gateway).routes(),  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
         Route("/version", version, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),

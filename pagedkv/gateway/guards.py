@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 
 from starlette.requests import ClientDisconnect, Request
@@ -30,15 +31,21 @@ async def read_json(request: Request, limits: RequestLimits, param: str):
     """The body as JSON: refused with 413 once it is longer than ``limits.body_bytes`` (from Content-Length, or
     while reading: before it is parsed), with 400 when it nests deeper than MAX_JSON_DEPTH (before json.loads
     recurses). ``param``: what the body mostly carries (prompt or messages), named in the 413."""
+    return await read_bounded_json(request, limits.body_bytes, lambda size: _body_too_large(size, limits, param))
+
+
+async def read_bounded_json(request: Request, max_bytes: int, too_large: Callable[[str], ApiError]):
+    """``read_json``'s reading for any bound: ``too_large`` makes the 413 from the size seen ("N", or "more than
+    N" while reading)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.body_bytes:
-        raise _body_too_large(declared, limits, param)
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(declared)
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
-            if len(body) > limits.body_bytes:
-                raise _body_too_large(f"more than {limits.body_bytes}", limits, param)
+            if len(body) > max_bytes:
+                raise too_large(f"more than {max_bytes}")
     except ClientDisconnect:  # gone, or closed by --body-timeout: this answer goes nowhere
         raise ApiError(499, "request body: the connection closed before all of it came") from None
     if nests_deeper_than(body, MAX_JSON_DEPTH):

@@ -95,7 +95,7 @@ class Responses:
             req = parse(body, client_id or rid, previous)
             plan = req.plan
             plan.client_id = client_id
-            gw.log_fields(plan, rid)
+            gw.log_fields(plan.screened, request_id=rid)
             check_sizes(plan, limits)
             model, adapter = await gw.upstream.select_model(plan.model, metadata)
             for one in plan.requests:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from pagedkv import tenancy
+from pagedkv import tenancy, tenant_table
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ def _rows() -> dict[str, tuple[str, str]]:
 
 
 def test_every_key_the_code_reads_is_documented() -> None:
-    assert set(_rows()) == tenancy._FIELDS, "docs/tenants.md's table and pagedkv/tenancy.py's _FIELDS differ"
+    assert set(_rows()) == tenant_table.FIELDS, "docs/tenants.md's table and pagedkv/tenant_table.py's FIELDS differ"
 
 
 def test_documented_defaults_are_the_codes() -> None:
@@ -52,6 +52,7 @@ def test_example_file_loads_and_maps_keys_to_tenants() -> None:
     assert (acme.page_quota, acme.reserved_pages, acme.page_budget, acme.weight) == (2048, 64, 256, 2.0)
     assert (batch.page_quota, batch.page_budget, batch.overflow, batch.structured_outputs) == (1000, 64, "stop", False)
     assert tenants.get("ops").admin
+    assert (acme.max_adapters, batch.max_adapters) == (2, 0)
 
 
 def test_readme_links_the_docs() -> None:
