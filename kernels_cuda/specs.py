@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("decode.cu", "cache.cu")
+SOURCES = ("decode.cu", "cache.cu", "lora_sgmv.cu")
 
 DTYPES = {"float16": "pkv::f16", "bfloat16": "pkv::bf16", "float32": "float"}
 HEAD_DIMS = (64, 128)
@@ -61,6 +61,14 @@ def gather_name(dtype: str) -> str:
     return f"pkv::gather_kv<{DTYPES[dtype]}>"
 
 
+def lora_shrink_name(dtype: str) -> str:
+    return f"pkv::lora_shrink<{DTYPES[dtype]}>"
+
+
+def lora_expand_name(dtype: str) -> str:
+    return f"pkv::lora_expand<{DTYPES[dtype]}>"
+
+
 COPY_NAME = "pkv::copy_pages"
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
@@ -76,6 +84,8 @@ def name_expressions(source: str) -> list[str]:
                 + [write_q8_token_name(dt, kv) for dt in DTYPES for kv in KV8]
                 + [write_k_i8_channel_name(dt) for dt in DTYPES]
                 + [gather_q8_name(dt, kv) for dt in DTYPES for kv in KV8])
+    if source == "lora_sgmv.cu":
+        return [lora_shrink_name(dt) for dt in DTYPES] + [lora_expand_name(dt) for dt in DTYPES]
     raise ValueError(f"unknown kernel source {source!r}; known: {', '.join(SOURCES)}")
 
 

@@ -1,5 +1,5 @@
 """CI without a GPU: every kernel source compiles with nvcc for sm_90, with exactly the template instantiations
-the NVRTC loader asks for (kernels_cuda/specs.py), and the decode kernels do not spill to local memory.
+the NVRTC loader asks for (kernels_cuda/specs.py), and the decode and LoRA kernels do not spill to local memory.
 
 The ptxas report (-Xptxas -v) of each source is saved under a temporary directory (or
 $PAGEDKV_PTXAS_REPORT_DIR) and printed when a check fails. Skipped only when nvcc is not installed.
@@ -117,6 +117,19 @@ def test_decode_kernels_do_not_spill(builds: dict[str, Build]) -> None:
                         f"{r.spill_stores}/{r.spill_loads} B spill st/ld  {name}" for name, r in decode.items())
     print(f"ptxas ({ARCH}), report {build.report_path}:\n{summary}")
     assert not spilling, f"decode kernels use local memory (report {build.report_path}):\n{summary}\n\n{build.log}"
+
+
+def test_lora_kernels_do_not_spill(builds: dict[str, Build]) -> None:
+    """lora_shrink / lora_expand (kernels_cuda/lora_sgmv.cu): one fp32 accumulator per tile row in registers."""
+    build = builds["lora_sgmv.cu"]
+    assert build.returncode == 0, build.log
+    assert len(build.kernels) == len(specs.name_expressions("lora_sgmv.cu"))
+    summary = "\n".join(f"{r.registers:4d} regs {r.smem_bytes:6d} B smem {r.stack_bytes} B stack "
+                        f"{r.spill_stores}/{r.spill_loads} B spill st/ld  {name}" for name, r in build.kernels.items())
+    print(f"ptxas ({ARCH}), report {build.report_path}:\n{summary}")
+    assert all(r.registers > 0 for r in build.kernels.values()), f"no register report read:\n{build.log}"
+    assert not any(r.spill_stores or r.spill_loads or r.stack_bytes for r in build.kernels.values()), (
+        f"lora kernels use local memory (report {build.report_path}):\n{summary}\n\n{build.log}")
 
 
 def test_ptxas_parser_reads_spills() -> None:
