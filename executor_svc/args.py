@@ -4,6 +4,7 @@ executor (generate, health, bench, scheduler) do not import torch."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from executor_svc.grammar import (
     DEFAULT_COMPILE_MEMORY_MB,
@@ -74,11 +75,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(adapter_config.json + adapter_model.safetensors) read at start-up; a request names one by NAME "
                    f"(unique; 1 to {MAX_NAME_CHARS} characters of A-Z a-z 0-9 . _ -). Plain LoRA on q/k/v/o and "
                    "gate/up/down projections; anything else in an adapter (DoRA, modules_to_save, rank or alpha "
-                   "patterns, biases, ...) is refused at start-up, naming the field. Their weights take pages of the "
-                   "device pool (padded to the largest rank), which are not KV pages (default: none)")
+                   "patterns, biases, ...) is refused at start-up, naming the field. Their weights are held in host "
+                   "memory and paged into device slots (--max-loras) as requests use them (default: none)")
     p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, metavar="R",
-                   help="largest LoRA rank r an adapter may have; the adapters' weights are stacked padded to the "
-                   "largest loaded rank (default: %(default)s)")
+                   help="largest LoRA rank r an adapter may have. Without --lora-root the device slots are padded to "
+                   "the largest rank of --lora-modules and hold the modules they target; with it, to R on all seven "
+                   "modules (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="device slots for LoRA adapters' weights: adapters in use at once (one step mixes up to N "
+                   "adapters and the base model); the others wait in host memory and are paged in, least recently "
+                   "used out, by the scheduler. The slots take the device pool's last pages, which are not KV pages "
+                   "(default: one per --lora-modules adapter, at least 1 with --lora-root)")
+    p.add_argument("--lora-root", type=Path, default=None, metavar="DIR",
+                   help="open run-time adapter loads (the scheduler's LoadAdapter, POST /v1/load_lora_adapter): "
+                   "their paths are read from under DIR only, symlinks resolved (default: none; run-time loads are "
+                   "refused)")
     p.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT, metavar="SECONDS",
                    help="structured outputs: CPU seconds one constraint's compile may use (its own, never its wait "
                    "for a worker); past it the compile worker is ended and the constraint refused (INVALID_ARGUMENT "

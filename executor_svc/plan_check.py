@@ -9,6 +9,7 @@ commits is each scheduled request's ``Scheduled`` row (state, first position, to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +104,9 @@ class RequestMirror:
         self.token_counts = TokenCounts()  # the penalised requests' token counts (a slot each)
         self.grammars: GrammarEngine | None = None  # structured outputs (None: constrained requests are refused)
         self.prompt_logprobs: set[str] = set()  # the requests that ask for prompt log-probabilities
-        self.adapters: dict[str, int] = {}  # the LoRA adapters served: name -> slot (a NewRequest names one or "")
+        # the LoRA slots (executor_svc/lora/stack.py's names: the adapter in each) and whether an adapter is held here
+        self.lora: tuple[list[str | None], Callable[[str], bool]] | None = None
+        self.adapters: dict[str, int] = {}  # this plan's: name -> adapter number (slot + 1), its loads applied
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -158,6 +161,30 @@ class RequestMirror:
                 raise PlanError(f"page_ops.zero: page ids must be in [0, {self.num_pages}) and each listed once, got "
                                 f"{bad or sorted(ops.zero)}", [])
 
+    def _adapter_table(self, loads, forget: set[str]) -> dict[str, int]:
+        """name -> adapter number once ``loads`` (StepPlan.adapter_loads) are applied: each names an adapter held
+        here and a slot in range that no request left after ``forget`` runs with (unless it holds that adapter)."""
+        if self.lora is None:
+            if loads:
+                raise PlanError("adapter_loads: this executor has no adapter slots (--lora-modules, --lora-root)", [])
+            return {}
+        names, held = self.lora
+        after = list(names)
+        for load in loads:
+            if not 0 <= load.slot < len(after):
+                raise PlanError(f"adapter_loads: slot {load.slot} outside [0, {len(after)})", [])
+            if not held(load.name):
+                raise PlanError(f"adapter_loads: adapter {load.name[:128]!r} is not loaded on this executor", [])
+            if after[load.slot] == load.name:
+                continue
+            busy = [rid for rid, st in self.requests.items() if st.adapter == load.slot + 1 and rid not in forget]
+            if busy:
+                raise PlanError(f"adapter_loads: slot {load.slot} holds {after[load.slot]!r}, which request "
+                                f"{busy[0]} still runs with", busy)
+            after = [None if n == load.name else n for n in after]
+            after[load.slot] = load.name
+        return {n: k + 1 for k, n in enumerate(after) if n is not None}
+
     def _new_state(self, new: pb.NewRequest) -> RequestState:
         """A NewRequest checked field by field (nothing of the runner changes)."""
         rid = new.request_id
@@ -179,8 +206,8 @@ class RequestMirror:
                 raise PlanError(f"request {rid}: {name} = {getattr(new, name)} is negative", [rid])
         adapter = self.adapters.get(new.adapter, -1) if new.adapter else 0
         if adapter < 0:
-            raise PlanError(f"request {rid}: adapter {new.adapter[:128]!r} is not served by this executor (it serves "
-                            f"{sorted(self.adapters) or 'none'})", [rid])
+            raise PlanError(f"request {rid}: adapter {new.adapter[:128]!r} is in no slot of this executor (its slots "
+                            f"hold {sorted(self.adapters) or 'none'}; StepPlan.adapter_loads pages one in)", [rid])
         return RequestState(
             token_ids=tokens, num_computed=new.num_computed_tokens, page_ids=list(new.page_ids),
             sampling=check_sampling(rid, new.sampling, vocab), num_output=new.num_output_tokens, sink=new.sink_tokens,
@@ -228,6 +255,8 @@ class RequestMirror:
         """Checks the whole plan against what this executor holds, then commits it. A plan that fails a check
         changes nothing (the scheduler then resends every request of it in full)."""
         self._check_page_ops(plan.page_ops)
+        forget = set(plan.forget)
+        self.adapters = self._adapter_table(plan.adapter_loads, forget)
         scheduled: set[str] = set()
 
         def once(rid: str) -> None:
@@ -242,7 +271,6 @@ class RequestMirror:
             self._check_fit(new.request_id, state, new.num_scheduled_tokens, state.page_ids.__getitem__,
                             len(state.page_ids))
             staged.append((new.request_id, state, new.num_scheduled_tokens))
-        forget = set(plan.forget)
         decodes = list(plan.decodes)  # (read once: each read of a repeated string field builds new str objects)
         requests = self.requests
         missing = [c.request_id for c in plan.continuing if c.request_id not in requests or c.request_id in forget]

@@ -21,6 +21,7 @@ from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.grammar_jobs import Matchers, StepGrammar
 from executor_svc.grammar_mask import GrammarMask
 from executor_svc.lora.batch import LoraBatch, lora_batch, step_row_slots
+from executor_svc.lora.store import AdapterStore
 from executor_svc.pages import DevicePagePool, HostPagePool, PageMover
 from executor_svc.plan_check import PlanError, RequestMirror, RequestState, Scheduled
 from executor_svc.sampler import sample, token_logprobs
@@ -30,7 +31,8 @@ from pagedkv.executor.v1 import executor_pb2 as pb
 
 class ModelRunner:
     def __init__(self, model, pool: DevicePagePool, attention: PagedAttention, device: torch.device,
-                 host_pool: HostPagePool | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 host_pool: HostPagePool | None = None, graphs: DecodeGraphs | None = None,
+                 adapters: AdapterStore | None = None) -> None:
         """``graphs``: decode-only steps replay captured forwards (executor_svc.cuda_graphs); the pool's last
         page is then their scratch page, kept from the scheduler (``num_pages`` is one less). The pages the LoRA
         adapters hold (``pool.held``, right after the KV pages) are kept from it too."""
@@ -55,9 +57,10 @@ class ModelRunner:
         self.mirror = RequestMirror(self.num_pages, num_host, self.block_size,
                                     cfg.vocab_size if cfg is not None else None,
                                     cfg.max_position_embeddings if cfg is not None else None)
-        self.lora = getattr(model, "lora", None)  # the served LoRA adapters' stacks (None: none)
+        self.lora = getattr(model, "lora", None)  # the LoRA adapters' device slots (None: none)
+        self.adapters = adapters  # every adapter held, and the paging into slots (None: the slots are fixed)
         if self.lora is not None:
-            self.mirror.adapters = dict(self.lora.slots)
+            self.mirror.lora = (self.lora.names, adapters.held if adapters is not None else self.lora.slots.__contains__)
         self.matchers: Matchers | None = None  # structured outputs: the matcher threads and budgets (startup.py)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe
@@ -122,6 +125,8 @@ class ModelRunner:
             self.mover.run(swap_out, [(c.src, c.dst) for c in ops.swap_in])
         if plan.page_ops.copy:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
+        for load in plan.adapter_loads:  # (checked by the mirror: held, and no running request on the slot)
+            self.adapters.page_in(load.name, load.slot)
         t2 = time.perf_counter()
         prepared = t2
         if scheduled:

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from executor_svc import metrics
 from executor_svc.grammar import CompileLimit, ConstraintError
+from executor_svc.lora.store import AdapterError
 from executor_svc.runner import ModelRunner
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -47,7 +48,45 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.detached.set()
 
     async def Describe(self, request, context):  # noqa: N802
+        store = self.runner.adapters
+        if store is not None:  # (run-time loads change the list, and pages in change the slots)
+            del self.describe.adapters[:]
+            self.describe.adapters.extend(store.describe())
         return self.describe
+
+    async def LoadAdapter(self, request, context):  # noqa: N802
+        """Reads a run-time adapter into host memory, on a thread (the step loop goes on meanwhile)."""
+        store = self.runner.adapters
+        if store is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this executor serves no LoRA adapters: start "
+                                "it with --lora-root DIR to load adapters at run time")
+        try:
+            adapter = await asyncio.to_thread(store.add, request.name, request.path)
+        except AdapterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        metrics.ADAPTER_PAGES.labels(adapter.name).set(adapter.num_pages)
+        self.log.info("lora_adapter_loaded", adapter=adapter.name, rank=adapter.rank, bytes=adapter.num_bytes)
+        return adapter
+
+    async def UnloadAdapter(self, request, context):  # noqa: N802
+        store = self.runner.adapters
+        if store is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name[:128]!r} is not loaded")
+        in_use = sorted(rid for rid, st in self.runner.requests.items()
+                        if st.adapter and store.stack.names[st.adapter - 1] == request.name)
+        if in_use:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {request.name!r} is in use by "
+                                f"{len(in_use)} request(s) here (e.g. {in_use[0]})")
+        try:
+            store.remove(request.name)
+        except AdapterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        try:
+            metrics.ADAPTER_PAGES.remove(request.name)
+        except KeyError:
+            pass
+        self.log.info("lora_adapter_unloaded", adapter=request.name)
+        return pb.UnloadAdapterResponse()
 
     async def CheckConstraint(self, request, context):  # noqa: N802
         """Compiles a constraint into the grammar cache, in a compile worker (the step loop goes on meanwhile), and

@@ -21,7 +21,8 @@ from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
 from executor_svc.lora.pages import check_kv_left, plan_pages
-from executor_svc.lora.stack import LoraStack, load_adapters
+from executor_svc.lora.stack import LoraStack, load_adapters, lora_slots
+from executor_svc.lora.store import AdapterStore
 from executor_svc.memory_fit import check_kv_fits, kv_flag, weights_bytes
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -180,22 +181,30 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     per_page = page_bytes(cfg, args.block_size, dtype, kv)
     check_kv_fits(kv_flag(args), (num_pages + 1) * per_page, device,
                   weights_bytes(model), available_host_memory())  # before allocating (+1: the scratch page)
-    held = plan_pages(adapters, cfg, dtype, num_pages, per_page) if adapters else None  # the pool's last pages
+    shape, slots = lora_slots(args, adapters, cfg)
+    held = plan_pages(shape, cfg, dtype, num_pages, per_page, slots) if slots else None  # the pool's last pages
     if held is not None:
-        check_kv_left(held, num_pages, max(a.rank for a in adapters), cfg, args.block_size, kv_flag(args))
+        check_kv_left(held, num_pages, shape.rank, cfg, args.block_size, kv_flag(args))
     pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
-    if held is not None:  # the stacks are views of the held pages (executor_svc/lora/pages.py)
-        model.lora = LoraStack(adapters, cfg, device, dtype, memory=held.carve(pool, dtype))
+    store = None
+    if held is not None:  # the slots are views of the held pages (executor_svc/lora/pages.py)
+        model.lora = LoraStack([], cfg, device, dtype, memory=held.carve(pool, dtype), shape=shape, slots=slots)
         model.lora.pages = held.per_adapter()
-        log.info("lora_adapters", adapters=[f"{n} (r={r}, {b} bytes, {p} pages)" for (n, r, b), p in
-                                            zip(model.lora.describe(), model.lora.pages)],
-                 pages=held.total, kv_pages=held.first, stacked_bytes=model.lora.held_bytes())
+        store = AdapterStore(model.lora, cfg, getattr(args, "max_lora_rank", 64), getattr(args, "lora_root", None),
+                             pin=device.type == "cuda")
+        for k, adapter in enumerate(adapters):
+            store.hold(adapter, runtime=False)
+            if k < slots:
+                store.page_in(adapter.name, k)
+        log.info("lora_adapters", adapters=[f"{a.name} (r={a.rank}, {a.num_bytes(dtype)} bytes)" for a in adapters],
+                 slots=slots, slot_pages=held.each, slot_rank=shape.rank, pages=held.total, kv_pages=held.first,
+                 runtime_root=str(store.root) if store.root else None, stacked_bytes=model.lora.held_bytes())
     kv_pages = num_pages - (held.total if held is not None else 0)
     host_pool = HostPagePool(pool, _num_host_pages(args, kv_pages, pool.page_bytes, log))
     graphs = None if graphs_off else DecodeGraphs(model, pool, attention, device, _graph_max_batch(args),
                                                  scratch_page=num_pages)
-    runner = ModelRunner(model, pool, attention, device, host_pool, graphs)
+    runner = ModelRunner(model, pool, attention, device, host_pool, graphs, store)
     runner.mirror.grammars, runner.matchers = _grammars(args, path, cfg.vocab_size)
     log.info("cuda_graphs", on=graphs is not None, buckets=graphs.buckets if graphs else [],
              eager=graphs_off or "prefill and mixed steps, decode steps above the largest bucket")
@@ -216,8 +225,10 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         default_temperature=defaults.temperature, default_top_p=defaults.top_p, default_top_k=defaults.top_k,
         default_repetition_penalty=defaults.repetition_penalty, default_min_p=defaults.min_p,
         model_sliding_window=cfg.model_window, protocol=EXECUTOR_PROTOCOL,
-        adapters=[pb.Adapter(name=n, rank=r, num_bytes=b, num_pages=p)
-                  for (n, r, b), p in (zip(model.lora.describe(), model.lora.pages) if adapters else [])],
+        adapters=store.describe() if store is not None else [], lora_slots=slots,
+        lora_slot_pages=held.each if held is not None else 0, lora_max_rank=shape.rank if slots else 0,
+        lora_modules=sorted({m for t in shape.targets for m in t}) if slots else [],
+        lora_runtime=store is not None and store.root is not None,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,

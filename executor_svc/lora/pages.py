@@ -21,7 +21,7 @@ from math import gcd
 import torch
 
 from executor_svc.lora.adapter import LoraAdapter
-from executor_svc.lora.stack import ALIGN_BYTES, region_bytes
+from executor_svc.lora.stack import ALIGN_BYTES, SlotShape, region_bytes
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
 
@@ -61,15 +61,17 @@ class AdapterPages:
         return held[:self.count * self.each * self.page_bytes].view(self.count, self.each * self.page_bytes).view(dtype)
 
 
-def plan_pages(adapters: list[LoraAdapter], cfg: ModelConfig, dtype: torch.dtype, num_pages: int,
-               page_bytes: int) -> AdapterPages:
-    """Where ``adapters`` go in a pool of ``num_pages`` KV-usable pages (the scratch page apart) of ``page_bytes``."""
+def plan_pages(adapters: list[LoraAdapter] | SlotShape, cfg: ModelConfig, dtype: torch.dtype, num_pages: int,
+               page_bytes: int, count: int | None = None) -> AdapterPages:
+    """Where ``count`` slots (default: one per adapter of ``adapters``, shaped for them; or of the SlotShape
+    given) go in a pool of ``num_pages`` KV-usable pages (the scratch page apart) of ``page_bytes``."""
+    count = len(adapters) if count is None else count
     step = ALIGN_BYTES // gcd(page_bytes, ALIGN_BYTES)  # pages whose bytes are a multiple of ALIGN_BYTES
     each = -(-pages_for(region_bytes(adapters, cfg, dtype), page_bytes) // step) * step
-    first, spare = num_pages - len(adapters) * each, 0
+    first, spare = num_pages - count * each, 0
     while first > 0 and first * page_bytes % ALIGN_BYTES:
         first, spare = first - 1, spare + 1
-    return AdapterPages(first, len(adapters), each, spare, page_bytes)
+    return AdapterPages(first, count, each, spare, page_bytes)
 
 
 def check_kv_left(held: AdapterPages, num_pages: int, rank: int, cfg: ModelConfig, block_size: int,
@@ -81,8 +83,8 @@ def check_kv_left(held: AdapterPages, num_pages: int, rank: int, cfg: ModelConfi
     if held.first >= need:
         return
     raise ValueError(
-        f"--lora-modules: the {held.count} adapters' weights need {held.total} pages of the KV pool ({held.each} "
-        f"each of {held.page_bytes} bytes, padded to rank {rank}), but the pool has {num_pages} pages ({asked}): "
+        f"--lora-modules / --max-loras: the {held.count} adapter slots need {held.total} pages of the KV pool "
+        f"({held.each} each of {held.page_bytes} bytes, padded to rank {rank}), but the pool has {num_pages} pages ({asked}): "
         f"{max(held.first, 0)} would be left for KV, fewer than the {need} it needs at least; give the pool at "
         f"least {need + held.total} pages (--num-pages, --kv-cache-gb), or serve fewer adapters or lower "
         "ranks")

@@ -124,3 +124,31 @@ def lora_runner(model_dir: Path, adapters: dict[str, Path], num_pages: int = 64,
     attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
     pool = DevicePagePool(cfg, num_pages, block_size, torch.float32, cpu, parse_kv_dtype("auto", torch.float32))
     return ModelRunner(model, pool, attention, cpu)
+
+
+def slot_runner(model_dir: Path, startup: dict[str, Path], root: Path | None, slots: int, max_rank: int = 64,
+                num_pages: int = 64):
+    """Our ModelRunner with ``slots`` device slots and an AdapterStore (run-time loads from under ``root``), the
+    ``startup`` adapters held and paged into the first slots, as startup.py builds it; returns (runner, store)."""
+    from executor_svc.attention.torch_backend import TorchPagedAttention
+    from executor_svc.kv_quant import parse_kv_dtype
+    from executor_svc.lora.stack import LoraStack, load_adapters, slot_shape
+    from executor_svc.lora.store import AdapterStore
+    from executor_svc.model import load_model
+    from executor_svc.pages import DevicePagePool
+    from executor_svc.runner import ModelRunner
+
+    cfg = ModelConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    loaded = load_adapters(list(startup.items()), cfg, max_rank)
+    model = load_model(cfg, cpu, torch.float32)
+    model.lora = LoraStack([], cfg, cpu, torch.float32, shape=slot_shape(loaded, cfg, max_rank if root else None),
+                           slots=slots)
+    store = AdapterStore(model.lora, cfg, max_rank, root)
+    for k, adapter in enumerate(loaded):
+        store.hold(adapter, runtime=False)
+        if k < slots:
+            store.page_in(adapter.name, k)
+    attention = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+    pool = DevicePagePool(cfg, num_pages, 16, torch.float32, cpu, parse_kv_dtype("auto", torch.float32))
+    return ModelRunner(model, pool, attention, cpu, adapters=store), store

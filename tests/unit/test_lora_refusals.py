@@ -167,7 +167,7 @@ def test_plan_naming_an_adapter_not_served_is_refused(base, adapter):
     plan.new_requests.add(request_id="bad", token_ids=[1, 5, 6], num_scheduled_tokens=3, page_ids=[2],
                           adapter="ad2")
     result = runner.step(plan)
-    assert "request bad: adapter 'ad2' is not served by this executor" in result.error
+    assert "request bad: adapter 'ad2' is in no slot of this executor" in result.error
     assert "['ad1']" in result.error
     assert list(result.desynced_request_ids) == ["bad"] and not runner.requests  # the whole plan changed nothing
     plan.new_requests[1].adapter = ""
@@ -175,4 +175,4 @@ def test_plan_naming_an_adapter_not_served_is_refused(base, adapter):
     assert not result.error and runner.requests["ok"].adapter == 1 and runner.requests["bad"].adapter == 0
     plain = lora_runner(base, {})  # an executor without adapters refuses any name
     plan.new_requests[1].adapter = "ad1"
-    assert "(it serves none)" in plain.step(plan).error
+    assert "(its slots hold none;" in plain.step(plan).error
