@@ -64,7 +64,23 @@ class Refuse:
     error: str
 
 
-Decision = Admit | SwapIn | Trim | Reclaim | Refuse
+@dataclass(slots=True)
+class PageIn:
+    """A request about to run needs its LoRA adapter in a device slot: page it into ``slot`` (adapter_slots.py;
+    the least recently used adapter there, idle, goes back to host memory)."""
+
+    adapter: str
+    slot: int
+
+
+@dataclass(slots=True)
+class Evict:
+    """A tenant's own idle adapter leaves its slot, to make room in the tenant's quota."""
+
+    adapter: str
+
+
+Decision = Admit | SwapIn | Trim | Reclaim | Refuse | PageIn | Evict
 _Decisions = Generator[Decision, None, None]
 
 
@@ -120,6 +136,9 @@ def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator
         return 0
     if limits.at_seat_limit(req.tenant, req.n) or req.in_flight:  # (swapped out under a plan in flight)
         return None
+    slot = view.adapter_slot(req)
+    if slot == -1:  # every adapter slot is in use: others may go
+        return None
     yield Trim(req)
     n = kv.window_chunk_limit(req, min(req.num_uncomputed, budget))
     tier = kv.host_tier  # (a swapped request: there is one)
@@ -128,15 +147,28 @@ def _swap_in(view: PlanView, req: Request, budget: int, seats: int) -> Generator
     if need > capacity:  # it can never come back (e.g. a quota lowered by reload)
         yield Refuse(req, f"request needs {need} pages; tenant {req.tenant} can hold at most {capacity}")
         return None
-    while not limits.can_take(req.tenant, need, view.slack()):
-        over = view.ledger.over_quota(view.ledger.tenants.get(req.tenant), need)
+    charge = view.adapters.charge(req.adapter) if slot is not None else 0
+    while not limits.can_take(req.tenant, need, view.slack(), charge):
+        over = view.ledger.over_quota(view.ledger.tenants.get(req.tenant), need + charge)
+        if over and (idle := _idle_adapter(view, req)):
+            yield Evict(idle)
+            continue
         key = view.retained.reclaimable(req.tenant if over else None)
         if key is None:
             return None if over else 0
         yield Reclaim(key)
         need = tier.pages_to_swap_in(req, n)
+    if slot is not None:
+        yield PageIn(req.adapter, view.adapter_slot(req))  # (an eviction above may have freed another slot)
     yield SwapIn(req, n)
     return n
+
+
+def _idle_adapter(view: PlanView, req: Request) -> str | None:
+    """An idle adapter of req's tenant in a slot (not req's own): it goes before the tenant's KV waits."""
+    if view.adapters is None:
+        return None
+    return view.adapters.idle_owned(req.tenant, view.queues.running_adapters() | {req.adapter})
 
 
 def _admit_waiting(view: PlanView, budget: int, seats: int,
@@ -160,6 +192,10 @@ def _admit_waiting(view: PlanView, budget: int, seats: int,
         if limits.at_seat_limit(req.tenant, req.n, running_by_tenant.get(req.tenant, 0)):
             skip_tenants.add(req.tenant)
             continue
+        slot = view.adapter_slot(req)
+        if slot == -1:  # every adapter slot is in use by running requests: it waits, others may go
+            skip.add(id(req))
+            continue
         hits = kv.find_hits(req)
         if kv.waits_for_inflight(req, len(hits)):
             skip.add(id(req))
@@ -167,17 +203,23 @@ def _admit_waiting(view: PlanView, budget: int, seats: int,
         hits, n = first_chunk(view, req, hits, budget)
         need = kv.pages_to_admit(hits, n)
         slack = view.slack()
-        if not limits.can_take(req.tenant, need, slack):
-            over = ledger.over_quota(ledger.tenants.get(req.tenant), need)
+        charge = view.adapters.charge(req.adapter) if slot is not None else 0
+        if not limits.can_take(req.tenant, need, slack, charge):
+            over = ledger.over_quota(ledger.tenants.get(req.tenant), need + charge)
+            if over and (idle := _idle_adapter(view, req)):
+                yield Evict(idle)  # an idle adapter of its own first; then it is looked at again
+                continue
             key = view.retained.reclaimable(req.tenant if over else None, [p for p, on_host in hits if not on_host])
             if key is not None:  # retained pages first (not those it would hit); then it is looked at again
                 yield Reclaim(key)
                 continue
-            if ledger.over_quota(ledger.tenants.get(req.tenant), need) or kv.pool.can_allocate(need + slack):
+            if over or kv.pool.can_allocate(need + slack):
                 skip_tenants.add(req.tenant)  # its quota, or other tenants' reserves: others may go
                 continue
             blocked = True
             break
+        if slot is not None:
+            yield PageIn(req.adapter, slot)
         yield Admit(req, hits, n)
         running_by_tenant[req.tenant] = running_by_tenant.get(req.tenant, 0) + req.n
         seats += req.n

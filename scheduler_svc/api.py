@@ -12,7 +12,8 @@ from pagedkv.api.v1 import api_pb2_grpc as api_grpc
 from pagedkv.bounds import InvalidRequest
 from pagedkv.tenancy import Tenant, Unauthenticated
 from scheduler_svc import fit, metrics, ttft_trace
-from scheduler_svc.adapters import AdapterNotFound, usable
+from scheduler_svc.adapter_api import AdapterRpc
+from scheduler_svc.adapters import HINT, AdapterNotFound, usable
 from scheduler_svc.chat import NoChatTemplate
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.constraints import check_constrained_requests
@@ -41,7 +42,7 @@ class LiveStream:
     asserted: bool = False  # its tenant was asserted by a trusted hop (a reload checks the tenant, not a key)
 
 
-class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
+class GenerationService(ReleaseKvRpc, AdapterRpc, api_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, tokenizer, limits: Limits, model_info: dict, log,
                  log_prompts: bool = False, queue_bounds: QueueBounds | None = None,
                  trust_request_templates: bool = False, tool_call_parser: str = "",
@@ -151,6 +152,8 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
             except KeyError as err:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request_id: {err.args[0]!r} is already in use by a live request")
+        if req.adapter and not self.cluster.adapters.has(req.adapter):  # (unloaded while it was taken in)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter: {request.adapter!r} is not served; {HINT}")
         log = self.log.bind(request_id=req.client_id, internal_id=req.request_id, tenant=req.tenant)
         extra = {"prompt": request.text or list(req.prompt_ids)} if self.log_prompts else {}
         if caller.asserted or caller.priority is not None:  # (who vouched for the tenant, or set the priority)
@@ -221,7 +224,7 @@ class GenerationService(ReleaseKvRpc, api_grpc.GenerationServicer):
         sees_cluster = cluster.tenants.sees_cluster(tenant)
         caching = snapshots[0].prefix_caching if snapshots else True
         info = api.ModelInfoResponse(**self.model_info, prefix_caching=caching, cluster_view=sees_cluster,
-                                     adapters=usable(cluster.reference, tenant))
+                                     adapters=usable(cluster.adapters, tenant, cluster.reports.adapter_slots()))
         for i, snap in enumerate(snapshots):  # capacity: the pools of the executors up or draining
             if i in live:
                 info.num_pages += snap.pool.num_pages

@@ -22,11 +22,14 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.tenancy import Tenants
 from pagedkv.wire import EXECUTOR_PROTOCOL
 from scheduler_svc import adapters, metrics
+from scheduler_svc.adapter_api import sync_adapters
+from scheduler_svc.adapter_registry import AdapterRegistry
 from scheduler_svc.cluster_reports import ClusterReports
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_types import EngineHooks
@@ -98,9 +101,12 @@ class Cluster:
         self._reports = ClusterReports(self.engines, self.ledger, lambda: len(self._unplaced))
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
-        self._hooks = EngineHooks(make_scheduler=self._new_scheduler, check_compatible=self.check_compatible,
+        self._adapters = AdapterRegistry(reference)  # the LoRA adapters served (adapter_api.py loads more)
+        self._hooks = EngineHooks(make_scheduler=lambda d: make_scheduler(d, self.ledger),
+                                  check_compatible=self.check_compatible,
                                   up=self.engine_up, down=self.engine_down, relocate=self.relocate,
-                                  gauges=self._reports.update_gauges)
+                                  gauges=self._reports.update_gauges, owner_of=self._adapters.owner_of,
+                                  sync_adapters=partial(sync_adapters, self._adapters))
 
     # ---- membership ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,9 +158,6 @@ class Cluster:
                         f"{getattr(ref, field)!r}")
         return adapters.mismatch(describe, ref)
 
-    def _new_scheduler(self, describe) -> Scheduler:
-        return self._make_scheduler(describe, self.ledger)
-
     def engine_down(self, engine: Engine) -> None:
         """Its requests have left (moved or ended): until it is up again its pages count for no tenant, so the
         quotas, reserves and fair shares are of the executors that serve."""
@@ -199,6 +202,11 @@ class Cluster:
     def reference(self) -> pb.DescribeResponse:
         """The first executor's DescribeResponse (the model, vocabulary and block size every executor serves)."""
         return self._reference
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        """The LoRA adapters served: start-up and run-time ones (adapter_registry.py)."""
+        return self._adapters
 
     @property
     def reports(self) -> ClusterReports:

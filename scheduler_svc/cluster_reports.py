@@ -52,6 +52,10 @@ class ClusterReports:
         for e in self.reporting(live=False):
             e.scheduler.reset_peak(tenant_id, cluster)
 
+    def adapter_slots(self) -> list:
+        """Each executor's LoRA device slots (adapter_slots.py; None where it has none or no planner yet)."""
+        return [e.scheduler.adapters if e.scheduler is not None else None for e in self._engines.values()]
+
     def executor_infos(self) -> list[api.ExecutorInfo]:
         out = []
         for address, e in sorted(self._engines.items()):

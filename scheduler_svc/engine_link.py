@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.wire import PAGES_FRESH, PAGES_KEPT
+from scheduler_svc.adapter_slots import AdapterSlots
 from scheduler_svc.engine_types import EngineHooks, EngineInfo, State
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.policy import PreemptionCosts
@@ -55,6 +56,8 @@ async def join(client: ExecutorClient, hooks: EngineHooks, log, planner: Schedul
     else:
         return None
     problem = hooks.check_compatible(describe)
+    if not problem and hooks.sync_adapters is not None:
+        problem = await hooks.sync_adapters(client, describe)
     if not problem:
         try:
             planner = adopt(describe, planner, info.executor_id, client.pages_kept, hooks, log)
@@ -83,12 +86,16 @@ def adopt(describe: pb.DescribeResponse, planner: Scheduler | None, executor_id:
     for this link's session (x-pagedkv-session), so the prefix cache keeps them too, unless the executor says it
     zeroed them (``pages_kept`` False: another session attached meanwhile, a desync)."""
     if planner is None:
-        return hooks.make_scheduler(describe)
+        planner = hooks.make_scheduler(describe)
+        planner.use_adapters(AdapterSlots.of(describe, hooks.owner_of))
+        return planner
     snap = planner.snapshot()
     if (describe.num_device_pages, describe.num_host_pages, describe.block_size) != (
             snap.pool.num_pages, snap.host.num_pages, snap.block_size):
         log.warning("executor_pool_changed", num_pages=describe.num_device_pages,
                     num_host_pages=describe.num_host_pages, block_size=describe.block_size)
     kept = describe.executor_id == executor_id and pages_kept
-    return planner.reconnected(describe.num_device_pages, describe.block_size, describe.num_host_pages,
-                               PreemptionCosts.of(describe), kept)
+    planner = planner.reconnected(describe.num_device_pages, describe.block_size, describe.num_host_pages,
+                                  PreemptionCosts.of(describe), kept)
+    planner.use_adapters(AdapterSlots.of(describe, hooks.owner_of))  # (what its slots hold now)
+    return planner

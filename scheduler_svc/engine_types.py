@@ -4,7 +4,7 @@ reaches the cluster through, and its figures."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,9 @@ class EngineHooks:
     down: Callable[[Engine], None]  # it is down (drained, lost or failed) and holds no request: it serves no tenant
     relocate: Callable[[list[Request], Engine], None]  # requests taken from this executor: place elsewhere
     gauges: Callable[[bool], None]  # update the gauges (True: now, not throttled)
+    owner_of: Callable[[str], str] = lambda adapter: ""  # the tenant that owns a LoRA adapter ('' : public)
+    # loads the run-time LoRA adapters an executor lacks (client, its Describe) -> why it cannot, or ''
+    sync_adapters: Callable[[object, object], Awaitable[str]] | None = None
 
 
 @dataclass(slots=True)

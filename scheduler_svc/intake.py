@@ -61,7 +61,7 @@ class Intake:
         request id is in use by a live request of the tenant (KeyError if so, checked again after each wait)."""
         priority = request.priority if hop_priority is None else hop_priority
         check_generate(request, tenant, priority, OBJECTIVE_HEADER if hop_priority is not None else "")
-        adapter = adapters.select(request.adapter, self.cluster.reference, tenant)
+        adapter = adapters.select(request.adapter, self.cluster.adapters, tenant)
         prompt = await self.prompts.prepare(request, tenant.id)
         tokenized = time.perf_counter()
         cluster, ids = self.cluster, prompt.ids
@@ -85,9 +85,10 @@ class Intake:
         # may reuse its id as soon as its stream ends, while the old request is still being reaped).
         # NOTE: an adapter's KV is its own, and a windowed request's depends on its window: their pages are cached
         # under other hashes (a root of their own).
-        root = request_root(tenant.id, adapter, (sink, window) if window else None)
+        root = request_root(tenant.id, adapter.cache_key if adapter else "", (sink, window) if window else None)
         req = Request(request_id=f"q{arrival}", prompt_ids=ids, sampling=sampling, arrival=arrival,
-                      detokenizer=detok, n=max(1, request.sampling.n), tenant=tenant.id, adapter=adapter,
+                      detokenizer=detok, n=max(1, request.sampling.n), tenant=tenant.id,
+                      adapter=adapter.key if adapter else "",
                       hash_root=root, client_id=client_id, priority=priority, page_budget=shape.page_budget,
                       overflow=tenant.overflow, sink_tokens=sink, window_tokens=window,
                       retain=check_retain_kv(request, limits.max_retain_ttl_s))

@@ -108,7 +108,7 @@ class KvEventLog:
         # the model's own: fit.attention_window). Its pages take the tenant's plain salt, the one the edge gateway
         # sets: otherwise no request on a model with its own sliding window (Mistral, Gemma 2) would ever match.
         self._default_window = default_window
-        self._lora_ids = {name: i + 1 for i, name in enumerate(adapters)}  # (the executors' LoRA adapters, in order)
+        self._lora_ids = {name: i + 1 for i, name in enumerate(adapters)}  # (--lora-modules' in order, then others)
         self._salts: dict[tuple[str, tuple[int, int] | None], str] = {}
         self._holders: dict[tuple[bytes, str], int] = {}  # (hash, medium) -> pools holding it findable (>= 1)
         self._pages: dict[bytes, _Page] = {}  # every hash findable somewhere (and, until a flush, some that were)
@@ -276,7 +276,10 @@ class KvEventLog:
 
     def _stored(self, ids: tuple[int, ...], parent: int | None, tokens: tuple[int, ...], medium: str, salt: str,
                 adapter: str) -> Stored:
-        return Stored(ids, parent, tokens, self._bs, medium, salt, adapter, self._lora_ids.get(adapter))
+        lora_id = None
+        if adapter:  # (a run-time adapter gets the next number the first time its pages are published)
+            lora_id = self._lora_ids.setdefault(adapter, len(self._lora_ids) + 1)
+        return Stored(ids, parent, tokens, self._bs, medium, salt, adapter, lora_id)
 
     def replay(self, from_seq: int) -> list[Batch] | None:
         """The buffered batches numbered from_seq on (empty: from_seq is the next one); None when one of them is no

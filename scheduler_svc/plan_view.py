@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.adapter_slots import AdapterSlots
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import Hit, KVManager
 from scheduler_svc.outputs import OutputProcessor
@@ -29,10 +30,20 @@ class PlanView:
     policy: PreemptionPolicy
     watermark_pages: int  # pages kept free when admitting while others run
     now: int  # the step being planned
+    adapters: AdapterSlots | None = None  # the executor's LoRA device slots (None: it has none)
 
     def slack(self) -> int:
         """Pages an admission leaves free: the watermark, while anything runs."""
         return self.watermark_pages if self.queues.running else 0
+
+    def adapter_slot(self, req: Request) -> int | None:
+        """Where req's LoRA adapter would be paged in for it to run now: None when it needs no slot (the base
+        model, or its adapter is in one), -1 when every slot is in use by running requests (it waits)."""
+        slots = self.adapters
+        if not req.adapter or slots is None or slots.resident(req.adapter):
+            return None
+        slot = slots.place(req.adapter, self.queues.running_adapters())
+        return -1 if slot is None else slot
 
 
 def first_chunk(view: PlanView, req: Request, hits: list[Hit], budget: int) -> tuple[list[Hit], int]:

@@ -64,6 +64,10 @@ class RequestQueues:
     def has_forget(self) -> bool:
         return bool(self._forget)
 
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters running requests use (their slots may not change)."""
+        return {r.adapter for r in self._running if r.adapter}
+
     def seats(self) -> dict[str, int]:
         """Sequences running per tenant (a parent that has not forked holds n)."""
         seats: dict[str, int] = {}

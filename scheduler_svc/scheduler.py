@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pagedkv.tenancy import Tenants
 from scheduler_svc import fair_share, fit, priority
-from scheduler_svc.admission import Admit, Reclaim, Refuse, SwapIn, admissions
+from scheduler_svc.adapter_slots import AdapterSlots
+from scheduler_svc.admission import Admit, Evict, PageIn, Reclaim, Refuse, SwapIn, admissions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_manager import KVManager
 from scheduler_svc.outputs import OutputProcessor, TokenOutcome, final
@@ -50,6 +51,7 @@ class Scheduler(ExecutorLifecycle):
                  tenant_stats: dict[str, TenantStats] | None = None) -> None:
         """``ledger``: the scheduler-wide tenant ledger to join (a cluster's; else one of its own, over
         ``tenants``). ``counters`` and ``tenant_stats``: the counts so far, when this replaces another planner."""
+        self.adapters: AdapterSlots | None = None  # the executor's LoRA device slots (use_adapters)
         self._pool = pool
         self.config = config
         self._eos_token_ids = list(eos_token_ids)
@@ -123,7 +125,9 @@ class Scheduler(ExecutorLifecycle):
         self._deferred.clear()
         if resend:
             self.step_id += 1
-            return Step(self.step_id, [], PageOps(), self.queues.take_forget(), resend=True), outputs
+            loads = self.adapters.all_loads() if self.adapters is not None else []
+            return Step(self.step_id, [], PageOps(), self.queues.take_forget(), resend=True,
+                        adapter_loads=loads), outputs
         self.kv.set_rides(rides)
         self._rode = False
         scheduled = self._plan_step()
@@ -132,7 +136,9 @@ class Scheduler(ExecutorLifecycle):
         self.step_id += 1
         self.counters.peak_used_pages = max(self.counters.peak_used_pages, self._pool.num_used)
         self.limits.record_peaks()
-        return Step(self.step_id, scheduled, self.kv.take_ops(), self.queues.take_forget(), rides=self._rode), outputs
+        loads = [] if self.adapters is None else self.adapters.step_loads(scheduled, self.step_id)
+        return Step(self.step_id, scheduled, self.kv.take_ops(), self.queues.take_forget(), rides=self._rode,
+                    adapter_loads=loads), outputs
 
     def _plan_step(self) -> list[Scheduled]:
         """The requests of the next step, the tokens each computes and whether it samples: the running ones first
@@ -142,7 +148,7 @@ class Scheduler(ExecutorLifecycle):
         scheduled: list[Scheduled] = []
         now = self.step_id + 1
         view = PlanView(self.config, self.queues, self.kv, self.retained, self.limits, self.ledger, self._policy,
-                        self._watermark_pages, now)
+                        self._watermark_pages, now, self.adapters)
         while (victims := fair_share.victims_for_head(view)) and (key := self.retained.reclaimable()) is not None:
             self.retained.end(*key)  # retained pages go before any running request
         for victim in victims:
@@ -186,6 +192,9 @@ class Scheduler(ExecutorLifecycle):
             if d.__class__ is Reclaim:
                 self.retained.end(*d.key)
                 continue
+            if d.__class__ is PageIn or d.__class__ is Evict:
+                self.adapters.apply(d, view.now)
+                continue
             req = d.req
             if d.__class__ is Admit:
                 self.queues.admit(req)
@@ -218,6 +227,10 @@ class Scheduler(ExecutorLifecycle):
             own = ledger.over_quota(tenant, need)  # its own tenant's retained KV, then requests make room
             if (key := self.retained.reclaimable(req.tenant if own else None)) is not None:
                 self.retained.end(*key)  # retained pages go before any running request
+                continue
+            if own and self.adapters is not None and (
+                    idle := self.adapters.idle_owned(req.tenant, self.queues.running_adapters())):
+                self.adapters.evict(idle)  # an idle adapter of its own goes before its requests
                 continue
             candidates = [r for r in unscheduled if r.tenant == req.tenant] if own else unscheduled
             if over_share is None:

@@ -64,6 +64,11 @@ class ExecutorLifecycle:
         planner.step_id = self.step_id
         return planner
 
+    def use_adapters(self: Planner, slots) -> None:
+        """The executor's LoRA device slots (adapter_slots.py; None: it has none), as its Describe says they are."""
+        self.adapters = slots
+        self.limits.adapters = slots
+
     def serving(self, on: bool) -> None:
         """Whether this executor's pages count for its tenants' limits: while it serves (up or draining), not while
         it is down (then the quotas, reserves and fair shares are of the executors that serve)."""

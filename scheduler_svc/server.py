@@ -172,7 +172,7 @@ async def serve(args) -> None:
     default_window = fit.attention_window(Tenant(DEFAULT_TENANT), args.sliding_window, args.sink_tokens, 0,
                                           describe.block_size, model_window(args, describe))
     events = KvEventLog(describe.block_size, salt_secret=fleet_secret, default_window=default_window,
-                        adapters=tuple(a.name for a in describe.adapters)) if wants_events else None
+                        adapters=tuple(a.name for a in describe.adapters if not a.runtime)) if wants_events else None
 
     def make_scheduler(d, ledger: TenantLedger) -> Scheduler:
         pool, host = tier_pools(d.num_device_pages, d.block_size, d.num_host_pages, events)

@@ -37,6 +37,7 @@ class Step:
     forget: list[str]  # request ids the executor drops first
     resend: bool = False  # nothing planned: the page operations of a rejected plan go again, alone (the wire's)
     rides: bool = False  # a request admitted shares pages a plan not yet answered computes (rides.py)
+    adapter_loads: list[tuple[str, int]] = field(default_factory=list)  # (adapter, slot) paged in before the forward
 
 
 @dataclass(slots=True)

@@ -86,6 +86,8 @@ class StepStream:
     def _encode(self, step: Step) -> pb.StepPlan:
         plan = pb.StepPlan(step_id=step.step_id, forget=step.forget)
         _add_ops(plan, step.ops)
+        for name, slot in step.adapter_loads:
+            plan.adapter_loads.add(name=name, slot=slot)
         decodes, decoding = [], []
         new, continuing = [], []  # (rows: new_requests, continuing, then decodes)
         traced = None  # rows of a prefill whose first token is still to be planned (ttft_trace.py)
@@ -114,6 +116,8 @@ class StepStream:
         plan = pb.StepPlan(step_id=step.step_id, forget=step.forget)
         ops, self._resend_ops = self._resend_ops, None
         _add_ops(plan, ops)
+        for name, slot in step.adapter_loads:  # (every slot's: the rejected plan's loads did not run)
+            plan.adapter_loads.add(name=name, slot=slot)
         self._in_flight.append(InFlight(step.step_id, [], ops, resending=True, forget=step.forget,
                                         features=step_features([])))
         return plan

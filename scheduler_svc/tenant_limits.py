@@ -31,6 +31,7 @@ class TenantLimits:
         self._pool = pool
         self._queues = queues
         self._stats: dict[str, TenantStats] = stats if stats is not None else {}
+        self.adapters = None  # the executor's LoRA slots (adapter_slots.py): a tenant's own adapters count as its pages
         ledger.join(self)
 
     # ---- the ledger's member -------------------------------------------------------------------
@@ -39,7 +40,9 @@ class TenantLimits:
         return self._pool.num_pages
 
     def pages_used(self, tenant: str) -> int:
-        return self._pool.used_by[tenant]
+        if self.adapters is None:
+            return self._pool.used_by[tenant]
+        return self._pool.used_by[tenant] + self.adapters.pages_of(tenant)
 
     def seats(self) -> dict[str, int]:
         return self._queues.seats()
@@ -92,10 +95,11 @@ class TenantLimits:
         """Free pages of this pool that other tenants' reserved minimums claim (``used``: a what-if)."""
         return self._ledger.reserved_for_others(tenant_id, self._pool, used)
 
-    def can_take(self, tenant_id: str, need: int, slack: int = 0) -> bool:
-        """need more pages for the tenant: within its quota, leaving other tenants' reserved minimums free."""
+    def can_take(self, tenant_id: str, need: int, slack: int = 0, adapter: int = 0) -> bool:
+        """need more pages for the tenant: within its quota, leaving other tenants' reserved minimums free.
+        ``adapter``: pages an adapter of its own paged in with them adds to its quota's count (not the pool's)."""
         ledger = self._ledger
-        if ledger.over_quota(ledger.tenants.get(tenant_id), need):
+        if ledger.over_quota(ledger.tenants.get(tenant_id), need + adapter):
             return False
         return self._pool.can_allocate(need + slack + ledger.reserved_for_others(tenant_id, self._pool))
 

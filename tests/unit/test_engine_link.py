@@ -32,6 +32,9 @@ class FakePlanner:
     def snapshot(self):
         return self._snap
 
+    def use_adapters(self, slots):
+        self.adapters = slots  # (the executor's LoRA slots as its Describe gives them: None without)
+
     def reconnected(self, num_pages, block_size, num_host_pages, costs, kept):
         self.calls.append((num_pages, block_size, num_host_pages, kept))
         return self

@@ -121,7 +121,15 @@ def test_adapter_mismatch_names_each_difference_and_ignores_order():
     extra = adapters.mismatch(pb.DescribeResponse(adapters=[SQL, CHAT, pb.Adapter(name="x", rank=4)]), ref)
     assert "serves x, which the others do not" in extra
     ranks = adapters.mismatch(pb.DescribeResponse(adapters=[SQL, pb.Adapter(name="chat", rank=8)]), ref)
-    assert "chat has rank 8, the others' rank 16" in ranks and ranks.startswith("LoRA adapters (--lora-modules)")
+    assert "chat has rank 8, the others' rank 16" in ranks
+    assert ranks.startswith("LoRA adapters (--lora-modules, --max-lora-rank, --lora-root)")
+    slots = dict(lora_slots=2, lora_max_rank=16, lora_modules=["q_proj", "v_proj"])
+    ref = pb.DescribeResponse(adapters=[SQL, CHAT], **slots)
+    assert adapters.mismatch(pb.DescribeResponse(adapters=[CHAT, SQL], **{**slots, "lora_slots": 5}), ref) == ""
+    other = adapters.mismatch(pb.DescribeResponse(adapters=[CHAT, SQL], **{**slots, "lora_max_rank": 64}), ref)
+    assert "its adapter slots (rank, modules, --lora-root) (64," in other
+    runtime = pb.Adapter(name="mine.t0123456789", rank=8, runtime=True)  # (run-time ones are synced, not compared)
+    assert adapters.mismatch(pb.DescribeResponse(adapters=[CHAT, SQL, runtime], **slots), ref) == ""
 
 
 def test_an_executor_serving_other_adapters_is_refused_when_it_joins(boxes):
