@@ -80,7 +80,7 @@ class AdapterRpc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"an adapter slot takes {ref.lora_slot_pages} "
                                 f"pages, more than tenant {tenant.id}'s page_quota {tenant.page_quota}")
         key = registry.key_for(name, owner)
-        if key in registry.entries or any(e.name == name for e in registry.usable(tenant)):
+        if registry.get(key) is not None or any(e.name == name for e in registry.usable(tenant)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"name: an adapter {name!r} is already served to "
                                 "this tenant (unload it first, or choose another name)")
         entry = registry.begin(name, owner, path)
@@ -110,10 +110,10 @@ class AdapterRpc:
             check_loaded_name(request.name)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        entry = registry.entries.get(registry.key_for(request.name, tenant.id))
+        entry = registry.get(registry.key_for(request.name, tenant.id))
         admin = tenant.admin or not self.cluster.tenants.multi
         if (entry is None or not entry.ready) and admin:
-            entry = registry.entries.get(request.name)
+            entry = registry.get(request.name)
         if entry is None or not entry.ready or (entry.owner and entry.owner != tenant.id) or (
                 not entry.owner and not admin):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"name: no adapter {request.name!r} "

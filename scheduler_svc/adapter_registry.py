@@ -86,6 +86,13 @@ class AdapterRegistry:
         entry = self.entries.get(key)
         return entry.owner if entry is not None else ""
 
+    def get(self, key: str) -> Entry | None:
+        return self.entries.get(key)
+
+    def loaded(self) -> int:
+        """Adapters served (ready): start-up and run-time ones."""
+        return sum(e.ready for e in self.entries.values())
+
     def has(self, key: str) -> bool:
         entry = self.entries.get(key)
         return entry is not None and entry.ready

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc import metrics
 
 
 class AdapterSlots:
@@ -80,6 +81,7 @@ class AdapterSlots:
         self.last_used[slot] = now
         self._loads.append((name, slot))
         self.page_ins[name] = self.page_ins.get(name, 0) + 1
+        metrics.ADAPTER_PAGE_INS.inc()
 
     def evict(self, name: str) -> None:
         """``name`` leaves its slot (unloaded, or an idle adapter making room in its tenant's quota)."""

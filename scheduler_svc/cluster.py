@@ -98,7 +98,8 @@ class Cluster:
         self._unplaced = UnplacedQueue(unplaced_timeout, log)  # requests no executor that is up can hold
         self.arrivals = 0
         self.any_up = asyncio.Event()
-        self._reports = ClusterReports(self.engines, self.ledger, lambda: len(self._unplaced))
+        self._reports = ClusterReports(self.engines, self.ledger, lambda: len(self._unplaced),
+                                       lambda: self._adapters.loaded())
         self._largest: Engine | None = None  # the engine whose limits the API validates by
         self._expiry: asyncio.Task | None = None
         self._adapters = AdapterRegistry(reference)  # the LoRA adapters served (adapter_api.py loads more)

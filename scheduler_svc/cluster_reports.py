@@ -21,8 +21,10 @@ LIVE = (State.UP, State.DRAINING)  # the executors whose pools count
 
 
 class ClusterReports:
-    def __init__(self, engines: Mapping[str, Engine], ledger: TenantLedger, num_unplaced: Callable[[], int]) -> None:
+    def __init__(self, engines: Mapping[str, Engine], ledger: TenantLedger, num_unplaced: Callable[[], int],
+                 adapters_loaded: Callable[[], int] = lambda: 0) -> None:
         self._engines = engines  # (the cluster's own mapping: it adds and drops engines)
+        self._adapters_loaded = adapters_loaded
         self._ledger = ledger
         self._num_unplaced = num_unplaced
         self._gauges = Gauges()
@@ -74,7 +76,7 @@ class ClusterReports:
 
     def update_gauges(self, force: bool = False) -> None:
         """Gauges from every executor's state (gauges.py); ``force``: the detailed ones too, now."""
-        self._gauges.update(self._engines, self.num_unplaced, self._ledger.service, force)
+        self._gauges.update(self._engines, self.num_unplaced, self._ledger.service, force, self._adapters_loaded())
 
     @staticmethod
     def forget(address: str) -> None:

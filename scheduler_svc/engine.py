@@ -165,7 +165,7 @@ class Engine:
         if joined.planner is not self._scheduler:
             self._scheduler, self._stream = joined.planner, StepStream(joined.planner)
         self._state, self._info, self.vocab_size = State.UP, joined.info, joined.describe.vocab_size
-        metrics.adapter_pages(self.address, joined.describe.adapters)  # (its pool's pages outside num_device_pages)
+        metrics.adapter_pages(self.address, [(a.name, a.num_pages) for a in joined.describe.adapters if a.slot >= 0])
         self.hooks.up(self)
 
     # ---- one step ------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ class Gauges:
         self._tenant_counted: dict[str, tuple[int, int]] = {}  # (budget hits, fair-share preemptions) counted
         self._cache_config: tuple[str, str] | None = None  # the labels pagedkv_cache_config_info has now
 
-    def update(self, engines: Mapping[str, Engine], num_unplaced: int, service: VtcCounters, force: bool) -> None:
+    def update(self, engines: Mapping[str, Engine], num_unplaced: int, service: VtcCounters, force: bool,
+               adapters_loaded: int = 0) -> None:
         states = {s: 0 for s in State}
         for e in engines.values():
             states[e.state] += 1
@@ -57,6 +58,10 @@ class Gauges:
         metrics.WAITING.set(sum(s.num_waiting for s in live) + num_unplaced)
         metrics.SWAPPED.set(sum(s.num_swapped for s in live))
         metrics.UNPLACED.set(num_unplaced)
+        lora = {a: e.scheduler.adapters for a, e in engines.items()
+                if e.scheduler is not None and e.scheduler.adapters is not None}
+        if adapters_loaded or lora:
+            metrics.adapter_gauges(lora, adapters_loaded)
         if not detailed:
             return
         self._updated_at = now

@@ -102,8 +102,15 @@ PLANNED_AFTER_RESULT = Counter("pagedkv_plan_hold_late_total", "Holds cut short:
 EXECUTORS = Gauge("pagedkv_executors", "Executors this scheduler drives, by state", ["state"])
 EXECUTOR_PAGES_USED = Gauge("pagedkv_executor_pages_used", "Device KV pages in use on one executor", ["executor"])
 EXECUTOR_RUNNING = Gauge("pagedkv_executor_requests_running", "Requests running on one executor", ["executor"])
-ADAPTER_PAGES = Gauge("pagedkv_adapter_pages", "Device pages a LoRA adapter's weights hold on one executor (its "
-                      "--lora-modules; out of the pool before any tenant's quota)", ["executor", "adapter"])
+ADAPTER_PAGES = Gauge("pagedkv_adapter_pages", "Device pages a LoRA adapter's weights hold on one executor while in a "
+                      "device slot (the pool's last pages, outside the KV pages; no row: in host memory only)",
+                      ["executor", "adapter"])
+ADAPTERS = Gauge("pagedkv_lora_adapters", "LoRA adapters served, by state: loaded (all, start-up and run-time), "
+                 "resident (in a device slot of at least one executor), host (in host memory only)", ["state"])
+ADAPTER_SLOTS = Gauge("pagedkv_lora_slots", "LoRA device slots of one executor (--max-loras), by state (used, free)",
+                      ["executor", "state"])
+ADAPTER_PAGE_INS = Counter("pagedkv_lora_page_ins_total", "LoRA adapters paged into a device slot from host memory "
+                           "(all executors)")
 MIGRATIONS = Counter("pagedkv_migrations_total", "Requests moved to another executor, by cause (failure or drain)",
                      ["cause"])
 UNPLACED = Gauge("pagedkv_requests_unplaced", "Requests waiting for any executor to be up")
@@ -140,14 +147,31 @@ def count_since(last: dict[str, int], snap) -> dict[str, int]:
 _adapter_rows: dict[str, list[str]] = {}  # executor -> the adapters ADAPTER_PAGES has a row of
 
 
-def adapter_pages(executor: str, adapters) -> None:
-    """ADAPTER_PAGES of one executor from its Describe's ``adapters`` (none: its rows go, as when it is dropped)."""
+def adapter_pages(executor: str, resident: list[tuple[str, int]]) -> None:
+    """ADAPTER_PAGES of one executor: (adapter, pages) of those in its device slots (none: its rows go, as when it is
+    dropped)."""
+    if _adapter_rows.get(executor) == [name for name, _ in resident]:
+        return
     for name in _adapter_rows.pop(executor, []):
         try:
             ADAPTER_PAGES.remove(executor, name)
         except KeyError:
             pass
-    for a in adapters:
-        ADAPTER_PAGES.labels(executor, a.name).set(a.num_pages)
-    if adapters:
-        _adapter_rows[executor] = [a.name for a in adapters]
+    for name, pages in resident:
+        ADAPTER_PAGES.labels(executor, name).set(pages)
+    if resident:
+        _adapter_rows[executor] = [name for name, _ in resident]
+
+
+def adapter_gauges(slots: dict, loaded: int) -> None:
+    """The LoRA gauges from each executor's AdapterSlots (``slots``: address -> slots) and the adapters ``loaded``."""
+    resident: set[str] = set()
+    for executor, s in slots.items():
+        names = [n for n in s.names if n is not None]
+        resident.update(names)
+        ADAPTER_SLOTS.labels(executor, "used").set(len(names))
+        ADAPTER_SLOTS.labels(executor, "free").set(s.count - len(names))
+        adapter_pages(executor, [(n, s.pages) for n in names])
+    ADAPTERS.labels("loaded").set(loaded)
+    ADAPTERS.labels("resident").set(len(resident))
+    ADAPTERS.labels("host").set(max(0, loaded - len(resident)))

@@ -57,9 +57,10 @@ def stack(tiny_llama_dir, tmp_path_factory):
                 for i, (name, (r, targets)) in enumerate(SPECS.items())}
     tenants = root / "tenants.toml"
     tenants.write_text(TENANTS)
-    http = free_port()
-    server = Server("--http-port", str(http), "--num-pages", "160", "--tenants-file", str(tenants), "--threads", "1",
+    http, metrics = free_port(), free_port()
+    server = Server("--http-port", str(http), "--metrics-port", str(metrics), "--num-pages", "160", "--tenants-file", str(tenants), "--threads", "1",
                     "--lora-root", str(root / "lora"), "--max-loras", "1", "--max-lora-rank", "16")
+    server.metrics = f"http://127.0.0.1:{metrics}/metrics"
     yield server, f"http://127.0.0.1:{http}/v1", peft_reference(tiny_llama_dir, adapters), root
     assert server.stop() == 0, server.log()
 
@@ -105,6 +106,11 @@ def test_tenants_own_adapters_take_turns_in_one_slot_and_match_peft(stack):
     assert carol == grpc.StatusCode.NOT_FOUND  # neither "mine" is hers: as if none existed
     assert page_ins >= 2  # paged in, out for bob's, and in again
     assert "lora_adapter_loaded" in server.log()
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(server.metrics).text.splitlines()
+              if line.startswith("pagedkv_lora_")}
+    assert gauges['pagedkv_lora_adapters{state="loaded"}'] == 2 and gauges["pagedkv_lora_page_ins_total"] >= 3
+    assert gauges['pagedkv_lora_adapters{state="resident"}'] == gauges['pagedkv_lora_adapters{state="host"}'] == 1
+    assert [v for k, v in gauges.items() if k.startswith("pagedkv_lora_slots") and 'state="used"' in k] == [1]
 
 
 def test_loads_are_bounded_by_the_root_and_the_tenants_file(stack):

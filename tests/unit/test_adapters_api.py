@@ -128,9 +128,9 @@ def test_the_adapter_pages_gauge_follows_an_executors_adapters():
     def rows(executor: str) -> dict:
         return {n: REGISTRY.get_sample_value("pagedkv_adapter_pages", {"executor": executor, "adapter": n})
                 for n in ("sql", "chat")}
-    metrics.adapter_pages("b:1", [SQL, CHAT])
+    metrics.adapter_pages("b:1", [("sql", 3), ("chat", 5)])
     assert rows("b:1") == {"sql": 3, "chat": 5}
-    metrics.adapter_pages("b:1", [CHAT])  # (re)joined with other adapters: the old rows go
+    metrics.adapter_pages("b:1", [("chat", 5)])  # sql paged out (or rejoined with other adapters): its row goes
     assert rows("b:1") == {"sql": None, "chat": 5}
     ClusterReports.forget("b:1")  # dropped for good
     assert rows("b:1") == {"sql": None, "chat": None}
