@@ -144,15 +144,15 @@ def count_since(last: dict[str, int], snap) -> dict[str, int]:
     return now
 
 
-_adapter_rows: dict[str, list[str]] = {}  # executor -> the adapters ADAPTER_PAGES has a row of
+_adapter_rows: dict[str, list[tuple[str, int]]] = {}  # executor -> the (adapter, pages) rows ADAPTER_PAGES has
 
 
 def adapter_pages(executor: str, resident: list[tuple[str, int]]) -> None:
     """ADAPTER_PAGES of one executor: (adapter, pages) of those in its device slots (none: its rows go, as when it is
     dropped)."""
-    if _adapter_rows.get(executor) == [name for name, _ in resident]:
+    if _adapter_rows.get(executor) == resident:
         return
-    for name in _adapter_rows.pop(executor, []):
+    for name, _ in _adapter_rows.pop(executor, []):
         try:
             ADAPTER_PAGES.remove(executor, name)
         except KeyError:
@@ -160,7 +160,7 @@ def adapter_pages(executor: str, resident: list[tuple[str, int]]) -> None:
     for name, pages in resident:
         ADAPTER_PAGES.labels(executor, name).set(pages)
     if resident:
-        _adapter_rows[executor] = [name for name, _ in resident]
+        _adapter_rows[executor] = list(resident)
 
 
 def adapter_gauges(slots: dict, loaded: int) -> None:

@@ -38,7 +38,7 @@ def snapshot_of(pool: PagePool, kv: KVManager, queues: RequestQueues, limits: Te
         for t in names:
             st, (num_running, num_waiting, num_swapped) = limits.stats(t), queues.counts(t)
             usage[t] = TenantUsage(
-                used_pages=pool.used_by[t], host_pages=host.used_by[t] if host is not None else 0,
+                used_pages=limits.pages_used(t), host_pages=host.used_by[t] if host is not None else 0,
                 peak_used_pages=st.peak_used_pages, num_running=num_running, num_waiting=num_waiting,
                 num_swapped=num_swapped, service=queues.waiting.charged(t), budget_hits=st.budget_hits,
                 grammar_cpu_s=queues.waiting.grammar_cpu(t),

@@ -78,6 +78,8 @@ class TenantLimits:
 
     def record_peaks(self) -> None:
         for tenant, used in self._pool.used_by.items():
+            if self.adapters is not None:
+                used = self.pages_used(tenant)  # (its own adapters' pages in the slots too)
             st = self.stats(tenant)
             if used > st.peak_used_pages:
                 st.peak_used_pages = used

@@ -117,6 +117,7 @@ def test_a_tenants_adapter_and_kv_together_stay_within_its_quota():
     print("peaks:", seen)
     assert seen["t"] == 12 and seen["u"] >= 8 and seen["t kv beside the adapter"] <= 7
     assert slots.resident("mine") and ledger.used_pages("t") == 5 and ledger.used_pages("u") == 0
+    assert s.scheduler.snapshot(tenants=True).tenants["t"].used_pages == 5  # (ModelInfo's tenant.used_pages)
     again = [make_request(20 + i, 8, 8, tenant="t", hash_root=request_root("t")) for i in range(3)]
     for r in again:
         s.add(r)
