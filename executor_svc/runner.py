@@ -59,6 +59,7 @@ class ModelRunner:
                                     cfg.max_position_embeddings if cfg is not None else None)
         self.lora = getattr(model, "lora", None)  # the LoRA adapters' device slots (None: none)
         self.adapters = adapters  # every adapter held, and the paging into slots (None: the slots are fixed)
+        self._lora_kernels = getattr(attention, "name", "") == "cuda"  # (the deltas by kernels_cuda/lora_sgmv.cu)
         if self.lora is not None:
             self.mirror.lora = (self.lora.names, adapters.held if adapters is not None else self.lora.slots.__contains__)
         self.matchers: Matchers | None = None  # structured outputs: the matcher threads and budgets (startup.py)
@@ -178,7 +179,8 @@ class ModelRunner:
         """The step's adapter rows (None: no adapters served, or no request of this step uses one)."""
         if self.lora is None or not any(item.state.adapter for item in scheduled):
             return None
-        return lora_batch(self.lora, step_row_slots([(i.count, i.state.adapter) for i in scheduled]), self.device)
+        return lora_batch(self.lora, step_row_slots([(i.count, i.state.adapter) for i in scheduled]), self.device,
+                          kernels=self._lora_kernels)
 
     def _start_grammar(self, scheduled: list[Scheduled]) -> StepGrammar | None:
         """The matcher jobs of the constrained rows that sample this step, started (None: no such row)."""

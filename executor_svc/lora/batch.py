@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.lora import cuda_sgmv
 from executor_svc.lora.stack import LinearLora, LoraStack
 from executor_svc.model.decoder_layer import DecoderLayer
 from executor_svc.model.moe import DenseMlp
@@ -75,9 +76,13 @@ class LoraBatch:
     whole: bool = False  # ... and they are all the stack's rows (first 0, S = N)
     runs: tuple[Run, ...] = ()
     span: Span | None = None  # where the segments' deltas are added by one gather (None: by index_add_ at dst)
+    row_adapter: torch.Tensor | None = None  # on a GPU: each flat row's stack row (-1: base), for the SGMV kernels
 
     def delta(self, lin: LinearLora, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the fused linear's output for ``x``) with each adapter row's LoRA delta added in place."""
+        """``y`` (the fused linear's output for ``x``) with each adapter row's LoRA delta added in place: on a GPU by
+        kernels_cuda/lora_sgmv.cu (cuda_sgmv.py) where it can take the linear, else by torch ops."""
+        if self.row_adapter is not None and cuda_sgmv.usable(x, lin):
+            return cuda_sgmv.lora_delta_cuda(lin, x, y, self.row_adapter, self.stack.scales, self.stack.rank)
         if self.gather.numel():
             self._segments(lin, x, y)
         r = self.stack.rank
@@ -152,9 +157,11 @@ class LoraLinear:
         return self.batch.delta(self.lin, x, self.base(x))
 
 
-def lora_batch(stack: LoraStack | None, row_slots: list[int], device: torch.device) -> LoraBatch | None:
+def lora_batch(stack: LoraStack | None, row_slots: list[int], device: torch.device,
+               kernels: bool = False) -> LoraBatch | None:
     """The LoraBatch of a step whose flat rows use ``row_slots`` (0: the base model); None when no row uses an
-    adapter."""
+    adapter. ``kernels``: on a CUDA device, the deltas go through the SGMV kernels (the cuda attention backend runs:
+    kernels_cuda/ is on) where they can take a linear."""
     if stack is None or not any(row_slots):
         return None
     runs, short = _runs(row_slots)
@@ -182,7 +189,9 @@ def lora_batch(stack: LoraStack | None, row_slots: list[int], device: torch.devi
                      seg_slots[0] - 1 if ranged else None, ranged and len(seg_slots) == len(scales),
                      tuple(Run(slot - 1, start, n, None if rows is None else rows.to(device),
                                None if unit else scales[slot - 1:slot].view(1, 1)) for slot, start, n, rows in runs),
-                     _span(gather, real, device))
+                     _span(gather, real, device),
+                     (torch.tensor(row_slots, dtype=torch.long) - 1).to(device)
+                     if kernels and device.type == "cuda" else None)
 
 
 def _runs(row_slots: list[int]) -> tuple[list[tuple], dict[int, list[int]]]:

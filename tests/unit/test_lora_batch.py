@@ -104,3 +104,35 @@ def test_only_runs_and_a_single_row():
     _check([3] * (2 * RUN_ROWS))
     _check([0] * 5 + [7] + [0] * 5)
     assert lora_batch(_stack()[0], [0, 0, 0], torch.device("cpu")) is None
+
+
+def test_on_a_gpu_the_deltas_go_through_the_sgmv_kernels(monkeypatch):
+    """With the cuda backend on a CUDA device, lora_batch gives each row its stack row and delta hands the linear to
+    kernels_cuda/lora_sgmv.cu: here the kernels run on the CPU emulator (as if usable) and give the reference's
+    deltas; off a GPU, or with kernels off, the row index is not built and the torch path runs."""
+    from executor_svc.lora import batch as batch_mod
+    from executor_svc.lora import cuda_sgmv
+    from tests.support.cuda_emulator import EmulatedLibrary, unavailable_reason
+
+    slots = [0, 3, 3, 1, 0, 2] + [4] * RUN_ROWS
+    stack, lin = _stack(7)
+    assert lora_batch(stack, slots, torch.device("cpu"), kernels=True).row_adapter is None
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    emu, kernel_delta = EmulatedLibrary(), cuda_sgmv.lora_delta_cuda
+    calls = []
+
+    def on_emulator(lin, x, y, row_adapter, scales, rank):
+        calls.append(row_adapter.tolist())
+        return kernel_delta(lin, x, y, row_adapter, scales, rank, library=emu)
+    monkeypatch.setattr(batch_mod.cuda_sgmv, "usable", lambda x, lin: True)
+    monkeypatch.setattr(batch_mod.cuda_sgmv, "lora_delta_cuda", on_emulator)
+    batch = lora_batch(stack, slots, torch.device("cpu"))
+    batch.row_adapter = torch.tensor(slots) - 1  # (what lora_batch builds on a CUDA device with kernels on)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(len(slots), IN, generator=g), torch.randn(len(slots), sum(WIDTHS) + GAP + 3, generator=g)
+    got = batch.delta(lin, x, y.clone())
+    assert calls == [[s - 1 for s in slots]]
+    want = _reference(stack, lin, x, y, slots)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), float((got.double() - want).abs().max())
+    assert torch.equal(got[[0, 4]], y[[0, 4]])  # rows of the base model
