@@ -96,14 +96,15 @@ def load_in_process(base: Path, adapters: dict[str, Path], rank: int, repeats: i
     from executor_svc.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(base)
-    times, stack = [], None
+    times, stack, loaded = [], None, []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        stack = LoraStack(load_adapters(list(adapters.items()), cfg, rank), cfg, torch.device("cpu"), torch.float32)
+        loaded = load_adapters(list(adapters.items()), cfg, rank)
+        stack = LoraStack(loaded, cfg, torch.device("cpu"), torch.float32)
         times.append(time.perf_counter() - t0)
     assert stack is not None
     return dict(seconds=times, median_s=statistics.median(times), stacked_bytes=stack.held_bytes(),
-                adapters=[dict(name=n, rank=r, num_bytes=b) for n, r, b in stack.describe()])
+                adapters=[dict(name=a.name, rank=a.rank, num_bytes=a.num_bytes(torch.float32)) for a in loaded])
 
 
 # ---- 2. servers -------------------------------------------------------------------------------------------
