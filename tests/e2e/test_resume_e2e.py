@@ -303,6 +303,6 @@ def test_the_gateway_resumes_its_upstream_streams(gateway_server):
           f"{time.monotonic() - t0:.1f} s")
     # Each kill lands while streams are open (kill_scheduler_during stops once they all ended). tiny-llama's 200
     # tokens can all reach the gateway before the third share is due, so its streams may end after two kills
-    # (CI of 2c0b2aa's successor: 2 kills, 0 differ, 3.2 s): two restarts mid-stream is what this test needs.
+    # (CI of 7b1bcce: 2 kills, 0 differ, 3.2 s): two restarts mid-stream is what this test needs.
     assert len(set(killed)) >= 2, killed
     assert not differ, [(got[i], reference[i]) for i in differ]
