@@ -19,9 +19,11 @@ from pagedkv.api.v1 import api_pb2 as api
 from pagedkv.bounds import InvalidRequest, check_load_adapter, check_loaded_name
 from pagedkv.executor.v1 import executor_pb2 as pb
 from scheduler_svc.adapter_registry import AdapterRegistry, Entry
+from scheduler_svc.engine_types import State
 
 METHODS = "/pagedkv.api.v1.Generation/"
 LOAD_TIMEOUT_S = 120.0
+SERVING = (State.UP, State.DRAINING)
 
 
 async def _load(client, entry: Entry) -> pb.Adapter:
@@ -44,9 +46,11 @@ async def sync_adapters(registry: AdapterRegistry, client, describe: pb.Describe
         if entry.key in held:
             continue
         try:
-            await _load(client, entry)
+            got = await _load(client, entry)
         except grpc.aio.AioRpcError as err:
             return f"cannot load the run-time LoRA adapter {entry.name!r} ({entry.path}): {err.details()}"
+        if not entry.rank:  # (loaded while no executor was up: its figures come from the first that loads it)
+            entry.rank, entry.num_bytes, entry.pages = got.rank, got.num_bytes, got.num_pages
     return ""
 
 
@@ -84,20 +88,18 @@ class AdapterRpc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"name: an adapter {name!r} is already served to "
                                 "this tenant (unload it first, or choose another name)")
         entry = registry.begin(name, owner, path)
-        done = []
-        try:
-            for engine in list(self.cluster.engines.values()):
-                if engine.scheduler is None:  # (never up: it loads the adapter when it joins)
-                    continue
+        done, got = [], pb.Adapter(num_pages=ref.lora_slot_pages)
+        for engine in list(self.cluster.engines.values()):
+            try:
                 got = await _load(engine.client, entry)
                 done.append(engine)
-        except grpc.aio.AioRpcError as err:
-            registry.remove(entry.key)
-            for engine in done:
-                await _unload(engine.client, entry.key)
-            await context.abort(err.code(), (err.details() or "").replace(entry.key, name))
-        if not done:
-            got = pb.Adapter(num_pages=ref.lora_slot_pages)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and engine.state not in SERVING:
+                    continue  # (down or connecting: it loads the adapter when it joins, sync_adapters)
+                registry.remove(entry.key)
+                for loaded in done:
+                    await _unload(loaded.client, entry.key)
+                await context.abort(err.code(), (err.details() or "").replace(entry.key, name))
         entry.rank, entry.num_bytes, entry.pages, entry.ready = got.rank, got.num_bytes, got.num_pages, True
         self.log.info("lora_adapter_loaded", adapter=name, tenant=owner or "(public)", rank=got.rank,
                       pages=got.num_pages, executors=len(done))
