@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pagedkv-root", default="", metavar="DIR", help="run pagedkv from this checkout")
     p.add_argument("--pagedkv-args", default="", metavar="FLAGS",
                    help="more `pagedkv serve` flags, e.g. '--threads 1 --no-async-scheduling'")
+    p.add_argument("--pagedkv-args-b", default="", metavar="FLAGS",
+                   help="HTTP peers: also run this checkout as pagedkv_b with these flags after --pagedkv-args "
+                   "(an A/B of settings in the same rounds)")
     p.add_argument("--wait-idle", type=float, default=120.0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_peers.json"))
@@ -193,6 +196,8 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
     before = Path(args.pagedkv_root).resolve() if args.pagedkv_root else None
     if before is not None and "pagedkv" in servers:
         servers.insert(servers.index("pagedkv") + 1, "pagedkv_before")
+    if args.pagedkv_args_b and "pagedkv" in servers:
+        servers.insert(servers.index("pagedkv") + 1, "pagedkv_b")
     hf = [s for s in systems if s in SYSTEMS and s != "pagedkv"]
     workloads = ("uniform,mixed,batch1,shared,poisson" if args.workloads == ",".join(WORKLOADS)
                  else args.workloads).split(",")
@@ -208,6 +213,7 @@ def http_main(args: argparse.Namespace, systems: list[str]) -> int:
               flush=True)
         got = peers_http.measure_servers(servers, model, path, workloads, args.rounds, dtype=args.dtype,
                                          pagedkv_args=extra, gguf=gguf, before=before,
+                                         pagedkv_args_b=tuple(args.pagedkv_args_b.split()),
                                          log=lambda m: print(m, flush=True))
         got["hf"] = {wl: {s: run_one(args, model, wl, s) for s in hf} for wl in workloads if wl in WORKLOADS}
         report["models"][model] = got

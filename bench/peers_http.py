@@ -31,7 +31,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("PAGEDKV_PEERS") or ROOT.parent / "shared" / "peers")
-SERVER_SYSTEMS = ("pagedkv", "pagedkv_before", "vllm", "llamacpp")  # pagedkv_before: from --pagedkv-root
+SERVER_SYSTEMS = ("pagedkv", "pagedkv_b", "pagedkv_before", "vllm", "llamacpp")  # pagedkv_before: from --pagedkv-root
+# pagedkv_b: this checkout again with more flags (an A/B of settings in one run: e2e_peers.py --pagedkv-args-b)
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,16 @@ def missing_peer(system: str) -> str:
 def make_server(system: str, model: str, model_dir: Path, port: int, *, dtype: str = "float32",
                 pagedkv_args: tuple[str, ...] = (), gguf: Path | None = None, before: Path | None = None
                 ) -> HttpServer:
-    if system in ("pagedkv", "pagedkv_before"):
+    if system in ("pagedkv", "pagedkv_b", "pagedkv_before"):
         from pagedkv.cli import free_port
 
         cmd = [sys.executable, "-m", "pagedkv", "serve", "--model", str(model_dir), "--port", str(free_port()),
                "--http-port", str(port), "--dtype", dtype, "--log-format", "json", *pagedkv_args]
-        if system == "pagedkv":  # (an older checkout may lack the flag: the gateway learns the name it has)
+        current = system != "pagedkv_before"
+        if current:  # (an older checkout may lack the flag: the gateway learns the name it has)
             cmd += ["--served-model-name", model]
-        env = {"PYTHONPATH": str(before)} if system == "pagedkv_before" else {}
-        server = HttpServer(system, port, model if system == "pagedkv" else str(model_dir), cmd, env)
+        env = {} if current else {"PYTHONPATH": str(before)}
+        server = HttpServer(system, port, model if current else str(model_dir), cmd, env)
         server.cwd = before if system == "pagedkv_before" else ROOT
         return server
     if system == "vllm":
@@ -239,9 +241,9 @@ def add_goodput(runs: dict[str, dict[str, list[dict]]], peer: str) -> None:
 
 def measure_servers(systems: list[str], model: str, model_dir: Path, workloads: list[str], rounds: int, *,
                     dtype: str = "float32", pagedkv_args: tuple[str, ...] = (), gguf: Path | None = None,
-                    before: Path | None = None, log=print) -> dict[str, Any]:
+                    before: Path | None = None, pagedkv_args_b: tuple[str, ...] = (), log=print) -> dict[str, Any]:
     """Every workload on every server system of one model, ``rounds`` alternating rounds; per (workload, system)
-    the measured runs and their medians."""
+    the measured runs and their medians. ``pagedkv_args_b``: pagedkv_b's flags after ``pagedkv_args``."""
     from pagedkv.cli import free_port
 
     shapes = http_workloads(model)
@@ -253,7 +255,8 @@ def measure_servers(systems: list[str], model: str, model_dir: Path, workloads: 
             skipped[s] = why
             log(f"  {s}: skipped ({why})")
             continue
-        servers[s] = make_server(s, model, model_dir, free_port(), dtype=dtype, pagedkv_args=pagedkv_args, gguf=gguf,
+        flags = pagedkv_args + pagedkv_args_b if s == "pagedkv_b" else pagedkv_args
+        servers[s] = make_server(s, model, model_dir, free_port(), dtype=dtype, pagedkv_args=flags, gguf=gguf,
                                  before=before)
     runs: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in servers} for w in workloads}
     try:

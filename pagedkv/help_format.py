@@ -27,7 +27,8 @@ SERVE_COMMON: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("--host", "--port", "--http-port", "--api-key", "--tenants-file", "--tls-cert", "--tls-key")),
     ("memory (KV cache)", ("--kv-cache-gb", "--num-pages", "--gpu-memory-utilization", "--swap-space",
                            "--max-model-len", "--block-size", "--kv-cache-dtype", "--enable-prefix-caching")),
-    ("batching and parallelism", ("--max-num-seqs", "--max-num-batched-tokens", "--threads")),
+    ("batching and parallelism", ("--max-num-seqs", "--max-num-batched-tokens", "--target-tpot-ms",
+                                  "--target-ttft-ms", "--threads")),
     ("logging", ("--log-level", "--log-format")),
 )
 SERVE_REST_TITLE = "serve (the children's ports, metrics, the gateway's bounds)"

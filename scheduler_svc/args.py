@@ -42,6 +42,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens computed in one step (prefills are chunked to fit)")
+    p.add_argument("--target-tpot-ms", type=float, default=0.0, metavar="MS",
+                   help="a step that carries decode rows takes only the prefill tokens the executor's measured step "
+                   "times say fit in MS beside them (at least a page's worth), so prefills stop stretching the time "
+                   "per output token; steps without decode rows take the full --max-num-batched-tokens "
+                   "(0: off, every step may take it)")
+    p.add_argument("--target-ttft-ms", type=float, default=0.0, metavar="MS",
+                   help="with --target-tpot-ms: a step takes the full --max-num-batched-tokens once a request still "
+                   "without its first token has waited MS (0: never)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
                    "capped to what the executor's page pool holds)")
@@ -246,6 +254,12 @@ def check_args(args, describe, log) -> int:
     for name in ("sliding_window", "sink_tokens", "max_logprobs"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("target_tpot_ms", "target_ttft_ms"):
+        value = getattr(args, name)
+        if not 0.0 <= value <= 3_600_000:  # (NaN too)
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 3600000] ms (0: off), got {value}")
+    if args.target_ttft_ms and not args.target_tpot_ms:
+        raise ValueError("--target-ttft-ms needs --target-tpot-ms (it says when a step may exceed that target)")
     if args.kv_retention_max_ttl < 1 or not 0.0 <= args.kv_retention_max_share <= 1.0:
         raise ValueError(f"--kv-retention-max-ttl {args.kv_retention_max_ttl} must be >= 1 s and "
                          f"--kv-retention-max-share {args.kv_retention_max_share} in [0, 1]")

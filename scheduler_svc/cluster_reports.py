@@ -2,7 +2,8 @@
 live), the executors' rows of ModelInfo, a tenant's peak reset on each, and the Prometheus gauges (gauges.py).
 
 It owns nothing the cluster changes: it reads the cluster's engines (the same mapping, by address), its tenant
-ledger's weighted service and its count of unplaced requests (unplaced.py), and owns only the gauges' throttle (``Gauges``).
+ledger's weighted service and its count of unplaced requests (unplaced.py), and owns only the gauges' throttle
+(``Gauges``).
 """
 
 from __future__ import annotations

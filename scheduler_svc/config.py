@@ -20,4 +20,6 @@ class SchedulerConfig:
     sink_tokens: int = 0
     model_window: int = 0  # the model's own window (Describe.model_sliding_window): every request's at most
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    target_tpot_s: float = 0.0  # steps with decode rows sized to this by the step-time model (slo_budget.py; 0: off)
+    target_ttft_s: float = 0.0  # with it: a step takes the full budget once a first token is this late (0: never)
     kv_retention_max_share: float = 0.5  # of a tenant's quota (of the pool without one) its retained KV may hold

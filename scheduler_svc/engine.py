@@ -164,6 +164,7 @@ class Engine:
             return  # (refused or removed: the loop's next turn decides)
         if joined.planner is not self._scheduler:
             self._scheduler, self._stream = joined.planner, StepStream(joined.planner)
+            joined.planner.clock = self.clock
         self._state, self._info, self.vocab_size = State.UP, joined.info, joined.describe.vocab_size
         metrics.adapter_pages(self.address, [(a.name, a.num_pages) for a in joined.describe.adapters if a.slot >= 0])
         self.hooks.up(self)

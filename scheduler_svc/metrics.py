@@ -93,6 +93,8 @@ STEP_SECONDS = Histogram("pagedkv_step_seconds", "Wall time of one step by part:
                          "plan before), forward (the executor's model time), rpc (that less the executor's own step "
                          "time), executor_idle (the executor waiting for this plan after its last result)", ["part"],
                          buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5))
+STEP_TOKEN_BUDGET = Histogram("pagedkv_step_token_budget", "With --target-tpot-ms: the token budget chosen for a step "
+                              "that carries decode rows", buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
 PLAN_HOLD_SECONDS = Histogram("pagedkv_plan_hold_seconds", "With async scheduling: how long the next plan was held "
                               "back so that requests arriving meanwhile join it (built just before the step in flight "
                               "should end)", buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,

@@ -62,6 +62,14 @@ class StepClock:
             return None
         return max(0.0, float(features @ self._coef))
 
+    def unit_costs(self) -> tuple[float, float, float, float] | None:
+        """Seconds a step costs, per step, per token, per row and per attention pair (None: not enough steps seen
+        yet): what slo_budget.py sizes a step's prefill by."""
+        if self._coef is None:
+            return None
+        per_step, per_token, per_row, per_pair = (self._coef * SCALE).tolist()
+        return per_step, per_token, per_row, per_pair
+
     def observe(self, features: np.ndarray, seconds: float, overhead: float) -> None:
         """A step with these features took ``seconds`` (started to result read), ``overhead`` of which were the
         wire and the planning (what the lead must cover besides the prediction's error)."""

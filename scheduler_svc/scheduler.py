@@ -30,6 +30,7 @@ from scheduler_svc.report import snapshot_of
 from scheduler_svc.request import Finish, Output, Request, Status, forks
 from scheduler_svc.retention import KvRetention
 from scheduler_svc.scheduler_lifecycle import ExecutorLifecycle
+from scheduler_svc.slo_budget import step_budget
 from scheduler_svc.snapshot import Counters, SchedulerSnapshot
 from scheduler_svc.step import InFlight, PageOps, Scheduled, Step
 from scheduler_svc.tenant_ledger import TenantLedger
@@ -52,6 +53,7 @@ class Scheduler(ExecutorLifecycle):
         """``ledger``: the scheduler-wide tenant ledger to join (a cluster's; else one of its own, over
         ``tenants``). ``counters`` and ``tenant_stats``: the counts so far, when this replaces another planner."""
         self.adapters: AdapterSlots | None = None  # the executor's LoRA device slots (use_adapters)
+        self.clock = None  # the executor's step-time model (plan_clock.StepClock, the engine's): slo_budget.py
         self._pool = pool
         self.config = config
         self._eos_token_ids = list(eos_token_ids)
@@ -142,9 +144,9 @@ class Scheduler(ExecutorLifecycle):
 
     def _plan_step(self) -> list[Scheduled]:
         """The requests of the next step, the tokens each computes and whether it samples: the running ones first
-        (growing, preempting others when pages are short), then admissions while the token budget lasts. What
-        the step computes is counted at once (optimistically: the next step may be planned before its result)."""
-        budget = self.config.max_num_batched_tokens
+        (growing, preempting others when pages are short), then admissions while the token budget (slo_budget.py)
+        lasts. What the step computes is counted at once (optimistically: the next may be planned before its result)."""
+        budget = step_budget(self.clock, self.config, self.queues.running, self.queues.waiting, self._pool.block_size)
         scheduled: list[Scheduled] = []
         now = self.step_id + 1
         view = PlanView(self.config, self.queues, self.kv, self.retained, self.limits, self.ledger, self._policy,

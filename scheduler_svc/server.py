@@ -147,7 +147,8 @@ async def serve(args) -> None:
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=max_len, enable_prefix_caching=args.enable_prefix_caching,
                              preemption=preemption, fairness=args.fairness, sliding_window=args.sliding_window,
-                             scheduling_policy=args.scheduling_policy,
+                             scheduling_policy=args.scheduling_policy, target_tpot_s=args.target_tpot_ms / 1e3,
+                             target_ttft_s=args.target_ttft_ms / 1e3,
                              sink_tokens=args.sink_tokens, model_window=model_window(args, describe),
                              kv_retention_max_share=args.kv_retention_max_share)
     # Tenant limits are the scheduler's, over all its executors: page counts are checked (and fractions resolved)
