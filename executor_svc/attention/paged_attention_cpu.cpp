@@ -28,6 +28,9 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_math.h"
 #include "cpu_ops.h"
@@ -368,7 +371,48 @@ inline float max_of(const float* x, int64_t n) {
 
 // A row's softmax numerators in place, e^(s - max) over its n scores; returns their sum, the max in *max_out. One
 // copy of the loop (noinline) for every caller, so that its vectorized sum adds in the same order wherever a row
-// is computed (a decode, a prefill chunk's run, a cascade's block).
+// is computed (a decode, a prefill chunk's run, a cascade's block, a shared prefix's chunk).
+#if defined(__AVX512F__)
+// e^x of 16 lanes, x <= 0 (a score minus its row's max): exp_clamped's range reduction and polynomial in
+// AVX-512 instructions, 2^n by vscalefps (no integer detour), clamped below at -87.
+__attribute__((always_inline)) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+__attribute__((noinline)) float exp_row(float* sr, int64_t n, float* max_out) {
+  const float mx = max_of(sr, n);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmx));
+    const __m512 b = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), vmx));
+    _mm512_storeu_ps(sr + j, a);
+    _mm512_storeu_ps(sr + j + 16, b);
+    acc0 = _mm512_add_ps(acc0, a);
+    acc1 = _mm512_add_ps(acc1, b);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512 a = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(vmx, m, sr + j), vmx));
+    _mm512_mask_storeu_ps(sr + j, m, a);
+    acc0 = _mm512_mask_add_ps(acc0, m, acc0, a);
+  }
+  *max_out = mx;
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
 PAGEDKV_WIDE __attribute__((noinline)) float exp_row(float* sr, int64_t n, float* max_out) {
   const float mx = max_of(sr, n);
   float sum = 0.f;
@@ -380,6 +424,7 @@ PAGEDKV_WIDE __attribute__((noinline)) float exp_row(float* sr, int64_t n, float
   *max_out = mx;
   return sum;
 }
+#endif
 
 // Calls fn(key pointer offset, position) for each visible position, page by page (no division per key).
 // A page id outside the pool is an error (as index_select's), never a read out of bounds.
@@ -869,16 +914,7 @@ void attend_shared(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         }
         float chunk_max[kSharedRowBlock], chunk_sum[kSharedRowBlock];
         for (int64_t r = 0; r < rows; ++r) {
-          float* sr = s.data() + r * kpad;
-          const float mx = max_of(sr, keys);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < keys; ++j) {
-            sr[j] = pagedkv_cpu::exp_clamped(sr[j] - mx);
-            sum += sr[j];
-          }
-          chunk_max[r] = mx;
-          chunk_sum[r] = sum;
+          chunk_sum[r] = exp_row(s.data() + r * kpad, keys, &chunk_max[r]);
         }
         const float* vh = vp + h * v_head;
         for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {  // (the block's values stay in L1 across the rows)
