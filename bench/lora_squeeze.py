@@ -16,7 +16,7 @@ pages its requests held and, for t, its own adapters in device slots, the most a
 records it every step). The row to read: t's peak against its quota, u's peak and output tok/s beside t against
 alone, and the slots' page-ins.
 
-    python bench/lora_squeeze.py                      # SmolLM2-135M-Instruct, rank 16 -> bench/results/lora_squeeze.json
+    python bench/lora_squeeze.py                  # SmolLM2-135M-Instruct, rank 16 -> bench/results/lora_squeeze.json
     python bench/lora_squeeze.py --quick              # tiny-llama, 8 prompts: a smoke
 """
 

@@ -61,7 +61,8 @@ class ModelRunner:
         self.adapters = adapters  # every adapter held, and the paging into slots (None: the slots are fixed)
         self._lora_kernels = getattr(attention, "name", "") == "cuda"  # (the deltas by kernels_cuda/lora_sgmv.cu)
         if self.lora is not None:
-            self.mirror.lora = (self.lora.names, adapters.held if adapters is not None else self.lora.slots.__contains__)
+            held = adapters.held if adapters is not None else self.lora.slots.__contains__
+            self.mirror.lora = (self.lora.names, held)
         self.matchers: Matchers | None = None  # structured outputs: the matcher threads and budgets (startup.py)
         self.device_written = False  # a page was written since the last wipe
         self.host_written: set[int] = set()  # host pages a swap-out wrote since the last wipe

@@ -200,7 +200,8 @@ Pool pool_of(const at::Tensor& data, const at::Tensor& scale) {
 template <int DIM>
 void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const at::Tensor& tables,
             const at::Tensor& ctx_lens, const at::Tensor& sinks, const at::Tensor& windows, int64_t model_window,
-            int64_t block, int64_t kv_heads, double scale, at::Tensor& out) {
+            int64_t block, int64_t kv_heads, double scale, at::Tensor& out, int64_t start = 0,
+            float* lse = nullptr) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), per_kv = heads / kv_heads;
   const int64_t width = tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -216,7 +217,7 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t c = cp[b];
-      const int64_t lo = model_window > 0 ? std::max<int64_t>(0, c - model_window) : 0;
+      const int64_t lo = std::max(start, model_window > 0 ? std::max<int64_t>(0, c - model_window) : 0);
       const int64_t w = wp ? wp[b] : 0;
       const int64_t s2 = w > 0 ? std::max(lo, c - w) : lo;  // the window's start
       const int64_t s1 = w > 0 ? std::min(sp[b], s2) : lo;  // the sink's end: [lo, s1) ++ [s2, c)
@@ -272,7 +273,7 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         }
         i += len;
       }
-      std::vector<float> denom(per_kv, 0.f);
+      std::vector<float> denom(per_kv, 0.f), maxes(per_kv, -std::numeric_limits<float>::infinity());
       for (int64_t g = 0; g < per_kv; ++g) {  // softmax, in place
         float* sg = scores.data() + g * n;
         float mx = -std::numeric_limits<float>::infinity();
@@ -284,6 +285,7 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
           sum += sg[i];
         }
         denom[g] = sum;
+        maxes[g] = mx;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       // values, a run of keys of one page at a time
@@ -325,6 +327,9 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         float* o = op + (b * heads + h * per_kv + g) * dim;
         const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
         for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inv;
+        if (lse != nullptr)  // (no key: -inf, a share of nothing in the merge)
+          lse[b * heads + h * per_kv + g] = denom[g] > 0.f ? maxes[g] + std::log(denom[g])
+                                                           : -std::numeric_limits<float>::infinity();
       }
     }
   });
@@ -332,15 +337,9 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "paged_attention_q8: ", what); }
 
-}  // namespace
-
-// q [B, heads, D] float32; k_data, v_data [pages, block, kv_heads, D] 8-bit (uint8 views of FP8 or INT8 bytes,
-// D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
-// v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
-// empty; fp8: the data bytes are E4M3 (else INT8). Returns [B, heads, D] float32.
-at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scale, at::Tensor v_data,
-                              at::Tensor v_scale, at::Tensor tables, at::Tensor ctx_lens, at::Tensor sinks,
-                              at::Tensor windows, int64_t model_window, bool fp8, double scale) {
+void check_args(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scale,
+                       const at::Tensor& v_data, const at::Tensor& v_scale, const at::Tensor& tables,
+                       const at::Tensor& ctx_lens, const at::Tensor& sinks, const at::Tensor& windows, bool fp8) {
   check(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
   check(k_data.dim() == 4 && v_data.dim() == 4 && k_data.scalar_type() == at::kByte &&
             v_data.scalar_type() == at::kByte && k_data.stride(3) == 1 && v_data.stride(3) == 1,
@@ -373,29 +372,71 @@ at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scal
                   " pages");
     }
   }
-  auto out = at::empty_like(q);
-  const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
-  const auto run = [&](auto dim) {
-    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, sinks, windows, model_window, block, kv_heads,
-                                 scale, out);
-  };
-  switch (q.size(2)) {
+}
+
+// Runs decode<D> for q's head size (0: the scalar path).
+template <typename Run>
+void by_dim(int64_t dim, Run run) {
+  switch (dim) {
     case 32: run(std::integral_constant<int, 32>{}); break;
     case 64: run(std::integral_constant<int, 64>{}); break;
     case 128: run(std::integral_constant<int, 128>{}); break;
     case 256: run(std::integral_constant<int, 256>{}); break;
     default: run(std::integral_constant<int, 0>{}); break;
   }
+}
+
+}  // namespace
+
+// q [B, heads, D] float32; k_data, v_data [pages, block, kv_heads, D] 8-bit (uint8 views of FP8 or INT8 bytes,
+// D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
+// v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
+// empty; fp8: the data bytes are E4M3 (else INT8). Returns [B, heads, D] float32.
+at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scale, at::Tensor v_data,
+                              at::Tensor v_scale, at::Tensor tables, at::Tensor ctx_lens, at::Tensor sinks,
+                              at::Tensor windows, int64_t model_window, bool fp8, double scale) {
+  check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, sinks, windows, fp8);
+  auto out = at::empty_like(q);
+  const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
+  by_dim(q.size(2), [&](auto dim) {
+    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, sinks, windows, model_window, k_data.size(1),
+                                 k_data.size(2), scale, out);
+  });
   return out;
 }
 
+// The second half of a cascade over 8-bit pages (q8_decode.py): each row attends its keys from position ``start``
+// on (the ones after a shared prefix attended apart; no windows), as paged_attention_q8 attends them. Returns its
+// output [B, heads, D] and the log-sum-exp of its scaled scores [B, heads] (float32; -inf for a row with no key
+// there), to merge with the prefix's.
+std::tuple<at::Tensor, at::Tensor> paged_attention_q8_after(at::Tensor q, at::Tensor k_data, at::Tensor k_scale,
+                                                            at::Tensor v_data, at::Tensor v_scale, at::Tensor tables,
+                                                            at::Tensor ctx_lens, int64_t start, bool fp8,
+                                                            double scale) {
+  const at::Tensor none = at::empty({0}, ctx_lens.options());
+  check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, none, none, fp8);
+  check(start >= 0, "start must be >= 0");
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options());
+  const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
+  by_dim(q.size(2), [&](auto dim) {
+    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, none, none, 0, k_data.size(1), k_data.size(2),
+                                 scale, out, start, lse.data_ptr<float>());
+  });
+  return {out, lse};
+}
 }  // namespace pagedkv_q8
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("paged_attention_q8(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, Tensor tables, "
         "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale) -> Tensor");
+  m.def("paged_attention_q8_after(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, "
+        "Tensor tables, Tensor ctx_lens, int start, bool fp8, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) { m.impl("paged_attention_q8", &pagedkv_q8::paged_attention_q8); }
+TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
+  m.impl("paged_attention_q8", &pagedkv_q8::paged_attention_q8);
+  m.impl("paged_attention_q8_after", &pagedkv_q8::paged_attention_q8_after);
+}
 
 #endif  // AVX2, FMA, F16C

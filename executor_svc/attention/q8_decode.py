@@ -3,13 +3,20 @@
 step never makes a full-precision copy of the pages, as the gather path does (torch_backend.gather_pages: every
 visible page of every layer dequantized into a float32 tensor, then SDPA). Same visible positions, same
 dequantized values (the pool's own scales), float32 arithmetic (a 16-bit model's queries widened, its output
-rounded back); tests/unit/test_attention_q8_kernel.py holds it to the gather path."""
+rounded back); tests/unit/test_attention_q8_kernel.py holds it to the gather path.
+
+Decodes that share a prompt prefix (``cascade.shared_prefix``: rows whose tables begin with the same pages, wholly
+before every query; no windows) attend it as a cascade, as float32 pages do: the prefix's pages dequantized once a
+layer and scored for every row and query head at once by the products kernel (``paged_attention_shared``), then
+each row's own keys after it read in place (``paged_attention_q8_after``, which also gives its log-sum-exp), the two
+softmaxes merged by their log-sum-exps. The prefix is then read once a step instead of once a row: from
+``CASCADE_MIN_ROWS`` rows, where that pays (bench/NOTES.md, session 29)."""
 
 from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import cpu_kernel
+from executor_svc.attention import cascade, cpu_kernel
 from executor_svc.attention.metadata import DecodeGroup
 from executor_svc.kv_quant import ChannelScaledCache, QuantizedCache
 
@@ -17,6 +24,10 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 
 
 MAX_GROUP = 16  # query heads a KV head at most (the kernel's kMaxGroup; MQA models with more gather)
+# Decode rows from which a shared prefix goes as a cascade: below, dequantizing the prefix's pages costs more than
+# the rows save (bench/q8_cascade.py, SmolLM2's heads over a 1,024-token prefix: 0.7-0.9x at 12-16 rows, ~1.0x at
+# 24, 1.25x at 32, 1.4-1.55x at 64).
+CASCADE_MIN_ROWS = 32
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -36,10 +47,23 @@ def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache
            group: DecodeGroup, window: int | None, scale: float) -> torch.Tensor:
     """q [B, heads, D] (the group's rows) -> [B, heads, D] in q's dtype (the kernel's arithmetic is float32)."""
     k_scale = k_cache.exp if isinstance(k_cache, ChannelScaledCache) else k_cache.scale
-    windows = _EMPTY if group.windows is None else group.windows
-    sinks = _EMPTY if group.windows is None else group.sinks
-    out = kernel.paged_attention_q8(q.float().contiguous(), k_cache.data.view(torch.uint8), k_scale,
-                                    v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
-                                    group.ctx_lens, sinks, windows, window or 0,
-                                    k_cache.data.dtype == torch.float8_e4m3fn, scale)
+    fp8, qf = k_cache.data.dtype == torch.float8_e4m3fn, q.float().contiguous()
+    if group.shared_pages is None:
+        group.shared_pages = cascade.shared_prefix(group, k_cache.data.shape[1], window)
+    if (group.shared_pages.numel() and q.shape[0] >= CASCADE_MIN_ROWS and hasattr(kernel, "paged_attention_q8_after")
+            and cascade.shared_in_kernel(kernel, qf)):
+        pages = group.shared_pages
+        prior, prior_lse = kernel.paged_attention_shared(qf, k_cache.gather(pages, torch.float32),
+                                                         v_cache.gather(pages, torch.float32),
+                                                         torch.arange(pages.numel()), scale)
+        out, lse = kernel.paged_attention_q8_after(qf, k_cache.data.view(torch.uint8), k_scale,
+                                                   v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
+                                                   group.ctx_lens, pages.numel() * k_cache.data.shape[1], fp8, scale)
+        out.lerp_(prior, torch.sigmoid(prior_lse - lse).unsqueeze(-1))  # (the prefix's share of each softmax)
+    else:
+        windows = _EMPTY if group.windows is None else group.windows
+        sinks = _EMPTY if group.windows is None else group.sinks
+        out = kernel.paged_attention_q8(qf, k_cache.data.view(torch.uint8), k_scale, v_cache.data.view(torch.uint8),
+                                        v_cache.scale, group.page_tables, group.ctx_lens, sinks, windows,
+                                        window or 0, fp8, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -84,7 +84,8 @@ def check_kv_left(held: AdapterPages, num_pages: int, rank: int, cfg: ModelConfi
         return
     raise ValueError(
         f"--lora-modules / --max-loras: the {held.count} adapter slots need {held.total} pages of the KV pool "
-        f"({held.each} each of {held.page_bytes} bytes, padded to rank {rank}), but the pool has {num_pages} pages ({asked}): "
+        f"({held.each} each of {held.page_bytes} bytes, padded to rank {rank}), but the pool has {num_pages} pages "
+        f"({asked}): "
         f"{max(held.first, 0)} would be left for KV, fewer than the {need} it needs at least; give the pool at "
         f"least {need + held.total} pages (--num-pages, --kv-cache-gb), or serve fewer adapters or lower "
         "ranks")

@@ -1,6 +1,7 @@
 """deploy/compose-smoke.sh and the compose commands of README.md and docs/deploying.md without an engine: the script
 parses (bash -n), and every compose command they use, with its flags, exists in Compose v1 (Debian's docker-compose
-1.29, which has no `cp`, no `up --wait`, ...), so that both v1 and v2 run them. Also the Dockerfile's promises that need no
+1.29, which has no `cp`, no `up --wait`, ...), so that both v1 and v2 run them. Also the Dockerfile's promises that
+need no
 build: CPU torch by default, pinned as pyproject pins it, a non-root user, no anonymous volume. The script itself
 runs against a real engine, outside `make test` (docs/deploying.md)."""
 

@@ -58,8 +58,9 @@ def stack(tiny_llama_dir, tmp_path_factory):
     tenants = root / "tenants.toml"
     tenants.write_text(TENANTS)
     http, metrics = free_port(), free_port()
-    server = Server("--http-port", str(http), "--metrics-port", str(metrics), "--num-pages", "160", "--tenants-file", str(tenants), "--threads", "1",
-                    "--lora-root", str(root / "lora"), "--max-loras", "1", "--max-lora-rank", "16")
+    server = Server("--http-port", str(http), "--metrics-port", str(metrics), "--num-pages", "160",
+                    "--tenants-file", str(tenants), "--threads", "1", "--lora-root", str(root / "lora"),
+                    "--max-loras", "1", "--max-lora-rank", "16")
     server.metrics = f"http://127.0.0.1:{metrics}/metrics"
     yield server, f"http://127.0.0.1:{http}/v1", peft_reference(tiny_llama_dir, adapters), root
     assert server.stop() == 0, server.log()

@@ -1,5 +1,6 @@
 """The resume defaults of `pagedkv generate`, the gateway and the Client (its gRPC channel makes this e2e; the
-rest of the resume tests are tests/unit/test_resume.py and test_resume_client.py, the real thing tests/e2e/test_resume_e2e.py)."""
+rest of the resume tests are tests/unit/test_resume.py and test_resume_client.py, the real thing
+tests/e2e/test_resume_e2e.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ class Driven:
 
     def reconnected(self, num_pages: int | None = None, block_size: int | None = None,
                     num_host_pages: int | None = None, costs: PreemptionCosts | None = None, kept: bool = True) -> None:
-        """The executor is back (the same geometry unless given; ``kept``: with its pages), as engine_link.adopt does."""
+        """The executor is back (the same geometry unless given; ``kept``: with its pages), as engine_link.adopt
+        does."""
         s = self.scheduler
         snap = s.snapshot()
         planner = s.reconnected(snap.pool.num_pages if num_pages is None else num_pages,

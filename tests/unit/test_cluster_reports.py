@@ -53,7 +53,8 @@ def test_executor_rows_and_peak_resets():
     rows = reports.executor_infos()
     assert [(r.address, r.state, r.executor_id, r.num_placed) for r in rows] == [
         ("a:1", "up", "id-a", 5), ("b:1", "down", "id-b", 5), ("c:1", "connecting", "id-None", 5)]
-    assert (rows[0].num_pages, rows[0].num_used_pages, rows[0].num_waiting, rows[0].num_computed_tokens) == (10, 4, 2, 99)
+    first = rows[0]
+    assert (first.num_pages, first.num_used_pages, first.num_waiting, first.num_computed_tokens) == (10, 4, 2, 99)
     assert rows[2].num_pages == 0  # (never answered: no pool to report)
     reports.reset_peak("t", True)
     assert engines["a:1"].scheduler.resets == engines["b:1"].scheduler.resets == [("t", True)]

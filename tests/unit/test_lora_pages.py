@@ -153,7 +153,8 @@ def test_adapters_leaving_too_few_kv_pages_are_refused(served):
     with pytest.raises(ValueError) as err:
         _build(base, adapters, too_few)
     msg = str(err.value)
-    assert msg.startswith("--lora-modules / --max-loras: the 2 adapter slots need 16 pages of the KV pool (8 each of 8192 bytes")
+    assert msg.startswith("--lora-modules / --max-loras: the 2 adapter slots need 16 pages of the KV pool "
+                          "(8 each of 8192 bytes")
     assert f"the pool has {too_few} pages (--num-pages {too_few})" in msg and "15 would be left" in msg
     assert f"at least {2 * EACH + MIN_KV_PAGES} pages" in msg
     _, describe = _build(base, adapters, too_few + 1)

@@ -6,10 +6,10 @@ another tenant's pages are untouched by them."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.tenancy import Tenants

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from scheduler_svc import slo_budget
 from pagedkv.executor.v1 import executor_pb2 as pb
+from scheduler_svc import slo_budget
 from scheduler_svc.args import add_args, check_args
 from scheduler_svc.pages import PagePool
 from scheduler_svc.plan_clock import MIN_SAMPLES, StepClock, step_features
@@ -124,7 +124,8 @@ def test_the_planner_chunks_prefills_to_the_budget_and_serves_the_same(target_ms
     s.schedule = recorded
     finished = drive(s, on_step=lambda s: len(plans) == 3 and not s.scheduler.queues.requests.get("r9")
                      and s.add(make_request(9, 700, 4)))  # arrives beside six decoding requests
-    assert sorted(r.request_id for r in finished if r.finish is Finish.LENGTH) == [f"r{i}" for i in (0, 1, 2, 3, 4, 5, 9)]
+    served = sorted(r.request_id for r in finished if r.finish is Finish.LENGTH)
+    assert served == [f"r{i}" for i in (0, 1, 2, 3, 4, 5, 9)]
     assert_empty(s)
     chunks = [dict(p)["r9"] for p in plans if "r9" in dict(p) and len(p) > 1]
     if target_ms:
