@@ -53,12 +53,17 @@ def test_greedy_matches_transformers(start_server, workloads, model, block_size)
 
 # The scheduling knobs #49 measured (bench/NOTES.md "Session 25, #49"): priority classes (each request in one of
 # three classes, so that admission order and class preemption differ from arrival order), the latency setting
-# that trades batch throughput for an interactive class's tail, and small prefill budgets without async scheduling.
+# that trades batch throughput for an interactive class's tail, small prefill budgets without async scheduling, and
+# budgets chosen per step from a TPOT target.
 @pytest.mark.parametrize("flags", [("--scheduling-policy", "priority", "--max-num-seqs", "6"),
                                    ("--scheduling-policy", "priority", "--max-num-batched-tokens", "256",
                                     "--no-async-scheduling"),
-                                   ("--max-num-batched-tokens", "64", "--no-async-scheduling")],
-                         ids=["priority", "priority-latency", "sync-small-budget"])
+                                   ("--max-num-batched-tokens", "64", "--no-async-scheduling"),
+                                   # per-step budgets from a TPOT target below a decode step's time: a page of
+                                   # prefill a step beside decodes, and the full budget once a first token is late
+                                   ("--scheduling-policy", "priority", "--target-tpot-ms", "1",
+                                    "--target-ttft-ms", "300")],
+                         ids=["priority", "priority-latency", "sync-small-budget", "tpot-target"])
 def test_greedy_matches_transformers_under_every_policy_setting(start_server, workloads, flags):
     _, prompts, expected = workloads["tiny-llama"]
     server = start_server("--num-pages", "512", "--check-integrity", *flags)
