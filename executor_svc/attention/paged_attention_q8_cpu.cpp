@@ -388,6 +388,44 @@ void by_dim(int64_t dim, Run run) {
 
 }  // namespace
 
+// Whole pages of an 8-bit pool with a bfloat16 scale per (page, slot, KV head), dequantized: data [pages, block,
+// kv_heads, D] uint8 (FP8 E4M3 or INT8 bytes, D contiguous), scale [pages, block, kv_heads] bfloat16, page_ids [n]
+// int64 -> [n, block, kv_heads, D] float32, each element float(byte) x float(scale): what QuantizedCache.gather
+// computes in torch (kv_quant.py), bit for bit, with the bytes widened in registers.
+at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor page_ids, bool fp8) {
+  check(data.dim() == 4 && data.scalar_type() == at::kByte && data.stride(3) == 1,
+        "data must be uint8 [pages, block, kv_heads, D] with D contiguous");
+  check(scale.scalar_type() == at::kBFloat16 && scale.dim() == 3 && scale.size(0) == data.size(0) &&
+            scale.size(1) == data.size(1) && scale.size(2) == data.size(2),
+        "scale must be bfloat16 [pages, block, kv_heads]");
+  check(page_ids.scalar_type() == at::kLong && page_ids.dim() == 1 && page_ids.is_contiguous(),
+        "page_ids must be a contiguous int64 vector");
+  const int64_t n = page_ids.numel(), block = data.size(1), heads = data.size(2), dim = data.size(3);
+  const int64_t* ids = page_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < data.size(0), "dequantize_pages_q8: page id ", ids[i], " outside the pool of ",
+                data.size(0), " pages");
+  auto out = at::empty({n, block, heads, dim}, data.options().dtype(at::kFloat));
+  const Pool P = pool_of(data, scale);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * block * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r / (block * heads), o = r / heads % block, h = r % heads;
+      const uint8_t* src = P.row(ids[i], o, h);
+      const float sc = P.row_scale(ids[i], o, h);
+      float* dst = op + r * dim;
+      int64_t d = 0;
+      for (; d + 16 <= dim; d += 16) vstore(dst + d, (fp8 ? fp8_to_float(src + d) : int8_to_float(src + d)) * sc);
+      if (d < dim) {
+        widen(src + d, fp8, dim - d, row.data());
+        for (int64_t j = 0; j < dim - d; ++j) dst[d + j] = row[j] * sc;
+      }
+    }
+  });
+  return out;
+}
+
 // q [B, heads, D] float32; k_data, v_data [pages, block, kv_heads, D] 8-bit (uint8 views of FP8 or INT8 bytes,
 // D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
 // v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
@@ -430,6 +468,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_q8_after(at::Tensor q, at::Te
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("paged_attention_q8(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, Tensor tables, "
         "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale) -> Tensor");
+  m.def("dequantize_pages_q8(Tensor data, Tensor scale, Tensor page_ids, bool fp8) -> Tensor");
   m.def("paged_attention_q8_after(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, "
         "Tensor tables, Tensor ctx_lens, int start, bool fp8, float scale) -> (Tensor, Tensor)");
 }
@@ -437,6 +476,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("paged_attention_q8", &pagedkv_q8::paged_attention_q8);
   m.impl("paged_attention_q8_after", &pagedkv_q8::paged_attention_q8_after);
+  m.impl("dequantize_pages_q8", &pagedkv_q8::dequantize_pages_q8);
 }
 
 #endif  // AVX2, FMA, F16C

@@ -24,10 +24,13 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 
 
 MAX_GROUP = 16  # query heads a KV head at most (the kernel's kMaxGroup; MQA models with more gather)
-# Decode rows from which a shared prefix goes as a cascade: below, dequantizing the prefix's pages costs more than
-# the rows save (bench/q8_cascade.py, SmolLM2's heads over a 1,024-token prefix: 0.7-0.9x at 12-16 rows, ~1.0x at
-# 24, 1.25x at 32, 1.4-1.55x at 64).
-CASCADE_MIN_ROWS = 32
+# Decode rows from which a shared prefix goes as a cascade (besides cascade.shared_prefix's own thresholds): below,
+# dequantizing the prefix's pages costs more than the rows save (bench/q8_cascade.py, SmolLM2's heads over a
+# 1,024-token prefix + 256 own: FP8 1.26x at 12 and 16 rows, 1.6-1.8x at 24-32, ~1.95x at 64, its pages dequantized
+# by the kernel library; INT8 keys, whose per-channel exponents torch dequantizes, 0.75-0.9x at 12-16 rows, 1.2x
+# from 24).
+CASCADE_MIN_ROWS = 8
+CASCADE_MIN_ROWS_INT8 = 24
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,7 +53,8 @@ def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache
     fp8, qf = k_cache.data.dtype == torch.float8_e4m3fn, q.float().contiguous()
     if group.shared_pages is None:
         group.shared_pages = cascade.shared_prefix(group, k_cache.data.shape[1], window)
-    if (group.shared_pages.numel() and q.shape[0] >= CASCADE_MIN_ROWS and hasattr(kernel, "paged_attention_q8_after")
+    min_rows = CASCADE_MIN_ROWS_INT8 if isinstance(k_cache, ChannelScaledCache) else CASCADE_MIN_ROWS
+    if (group.shared_pages.numel() and q.shape[0] >= min_rows and hasattr(kernel, "paged_attention_q8_after")
             and cascade.shared_in_kernel(kernel, qf)):
         pages = group.shared_pages
         prior, prior_lse = kernel.paged_attention_shared(qf, k_cache.gather(pages, torch.float32),
