@@ -173,11 +173,11 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def _dequantizer():
-    """The CPU kernel library where it has ``dequantize_pages_q8`` (x86 with AVX2, FMA and F16C), else None."""
+    """The CPU kernel library where it has the dequantizers (x86 with AVX2, FMA and F16C), else None."""
     from executor_svc.attention import cpu_kernel  # (here: the attention package imports this module)
 
     kernel = cpu_kernel.load()
-    return kernel if kernel is not None and hasattr(kernel, "dequantize_pages_q8") else None
+    return kernel if kernel is not None and hasattr(kernel, "dequantize_pages_int8_channels") else None
 
 
 class QuantizedCache:
@@ -249,6 +249,10 @@ class ChannelScaledCache:
         self.data[pages, offsets] = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
 
     def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.data.device.type == "cpu" and (kernel := _dequantizer()) is not None:  # (the same products)
+            out = kernel.dequantize_pages_int8_channels(self.data.view(torch.uint8), self.exp,
+                                                        page_ids.long().contiguous())
+            return out if dtype == torch.float32 else out.to(dtype)
         data = self.data.index_select(0, page_ids).float()
         scale = torch.pow(2.0, self.exp.index_select(0, page_ids).float() - 127).unsqueeze(1)
         return (data * scale).to(dtype)

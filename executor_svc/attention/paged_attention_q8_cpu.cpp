@@ -426,6 +426,42 @@ at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor pag
   return out;
 }
 
+// Whole pages of INT8 keys with an exponent byte per (page, KV head, channel), dequantized: data [pages, block,
+// kv_heads, D] int8 bytes (as uint8), exp [pages, kv_heads, D] uint8, page_ids [n] int64 -> [n, block, kv_heads, D]
+// float32, each element float(byte) x 2^(e - 127): ChannelScaledCache.gather's torch arithmetic, bit for bit.
+at::Tensor dequantize_pages_int8_channels(at::Tensor data, at::Tensor exp, at::Tensor page_ids) {
+  check(data.dim() == 4 && data.scalar_type() == at::kByte && data.stride(3) == 1,
+        "data must be uint8 [pages, block, kv_heads, D] with D contiguous");
+  check(exp.scalar_type() == at::kByte && exp.dim() == 3 && exp.stride(2) == 1 && exp.size(0) == data.size(0) &&
+            exp.size(1) == data.size(2) && exp.size(2) == data.size(3),
+        "exp must be uint8 [pages, kv_heads, D] with D contiguous");
+  check(page_ids.scalar_type() == at::kLong && page_ids.dim() == 1 && page_ids.is_contiguous(),
+        "page_ids must be a contiguous int64 vector");
+  const int64_t n = page_ids.numel(), block = data.size(1), heads = data.size(2), dim = data.size(3);
+  const int64_t* ids = page_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < data.size(0), "dequantize_pages_int8_channels: page id ", ids[i],
+                " outside the pool of ", data.size(0), " pages");
+  auto out = at::empty({n, block, heads, dim}, data.options().dtype(at::kFloat));
+  const Pool P = pool_of(data, exp);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / heads, h = t % heads;
+      const uint8_t* e = P.exp + ids[i] * P.e_page + h * P.e_head;
+      for (int64_t d = 0; d < dim; ++d)  // 2^(e - 127) exactly, the subnormal 2^-127 of e = 0 included
+        scale[d] = e[d] ? exp2_byte(e[d]) : std::ldexp(1.0f, -127);
+      for (int64_t o = 0; o < block; ++o) {
+        const int8_t* src = reinterpret_cast<const int8_t*>(P.row(ids[i], o, h));
+        float* dst = op + ((i * block + o) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * scale[d];
+      }
+    }
+  });
+  return out;
+}
+
 // q [B, heads, D] float32; k_data, v_data [pages, block, kv_heads, D] 8-bit (uint8 views of FP8 or INT8 bytes,
 // D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
 // v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
@@ -469,6 +505,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("paged_attention_q8(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, Tensor tables, "
         "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale) -> Tensor");
   m.def("dequantize_pages_q8(Tensor data, Tensor scale, Tensor page_ids, bool fp8) -> Tensor");
+  m.def("dequantize_pages_int8_channels(Tensor data, Tensor exp, Tensor page_ids) -> Tensor");
   m.def("paged_attention_q8_after(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, "
         "Tensor tables, Tensor ctx_lens, int start, bool fp8, float scale) -> (Tensor, Tensor)");
 }
@@ -477,6 +514,7 @@ TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
   m.impl("paged_attention_q8", &pagedkv_q8::paged_attention_q8);
   m.impl("paged_attention_q8_after", &pagedkv_q8::paged_attention_q8_after);
   m.impl("dequantize_pages_q8", &pagedkv_q8::dequantize_pages_q8);
+  m.impl("dequantize_pages_int8_channels", &pagedkv_q8::dequantize_pages_int8_channels);
 }
 
 #endif  // AVX2, FMA, F16C

@@ -26,11 +26,10 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 MAX_GROUP = 16  # query heads a KV head at most (the kernel's kMaxGroup; MQA models with more gather)
 # Decode rows from which a shared prefix goes as a cascade (besides cascade.shared_prefix's own thresholds): below,
 # dequantizing the prefix's pages costs more than the rows save (bench/q8_cascade.py, SmolLM2's heads over a
-# 1,024-token prefix + 256 own: FP8 1.26x at 12 and 16 rows, 1.6-1.8x at 24-32, ~1.95x at 64, its pages dequantized
-# by the kernel library; INT8 keys, whose per-channel exponents torch dequantizes, 0.75-0.9x at 12-16 rows, 1.2x
-# from 24).
-CASCADE_MIN_ROWS = 8
-CASCADE_MIN_ROWS_INT8 = 24
+# 1,024-token prefix + 256 own, two runs: FP8 0.88-1.05x at 8 rows, 1.0-1.26x at 12, 1.3-1.4x at 16, 1.6-1.8x from
+# 24; INT8 0.70x at 8, 0.88x at 12, 1.07x at 16, 1.27x at 24).
+CASCADE_MIN_ROWS = 12
+CASCADE_MIN_ROWS_INT8 = 16
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
