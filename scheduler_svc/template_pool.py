@@ -41,6 +41,7 @@ from scheduler_svc.template_worker import FRAME_HEADER, frame
 ROOT = Path(__file__).resolve().parent.parent  # the directory holding scheduler_svc: the worker runs this code
 WORKER_START_TIMEOUT = 60.0  # seconds a new worker may take to import jinja2 and say it is ready
 ESCAPED_BYTES = 6  # a character's most bytes in the reply's JSON (a control character as \\u0000)
+START_RETRY_PAUSES_S = (0.0, 0.25)  # before each retry of a worker start that failed
 ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONHOME", "PYTHONPATH", "PYTHONHASHSEED")  # no secrets
 
 
@@ -189,13 +190,16 @@ class TemplatePool:
         return self._text(reply, job["max_bytes"], field)
 
     async def _start(self) -> TemplateWorker:
-        """A new worker; a start that fails is tried once more (then RuntimeError: the server's fault, not the
-        request's)."""
+        """A new worker; a start that fails is tried twice more, the last after a pause (then RuntimeError: the
+        server's fault, not the request's). NOTE: under load in CI a worker has exited -11 twice in a row within
+        milliseconds of its spawn, before Python ran (not reproduced in hundreds of starts here)."""
         failures = (WorkerGone, RuntimeError, OSError, asyncio.TimeoutError)
-        try:
-            return await self._start_worker(self.limits)
-        except failures as err:
-            self.log.warning("chat_template_worker_start_failed", error=str(err), hint="trying once more")
+        for pause in START_RETRY_PAUSES_S:
+            try:
+                return await self._start_worker(self.limits)
+            except failures as err:
+                self.log.warning("chat_template_worker_start_failed", error=str(err), hint="trying once more")
+            await asyncio.sleep(pause)
         try:
             return await self._start_worker(self.limits)
         except failures as err:

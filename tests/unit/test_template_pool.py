@@ -166,7 +166,7 @@ def test_close_kills_idle_and_rendering_workers_and_refuses_later_renders():
     assert later == "prompt.chat.chat_template: the scheduler is shutting down"
 
 
-def test_a_worker_that_fails_to_start_is_tried_once_more():
+def test_a_worker_that_fails_to_start_is_tried_again():
     tries: list[bool] = []
 
     async def flaky(limits: TemplateLimits) -> InlineWorker:  # (fails its first start, then works)
@@ -175,7 +175,10 @@ def test_a_worker_that_fails_to_start_is_tried_once_more():
             raise WorkerGone("exit code -11")
         return await InlineWorker.start(limits)
 
-    async def broken(limits: TemplateLimits) -> InlineWorker:
+    gone: list[bool] = []
+
+    async def broken(limits: TemplateLimits) -> InlineWorker:  # (never starts: three tries, then the error)
+        gone.append(True)
         raise WorkerGone("exit code -11")
 
     async def scenario():
@@ -184,4 +187,4 @@ def test_a_worker_that_fails_to_start_is_tried_once_more():
             await TemplatePool(start_worker=broken).render(job("{{ 1 }}"), "a", "prompt.chat")
         return text
 
-    assert asyncio.run(scenario()) == "5" and len(tries) == 2
+    assert asyncio.run(scenario()) == "5" and len(tries) == 2 and len(gone) == 3
