@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -77,19 +78,61 @@ class TemplateWorker(Protocol):
         """Kills the worker and waits for it."""
 
 
+class PipedChild:
+    """A child process and its stdin and stdout, driven by the event loop. It is started by ``subprocess.Popen`` on
+    the loop's thread: CPython starts it with vfork and exec, so no copy of this multi-threaded process runs any
+    library's fork handlers. (asyncio's subprocess under uvloop forks; under load in CI a worker forked so exited -11
+    or -6 within milliseconds, before its Python ran.) The parent-death signal the worker asks for is tied to the
+    thread that started it: the loop's, which lives as long as the scheduler."""
+
+    def __init__(self, popen: subprocess.Popen, stdout: asyncio.StreamReader, stdin: asyncio.StreamWriter,
+                 stdout_pipe: asyncio.ReadTransport) -> None:
+        self.popen, self.stdout, self.stdin, self._stdout_pipe = popen, stdout, stdin, stdout_pipe
+
+    @classmethod
+    async def start(cls, args: list[str], env: dict[str, str], cwd: Path) -> PipedChild:
+        loop = asyncio.get_running_loop()
+        popen = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd)
+        try:
+            reader = asyncio.StreamReader()
+            stdout_pipe, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+        return cls(popen, reader, asyncio.StreamWriter(transport, protocol, None, loop), stdout_pipe)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    async def wait(self) -> int:
+        """Its exit code, once it has ended; its pipes closed."""
+        while self.popen.poll() is None:
+            await asyncio.sleep(0.005)
+        self.stdin.close()
+        self._stdout_pipe.close()
+        return self.popen.returncode
+
+
 class ProcessWorker:
     """One template_worker.py process, driven over its stdin and stdout."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: PipedChild) -> None:
         self.proc = proc
 
     @classmethod
     async def start(cls, limits: TemplateLimits) -> ProcessWorker:
         env = {k: v for k, v in os.environ.items() if k in ENV_KEPT}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_svc.template_worker", str(limits.memory_bytes), str(limits.timeout_s),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT)
+        env["PYTHONFAULTHANDLER"] = "1"  # a crash before main() also says where, on the scheduler's stderr
+        proc = await PipedChild.start(
+            [sys.executable, "-m", "scheduler_svc.template_worker", str(limits.memory_bytes), str(limits.timeout_s)],
+            env, ROOT)
         worker = cls(proc)
         try:
             ready = await asyncio.wait_for(worker.receive(1 << 10), WORKER_START_TIMEOUT)
