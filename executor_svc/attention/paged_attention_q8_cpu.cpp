@@ -1,7 +1,8 @@
 // Decode attention read straight from 8-bit pages (FP8 E4M3 or INT8, executor_svc/kv_quant.py), on the CPU: no
 // full-precision copy of the pages is made; each key and value row is widened to float32 in registers (FP8 through
-// float16 and vcvtph2ps, INT8 by sign extension; head sizes that are not 32/64/128/256 one element at a time, FP8
-// through a 256-entry table) and scaled as it is used (#50 item 2).
+// float16 and vcvtph2ps, 32 bytes at a time with AVX-512BW, its 2^8 folded into the row scale; INT8 by sign
+// extension; head sizes that are not 32/64/128/256 one element at a time, FP8 through a 256-entry table) and scaled
+// as it is used (#50 item 2).
 //
 // One task per (decode row, KV head), spread over torch's intra-op threads: the task scores the query heads of
 // that KV head against each visible key (read through the page table), takes the softmax in float32 and sums the
@@ -90,6 +91,8 @@ inline v16i widen_i8(const uint8_t* p) {
 }
 #endif
 
+inline v16f int8_to_float(const uint8_t* p) { return __builtin_convertvector(widen_i8(p), v16f); }
+
 // 16 E4M3 bytes -> float32, exactly: each byte sign-extended to 16 bits and shifted left by 7 puts the sign in bit
 // 15 and the exponent and mantissa in bits 13..7, a float16 once bit 14 (the sign's copy) is cleared (E4M3's exponent
 // bias is 7, float16's 15: the float16 is the value / 2^8, subnormals included); widened by vcvtph2ps (which reads
@@ -100,17 +103,50 @@ inline __m256i fp8_as_half(const uint8_t* p) {
   const __m256i em = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
   return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x3f80)));
 }
-inline v16f fp8_to_float(const uint8_t* p) {
+// The same / 2^8 (the float16's own value): decode folds the 2^8 into the row scales (kFp8Unit), exactly.
+inline v16f fp8_to_float_unit(const uint8_t* p) {
   const __m256i h = fp8_as_half(p);
 #if defined(__AVX512F__)
-  return (v16f)_mm512_cvtph_ps(h) * 256.0f;
+  return (v16f)_mm512_cvtph_ps(h);
 #else
   const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   v16f v;
   std::memcpy(&v, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v * 256.0f;
+  return v;
 #endif
+}
+inline v16f fp8_to_float(const uint8_t* p) { return fp8_to_float_unit(p) * 256.0f; }
+constexpr float kFp8Unit = 256.0f;
+
+#if defined(__AVX512BW__)
+// 32 E4M3 bytes -> two vectors of their values / 2^8, as fp8_as_half in 512-bit registers (half the integer
+// operations a byte): NaN where the byte's low seven bits are all set.
+inline void fp8x32_to_float_unit(const uint8_t* p, v16f& lo, v16f& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(raw, _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
+                                     _mm512_set1_epi16(static_cast<short>(0xbf80)));
+  const __m512i f = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7e00));
+  lo = (v16f)_mm512_cvtph_ps(_mm512_castsi512_si256(f));
+  hi = (v16f)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f, 1));
+}
+#endif
+
+// A row of DIM 8-bit elements -> DIM / 16 vectors: INT8 as integers, FP8 as its values / 2^8 (kFp8Unit).
+template <int DIM>
+inline void widen_row(const uint8_t* r, bool fp8, v16f* out) {
+  if (!fp8) {
+    for (int v = 0; v < DIM / 16; ++v) out[v] = int8_to_float(r + 16 * v);
+    return;
+  }
+#if defined(__AVX512BW__)
+  if constexpr (DIM % 32 == 0) {
+    for (int v = 0; v < DIM / 16; v += 2) fp8x32_to_float_unit(r + 16 * v, out[v], out[v + 1]);
+    return;
+  }
+#endif
+  for (int v = 0; v < DIM / 16; ++v) out[v] = fp8_to_float_unit(r + 16 * v);
 }
 
 // out[k] = the sum of a[k]'s lanes, for 16 vectors at once: four levels, each adding pairs of vectors after two
@@ -130,7 +166,6 @@ inline v16f reduce16(const v16f* a) {
          __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-inline v16f int8_to_float(const uint8_t* p) { return __builtin_convertvector(widen_i8(p), v16f); }
 
 constexpr int64_t kMaxGroup = 16;  // query heads a KV head at most (GQA group)
 
@@ -211,6 +246,7 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
   const int64_t* sp = sinks.numel() ? sinks.data_ptr<int64_t>() : nullptr;
   const int64_t* wp = windows.numel() ? windows.data_ptr<int64_t>() : nullptr;
   const bool int8_k = K.scale == nullptr;
+  const float unit = fp8 ? kFp8Unit : 1.f;  // (the vector paths widen FP8 to its values / 2^8)
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     pagedkv_cpu::FlushDenormals flush;
     std::vector<float> qs(per_kv * dim), qc(per_kv * dim), row(dim), acc(per_kv * dim), scores;
@@ -246,14 +282,14 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
           for (int64_t j = 0; j < len; ++j) {
             const uint8_t* r = K.row(pg, o0 + j, h);
             v16f k[DIM / 16];
-            for (int v = 0; v < DIM / 16; ++v) k[v] = fp8 ? fp8_to_float(r + 16 * v) : int8_to_float(r + 16 * v);
+            widen_row<DIM>(r, fp8, k);
             for (int64_t g = 0; g < per_kv; ++g) {
               const float* qq = qg + g * DIM;
               v16f a = vload(qq) * k[0];
               for (int v = 1; v < DIM / 16; ++v) a += vload(qq + 16 * v) * k[v];
               part[g][j] = a;
             }
-            ks[j] = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
+            ks[j] = int8_k ? 1.f : K.row_scale(pg, o0 + j, h) * unit;
           }
           for (int64_t j = len; j < 16; ++j) {
             for (int64_t g = 0; g < per_kv; ++g) part[g][j] = v16f{};
@@ -303,9 +339,9 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
               for (int v = 0; v < VN; ++v) a[gg][v] = g0 + gg < per_kv ? vload(acc.data() + (g0 + gg) * DIM + 16 * v) : v16f{};
             for (int64_t j = 0; j < len; ++j) {
               const uint8_t* r = V.row(pg, o0 + j, h);
-              const float vs = V.row_scale(pg, o0 + j, h);
+              const float vs = V.row_scale(pg, o0 + j, h) * unit;
               v16f x[VN];
-              for (int v = 0; v < VN; ++v) x[v] = fp8 ? fp8_to_float(r + 16 * v) : int8_to_float(r + 16 * v);
+              widen_row<DIM>(r, fp8, x);
               for (int gg = 0; gg < GB; ++gg) {
                 const float w = g0 + gg < per_kv ? scores[(g0 + gg) * n + i0 + j] * vs : 0.f;
                 for (int v = 0; v < VN; ++v) a[gg][v] += w * x[v];
