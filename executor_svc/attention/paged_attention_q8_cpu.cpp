@@ -16,6 +16,19 @@
 //
 // Scales, as the pool keeps them: FP8 K and V, INT8 V: one bfloat16 per (page, slot, KV head); INT8 K: one
 // exponent byte per (page, KV head, channel), the scale 2^(e - 127).
+//
+// The exact tail (optional arguments k_exact, v_exact, exact_slots; all three or none): a slab page is a page whose
+// K and V are also held in bfloat16 (the exact tail of a request, executor_svc/kv_tail.py), read from there instead
+// of the 8-bit bytes. The slab: k_exact, v_exact [slots, block, kv_heads, D] bfloat16, D contiguous (other strides
+// free: views of a larger buffer, e.g. slab[:, layer, 0]); exact_slots [pages] int32, the slab slot of each page id
+// of the pool, or -1 (any negative) for a page without one. A key at position t of page pg = table[t / block] with
+// s = exact_slots[pg] >= 0 is float(k_exact[s, t % block, h]) and its value float(v_exact[s, t % block, h]), as they
+// are: no row scale, no channel exponents (INT8 K: the plain scaled query), no FP8 unit; the rows as the model wrote
+// them to the pool (FP8 keys in the rotated basis the pages hold, kv_quant.key_rotation). bfloat16 widens to
+// float32 exactly (its bits are the float's top half), in registers. Whether a page is read from the slab is
+// decided once a run of keys of one page (the K loop and the V loop both go a page's run at a time); other pages
+// are read as without a slab, bit for bit. The dequantizers take the same (exact, exact_slots) pair: a slab page's
+// rows come out as float(exact[s]).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,6 +162,28 @@ inline void widen_row(const uint8_t* r, bool fp8, v16f* out) {
   for (int v = 0; v < DIM / 16; ++v) out[v] = fp8_to_float_unit(r + 16 * v);
 }
 
+// 16 bfloat16 -> float32, exactly: each zero-extended to 32 bits and shifted into the float's top half.
+inline v16f bf16_to_float(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+#else
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  const __m256i hi =
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+  v16f v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#endif
+}
+
+// A slab row of DIM bfloat16 elements -> DIM / 16 vectors (their values: no scale).
+template <int DIM>
+inline void widen_bf16_row(const uint16_t* r, v16f* out) {
+  for (int v = 0; v < DIM / 16; ++v) out[v] = bf16_to_float(r + 16 * v);
+}
+
 // out[k] = the sum of a[k]'s lanes, for 16 vectors at once: four levels, each adding pairs of vectors after two
 // shuffles (45 operations, against ~25 for one vector's sum alone); out's lanes in a's order.
 inline v16f reduce16(const v16f* a) {
@@ -186,6 +221,11 @@ inline void widen(const uint8_t* __restrict row, bool fp8, int64_t dim, float* _
     const int8_t* r = reinterpret_cast<const int8_t*>(row);
     for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(r[d]);
   }
+}
+
+// A slab row of dim bfloat16 elements -> float32 (exact).
+inline void widen_bf16(const uint16_t* __restrict row, int64_t dim, float* __restrict out) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = bf16(row[d]);
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
@@ -232,8 +272,23 @@ Pool pool_of(const at::Tensor& data, const at::Tensor& scale) {
   return p;
 }
 
+struct Slab {  // one layer's bfloat16 K or V rows of the exact tail: [slots, block, kv_heads, D], D contiguous
+  const uint16_t* data = nullptr;
+  int64_t slot = 0, pos = 0, head = 0;  // strides, in elements
+
+  const uint16_t* row(int64_t s, int64_t o, int64_t h) const { return data + s * slot + o * pos + h * head; }
+};
+
+struct Exact {  // the exact tail: the slab's K and V, and each page's slot in it (none: no slab)
+  Slab k, v;
+  const int32_t* slots = nullptr;  // [pages], -1: the page is read from its 8-bit bytes
+  int64_t count = 0;               // the slab's slots
+
+  int32_t slot(int64_t page) const { return slots != nullptr ? slots[page] : -1; }
+};
+
 template <int DIM>
-void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const at::Tensor& tables,
+void decode(const at::Tensor& q, const Pool& K, const Pool& V, const Exact& X, bool fp8, const at::Tensor& tables,
             const at::Tensor& ctx_lens, const at::Tensor& sinks, const at::Tensor& windows, int64_t model_window,
             int64_t block, int64_t kv_heads, double scale, at::Tensor& out, int64_t start = 0,
             float* lse = nullptr) {
@@ -269,8 +324,9 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         const int64_t end = i < n1 ? n1 : n;  // this range's end (in i)
         const int64_t pg = table[t0 / block], o0 = t0 % block;
         const int64_t len = std::min<int64_t>({16, block - o0, end - i});
+        const int32_t es = X.slot(pg);  // >= 0: a slab page, its rows read from the slab (unscaled)
         const float* qg = qs.data();
-        if (int8_k) {  // the page's channel scales folded into the queries
+        if (int8_k && es < 0) {  // the page's channel scales folded into the queries
           const uint8_t* e = K.exp + pg * K.e_page + h * K.e_head;
           for (int64_t g = 0; g < per_kv; ++g)
             for (int64_t d = 0; d < dim; ++d) qc[g * dim + d] = qs[g * dim + d] * exp2_byte(e[d]);
@@ -279,17 +335,31 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         if constexpr (DIM > 0) {
           alignas(64) v16f part[kMaxGroup][16];
           alignas(64) float ks[16];
-          for (int64_t j = 0; j < len; ++j) {
-            const uint8_t* r = K.row(pg, o0 + j, h);
-            v16f k[DIM / 16];
-            widen_row<DIM>(r, fp8, k);
-            for (int64_t g = 0; g < per_kv; ++g) {
-              const float* qq = qg + g * DIM;
-              v16f a = vload(qq) * k[0];
-              for (int v = 1; v < DIM / 16; ++v) a += vload(qq + 16 * v) * k[v];
-              part[g][j] = a;
+          auto rows = [&](auto exact) {  // the run's keys: 8-bit and scaled, or a slab page's bfloat16 as they are
+            for (int64_t j = 0; j < len; ++j) {
+              v16f k[DIM / 16];
+              if constexpr (decltype(exact)::value) {
+                widen_bf16_row<DIM>(X.k.row(es, o0 + j, h), k);
+              } else {
+                widen_row<DIM>(K.row(pg, o0 + j, h), fp8, k);
+              }
+              for (int64_t g = 0; g < per_kv; ++g) {
+                const float* qq = qg + g * DIM;
+                v16f a = vload(qq) * k[0];
+                for (int v = 1; v < DIM / 16; ++v) a += vload(qq + 16 * v) * k[v];
+                part[g][j] = a;
+              }
+              if constexpr (decltype(exact)::value) {
+                ks[j] = 1.f;
+              } else {
+                ks[j] = int8_k ? 1.f : K.row_scale(pg, o0 + j, h) * unit;
+              }
             }
-            ks[j] = int8_k ? 1.f : K.row_scale(pg, o0 + j, h) * unit;
+          };
+          if (es >= 0) {  // (one branch a run: each kind of run its own loop)
+            rows(std::true_type{});
+          } else {
+            rows(std::false_type{});
           }
           for (int64_t j = len; j < 16; ++j) {
             for (int64_t g = 0; g < per_kv; ++g) part[g][j] = v16f{};
@@ -302,8 +372,13 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
           }
         } else {
           for (int64_t j = 0; j < len; ++j) {
-            widen(K.row(pg, o0 + j, h), fp8, dim, row.data());
-            const float ksj = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
+            float ksj = 1.f;
+            if (es >= 0) {
+              widen_bf16(X.k.row(es, o0 + j, h), dim, row.data());
+            } else {
+              widen(K.row(pg, o0 + j, h), fp8, dim, row.data());
+              ksj = int8_k ? 1.f : K.row_scale(pg, o0 + j, h);
+            }
             for (int64_t g = 0; g < per_kv; ++g) scores[g * n + i + j] = ksj * dot(qg + g * dim, row.data(), dim);
           }
         }
@@ -330,30 +405,48 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
         const int64_t end = i0 < n1 ? n1 : n;
         const int64_t pg = table[t0 / block], o0 = t0 % block;
         const int64_t len = std::min<int64_t>(block - o0, end - i0);
+        const int32_t es = X.slot(pg);  // >= 0: a slab page
         if constexpr (DIM > 0) {
           constexpr int VN = DIM / 16;
           constexpr int GB = VN >= 16 ? 1 : 16 / VN;  // query heads whose sums stay in registers
-          for (int64_t g0 = 0; g0 < per_kv; g0 += GB) {
-            v16f a[GB][VN];
-            for (int gg = 0; gg < GB; ++gg)
-              for (int v = 0; v < VN; ++v) a[gg][v] = g0 + gg < per_kv ? vload(acc.data() + (g0 + gg) * DIM + 16 * v) : v16f{};
-            for (int64_t j = 0; j < len; ++j) {
-              const uint8_t* r = V.row(pg, o0 + j, h);
-              const float vs = V.row_scale(pg, o0 + j, h) * unit;
-              v16f x[VN];
-              widen_row<DIM>(r, fp8, x);
-              for (int gg = 0; gg < GB; ++gg) {
-                const float w = g0 + gg < per_kv ? scores[(g0 + gg) * n + i0 + j] * vs : 0.f;
-                for (int v = 0; v < VN; ++v) a[gg][v] += w * x[v];
+          auto rows = [&](auto exact) {  // the run's values: 8-bit and scaled, or a slab page's bfloat16 as they are
+            for (int64_t g0 = 0; g0 < per_kv; g0 += GB) {
+              v16f a[GB][VN];
+              for (int gg = 0; gg < GB; ++gg)
+                for (int v = 0; v < VN; ++v)
+                  a[gg][v] = g0 + gg < per_kv ? vload(acc.data() + (g0 + gg) * DIM + 16 * v) : v16f{};
+              for (int64_t j = 0; j < len; ++j) {
+                float vs = 1.f;
+                v16f x[VN];
+                if constexpr (decltype(exact)::value) {
+                  widen_bf16_row<DIM>(X.v.row(es, o0 + j, h), x);
+                } else {
+                  vs = V.row_scale(pg, o0 + j, h) * unit;
+                  widen_row<DIM>(V.row(pg, o0 + j, h), fp8, x);
+                }
+                for (int gg = 0; gg < GB; ++gg) {
+                  const float w = g0 + gg < per_kv ? scores[(g0 + gg) * n + i0 + j] * vs : 0.f;
+                  for (int v = 0; v < VN; ++v) a[gg][v] += w * x[v];
+                }
               }
+              for (int gg = 0; gg < GB && g0 + gg < per_kv; ++gg)
+                for (int v = 0; v < VN; ++v) vstore(acc.data() + (g0 + gg) * DIM + 16 * v, a[gg][v]);
             }
-            for (int gg = 0; gg < GB && g0 + gg < per_kv; ++gg)
-              for (int v = 0; v < VN; ++v) vstore(acc.data() + (g0 + gg) * DIM + 16 * v, a[gg][v]);
+          };
+          if (es >= 0) {  // (one branch a run)
+            rows(std::true_type{});
+          } else {
+            rows(std::false_type{});
           }
         } else {
           for (int64_t j = 0; j < len; ++j) {
-            const float vs = V.row_scale(pg, o0 + j, h);
-            widen(V.row(pg, o0 + j, h), fp8, dim, row.data());
+            float vs = 1.f;
+            if (es >= 0) {
+              widen_bf16(X.v.row(es, o0 + j, h), dim, row.data());
+            } else {
+              vs = V.row_scale(pg, o0 + j, h);
+              widen(V.row(pg, o0 + j, h), fp8, dim, row.data());
+            }
             for (int64_t g = 0; g < per_kv; ++g) axpy(scores[g * n + i0 + j] * vs, row.data(), acc.data() + g * dim, dim);
           }
         }
@@ -371,11 +464,73 @@ void decode(const at::Tensor& q, const Pool& K, const Pool& V, bool fp8, const a
   });
 }
 
-void check(bool ok, const char* what) { TORCH_CHECK(ok, "paged_attention_q8: ", what); }
+void check(bool ok, const char* what, const char* op = "paged_attention_q8") { TORCH_CHECK(ok, op, ": ", what); }
 
-void check_args(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scale,
-                       const at::Tensor& v_data, const at::Tensor& v_scale, const at::Tensor& tables,
-                       const at::Tensor& ctx_lens, const at::Tensor& sinks, const at::Tensor& windows, bool fp8) {
+bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// A slab (k_exact, v_exact, a dequantizer's exact) for the pool ``data``, checked: bfloat16 [slots, block,
+// kv_heads, D] with the pool's block, kv_heads and D, D contiguous.
+Slab slab_of(const char* op, const char* name, const at::Tensor& x, const at::Tensor& data) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4 && x.size(1) == data.size(1) &&
+                  x.size(2) == data.size(2) && x.size(3) == data.size(3) && x.stride(3) == 1,
+              op, ": ", name, " must be bfloat16 [slots, block, kv_heads, D] with D contiguous and the pool's block, "
+              "kv_heads and D (", data.size(1), ", ", data.size(2), ", ", data.size(3), "), not ", x.scalar_type(),
+              " ", x.sizes(), " with strides ", x.strides());
+  Slab s;
+  s.data = static_cast<const uint16_t*>(x.data_ptr());
+  s.slot = x.stride(0), s.pos = x.stride(1), s.head = x.stride(2);
+  return s;
+}
+
+// exact_slots for the pool ``data``, checked: a contiguous int32 vector of one slot per page of the pool.
+const int32_t* slots_of(const char* op, const at::Tensor& slots, const at::Tensor& data) {
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.numel() == data.size(0),
+              op, ": exact_slots must be a contiguous int32 vector of one slot per page of the pool (", data.size(0),
+              " pages), not ", slots.scalar_type(), " ", slots.sizes());
+  return slots.data_ptr<int32_t>();
+}
+
+// A page about to be read: its slab slot, if any, inside the slab (as the page ids: never a read out of bounds).
+inline void check_slot(const char* op, const Exact& X, int64_t page) {
+  if (X.slots != nullptr)
+    TORCH_CHECK(X.slots[page] < X.count, op, ": page ", page, " has exact slot ", X.slots[page],
+                " outside the slab of ", X.count, " slots");
+}
+
+// The attention ops' exact tail: all three arguments or none (then no slab: every page from its 8-bit bytes).
+Exact exact_of(const at::Tensor& k_data, const c10::optional<at::Tensor>& k_exact,
+               const c10::optional<at::Tensor>& v_exact, const c10::optional<at::Tensor>& exact_slots) {
+  const int n = given(k_exact) + given(v_exact) + given(exact_slots);
+  check(n == 0 || n == 3, "k_exact, v_exact and exact_slots must be given together (or none of them)");
+  Exact X;
+  if (n == 0) return X;
+  X.k = slab_of("paged_attention_q8", "k_exact", *k_exact, k_data);
+  X.v = slab_of("paged_attention_q8", "v_exact", *v_exact, k_data);
+  check(v_exact->size(0) == k_exact->size(0), "k_exact and v_exact must have the same slots");
+  X.slots = slots_of("paged_attention_q8", *exact_slots, k_data);
+  X.count = k_exact->size(0);
+  return X;
+}
+
+// A dequantizer's exact tail: exact and exact_slots, both or neither.
+Exact exact_pages_of(const char* op, const at::Tensor& data, const c10::optional<at::Tensor>& exact,
+                     const c10::optional<at::Tensor>& exact_slots) {
+  check(given(exact) == given(exact_slots), "exact and exact_slots must be given together (or neither)", op);
+  Exact X;
+  if (!given(exact)) return X;
+  X.k = slab_of(op, "exact", *exact, data);
+  X.slots = slots_of(op, *exact_slots, data);
+  X.count = exact->size(0);
+  return X;
+}
+
+// The attention ops' arguments, checked; returns their exact tail (none without its three arguments).
+Exact check_args(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scale, const at::Tensor& v_data,
+                 const at::Tensor& v_scale, const at::Tensor& tables, const at::Tensor& ctx_lens,
+                 const at::Tensor& sinks, const at::Tensor& windows, bool fp8,
+                 const c10::optional<at::Tensor>& k_exact, const c10::optional<at::Tensor>& v_exact,
+                 const c10::optional<at::Tensor>& exact_slots) {
   check(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
   check(k_data.dim() == 4 && v_data.dim() == 4 && k_data.scalar_type() == at::kByte &&
             v_data.scalar_type() == at::kByte && k_data.stride(3) == 1 && v_data.stride(3) == 1,
@@ -396,6 +551,7 @@ void check_args(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor&
                                  windows.scalar_type() == at::kLong && sinks.scalar_type() == at::kLong &&
                                  windows.is_contiguous() && sinks.is_contiguous()),
         "sinks and windows must be contiguous int64 [B], or both empty");
+  const Exact X = exact_of(k_data, k_exact, v_exact, exact_slots);
   const int64_t block = k_data.size(1);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   const int64_t num_pages = std::min(k_data.size(0), v_data.size(0));
@@ -406,8 +562,33 @@ void check_args(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor&
       const int64_t id = tp[b * tables.size(1) + j];
       TORCH_CHECK(id >= 0 && id < num_pages, "paged_attention_q8: page id ", id, " outside the pool of ", num_pages,
                   " pages");
+      check_slot("paged_attention_q8", X, id);
     }
   }
+  return X;
+}
+
+struct PageIds {  // a dequantizer's page ids, and its exact tail
+  const int64_t* ids;
+  Exact X;
+};
+
+// The arguments both dequantizers take, checked: data uint8 [pages, block, kv_heads, D] with D contiguous; page_ids
+// a contiguous int64 vector of its pages (as index_select: never a read out of bounds); the exact tail (exact,
+// exact_slots: both or neither), each page's slot inside the slab.
+PageIds checked_page_ids(const char* op, const at::Tensor& data, const at::Tensor& page_ids,
+                         const c10::optional<at::Tensor>& exact, const c10::optional<at::Tensor>& exact_slots) {
+  check(data.dim() == 4 && data.scalar_type() == at::kByte && data.stride(3) == 1,
+        "data must be uint8 [pages, block, kv_heads, D] with D contiguous", op);
+  check(page_ids.scalar_type() == at::kLong && page_ids.dim() == 1 && page_ids.is_contiguous(),
+        "page_ids must be a contiguous int64 vector", op);
+  PageIds p{page_ids.data_ptr<int64_t>(), exact_pages_of(op, data, exact, exact_slots)};
+  for (int64_t i = 0; i < page_ids.numel(); ++i) {
+    TORCH_CHECK(p.ids[i] >= 0 && p.ids[i] < data.size(0), op, ": page id ", p.ids[i], " outside the pool of ",
+                data.size(0), " pages");
+    check_slot(op, p.X, p.ids[i]);
+  }
+  return p;
 }
 
 // Runs decode<D> for q's head size (0: the scalar path).
@@ -427,20 +608,21 @@ void by_dim(int64_t dim, Run run) {
 // Whole pages of an 8-bit pool with a bfloat16 scale per (page, slot, KV head), dequantized: data [pages, block,
 // kv_heads, D] uint8 (FP8 E4M3 or INT8 bytes, D contiguous), scale [pages, block, kv_heads] bfloat16, page_ids [n]
 // int64 -> [n, block, kv_heads, D] float32, each element float(byte) x float(scale): what QuantizedCache.gather
-// computes in torch (kv_quant.py), bit for bit, with the bytes widened in registers.
-at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor page_ids, bool fp8) {
-  check(data.dim() == 4 && data.scalar_type() == at::kByte && data.stride(3) == 1,
-        "data must be uint8 [pages, block, kv_heads, D] with D contiguous");
+// computes in torch (kv_quant.py), bit for bit, with the bytes widened in registers. With the exact tail (exact
+// [slots, block, kv_heads, D] bfloat16, D contiguous, and exact_slots [pages] int32, -1: none; both or neither): a
+// slab page (whose K and V are also held in bfloat16, the exact tail of a request, executor_svc/kv_tail.py; s =
+// exact_slots[page_ids[i]] >= 0) comes out as float(exact[s]), its rows as the slab holds them.
+at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor page_ids, bool fp8,
+                               const c10::optional<at::Tensor>& exact,
+                               const c10::optional<at::Tensor>& exact_slots) {
+  const char* name = "dequantize_pages_q8";
+  const PageIds pages = checked_page_ids(name, data, page_ids, exact, exact_slots);
+  const int64_t* ids = pages.ids;
+  const Exact& X = pages.X;
   check(scale.scalar_type() == at::kBFloat16 && scale.dim() == 3 && scale.size(0) == data.size(0) &&
             scale.size(1) == data.size(1) && scale.size(2) == data.size(2),
-        "scale must be bfloat16 [pages, block, kv_heads]");
-  check(page_ids.scalar_type() == at::kLong && page_ids.dim() == 1 && page_ids.is_contiguous(),
-        "page_ids must be a contiguous int64 vector");
+        "scale must be bfloat16 [pages, block, kv_heads]", name);
   const int64_t n = page_ids.numel(), block = data.size(1), heads = data.size(2), dim = data.size(3);
-  const int64_t* ids = page_ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < data.size(0), "dequantize_pages_q8: page id ", ids[i], " outside the pool of ",
-                data.size(0), " pages");
   auto out = at::empty({n, block, heads, dim}, data.options().dtype(at::kFloat));
   const Pool P = pool_of(data, scale);
   float* op = out.data_ptr<float>();
@@ -448,9 +630,13 @@ at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor pag
     std::vector<float> row(dim);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = r / (block * heads), o = r / heads % block, h = r % heads;
+      float* dst = op + r * dim;
+      if (const int32_t s = X.slot(ids[i]); s >= 0) {  // a slab page
+        widen_bf16(X.k.row(s, o, h), dim, dst);
+        continue;
+      }
       const uint8_t* src = P.row(ids[i], o, h);
       const float sc = P.row_scale(ids[i], o, h);
-      float* dst = op + r * dim;
       int64_t d = 0;
       for (; d + 16 <= dim; d += 16) vstore(dst + d, (fp8 ? fp8_to_float(src + d) : int8_to_float(src + d)) * sc);
       if (d < dim) {
@@ -464,20 +650,20 @@ at::Tensor dequantize_pages_q8(at::Tensor data, at::Tensor scale, at::Tensor pag
 
 // Whole pages of INT8 keys with an exponent byte per (page, KV head, channel), dequantized: data [pages, block,
 // kv_heads, D] int8 bytes (as uint8), exp [pages, kv_heads, D] uint8, page_ids [n] int64 -> [n, block, kv_heads, D]
-// float32, each element float(byte) x 2^(e - 127): ChannelScaledCache.gather's torch arithmetic, bit for bit.
-at::Tensor dequantize_pages_int8_channels(at::Tensor data, at::Tensor exp, at::Tensor page_ids) {
-  check(data.dim() == 4 && data.scalar_type() == at::kByte && data.stride(3) == 1,
-        "data must be uint8 [pages, block, kv_heads, D] with D contiguous");
+// float32, each element float(byte) x 2^(e - 127): ChannelScaledCache.gather's torch arithmetic, bit for bit. With
+// the exact tail (exact, exact_slots: as dequantize_pages_q8's): a slab page comes out as float(exact[s]), no
+// exponent applied.
+at::Tensor dequantize_pages_int8_channels(at::Tensor data, at::Tensor exp, at::Tensor page_ids,
+                                          const c10::optional<at::Tensor>& exact,
+                                          const c10::optional<at::Tensor>& exact_slots) {
+  const char* name = "dequantize_pages_int8_channels";
+  const PageIds pages = checked_page_ids(name, data, page_ids, exact, exact_slots);
+  const int64_t* ids = pages.ids;
+  const Exact& X = pages.X;
   check(exp.scalar_type() == at::kByte && exp.dim() == 3 && exp.stride(2) == 1 && exp.size(0) == data.size(0) &&
             exp.size(1) == data.size(2) && exp.size(2) == data.size(3),
-        "exp must be uint8 [pages, kv_heads, D] with D contiguous");
-  check(page_ids.scalar_type() == at::kLong && page_ids.dim() == 1 && page_ids.is_contiguous(),
-        "page_ids must be a contiguous int64 vector");
+        "exp must be uint8 [pages, kv_heads, D] with D contiguous", name);
   const int64_t n = page_ids.numel(), block = data.size(1), heads = data.size(2), dim = data.size(3);
-  const int64_t* ids = page_ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < data.size(0), "dequantize_pages_int8_channels: page id ", ids[i],
-                " outside the pool of ", data.size(0), " pages");
   auto out = at::empty({n, block, heads, dim}, data.options().dtype(at::kFloat));
   const Pool P = pool_of(data, exp);
   float* op = out.data_ptr<float>();
@@ -485,6 +671,10 @@ at::Tensor dequantize_pages_int8_channels(at::Tensor data, at::Tensor exp, at::T
     std::vector<float> scale(dim);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / heads, h = t % heads;
+      if (const int32_t s = X.slot(ids[i]); s >= 0) {  // a slab page
+        for (int64_t o = 0; o < block; ++o) widen_bf16(X.k.row(s, o, h), dim, op + ((i * block + o) * heads + h) * dim);
+        continue;
+      }
       const uint8_t* e = P.exp + ids[i] * P.e_page + h * P.e_head;
       for (int64_t d = 0; d < dim; ++d)  // 2^(e - 127) exactly, the subnormal 2^-127 of e = 0 included
         scale[d] = e[d] ? exp2_byte(e[d]) : std::ldexp(1.0f, -127);
@@ -502,35 +692,47 @@ at::Tensor dequantize_pages_int8_channels(at::Tensor data, at::Tensor exp, at::T
 // D contiguous); k_scale [pages, block, kv_heads] bfloat16, or (INT8 K) [pages, kv_heads, D] uint8 exponents;
 // v_scale [pages, block, kv_heads] bfloat16; tables [B, W] and ctx_lens [B] int64; sinks, windows [B] int64 or
 // empty; fp8: the data bytes are E4M3 (else INT8). Returns [B, heads, D] float32.
+// The exact tail, optional (all three or none): k_exact, v_exact [slots, block, kv_heads, D] bfloat16 (D
+// contiguous, other strides free) and exact_slots [pages] int32 (one per page of the pool; -1: none). A slab page
+// (s = exact_slots[page] >= 0: a page whose K and V are also held in bfloat16, the exact tail of a request,
+// executor_svc/kv_tail.py) is read from there instead of the 8-bit bytes: its keys float(k_exact[s, offset, h]) and
+// values float(v_exact[s, offset, h]), unscaled; the visible positions and the rest are unchanged. Every slot a row
+// reads is checked against the slab's size.
 at::Tensor paged_attention_q8(at::Tensor q, at::Tensor k_data, at::Tensor k_scale, at::Tensor v_data,
                               at::Tensor v_scale, at::Tensor tables, at::Tensor ctx_lens, at::Tensor sinks,
-                              at::Tensor windows, int64_t model_window, bool fp8, double scale) {
-  check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, sinks, windows, fp8);
+                              at::Tensor windows, int64_t model_window, bool fp8, double scale,
+                              const c10::optional<at::Tensor>& k_exact, const c10::optional<at::Tensor>& v_exact,
+                              const c10::optional<at::Tensor>& exact_slots) {
+  const Exact X = check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, sinks, windows, fp8, k_exact,
+                             v_exact, exact_slots);
   auto out = at::empty_like(q);
   const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
   by_dim(q.size(2), [&](auto dim) {
-    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, sinks, windows, model_window, k_data.size(1),
+    decode<decltype(dim)::value>(q, K, V, X, fp8, tables, ctx_lens, sinks, windows, model_window, k_data.size(1),
                                  k_data.size(2), scale, out);
   });
   return out;
 }
 
 // The second half of a cascade over 8-bit pages (q8_decode.py): each row attends its keys from position ``start``
-// on (the ones after a shared prefix attended apart; no windows), as paged_attention_q8 attends them. Returns its
-// output [B, heads, D] and the log-sum-exp of its scaled scores [B, heads] (float32; -inf for a row with no key
-// there), to merge with the prefix's.
+// on (the ones after a shared prefix attended apart; no windows), as paged_attention_q8 attends them (slab pages,
+// with the exact tail's three optional arguments, as there). Returns its output [B, heads, D] and the log-sum-exp
+// of its scaled scores [B, heads] (float32; -inf for a row with no key there), to merge with the prefix's.
 std::tuple<at::Tensor, at::Tensor> paged_attention_q8_after(at::Tensor q, at::Tensor k_data, at::Tensor k_scale,
                                                             at::Tensor v_data, at::Tensor v_scale, at::Tensor tables,
                                                             at::Tensor ctx_lens, int64_t start, bool fp8,
-                                                            double scale) {
+                                                            double scale, const c10::optional<at::Tensor>& k_exact,
+                                                            const c10::optional<at::Tensor>& v_exact,
+                                                            const c10::optional<at::Tensor>& exact_slots) {
   const at::Tensor none = at::empty({0}, ctx_lens.options());
-  check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, none, none, fp8);
+  const Exact X = check_args(q, k_data, k_scale, v_data, v_scale, tables, ctx_lens, none, none, fp8, k_exact, v_exact,
+                             exact_slots);
   check(start >= 0, "start must be >= 0");
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options());
   const Pool K = pool_of(k_data, k_scale), V = pool_of(v_data, v_scale);
   by_dim(q.size(2), [&](auto dim) {
-    decode<decltype(dim)::value>(q, K, V, fp8, tables, ctx_lens, none, none, 0, k_data.size(1), k_data.size(2),
+    decode<decltype(dim)::value>(q, K, V, X, fp8, tables, ctx_lens, none, none, 0, k_data.size(1), k_data.size(2),
                                  scale, out, start, lse.data_ptr<float>());
   });
   return {out, lse};
@@ -539,11 +741,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_q8_after(at::Tensor q, at::Te
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("paged_attention_q8(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, Tensor tables, "
-        "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale) -> Tensor");
-  m.def("dequantize_pages_q8(Tensor data, Tensor scale, Tensor page_ids, bool fp8) -> Tensor");
-  m.def("dequantize_pages_int8_channels(Tensor data, Tensor exp, Tensor page_ids) -> Tensor");
+        "Tensor ctx_lens, Tensor sinks, Tensor windows, int model_window, bool fp8, float scale, "
+        "Tensor? k_exact=None, Tensor? v_exact=None, Tensor? exact_slots=None) -> Tensor");
+  m.def("dequantize_pages_q8(Tensor data, Tensor scale, Tensor page_ids, bool fp8, Tensor? exact=None, "
+        "Tensor? exact_slots=None) -> Tensor");
+  m.def("dequantize_pages_int8_channels(Tensor data, Tensor exp, Tensor page_ids, Tensor? exact=None, "
+        "Tensor? exact_slots=None) -> Tensor");
   m.def("paged_attention_q8_after(Tensor q, Tensor k_data, Tensor k_scale, Tensor v_data, Tensor v_scale, "
-        "Tensor tables, Tensor ctx_lens, int start, bool fp8, float scale) -> (Tensor, Tensor)");
+        "Tensor tables, Tensor ctx_lens, int start, bool fp8, float scale, Tensor? k_exact=None, "
+        "Tensor? v_exact=None, Tensor? exact_slots=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv_cpu, CPU, m) {
