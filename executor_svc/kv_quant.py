@@ -44,8 +44,12 @@ representable value, every midpoint between neighbours and random values).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from executor_svc.kv_tail import TailView
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 FULL_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -180,16 +184,22 @@ def _dequantizer():
     return kernel if kernel is not None and hasattr(kernel, "dequantize_pages_int8_channels") else None
 
 
+def _exact_args(view: TailView | None) -> tuple:
+    """The dequantizers' optional (exact, exact_slots): the slab's rows for the pages that have a slot."""
+    return () if view is None else (view.data, view.slots)
+
+
 class QuantizedCache:
     """One layer's K (or V) of a quantized pool: ``data`` [num_pages, block_size, kv_heads, head_dim] and
     ``scale`` [num_pages, block_size, kv_heads], both views into the pool's bytes (no copy)."""
 
-    __slots__ = ("data", "scale", "fmt")
+    __slots__ = ("data", "scale", "fmt", "exact_tail")
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, fmt: KvFormat) -> None:
         self.data = data
         self.scale = scale
         self.fmt = fmt
+        self.exact_tail: TailView | None = None  # this layer's K or V in the exact tail's slab (kv_tail.py)
 
     @property
     def shape(self) -> torch.Size:
@@ -199,6 +209,8 @@ class QuantizedCache:
         data, scale = quantize(x, self.fmt)
         self.data[pages, offsets] = data
         self.scale[pages, offsets] = scale
+        if self.exact_tail is not None:
+            self.exact_tail.write(x)
 
     def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Whole pages, dequantized: [len(page_ids), block_size, kv_heads, head_dim]. On the CPU the kernel
@@ -206,9 +218,10 @@ class QuantizedCache:
         torch's table lookup and scale), where it is built."""
         if self.data.device.type == "cpu" and (kernel := _dequantizer()) is not None:
             out = kernel.dequantize_pages_q8(self.data.view(torch.uint8), self.scale, page_ids.long().contiguous(),
-                                             self.data.dtype == torch.float8_e4m3fn)
+                                             self.data.dtype == torch.float8_e4m3fn, *_exact_args(self.exact_tail))
             return out if dtype == torch.float32 else out.to(dtype)
-        return dequantize(self.data.index_select(0, page_ids), self.scale.index_select(0, page_ids), dtype)
+        out = dequantize(self.data.index_select(0, page_ids), self.scale.index_select(0, page_ids), dtype)
+        return out if self.exact_tail is None else self.exact_tail.overlay(out, page_ids)
 
 
 class ChannelScaledCache:
@@ -216,12 +229,13 @@ class ChannelScaledCache:
     [num_pages, kv_heads, head_dim] (uint8): the page's power-of-two scale per (head, channel), 2^(exp - 127),
     0 before any token. Views into the pool's bytes."""
 
-    __slots__ = ("data", "exp", "fmt")
+    __slots__ = ("data", "exp", "fmt", "exact_tail")
 
     def __init__(self, data: torch.Tensor, exp: torch.Tensor, fmt: KvFormat) -> None:
         self.data = data
         self.exp = exp
         self.fmt = fmt
+        self.exact_tail: TailView | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -247,15 +261,18 @@ class ChannelScaledCache:
         self.exp[touched] = new.to(torch.uint8)
         scale = torch.pow(2.0, new[inv].float() - 127)
         self.data[pages, offsets] = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        if self.exact_tail is not None:
+            self.exact_tail.write(x)
 
     def gather(self, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.data.device.type == "cpu" and (kernel := _dequantizer()) is not None:  # (the same products)
             out = kernel.dequantize_pages_int8_channels(self.data.view(torch.uint8), self.exp,
-                                                        page_ids.long().contiguous())
+                                                        page_ids.long().contiguous(), *_exact_args(self.exact_tail))
             return out if dtype == torch.float32 else out.to(dtype)
         data = self.data.index_select(0, page_ids).float()
         scale = torch.pow(2.0, self.exp.index_select(0, page_ids).float() - 127).unsqueeze(1)
-        return (data * scale).to(dtype)
+        out = (data * scale).to(dtype)
+        return out if self.exact_tail is None else self.exact_tail.overlay(out, page_ids)
 
 
 def fp8_e4m3_reference(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,11 @@ HOST_PAGES = Gauge("pagedkv_executor_host_pages", "Host-tier pages in this execu
 ADAPTER_PAGES = Gauge("pagedkv_executor_adapter_pages", "Device pages a LoRA adapter's weights hold in this "
                       "executor's pool (its last pages; not among the KV pages)", ["adapter"])
 DRAINING = Gauge("pagedkv_executor_draining", "1 while the executor drains after SIGTERM")
+EXACT_TAIL_SLOTS = Gauge("pagedkv_executor_kv_exact_tail_slots", "The exact tail's slab slots (--kv-exact-tail-slots), "
+                         "by holder: device (a request's last pages), host (a swapped-out page's copy), free",
+                         ["holder"])
+EXACT_TAIL_SHORT = Counter("pagedkv_executor_kv_exact_tail_short_total", "Tail pages that found no free slab slot and "
+                           "are read in 8 bits (raise --kv-exact-tail-slots if this grows)")
 GRAMMAR_REFUSED = Counter("pagedkv_executor_grammar_refused_tokens_total", "Sampled tokens a constrained request's "
                           "matcher refused (0 unless the logits were NaN: the mask allows only what it accepts)")
 GRAMMAR_WAIT_SECONDS = Histogram("pagedkv_executor_grammar_wait_seconds", "How long a step's sampling waited for its "
@@ -35,7 +40,12 @@ GRAMMAR_COMPILE_CPU = Counter("pagedkv_executor_grammar_compile_cpu_seconds_tota
                               "(in the compile workers)")
 
 
-def observe_step(plan, result, num_requests: int) -> None:
+def observe_step(plan, result, num_requests: int, tail=None) -> None:
+    """``tail``: the pool's exact tail (executor_svc/kv_tail.py), or None."""
+    if tail is not None:
+        for holder, n in zip(("device", "host", "free"), tail.used()):
+            EXACT_TAIL_SLOTS.labels(holder).set(n)
+        EXACT_TAIL_SHORT.inc(tail.take_short())
     if result.error:
         STEPS.labels("rejected").inc()
         return

@@ -18,11 +18,15 @@ one contiguous block of ``page_bytes`` and every page move (swap, spill, copy-on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from executor_svc.kv_quant import SCALE_DTYPE, ChannelScaledCache, KvFormat, QuantizedCache, key_rotation
 from executor_svc.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from executor_svc.kv_tail import ExactTail
 
 GiB = 1 << 30
 
@@ -85,6 +89,18 @@ class DevicePagePool:
         self.held = range(num_pages, num_pages)
         # A kernel for copy-on-write (the cuda attention backend's), or None for plain tensor indexing.
         self.copier: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        # An 8-bit pool's exact tail (executor_svc/kv_tail.py: a request's last pages also in bfloat16), or None.
+        self.tail: ExactTail | None = None
+
+    def attach_tail(self, tail: ExactTail) -> None:
+        """Gives this 8-bit pool an exact tail: each layer's views then write their rows to its slab too, and
+        attention reads the pages that have a slot from there."""
+        if self.kv is None:
+            raise ValueError("an exact tail is for 8-bit KV pools only")
+        self.tail = tail
+        for views, exact in ((self.k_views, tail.k_views), (self.v_views, tail.v_views)):
+            for view, slab in zip(views, exact, strict=True):
+                view.exact_tail = slab
 
     def layer(self, index: int) -> tuple[object, object]:
         """(K, V) of one layer: tensors [num_pages, block_size, kv_heads, head_dim], or quantized views."""
@@ -101,6 +117,8 @@ class DevicePagePool:
     def wipe(self) -> None:
         """Zeroes every page (with its scales when quantized) but the held ones: a new Run-stream session reads
         none of an earlier session's KV."""
+        if self.tail is not None:
+            self.tail.wipe()
         if not self.held:
             self.pages.zero_()
             return

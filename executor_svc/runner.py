@@ -127,6 +127,9 @@ class ModelRunner:
             self.mover.run(swap_out, [(c.src, c.dst) for c in ops.swap_in])
         if plan.page_ops.copy:
             self.pool.copy_pages([c.src for c in plan.page_ops.copy], [c.dst for c in plan.page_ops.copy])
+        if self.pool.tail is not None:  # (the exact tail's slots follow the pages: executor_svc/kv_tail.py)
+            self.pool.tail.page_ops([(c.src, c.dst) for c in ops.swap_out], ops.zero,
+                                    [(c.src, c.dst) for c in ops.swap_in], [(c.src, c.dst) for c in ops.copy])
         for load in plan.adapter_loads:  # (checked by the mirror: held, and no running request on the slot)
             self.adapters.page_in(load.name, load.slot)
         t2 = time.perf_counter()
@@ -168,6 +171,8 @@ class ModelRunner:
                 return logits, prepared
             return logits[long_tensor(finishing, logits.device)], prepared
         ids, positions, meta, rows = self._build_batch(scheduled)
+        if self.pool.tail is not None:
+            self._prepare_tail(scheduled, meta)
         if extra is not None:
             rows = torch.cat([rows, long_tensor(extra.flat, rows.device)])
         result.num_computed_tokens = int(ids.numel())
@@ -175,6 +180,14 @@ class ModelRunner:
         if lora is None:
             return self.model.forward(ids, positions, meta, self.pool, self.attention, rows), prepared
         return self.model.forward(ids, positions, meta, self.pool, self.attention, rows, lora), prepared
+
+    def _prepare_tail(self, scheduled: list[Scheduled], meta) -> None:
+        """The exact tail's slots for this step: every held request's last pages (at its length after the step)
+        and the pages the step writes."""
+        after = {id(item.state): item.start + item.count for item in scheduled}
+        held = [(st.page_ids, after.get(id(st), st.num_computed)) for st in self.requests.values()]
+        written = [(item.state.page_ids, item.start, item.count) for item in scheduled]
+        self.pool.tail.prepare(held, written, meta.slot_pages, meta.slot_offsets)
 
     def _lora_batch(self, scheduled: list[Scheduled]) -> LoraBatch | None:
         """The step's adapter rows (None: no adapters served, or no request of this step uses one)."""

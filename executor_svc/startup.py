@@ -20,6 +20,7 @@ from executor_svc.grammar import GrammarEngine
 from executor_svc.grammar_jobs import Matchers
 from executor_svc.host_memory import keep_freed_memory
 from executor_svc.kv_quant import KvFormat, parse_kv_dtype
+from executor_svc.kv_tail import ExactTail, slab_slots, slot_bytes, tail_pages
 from executor_svc.lora.pages import check_kv_left, plan_pages
 from executor_svc.lora.stack import LoraStack, load_adapters, lora_slots
 from executor_svc.lora.store import AdapterStore
@@ -83,6 +84,23 @@ def _num_pages(args, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     if pages < 1:
         raise ValueError(f"KV budget of {budget} bytes holds no page of {per_page} bytes")
     return pages
+
+
+def _tail_plan(args, cfg: ModelConfig, kv: KvFormat, backend: str, num_pages: int,
+               per_page: int) -> tuple[int, int, int]:
+    """The exact tail (executor_svc/kv_tail.py): (its pages a request, the slab's slots, the pages the slab takes
+    from a pool sized by a budget: none from --num-pages)."""
+    pages = tail_pages(getattr(args, "kv_exact_tail_pages", None), kv.name, backend)
+    if not pages:
+        return 0, 0, 0
+    one = slot_bytes(cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim)
+    slots = slab_slots(getattr(args, "kv_exact_tail_slots", None), pages, num_pages * per_page, one)
+    taken = 0 if args.num_pages is not None else -(-slots * one // per_page)
+    if taken >= num_pages:
+        raise ValueError(f"the exact tail's {slots} slots ({slots * one} bytes) take the whole KV budget of "
+                         f"{num_pages} pages: lower --kv-exact-tail-slots or --kv-exact-tail-pages, or raise "
+                         "--kv-cache-gb")
+    return pages, slots, taken
 
 
 def available_host_memory() -> int:
@@ -179,7 +197,9 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
     graphs_off = _graphs_off_reason(args, device, model, kv)
     num_pages = _num_pages(args, cfg, dtype, device, kv)
     per_page = page_bytes(cfg, args.block_size, dtype, kv)
-    check_kv_fits(kv_flag(args), (num_pages + 1) * per_page, device,
+    tail_len, tail_slots, taken = _tail_plan(args, cfg, kv, backend, num_pages, per_page)
+    num_pages -= taken
+    check_kv_fits(kv_flag(args), (num_pages + 1 + taken) * per_page, device,
                   weights_bytes(model), available_host_memory())  # before allocating (+1: the scratch page)
     shape, slots = lora_slots(args, adapters, cfg)
     held = plan_pages(shape, cfg, dtype, num_pages, per_page, slots) if slots else None  # the pool's last pages
@@ -187,6 +207,11 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         check_kv_left(held, num_pages, shape.rank, cfg, args.block_size, kv_flag(args))
     pool = DevicePagePool(cfg, num_pages + (graphs_off is None), args.block_size, dtype, device, kv)  # + scratch
     pool.copier = attention.copy_pages
+    if tail_len:
+        pool.attach_tail(ExactTail(pool.num_pages, cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                   tail_len, tail_slots, device))
+        log.info("kv_exact_tail", pages=tail_len, slots=tail_slots, slab_bytes=pool.tail.slab_bytes,
+                 pages_taken_from_kv=taken)
     store = None
     if held is not None:  # the slots are views of the held pages (executor_svc/lora/pages.py)
         model.lora = LoraStack([], cfg, device, dtype, memory=held.carve(pool, dtype), shape=shape, slots=slots)
@@ -229,6 +254,7 @@ def _build(args, log) -> tuple[ModelRunner, pb.DescribeResponse]:
         lora_slot_pages=held.each if held is not None else 0, lora_max_rank=shape.rank if slots else 0,
         lora_modules=sorted({m for t in shape.targets for m in t}) if slots else [],
         lora_runtime=store is not None and store.root is not None,
+        exact_tail_pages=pool.tail.pages if pool.tail is not None else 0,
     )
     log.info("executor_built", model=args.model, path=str(path), device=str(device), dtype=describe.dtype,
              kv_dtype=describe.kv_dtype, kv_bytes_per_token=describe.kv_bytes_per_token,
@@ -252,4 +278,5 @@ def _costs_key(path, runner: ModelRunner, dtype: torch.dtype, pool: DevicePagePo
     return cost_key([str(path.resolve()), *stats, str(dtype), pool.kv_dtype, str(pool.page_bytes),
                      str(runner.block_size), str(host_pool.num_pages > 0), str(device), name,
                      str(torch.get_num_threads()), backend, cpu_kernel.build_name(),
+                     f"tail{pool.tail.pages}x{pool.tail.num_slots}" if pool.tail is not None else "",
                      str(cpu_kernel.unavailable_reason()), torch.__version__])

@@ -22,4 +22,6 @@ class SchedulerConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     target_tpot_s: float = 0.0  # steps with decode rows sized to this by the step-time model (slo_budget.py; 0: off)
     target_ttft_s: float = 0.0  # with it: a step takes the full budget once a first token is this late (0: never)
+    exact_tail_pages: int = 0  # the executor's exact tail (Describe.exact_tail_pages): no prefix hit on a prompt's last
+    # pages that many (kv_manager.py)
     kv_retention_max_share: float = 0.5  # of a tenant's quota (of the pool without one) its retained KV may hold

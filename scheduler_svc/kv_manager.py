@@ -36,8 +36,9 @@ Hit = tuple[int, bool]  # (page id, on the host tier)
 
 class KVManager:
     def __init__(self, pool: PagePool, enable_prefix_caching: bool = True, host: PagePool | None = None,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, exact_tail_pages: int = 0) -> None:
         self._pool = pool
+        self._tail = max(0, exact_tail_pages - 1)  # pages before the last prompt page that are never hits
         self._host = host if host is not None and host.num_pages else None
         self._caching = enable_prefix_caching
         self._bs = pool.block_size
@@ -80,9 +81,11 @@ class KVManager:
 
     # ---- admission -----------------------------------------------------------------------------
     def _max_hit_pages(self, req: Request) -> int:
-        """Whole pages that may come from the cache: never the one holding the last token to compute; none for a
-        request that computes its prompt's log-probabilities (as vLLM: every prompt position's logits are needed)."""
-        return 0 if req.computes_prompt_logprobs else max(0, (req.compute_target - 1) // self._bs)
+        """Whole pages that may come from the cache: never the one holding the last token to compute, nor the
+        exact tail's pages before it (an executor reads a request's last pages from a bfloat16 copy only where the
+        request wrote them itself: executor_svc/kv_tail.py); none for a request that computes its prompt's
+        log-probabilities (as vLLM: every prompt position's logits are needed)."""
+        return 0 if req.computes_prompt_logprobs else max(0, (req.compute_target - 1) // self._bs - self._tail)
 
     def find_hits(self, req: Request) -> list[Hit]:
         """The longest cached prefix of a request that holds no pages (read-only): each page from the

@@ -58,7 +58,7 @@ class Scheduler(ExecutorLifecycle):
         self.config = config
         self._eos_token_ids = list(eos_token_ids)
         self.counters = counters if counters is not None else Counters()  # cumulative ("since start")
-        self.kv = KVManager(pool, config.enable_prefix_caching, host_pool, self.counters)
+        self.kv = KVManager(pool, config.enable_prefix_caching, host_pool, self.counters, config.exact_tail_pages)
         self.retained = KvRetention(pool, self.kv.host, lambda pages: self.kv.ops.zero.extend(pages))  # retention.py
         self._policy = PreemptionPolicy(config.preemption, costs or PreemptionCosts(page_bytes=0))
         self._outputs = OutputProcessor(set(eos_token_ids), pool.block_size)

@@ -150,7 +150,8 @@ async def serve(args) -> None:
                              scheduling_policy=args.scheduling_policy, target_tpot_s=args.target_tpot_ms / 1e3,
                              target_ttft_s=args.target_ttft_ms / 1e3,
                              sink_tokens=args.sink_tokens, model_window=model_window(args, describe),
-                             kv_retention_max_share=args.kv_retention_max_share)
+                             kv_retention_max_share=args.kv_retention_max_share,
+                             exact_tail_pages=describe.exact_tail_pages)
     # Tenant limits are the scheduler's, over all its executors: page counts are checked (and fractions resolved)
     # against the pages the executors found now will hold, assuming each the size of the first; the cluster
     # resolves them again from the actual pools of the executors that serve as executors join, leave, go down

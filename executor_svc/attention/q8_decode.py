@@ -10,7 +10,10 @@ before every query; no windows) attend it as a cascade, as float32 pages do: the
 layer and scored for every row and query head at once by the products kernel (``paged_attention_shared``), then
 each row's own keys after it read in place (``paged_attention_q8_after``, which also gives its log-sum-exp), the two
 softmaxes merged by their log-sum-exps. The prefix is then read once a step instead of once a row: from
-``CASCADE_MIN_ROWS`` rows, where that pays (bench/NOTES.md, session 29)."""
+``CASCADE_MIN_ROWS`` rows, where that pays (bench/NOTES.md, session 29).
+
+With an exact tail (executor_svc/kv_tail.py) the kernels read the pages that have a slab slot from the slab, in
+bfloat16, instead of their 8-bit bytes (``exact_slots``); the cascade's prefix gather does the same."""
 
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache
     """q [B, heads, D] (the group's rows) -> [B, heads, D] in q's dtype (the kernel's arithmetic is float32)."""
     k_scale = k_cache.exp if isinstance(k_cache, ChannelScaledCache) else k_cache.scale
     fp8, qf = k_cache.data.dtype == torch.float8_e4m3fn, q.float().contiguous()
+    exact = () if k_cache.exact_tail is None else (k_cache.exact_tail.data, v_cache.exact_tail.data,
+                                                   k_cache.exact_tail.slots)  # (the pages read from the slab)
     if group.shared_pages is None:
         group.shared_pages = cascade.shared_prefix(group, k_cache.data.shape[1], window)
     min_rows = CASCADE_MIN_ROWS_INT8 if isinstance(k_cache, ChannelScaledCache) else CASCADE_MIN_ROWS
@@ -61,12 +66,13 @@ def decode(kernel, q: torch.Tensor, k_cache: QuantizedCache | ChannelScaledCache
                                                          torch.arange(pages.numel()), scale)
         out, lse = kernel.paged_attention_q8_after(qf, k_cache.data.view(torch.uint8), k_scale,
                                                    v_cache.data.view(torch.uint8), v_cache.scale, group.page_tables,
-                                                   group.ctx_lens, pages.numel() * k_cache.data.shape[1], fp8, scale)
+                                                   group.ctx_lens, pages.numel() * k_cache.data.shape[1], fp8, scale,
+                                                   *exact)
         out.lerp_(prior, torch.sigmoid(prior_lse - lse).unsqueeze(-1))  # (the prefix's share of each softmax)
     else:
         windows = _EMPTY if group.windows is None else group.windows
         sinks = _EMPTY if group.windows is None else group.sinks
         out = kernel.paged_attention_q8(qf, k_cache.data.view(torch.uint8), k_scale, v_cache.data.view(torch.uint8),
                                         v_cache.scale, group.page_tables, group.ctx_lens, sinks, windows,
-                                        window or 0, fp8, scale)
+                                        window or 0, fp8, scale, *exact)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -40,9 +40,11 @@ def test_model_info_reports_the_kv_format(fp8_server):
 
 def test_prefix_spill_and_hits_on_fp8_pages(fp8_server):
     first, again, computed, info = asyncio.run(spill_scenario(fp8_server.address))
-    assert info.num_spilled_pages >= 18 and info.num_spill_hits == 18  # the 18 full pages came back from host
-    assert again.cached_tokens == 18 * BS
-    assert computed == 300 - 18 * BS + 7
+    # the 18 full pages were spilled; 17 came back from the host: FP8's exact tail (2 pages, the default) keeps the
+    # prompt's last full page from being a hit (executor_svc/kv_tail.py)
+    assert info.num_spilled_pages >= 18 and info.num_spill_hits == 17
+    assert again.cached_tokens == 17 * BS
+    assert computed == 300 - 17 * BS + 7
     assert len(first.token_ids) == len(again.token_ids) == 8
     assert info.num_used_pages == 0 and info.num_used_host_pages == 0
 
@@ -63,10 +65,12 @@ def test_parallel_sampling_forks_match_separate_seeds_on_fp8_pages(fp8_server):
     assert len({tuple(f.token_ids) for f in forks}) == 4
 
 
-def test_swap_preemption_on_int8_pages(start_server):
+@pytest.mark.parametrize("kv,extra", [("int8", ()), ("fp8_e4m3", ("--kv-exact-tail-slots", "64"))])
+def test_swap_preemption_on_8_bit_pages(start_server, kv, extra):
+    """FP8 with its exact tail (the default): the tail's copies go to the host with their pages and come back."""
     server = start_server("--num-pages", "14", "--num-host-pages", "28", "--preemption-mode", "swap",
                           "--max-num-seqs", "6", "--swap-in-max-wait", "8", "--check-integrity",
-                          "--kv-cache-dtype", "int8", "--threads", "1")
+                          "--kv-cache-dtype", kv, "--threads", "1", *extra)
     long_prompt = prompt_of(7, 40)
 
     async def scenario():
@@ -85,7 +89,7 @@ def test_swap_preemption_on_int8_pages(start_server):
             return alone, await long_task, await client.model_info()
 
     alone, out, info = asyncio.run(scenario())
-    assert info.kv_dtype == "int8"
+    assert info.kv_dtype == kv
     assert info.num_swap_preemptions > 0, "the pool was meant to be too small for the long request"
     assert info.num_swap_bytes == (info.num_pages_swapped_out + info.num_pages_swapped_in) * 16 * 1088
     assert out.token_ids == alone.token_ids  # swapped out and back in: the same greedy continuation
@@ -100,3 +104,16 @@ def test_executor_refuses_four_bit_kv_at_start_up():
                          text=True, timeout=120)
     assert out.returncode != 0
     assert f"--kv-cache-dtype {name}" in out.stderr and "poor kernel support" in out.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--kv-exact-tail-pages", "2"), "an exact tail is for 8-bit KV pages"),
+    (("--kv-cache-dtype", "fp8_e4m3", "--kv-exact-tail-pages", "5"), "--kv-exact-tail-pages must be in [0, 4]"),
+    (("--kv-cache-dtype", "fp8_e4m3", "--kv-exact-tail-slots", "0"), "--kv-exact-tail-slots must be >= 1"),
+])
+def test_executor_refuses_an_exact_tail_it_cannot_serve(args, message):
+    env = {**os.environ, "PAGEDKV_EXECUTOR_SECRET": "kv-quant-test-secret"}
+    out = subprocess.run([sys.executable, "-m", "pagedkv", "executor", "--port", "0", "--log-format", "console",
+                          "--num-pages", "16", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr

@@ -24,9 +24,9 @@ def new_scheduler(pages=16, host_pages=32, mode=Mode.SWAP, caching=True, budget=
     return driven(PagePool(pages, BS), cfg, [2], host_pool=host, costs=costs, tenants=tenants)
 
 
-def new_prefix_scheduler(num_pages=400, caching=True, budget=4096, seqs=256, max_len=4096) -> Driven:
+def new_prefix_scheduler(num_pages=400, caching=True, budget=4096, seqs=256, max_len=4096, tail=0) -> Driven:
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                          enable_prefix_caching=caching)
+                          enable_prefix_caching=caching, exact_tail_pages=tail)
     return driven(PagePool(num_pages, PREFIX_BS), cfg, [2])
 
 

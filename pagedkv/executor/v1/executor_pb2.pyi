@@ -75,7 +75,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol", "default_repetition_penalty", "default_min_p", "adapters", "lora_slots", "lora_slot_pages", "lora_max_rank", "lora_modules", "lora_runtime")
+    __slots__ = ("model", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "dtype", "kv_dtype", "block_size", "num_device_pages", "num_host_pages", "page_bytes", "attention_backend", "device", "eos_token_ids", "executor_id", "swap_bytes_per_second", "prefill_seconds_per_token", "kv_bytes_per_token", "default_temperature", "default_top_p", "default_top_k", "model_sliding_window", "protocol", "default_repetition_penalty", "default_min_p", "adapters", "lora_slots", "lora_slot_pages", "lora_max_rank", "lora_modules", "lora_runtime", "exact_tail_pages")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class DescribeResponse(_message.Message):
     LORA_MAX_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_MODULES_FIELD_NUMBER: _ClassVar[int]
     LORA_RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    EXACT_TAIL_PAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_layers: int
@@ -146,7 +147,8 @@ class DescribeResponse(_message.Message):
     lora_max_rank: int
     lora_modules: _containers.RepeatedScalarFieldContainer[str]
     lora_runtime: bool
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ..., default_repetition_penalty: _Optional[float] = ..., default_min_p: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., lora_slots: _Optional[int] = ..., lora_slot_pages: _Optional[int] = ..., lora_max_rank: _Optional[int] = ..., lora_modules: _Optional[_Iterable[str]] = ..., lora_runtime: _Optional[bool] = ...) -> None: ...
+    exact_tail_pages: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_pages: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., executor_id: _Optional[str] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., default_temperature: _Optional[float] = ..., default_top_p: _Optional[float] = ..., default_top_k: _Optional[int] = ..., model_sliding_window: _Optional[int] = ..., protocol: _Optional[int] = ..., default_repetition_penalty: _Optional[float] = ..., default_min_p: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., lora_slots: _Optional[int] = ..., lora_slot_pages: _Optional[int] = ..., lora_max_rank: _Optional[int] = ..., lora_modules: _Optional[_Iterable[str]] = ..., lora_runtime: _Optional[bool] = ..., exact_tail_pages: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "rank", "num_bytes", "num_pages", "slot", "runtime")

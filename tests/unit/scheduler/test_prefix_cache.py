@@ -53,6 +53,18 @@ def test_last_prompt_token_is_never_served_from_cache():
     assert again.num_cached_tokens == 48 and computed == 16  # the last page is recomputed
 
 
+@pytest.mark.parametrize("tail,hit_pages", [(0, 6), (1, 6), (2, 5), (3, 4)])
+def test_an_executors_exact_tail_is_never_served_from_cache(tail, hit_pages):
+    """With an exact tail of N pages (executor_svc/kv_tail.py) the prompt's last N pages are computed by the request
+    itself: the executor reads them exactly only where the request wrote them."""
+    s = new_scheduler(tail=tail)
+    prompt = [7 + (i % 200) for i in range(100)]  # 6 full pages + 4 tokens
+    cold, _ = run_one(s, 0, prompt)
+    warm, computed = run_one(s, 1, prompt)
+    assert warm.num_cached_tokens == hit_pages * BS and computed == 100 - hit_pages * BS + 3
+    assert warm.output_ids == cold.output_ids
+
+
 def test_caching_off_never_hits():
     s = new_scheduler(caching=False)
     prompt = [11] * 80
