@@ -50,16 +50,18 @@ def test_a_decoding_request_holds_slots_for_its_last_pages_only():
         assert slotted(tail) == set(table[max(0, last - 1):last + 1]), pos
 
 
-def test_a_prefill_chunk_gives_slots_to_the_pages_that_end_it():
+def test_a_prefill_chunk_reads_its_own_pages_exactly_and_keeps_the_last_two():
     tail = make()
     table = list(range(1, 11))
-    step(tail, [(table, 0, 37)])  # 10 pages written in one step: the last two get a slot
+    step(tail, [(table, 0, 37)])  # 10 pages written in one step: every one has a slot during it
+    assert slotted(tail) == set(table)
+    step(tail, [(table, 37, 3)])  # the next chunk reads the page before it exactly too
     assert slotted(tail) == {9, 10}
-    step(tail, [(table, 37, 3)])
-    assert slotted(tail) == {9, 10}
-    table.append(11)
-    step(tail, [(table, 40, 1)])  # page 11's first slot
-    assert slotted(tail) == {10, 11}
+    table += [11, 12, 13]
+    step(tail, [(table, 40, 9)])
+    assert slotted(tail) == {10, 11, 12, 13}
+    step(tail, [(table, 49, 1)])
+    assert slotted(tail) == {12, 13}
 
 
 def test_pages_written_mid_page_without_a_slot_stay_8_bit():
@@ -77,21 +79,21 @@ def test_a_request_no_longer_held_gives_its_slots_back():
     tail = make()
     a, b = [1, 2, 3], [4, 5]
     step(tail, [(a, 0, 9), (b, 0, 5)])
-    assert slotted(tail) == {2, 3, 4, 5}
+    assert slotted(tail) == {1, 2, 3, 4, 5}
     step(tail, [(a, 9, 1)], held=[(b, 5)])  # b waits this step: its pages stay
     assert slotted(tail) == {2, 3, 4, 5}
     step(tail, [(a, 10, 1)])  # b was forgotten
     assert slotted(tail) == {2, 3}
 
 
-def test_a_short_slab_reads_the_pages_it_cannot_hold_in_8_bits():
+def test_a_short_slab_serves_the_tails_first_and_reads_the_rest_in_8_bits():
     tail = make(slots=3)
-    step(tail, [([1, 2, 3], 0, 10), ([4, 5], 0, 6)])
-    assert slotted(tail) == {2, 3, 4}  # (in row order: b's last page found none)
-    assert tail.take_short() == 1 and tail.take_short() == 0
-    step(tail, [([1, 2, 3], 10, 1)])  # b is gone: its slot is free again
-    step(tail, [([6, 7], 0, 5)], held=[([1, 2, 3], 11)])
-    assert slotted(tail) == {2, 3, 6}
+    table = list(range(1, 9))
+    step(tail, [(table, 0, 30)])
+    assert slotted(tail) == {7, 8, 1}  # the tail's two pages first, then the chunk's first page
+    assert tail.take_short() == 5 and tail.take_short() == 0
+    step(tail, [(table, 30, 1)])
+    assert slotted(tail) == {7, 8}
 
 
 def test_slots_follow_swaps_and_copies_and_leave_zeroed_pages():

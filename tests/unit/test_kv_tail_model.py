@@ -1,7 +1,7 @@
 """A model over FP8 pages with an exact tail (executor_svc/kv_tail.py) against an independent reference of the
 scheme: float32 pages that hold, for every page, either its K/V rounded to bfloat16 (the pages the scheme reads
-exactly: the request's last two after the step) or its FP8 round trip (the rest), rebuilt before every layer's
-attention from the two copies. Prefill, then decodes across page boundaries, through the gather path and
+exactly: those of the step's tokens and the one before the first) or its FP8 round trip (the rest), rebuilt before
+every layer's attention from the two copies. Prefill, then decodes across page boundaries, through the gather path and
 the CPU kernels that read 8-bit pages in place."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run(model_dir, tokens: list[int], decodes: int, mode: str):
             meta = AttentionMetadata(pages_t, pos % BLOCK, [], [PrefillSegment(0, count, ctx, used)])
         last = (ctx - 1) // BLOCK
         if mode == "reference":
-            ref.exact_pages = set(table[max(0, last - TAIL + 1):last + 1])
+            ref.exact_pages = set(table[max(0, start // BLOCK - TAIL + 1):last + 1])  # (the chunk, the tail before)
         elif pool.tail is not None:
             pool.tail.prepare([(table, ctx)], [(table, start, count)], meta.slot_pages, meta.slot_offsets)
         logits = model.forward(torch.tensor(tokens[start:start + count]), pos, meta, pool, attention,
