@@ -59,9 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "default: 2 with fp8_e4m3 on the torch backend, else 0). FP8 on SmolLM2: 96.2%% -> 98.6%% top-1 "
                    "agreement with float32 KV")
     p.add_argument("--kv-exact-tail-slots", type=int, default=None, metavar="PAGES",
-                   help="pages of bfloat16 the exact tail holds (default: 256 requests' tails, at most an eighth "
-                   "of the KV budget, which it is taken from; with --num-pages it comes on top). Where it is "
-                   "short, a page is read in 8 bits")
+                   help="pages of bfloat16 the exact tail holds (default: 256 requests' tails and a 2,048-token "
+                   "prefill, at most an eighth of the KV budget, which it is taken from; with --num-pages it comes "
+                   "on top). Where it is short, a page is read in 8 bits")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKEND_NAMES],
                    help="paged attention implementation (auto: torch until the CUDA kernels are verified on a GPU; "
                    "then cuda on a CUDA device with CuPy and a supported dtype/head_dim; cuda: opt in now)")

@@ -238,11 +238,14 @@ def tail_pages(requested: int | None, kv_name: str, backend: str) -> int:
     return requested
 
 
-def slab_slots(requested: int | None, pages: int, kv_bytes: int, one_slot: int, max_seqs: int = 256) -> int:
-    """``--kv-exact-tail-slots``, or by default enough for ``max_seqs`` requests' tails (the scheduler's default
-    --max-num-seqs), capped at 1/SLAB_SHARE of the KV bytes and at least 4 requests' tails."""
+def slab_slots(requested: int | None, pages: int, kv_bytes: int, one_slot: int, block_size: int = 16,
+               max_seqs: int = 256, chunk_tokens: int = 2048) -> int:
+    """``--kv-exact-tail-slots``, or by default enough for ``max_seqs`` requests' tails and a step's prefill chunks
+    of ``chunk_tokens`` (the scheduler's default --max-num-seqs and --max-num-batched-tokens), capped at
+    1/SLAB_SHARE of the KV bytes and at least 4 requests' tails."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--kv-exact-tail-slots must be >= 1, got {requested}")
         return requested
-    return max(4 * pages, min(max_seqs * pages, kv_bytes // SLAB_SHARE // one_slot))
+    want = max_seqs * pages + chunk_tokens // block_size
+    return max(4 * pages, min(want, kv_bytes // SLAB_SHARE // one_slot))

@@ -94,7 +94,7 @@ def _tail_plan(args, cfg: ModelConfig, kv: KvFormat, backend: str, num_pages: in
     if not pages:
         return 0, 0, 0
     one = slot_bytes(cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim)
-    slots = slab_slots(getattr(args, "kv_exact_tail_slots", None), pages, num_pages * per_page, one)
+    slots = slab_slots(getattr(args, "kv_exact_tail_slots", None), pages, num_pages * per_page, one, args.block_size)
     taken = 0 if args.num_pages is not None else -(-slots * one // per_page)
     if taken >= num_pages:
         raise ValueError(f"the exact tail's {slots} slots ({slots * one} bytes) take the whole KV budget of "

@@ -138,7 +138,7 @@ def test_flags_are_checked():
     with pytest.raises(ValueError, match="--kv-exact-tail-slots must be >= 1"):
         slab_slots(0, 2, 1 << 30, 1000)
     assert slab_slots(None, 2, 1 << 30, 1 << 20) == 128  # an eighth of 1 GiB in 1 MiB slots
-    assert slab_slots(None, 2, 1 << 40, 1 << 20) == 512  # 256 requests' tails at most
+    assert slab_slots(None, 2, 1 << 40, 1 << 20) == 512 + 128  # 256 requests' tails and a 2,048-token chunk at most
     assert slab_slots(None, 2, 1 << 20, 1 << 20) == 8  # at least 4 requests' tails
 
 
