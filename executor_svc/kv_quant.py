@@ -184,6 +184,20 @@ def _dequantizer():
     return kernel if kernel is not None and hasattr(kernel, "dequantize_pages_int8_channels") else None
 
 
+_KERNEL_WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _writer(data: torch.Tensor, x: torch.Tensor):
+    """The CPU kernel library where it has the page writers (``write_q8``, ``write_int8_channels``:
+    attention/kv_write_cpu.cpp, bit for bit the torch writes below) and the pool and rows are on the CPU, else None."""
+    if data.device.type != "cpu" or x.device.type != "cpu" or x.dtype not in _KERNEL_WRITE_DTYPES:
+        return None
+    from executor_svc.attention import cpu_kernel  # (here: the attention package imports this module)
+
+    kernel = cpu_kernel.load()
+    return kernel if kernel is not None and hasattr(kernel, "write_int8_channels") else None
+
+
 def _exact_args(view: TailView | None) -> tuple:
     """The dequantizers' optional (exact, exact_slots): the slab's rows for the pages that have a slot."""
     return () if view is None else (view.data, view.slots)
@@ -206,9 +220,13 @@ class QuantizedCache:
         return self.data.shape
 
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
-        data, scale = quantize(x, self.fmt)
-        self.data[pages, offsets] = data
-        self.scale[pages, offsets] = scale
+        if (kernel := _writer(self.data, x)) is not None:  # one call: the same bytes (~10 torch ops otherwise)
+            kernel.write_q8(self.data.view(torch.uint8), self.scale, pages.long(), offsets.long(), x,
+                            self.data.dtype == torch.float8_e4m3fn)
+        else:
+            data, scale = quantize(x, self.fmt)
+            self.data[pages, offsets] = data
+            self.scale[pages, offsets] = scale
         if self.exact_tail is not None:
             self.exact_tail.write(x)
 
@@ -242,25 +260,29 @@ class ChannelScaledCache:
         return self.data.shape
 
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
-        xf = x.float()
-        touched, inv = torch.unique(pages, return_inverse=True)
-        amax = torch.zeros(touched.numel(), *x.shape[1:], device=x.device)
-        amax.scatter_reduce_(0, inv.view(-1, 1, 1).expand_as(xf), xf.abs(), "amax")
-        # ceil(log2(amax / 127)) from the float's own exponent (exact; the CUDA write kernel does the same)
-        mant, ex = torch.frexp(amax / INT8_MAX)
-        need = torch.where(amax > 0, (ex - (mant == 0.5).int() + 127).clamp(1, 254), 0).to(torch.int16)
-        fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=x.device)
-        fresh[inv[offsets == 0]] = True  # a page's first token: the previous owner's scales do not count
-        old = torch.where(fresh.view(-1, 1, 1), 0, self.exp[touched].to(torch.int16))
-        new = torch.maximum(old, need)
-        grown = ((new > old) & (old > 0)).flatten(1).any(1)
-        if bool(grown.any()):  # requantize the earlier tokens of those pages to the larger scales
-            rows = touched[grown]
-            shift = torch.pow(2.0, (old[grown] - new[grown]).float()).unsqueeze(1)  # [R, 1, H, D]
-            self.data[rows] = torch.round(self.data[rows].float() * shift).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-        self.exp[touched] = new.to(torch.uint8)
-        scale = torch.pow(2.0, new[inv].float() - 127)
-        self.data[pages, offsets] = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        if (kernel := _writer(self.data, x)) is not None:  # one call: the same bytes and exponents
+            kernel.write_int8_channels(self.data.view(torch.uint8), self.exp, pages.long(), offsets.long(), x)
+        else:
+            xf = x.float()
+            touched, inv = torch.unique(pages, return_inverse=True)
+            amax = torch.zeros(touched.numel(), *x.shape[1:], device=x.device)
+            amax.scatter_reduce_(0, inv.view(-1, 1, 1).expand_as(xf), xf.abs(), "amax")
+            # ceil(log2(amax / 127)) from the float's own exponent (exact; the CUDA write kernel does the same)
+            mant, ex = torch.frexp(amax / INT8_MAX)
+            need = torch.where(amax > 0, (ex - (mant == 0.5).int() + 127).clamp(1, 254), 0).to(torch.int16)
+            fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=x.device)
+            fresh[inv[offsets == 0]] = True  # a page's first token: the previous owner's scales do not count
+            old = torch.where(fresh.view(-1, 1, 1), 0, self.exp[touched].to(torch.int16))
+            new = torch.maximum(old, need)
+            grown = ((new > old) & (old > 0)).flatten(1).any(1)
+            if bool(grown.any()):  # requantize the earlier tokens of those pages to the larger scales
+                rows = touched[grown]
+                shift = torch.pow(2.0, (old[grown] - new[grown]).float()).unsqueeze(1)  # [R, 1, H, D]
+                requantized = torch.round(self.data[rows].float() * shift).clamp_(-INT8_MAX, INT8_MAX)
+                self.data[rows] = requantized.to(torch.int8)
+            self.exp[touched] = new.to(torch.uint8)
+            scale = torch.pow(2.0, new[inv].float() - 127)
+            self.data[pages, offsets] = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         if self.exact_tail is not None:
             self.exact_tail.write(x)
 

@@ -31,8 +31,8 @@ log = structlog.get_logger("executor_svc.attention")
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 # The other ops of the same library (torch.ops.pagedkv_cpu): the fused decoder-layer ops of float32 models.
 # And the float32 linears (cpu_gemm.cpp), and a decode step's layers in one call (cpu_decode.cpp).
-# And decodes read from 8-bit pages (paged_attention_q8_cpu.cpp).
-SOURCES = (SOURCE, Path(__file__).with_name("paged_attention_q8_cpu.cpp"),
+# And decodes read from 8-bit pages (paged_attention_q8_cpu.cpp), and the writes of 8-bit pages (kv_write_cpu.cpp).
+SOURCES = (SOURCE, Path(__file__).with_name("paged_attention_q8_cpu.cpp"), Path(__file__).with_name("kv_write_cpu.cpp"),
            *(Path(__file__).parent.parent / "model" / name
              for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_decode.cpp")))
 # included by the sources (found through the include path): shared math, and the ops as C++ functions
