@@ -11,7 +11,9 @@ of one page for every layer, ``slab[slots, layers, 2, block, kv_heads, head_dim]
 too. Attention reads a page that has a slot from the slab instead of its bytes (the CPU kernels' ``exact_slots``
 arguments, executor_svc/attention/paged_attention_q8_cpu.cpp; the gather path's dequantizers). A page keeps its
 slot while it is among the last ``pages`` pages of a request the executor holds, or is read by a prefill chunk of
-the step (its own pages, and the ``pages - 1`` before its first), and gives it back at the next step otherwise. So
+the step (its own pages, and the ``pages - 1`` before its first where they were its request's tail: not a page it
+found in the prefix cache, whose slot is left from a request that ended), and gives it back at the next step
+otherwise. So
 a decode reads its request's last ``pages`` pages exactly and the rest in 8 bits, and every token of a prefill
 chunk reads at least its own page and the ``pages - 1`` before it exactly, as a decode at its position would:
 the prompt's K/V are computed at the same precision as the outputs' (SmolLM2, 128-token chunks: top-1 96.6% if
@@ -102,6 +104,7 @@ class ExactTail:
         self._free = list(range(slots - 1, -1, -1))
         self._changed: dict[int, int] = {}  # device page -> its new slot (-1: none), not yet in slot_of_page
         self._short = 0  # tail pages that found no free slot, since take_short()
+        self._kept: set[int] = set()  # the last step's tails
 
     @property
     def slab_bytes(self) -> int:
@@ -183,6 +186,7 @@ class ExactTail:
         self._device.clear()
         self._host.clear()
         self._changed.clear()
+        self._kept = set()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.slot_of_page.fill_(-1)
         self.write_index = None
@@ -198,10 +202,12 @@ class ExactTail:
             last = min((ctx - 1) // bs, len(table) - 1)
             keep.update(p for p in table[max(0, last - self.pages + 1):last + 1] if p >= 0)
         hold, fresh = set(keep), []
-        for table, start, count in written:  # a chunk's pages, and the tail's before its first
-            last = (start + count - 1) // bs
-            hold.update(p for p in table[max(0, start // bs - self.pages + 1):last + 1] if p >= 0)
+        for table, start, count in written:  # a chunk's pages, and the request's tail before its first
+            first, last = start // bs, (start + count - 1) // bs
+            hold.update(table[first:last + 1])
+            hold.update(p for p in table[max(0, first - self.pages + 1):first] if p in self._kept)
             fresh.extend(table[i] for i in range(-(-start // bs), last + 1))  # (written from their first slot)
+        self._kept = keep  # (a page cached by a request that ended is not its reader's tail: never kept for it)
         for page in [p for p in self._device if p not in hold]:
             self._release(page)
         fresh.sort(key=lambda p: p not in keep)  # the tails' pages first, then the chunks' others

@@ -64,6 +64,21 @@ def test_a_prefill_chunk_reads_its_own_pages_exactly_and_keeps_the_last_two():
     assert slotted(tail) == {12, 13}
 
 
+def test_a_page_found_in_the_prefix_cache_is_read_in_8_bits():
+    """A page another request wrote (and left with a slot, as a prefill chunk's page) is not its reader's tail: the
+    reader sees it as it would after any other request, in 8 bits."""
+    tail = make()
+    step(tail, [([1, 2, 3], 0, 10)])  # a request that ends after its prefill: page 1 had a slot for the step
+    step(tail, [([1, 7, 8], 4, 6)])  # another prompt with the same first page, from the cache
+    assert slotted(tail) == {7, 8}
+    chunked = [4, 5, 6, 9, 10, 11]
+    step(tail, [(chunked, 0, 8)])  # a prompt in two chunks: the second reads the first's tail exactly
+    step(tail, [(chunked, 8, 12)])
+    assert slotted(tail) == {5, 6, 9, 10}
+    step(tail, [(chunked, 20, 1)])
+    assert slotted(tail) == {10, 11}
+
+
 def test_pages_written_mid_page_without_a_slot_stay_8_bit():
     tail = make(pages=1)
     table = [3, 4]
