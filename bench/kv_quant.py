@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ctx", type=int, default=512, help="4.'s context length (#50's target: 2048)")
     ap.add_argument("--decode-only", action="store_true", help="1. and 4. only (no quality run)")
     ap.add_argument("--decode-kv", default=",".join(KV_DTYPES), help="4.'s KV dtypes, float32 first (default: all)")
+    ap.add_argument("--quality-kv", default=",".join(KV_DTYPES), help="3.'s KV dtypes, float32 first (default: all; "
+                    "NAME+tailN: with an exact tail of N pages, executor_svc/kv_tail.py)")
+    ap.add_argument("--chunk", type=int, default=128, help="3.'s prefill chunk in tokens (16, page-aligned: each "
+                    "position reads what a decode there reads, the exact tail included)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -113,20 +117,21 @@ def main(argv: list[str] | None = None) -> int:
                    f"{r['attn_rel_err']:.4f}", f"{r['scale_overhead_d128']:.4f}", f"{r['scale_overhead_d64']:.4f}")
                   for r in report["granularity"]]))
 
-    q = (dict(num_seqs=2, seq_len=512, chunk=128, num_greedy=2, prompt_len=128, gen_len=32) if args.quick else
-         dict(num_seqs=16, seq_len=1024, chunk=128, num_greedy=16, prompt_len=256, gen_len=256))
+    q = (dict(num_seqs=2, seq_len=512, chunk=args.chunk, num_greedy=2, prompt_len=128, gen_len=32) if args.quick else
+         dict(num_seqs=16, seq_len=1024, chunk=args.chunk, num_greedy=16, prompt_len=256, gen_len=256))
     report["quality_setup"] = q
+    kv_names = tuple(args.quality_kv.split(","))
     if args.decode_only:
         model_dir = resolve_model(args.model) if args.model else trained_tiny_llama()
     elif args.model:
         model_dir = resolve_model(args.model)
         report["model"] = {"name": args.model, "text": "CPython's pydoc_data topics"}
-        report["quality"] = quality(model_dir, **q, data=fixed_text_tokens(model_dir))
+        report["quality"] = quality(model_dir, **q, data=fixed_text_tokens(model_dir), kv_dtypes=kv_names)
         what = f"{args.model}, on CPython's pydoc_data documentation text,"
     else:
         model_dir = trained_tiny_llama()
         report["model"] = json.loads((model_dir / "training.json").read_text())
-        report["quality"] = quality(model_dir, **q)
+        report["quality"] = quality(model_dir, **q, kv_dtypes=kv_names)
         what = (f"the trained tiny Llama ({report['model']['steps']} steps on Python's stdlib, final train loss "
                 f"{report['model']['final_loss']}),")
     if not args.decode_only:

@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from executor_svc.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSegment
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.kv_quant import parse_kv_dtype
+from executor_svc.kv_tail import ExactTail, tail_pages
 from executor_svc.model import load_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.pages import DevicePagePool
 from pagedkv.tools.trained_tiny import held_out_tokens
 
-KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "int8")
+# "+tailN": the exact tail's length in pages (executor_svc/kv_tail.py); without it, the executor's default for the
+# format (FP8: 2 pages on the torch backend). "fp8_e4m3+tail0" is FP8 without it.
+KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e4m3+tail0", "int8")
 
 
 # ---- 3. quality on the trained model --------------------------------------------------------------------
@@ -27,9 +30,15 @@ class Harness:
 
     def __init__(self, model, cfg: ModelConfig, kv_dtype: str, num_pages: int, block: int = 16) -> None:
         self.model, self.block = model, block
-        self.pool = DevicePagePool(cfg, num_pages, block, torch.float32, torch.device("cpu"),
-                                   parse_kv_dtype(kv_dtype, torch.float32))
+        name, _, tail = kv_dtype.partition("+tail")
+        fmt = parse_kv_dtype(name, torch.float32)
+        self.pool = DevicePagePool(cfg, num_pages, block, torch.float32, torch.device("cpu"), fmt)
+        pages = tail_pages(int(tail) if tail else None, fmt.name, "torch")
+        if pages:  # (a slot for every page: the slab is never short here)
+            self.pool.attach_tail(ExactTail(num_pages, cfg.num_layers, block, cfg.num_kv_heads, cfg.head_dim, pages,
+                                            num_pages, torch.device("cpu")))
         self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.scale)
+        self.held: dict[int, tuple[list[int], int]] = {}  # sequences by first page: (table, length), as the executor
 
     def _slots(self, pages: list[int], positions: range):
         pos = torch.tensor(list(positions))
@@ -42,6 +51,9 @@ class Harness:
         ctx = start + n
         seg = PrefillSegment(0, n, ctx, torch.tensor(pages[: -(-ctx // self.block)]))
         meta = AttentionMetadata(sp, so, [], [seg])
+        self.held[pages[0]] = (pages, ctx)
+        if self.pool.tail is not None:  # (as the runner: every sequence held, and the step's rows)
+            self.pool.tail.prepare(list(self.held.values()), [(pages, start, n)], sp, so)
         return self.model.forward(torch.tensor(tokens), torch.arange(start, ctx), meta, self.pool, self.attn,
                                   torch.arange(n))
 
@@ -52,6 +64,9 @@ class Harness:
         so = torch.tensor([(c - 1) % self.block for c in ctx_lens])
         group = DecodeGroup(torch.arange(b), torch.tensor(tables), torch.tensor(ctx_lens))
         meta = AttentionMetadata(sp, so, [group], [])
+        self.held.update((t[0], (t, c)) for t, c in zip(tables, ctx_lens))
+        if self.pool.tail is not None:
+            self.pool.tail.prepare(list(self.held.values()), [(t, c - 1, 1) for t, c in zip(tables, ctx_lens)], sp, so)
         return self.model.forward(torch.tensor(tokens), torch.tensor(ctx_lens) - 1, meta, self.pool, self.attn,
                                   torch.arange(b))
 
@@ -68,14 +83,17 @@ def fixed_text_tokens(model_dir: Path) -> list[int]:
 
 
 def quality(model_dir: Path, num_seqs: int, seq_len: int, chunk: int, num_greedy: int, prompt_len: int,
-            gen_len: int, data: list[int] | None = None) -> dict:
+            gen_len: int, data: list[int] | None = None, kv_dtypes: tuple[str, ...] = KV_DTYPES) -> dict:
+    """``kv_dtypes``: float32 first (the reference)."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(cfg, torch.device("cpu"), torch.float32)
     data = held_out_tokens() if data is None else data
     seqs = [data[i * seq_len:(i + 1) * seq_len] for i in range(num_seqs)]
     pages = list(range(seq_len // 16))
-    harness = {name: Harness(model, cfg, name, len(pages)) for name in KV_DTYPES}  # (float32 first: the reference)
-    sums = {name: dict(nll=0.0, agree=0, kl=0.0, max_kl=0.0) for name in KV_DTYPES}
+    if kv_dtypes[0] != "float32":
+        raise ValueError(f"the KV dtypes must start with float32 (the reference), got {kv_dtypes}")
+    harness = {name: Harness(model, cfg, name, len(pages)) for name in kv_dtypes}
+    sums = {name: dict(nll=0.0, agree=0, kl=0.0, max_kl=0.0) for name in kv_dtypes}
     tokens = 0
     for s in seqs:  # one sequence's logits at a time (a 49k vocabulary x 1,024 positions is 200 MB a dtype)
         target = torch.tensor(s)[1:]
@@ -99,7 +117,7 @@ def quality(model_dir: Path, num_seqs: int, seq_len: int, chunk: int, num_greedy
     per_seq_pages = -(-(prompt_len + gen_len) // 16)
     tables = [list(range(i * per_seq_pages, (i + 1) * per_seq_pages)) for i in range(num_greedy)]
     gens = {}
-    for name in KV_DTYPES:
+    for name in kv_dtypes:
         h = Harness(model, cfg, name, num_greedy * per_seq_pages)
         nxt = [int(h.prefill(p, 0, t)[-1].argmax()) for p, t in zip(prompts, tables)]
         outs = [[x] for x in nxt]
@@ -111,7 +129,7 @@ def quality(model_dir: Path, num_seqs: int, seq_len: int, chunk: int, num_greedy
                 o.append(x)
             ctx = [c + 1 for c in ctx]
         gens[name] = outs
-    for name in KV_DTYPES:
+    for name in kv_dtypes:
         firsts = []
         for a, b in zip(gens[name], gens["float32"]):
             firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), gen_len))
