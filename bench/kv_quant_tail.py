@@ -65,7 +65,7 @@ class TailExactCache(QuantizedCache):
 
 
 def harness(model, cfg: ModelConfig, kv: str, pages: int, tail: int, values: bool, first: bool) -> Harness:
-    h = Harness(model, cfg, kv, pages)
+    h = Harness(model, cfg, kv + "+tail0" if kv == "fp8_e4m3" else kv, pages)  # (the simulation, not the pool's tail)
     if tail or first:
         h.pool.k_views = [TailExactCache(c, tail, first) for c in h.pool.k_views]
         if values:
