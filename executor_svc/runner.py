@@ -72,6 +72,11 @@ class ModelRunner:
         """The requests this executor holds, by request id (the mirror's)."""
         return self.mirror.requests
 
+    @property
+    def exact_tail(self):
+        """The pool's exact tail (executor_svc/kv_tail.py), or None: its slots are exported as metrics."""
+        return self.pool.tail
+
     def reset(self) -> None:
         self.mirror.reset()
 

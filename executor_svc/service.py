@@ -217,7 +217,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         except Exception:  # noqa: BLE001 - a bug or a device error: refuse the stream, stay up
             self.log.exception("step_failed", step_id=plan.step_id)
             return None
-        metrics.observe_step(plan, result, len(self.runner.requests), self.runner.pool.tail)
+        metrics.observe_step(plan, result, len(self.runner.requests), self.runner.exact_tail)
         if result.error:
             self.log.warning("plan_rejected", step_id=plan.step_id, error=result.error)
         if self.draining:

@@ -30,6 +30,7 @@ class SlowRunner:
 
     def __init__(self, arrived: threading.Event) -> None:
         self.requests = {"r": object()}  # (requests in progress: the idle gap is measured)
+        self.exact_tail = None  # (no 8-bit pool: no exact tail's slots to export)
         self.arrived = arrived
         self.released: bool | None = None
 

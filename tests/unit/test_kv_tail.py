@@ -249,3 +249,18 @@ def test_a_slotted_page_always_holds_the_last_values_written_to_it(plan, pages, 
         assert device + host + unused == slots  # (no slot lost, none held twice)
     tail.prepare([], [], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
     assert tail.used()[0] == 0 and slotted(tail) == set()  # nothing held: every device slot back
+
+
+def test_the_slabs_slots_are_exported_as_metrics():
+    from prometheus_client import REGISTRY
+
+    from executor_svc import metrics
+    from pagedkv.executor.v1 import executor_pb2 as pb
+
+    tail = make(slots=3)
+    step(tail, [([1, 2, 3, 4], 0, 14)])  # 4 pages written, 3 slots: one short
+    before = REGISTRY.get_sample_value("pagedkv_executor_kv_exact_tail_short_total") or 0.0
+    metrics.observe_step(pb.StepPlan(), pb.StepResult(), 1, tail)
+    assert REGISTRY.get_sample_value("pagedkv_executor_kv_exact_tail_slots", {"holder": "device"}) == 3
+    assert REGISTRY.get_sample_value("pagedkv_executor_kv_exact_tail_slots", {"holder": "free"}) == 0
+    assert REGISTRY.get_sample_value("pagedkv_executor_kv_exact_tail_short_total") == before + 1
