@@ -228,9 +228,18 @@ class ExactTail:
                             else None)
 
 
-def tail_pages(requested: int | None, kv_name: str, backend: str) -> int:
+def tail_pages(requested: int | None, kv_name: str, backend: str, slots: int | None = None) -> int:
     """``--kv-exact-tail-pages``: None takes the format's default where the backend reads a slab (torch), else 0;
-    a number is checked, and refused for a format or backend that has no exact tail."""
+    a number is checked, and refused for a format or backend that has no exact tail. ``slots``
+    (``--kv-exact-tail-slots``) given where there is no tail is refused too, not ignored."""
+    pages = _tail_pages(requested, kv_name, backend)
+    if not pages and slots is not None:
+        raise ValueError(f"--kv-exact-tail-slots {slots}: there is no exact tail here (--kv-exact-tail-pages 0: "
+                         f"KV dtype {kv_name}, {backend} attention backend); leave the flag out")
+    return pages
+
+
+def _tail_pages(requested: int | None, kv_name: str, backend: str) -> int:
     if requested is None:
         return DEFAULT_PAGES.get(kv_name, 0) if backend == "torch" else 0
     if not 0 <= requested <= MAX_PAGES:

@@ -90,7 +90,8 @@ def _tail_plan(args, cfg: ModelConfig, kv: KvFormat, backend: str, num_pages: in
                per_page: int) -> tuple[int, int, int]:
     """The exact tail (executor_svc/kv_tail.py): (its pages a request, the slab's slots, the pages the slab takes
     from a pool sized by a budget: none from --num-pages)."""
-    pages = tail_pages(getattr(args, "kv_exact_tail_pages", None), kv.name, backend)
+    pages = tail_pages(getattr(args, "kv_exact_tail_pages", None), kv.name, backend,
+                       getattr(args, "kv_exact_tail_slots", None))
     if not pages:
         return 0, 0, 0
     one = slot_bytes(cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim)

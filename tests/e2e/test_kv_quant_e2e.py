@@ -114,6 +114,7 @@ def test_executor_refuses_four_bit_kv_at_start_up():
     (("--kv-exact-tail-pages", "2"), "an exact tail is for 8-bit KV pages"),
     (("--kv-cache-dtype", "fp8_e4m3", "--kv-exact-tail-pages", "5"), "--kv-exact-tail-pages must be in [0, 4]"),
     (("--kv-cache-dtype", "fp8_e4m3", "--kv-exact-tail-slots", "0"), "--kv-exact-tail-slots must be >= 1"),
+    (("--kv-cache-dtype", "int8", "--kv-exact-tail-slots", "64"), "there is no exact tail here"),
 ])
 def test_executor_refuses_an_exact_tail_it_cannot_serve(args, message):
     env = {**os.environ, "PAGEDKV_EXECUTOR_SECRET": "kv-quant-test-secret"}

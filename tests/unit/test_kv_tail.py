@@ -150,6 +150,10 @@ def test_flags_are_checked():
         tail_pages(2, "float32", "torch")
     with pytest.raises(ValueError, match="cuda attention backend"):
         tail_pages(2, "fp8_e4m3", "cuda")
+    for kv, backend, pages in (("int8", "torch", None), ("fp8_e4m3", "cuda", None), ("fp8_e4m3", "torch", 0)):
+        with pytest.raises(ValueError, match="--kv-exact-tail-slots 64: there is no exact tail here"):
+            tail_pages(pages, kv, backend, slots=64)  # (a setting that would change nothing is refused)
+    assert tail_pages(None, "fp8_e4m3", "torch", slots=64) == 2
     with pytest.raises(ValueError, match="--kv-exact-tail-slots must be >= 1"):
         slab_slots(0, 2, 1 << 30, 1000)
     assert slab_slots(None, 2, 1 << 30, 1 << 20) == 128  # an eighth of 1 GiB in 1 MiB slots
